@@ -1,0 +1,3 @@
+from onnxopt.cli import main
+import sys
+sys.exit(main())

@@ -1,0 +1,41 @@
+"""The Python API: optimize a model with named passes and presets, as the CLI does."""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+from onnxopt import registry
+from onnxopt.loading import load_model
+from onnxopt.manager import PassManager
+from onnxopt.model import Model
+from onnxopt.pass_infra import Pass
+from onnxopt.report import OptimizationReport
+from onnxopt.verify import InputSpec, Tolerance, Verifier
+
+
+def optimize(
+    source,
+    passes: Iterable[str | Pass] = ("cleanup",),
+    *,
+    verify: bool = False,
+    tolerance: Tolerance | None = None,
+    inputs: InputSpec | None = None,
+    strict: bool = False,
+) -> tuple[Model, OptimizationReport]:
+    """Load ``source`` (path, ModelProto, graph or Model), run ``passes`` and return the result.
+
+    Names may be passes or presets (``cleanup``). The source is never modified: a Model or graph
+    given in memory is copied first. With ``verify``, the result of every pass is compared with the
+    source on random inputs and the report names the first pass that broke ``tolerance``.
+    """
+    model = load_model(source)
+    steps: list[str | Pass] = []
+    for p in passes:
+        steps.extend(registry.expand([p]) if isinstance(p, str) else [p])
+    verifier = Verifier(model, tolerance=tolerance, inputs=inputs) if verify else None
+    try:
+        report = PassManager(steps, verifier=verifier, strict=strict).run(model)
+    finally:
+        if verifier is not None:
+            verifier.close()
+    return model, report

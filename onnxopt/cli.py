@@ -1,0 +1,145 @@
+"""The ``onnxopt`` command.
+
+Exit codes: 0 success; 1 verification failed (nothing written); 2 bad input or usage;
+3 internal error (a bug: rerun with --debug for the traceback); 4 a requested fusion found
+nothing to fuse under --strict.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from onnxopt import registry
+from onnxopt.errors import OnnxoptError
+
+EXIT_OK, EXIT_VERIFY_FAILED, EXIT_BAD_INPUT, EXIT_INTERNAL = 0, 1, 2, 3
+
+
+def _shape_arg(text: str) -> tuple[str, tuple[int, ...]]:
+    name, _, dims = text.rpartition("=")
+    try:
+        return name, tuple(int(d) for d in dims.replace("x", ",").split(",") if d)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected NAME=D1,D2,..., got '{text}'")
+
+
+def _dim_arg(text: str) -> tuple[str, int]:
+    name, _, value = text.rpartition("=")
+    if not name or not value.isdigit():
+        raise argparse.ArgumentTypeError(f"expected DIM=VALUE, got '{text}'")
+    return name, int(value)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="onnxopt", description="Optimize diffusion-model ONNX graphs for ORT CUDA and TensorRT.")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    opt = sub.add_parser("optimize", help="run passes over a model")
+    opt.add_argument("-i", "--input", required=True, help="source .onnx (never modified)")
+    opt.add_argument("-o", "--output", required=True, help="where to write the result (atomically)")
+    opt.add_argument("--passes", default="cleanup", help="comma-separated passes and presets (default: cleanup)")
+    opt.add_argument("--verify", action="store_true", help="compare with the source after every pass; name the first that breaks the tolerance")
+    opt.add_argument("--atol", type=float, default=1e-4)
+    opt.add_argument("--rtol", type=float, default=1e-3)
+    opt.add_argument("--shape", type=_shape_arg, action="append", default=[], metavar="INPUT=D1,D2,..", help="input shape for --verify")
+    opt.add_argument("--dim", type=_dim_arg, action="append", default=[], metavar="DIM=N", help="value of a symbolic dim for --verify")
+    ext = opt.add_mutually_exclusive_group()
+    ext.add_argument("--external-data", dest="external_data", action="store_true", default=None, help="always write weights to <output>.data")
+    ext.add_argument("--no-external-data", dest="external_data", action="store_false", help="keep weights inline (fails over 2 GB)")
+    opt.add_argument("--report-json", type=Path, help="also write the report as JSON")
+    opt.add_argument("--strict", action="store_true", help="fail (exit 4) when a requested fusion finds nothing to fuse")
+    opt.add_argument("-q", "--quiet", action="store_true", help="do not print the report table")
+
+    sub.add_parser("passes", help="list passes and presets")
+
+    info = sub.add_parser("info", help="summarise a model: inputs, outputs, ops, weights")
+    info.add_argument("model")
+    return parser
+
+
+def cmd_optimize(args) -> int:
+    from onnxopt.api import optimize
+    from onnxopt.saving import save_model
+    from onnxopt.verify import InputSpec, Tolerance
+
+    passes = [p for p in args.passes.split(",") if p.strip()]
+    registry.expand(passes)  # unknown names fail before any loading
+    inputs = InputSpec(shapes=dict(args.shape), dims=dict(args.dim))
+    start = time.perf_counter()
+    model, report = optimize(
+        args.input, passes, verify=args.verify, tolerance=Tolerance(args.atol, args.rtol), inputs=inputs, strict=args.strict
+    )
+    if args.report_json:
+        try:
+            args.report_json.write_text(report.to_json())
+        except OSError as exc:
+            raise OnnxoptError(f"{args.report_json}: cannot write report: {exc.strerror or exc}")
+    if not args.quiet:
+        print(report.table())
+    if report.first_broken_pass:
+        print(f"onnxopt: verification failed at pass '{report.first_broken_pass}'; {args.output} not written", file=sys.stderr)
+        return EXIT_VERIFY_FAILED
+    info = save_model(model, args.output, external_data=args.external_data)
+    where = f"{info.path}" + (f" (+ {info.data_path.name})" if info.data_path else "")
+    if not args.quiet:
+        print(f"wrote {where}: {info.weights_nbytes / 1e6:.1f} MB of weights, {time.perf_counter() - start:.1f} s in all")
+    return EXIT_OK
+
+
+def cmd_passes(args) -> int:
+    passes = registry.available_passes()
+    width = max(len(n) for n in list(passes) + list(registry.PRESETS))
+    print("passes:")
+    for name, cls in passes.items():
+        targets = "" if cls.targets == frozenset({"ort-cuda", "tensorrt"}) else f" [{', '.join(sorted(cls.targets))}]"
+        print(f"  {name.ljust(width)}  {cls.description}{targets}")
+    print("presets:")
+    for preset in registry.PRESETS.values():
+        print(f"  {preset.name.ljust(width)}  {preset.description}: {', '.join(preset.passes)}")
+    return EXIT_OK
+
+
+def cmd_info(args) -> int:
+    from collections import Counter
+
+    from onnxopt.loading import load_model
+
+    model = load_model(args.model)
+    g = model.graph
+    print(f"{args.model}: opset {model.opset}, {len(g.nodes)} nodes, {model.weights_nbytes() / 1e6:.1f} MB of weights")
+    for label, tensors in (("input", g.inputs), ("output", g.outputs)):
+        for t in tensors:
+            print(f"  {label} {t.name}: {t.dtype} {t.shape}")
+    ops = Counter(n.op if n.domain in ("", None, "ai.onnx") else f"{n.domain}.{n.op}" for n in g.nodes)
+    print("  ops: " + ", ".join(f"{op} {count}" for op, count in ops.most_common()))
+    return EXIT_OK
+
+
+COMMANDS = {"optimize": cmd_optimize, "passes": cmd_passes, "info": cmd_info}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return COMMANDS[args.command](args)
+    except OnnxoptError as exc:
+        if args.debug:
+            raise
+        print(f"onnxopt: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print("onnxopt: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:  # a bug in onnxopt: still one line, the traceback on request
+        if args.debug:
+            raise
+        print(f"onnxopt: internal error: {type(exc).__name__}: {exc} (rerun with --debug for the traceback)", file=sys.stderr)
+        return EXIT_INTERNAL
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,121 @@
+"""Load a model from a path, a ModelProto or a graph, with one-line errors for bad input.
+
+External data is resolved but not read (see :mod:`onnxopt.weights`); both layouts work: the
+dynamo exporter's single ``model.onnx.data`` and the TorchScript exporter's file per tensor.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import onnx
+import onnx_graphsurgeon as gs
+from google.protobuf.message import DecodeError
+from onnx import external_data_helper
+
+from onnxopt.errors import ModelLoadError, UnsupportedModelError
+from onnxopt.model import Model
+from onnxopt.weights import attach_external_values, external_location, file_size
+
+MIN_OPSET = 13  # LayerNormalization-era exports; older graphs should be re-exported or converted
+MAX_OPSET = onnx.defs.onnx_opset_version()
+
+ModelSource = "str | os.PathLike | onnx.ModelProto | gs.Graph | Model"
+
+
+def load_model(source, *, base_dir: str | os.PathLike | None = None) -> Model:
+    """Load ``source`` into a :class:`Model` without touching the source.
+
+    ``base_dir`` resolves external data for an in-memory ModelProto (defaults to the file's
+    folder for a path, the current directory otherwise).
+    """
+    if isinstance(source, Model):
+        return source.copy()
+    if isinstance(source, gs.Graph):
+        return Model(graph=source.copy())
+    if isinstance(source, onnx.ModelProto):
+        return _from_proto(source, Path(base_dir) if base_dir else Path.cwd(), origin=None)
+    if isinstance(source, (str, os.PathLike)):
+        path = Path(source)
+        return _from_proto(_read_proto(path), Path(base_dir) if base_dir else path.parent, origin=path)
+    raise TypeError(f"cannot load a model from {type(source).__name__}")
+
+
+def _read_proto(path: Path) -> onnx.ModelProto:
+    if not path.exists():
+        raise ModelLoadError(f"{path}: no such file")
+    if path.is_dir():
+        raise ModelLoadError(f"{path}: is a folder, expected an .onnx file")
+    try:
+        proto = onnx.load(str(path), load_external_data=False)
+    except (DecodeError, RuntimeError, ValueError) as exc:
+        raise ModelLoadError(f"{path}: not an ONNX model, or the file is truncated ({_first_line(exc)})") from exc
+    except OSError as exc:
+        raise ModelLoadError(f"{path}: cannot read: {exc.strerror or exc}") from exc
+    # Arbitrary bytes sometimes parse as a protobuf with unknown fields: demand the parts a model has.
+    if not proto.HasField("graph") or not proto.opset_import or proto.ir_version <= 0:
+        raise ModelLoadError(f"{path}: not an ONNX model (no graph, opset or IR version)")
+    return proto
+
+
+def _from_proto(proto: onnx.ModelProto, base_dir: Path, origin: Path | None) -> Model:
+    where = str(origin) if origin else "model"
+    _check_opset(proto, where)
+    _check_external_data(proto, base_dir, where)
+    try:
+        graph = gs.import_onnx(proto)
+    except Exception as exc:  # graphsurgeon raises assorted errors on malformed graphs
+        raise ModelLoadError(f"{where}: malformed graph ({_first_line(exc)})") from exc
+    model = Model(
+        graph=graph,
+        source=origin,
+        metadata_props={p.key: p.value for p in proto.metadata_props},
+        model_version=proto.model_version,
+        doc_string=proto.doc_string,
+        domain=proto.domain,
+    )
+    attach_external_values(model.constants(), base_dir)
+    return model
+
+
+def _check_opset(proto: onnx.ModelProto, where: str) -> None:
+    versions = {o.domain or "ai.onnx": o.version for o in proto.opset_import}
+    opset = versions.get("ai.onnx")
+    if opset is None:
+        raise UnsupportedModelError(f"{where}: the model imports no ai.onnx opset")
+    if not MIN_OPSET <= opset <= MAX_OPSET:
+        raise UnsupportedModelError(
+            f"{where}: ai.onnx opset {opset} is not supported (onnxopt handles {MIN_OPSET} to {MAX_OPSET}); "
+            "re-export the model or convert it with onnx.version_converter"
+        )
+
+
+def _check_external_data(proto: onnx.ModelProto, base_dir: Path, where: str) -> None:
+    missing: dict[Path, str] = {}
+    for tensor in external_data_helper._get_all_tensors(proto):
+        if not external_data_helper.uses_external_data(tensor):
+            continue
+        try:
+            loc = external_location(tensor, base_dir)
+        except ValueError as exc:
+            raise ModelLoadError(f"{where}: {exc}") from exc
+        size = file_size(loc.path)
+        if size < 0:
+            missing.setdefault(loc.path, tensor.name)
+        elif size < loc.offset + loc.length:
+            raise ModelLoadError(
+                f"{where}: external data file {loc.path.name} is truncated: tensor '{tensor.name}' needs bytes "
+                f"{loc.offset}..{loc.offset + loc.length}, the file has {size}"
+            )
+    if missing:
+        path, tensor = next(iter(missing.items()))
+        more = f" (and {len(missing) - 1} more files)" if len(missing) > 1 else ""
+        raise ModelLoadError(
+            f"{where}: missing external data: {path.name} (tensor '{tensor}') not found in {base_dir}{more}"
+        )
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__

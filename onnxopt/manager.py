@@ -1,0 +1,79 @@
+"""Run passes in order, establish their requirements, time and report them, and verify on request."""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, Iterable
+
+from onnxopt import registry
+from onnxopt.errors import PassNotApplicableError
+from onnxopt.model import Model
+from onnxopt.pass_infra import Pass
+from onnxopt.report import OptimizationReport, PassReport, Verification
+
+# A verifier compares the current model with the source and says how far apart they are.
+Verifier = Callable[[Model], Verification]
+
+
+class PassManager:
+    """Runs a list of passes over a model.
+
+    * Requirements: before a pass, every property it ``requires`` that is not currently true is
+      established by running the registered pass that ``provides`` it (shown in the report as
+      "auto-inserted").
+    * Invalidation: a pass that modified the graph keeps only the properties it ``provides`` or
+      ``preserves``.
+    * Verification: with a verifier, the model is compared with the source after every pass that
+      modified it; the first pass that breaks the tolerance is named and the run stops there.
+    * ``strict``: a fusion pass that matched nothing raises :class:`PassNotApplicableError`.
+    """
+
+    def __init__(self, passes: Iterable[Pass | str], *, verifier: Verifier | None = None, strict: bool = False):
+        self.passes = [registry.get_pass(p)() if isinstance(p, str) else p for p in passes]
+        self.verifier = verifier
+        self.strict = strict
+
+    def run(self, model: Model) -> OptimizationReport:
+        report = OptimizationReport(model=str(model.source or model.graph.name or "model"))
+        report.nodes_before = len(model.graph.nodes)
+        properties: set[str] = set()
+        start = time.perf_counter()
+        for p in self.passes:
+            for prop in sorted(p.requires - properties):
+                provider = registry.provider_of(prop)
+                if provider is None:
+                    raise RuntimeError(f"pass {p.name} requires '{prop}' but no pass provides it")
+                if not self._step(provider(), model, report, properties, auto=p.name):
+                    break
+            if report.first_broken_pass or not self._step(p, model, report, properties):
+                break
+        report.nodes_after = len(model.graph.nodes)
+        report.seconds = time.perf_counter() - start
+        if self.verifier is not None and not report.first_broken_pass:
+            # The final model is always proven, also when no single pass changed it.
+            report.final_verification = self.verifier(model)
+            if not report.final_verification.ok:
+                report.first_broken_pass = "(final model)"
+        return report
+
+    def _step(self, p: Pass, model: Model, report: OptimizationReport, properties: set[str], auto: str | None = None) -> bool:
+        nodes_before = len(model.graph.nodes)
+        t0 = time.perf_counter()
+        result = p(model)
+        seconds = time.perf_counter() - t0
+        step = PassReport(p.name, result, nodes_before, len(model.graph.nodes), seconds, auto=auto)
+        report.passes.append(step)
+        if result.modified:
+            properties.intersection_update(p.provides | p.preserves)
+        properties.update(p.provides)
+        if p.is_fusion and result.sites_matched == 0:
+            message = f"{p.name}: nothing to fuse (no site matches its pattern)"
+            if self.strict:
+                raise PassNotApplicableError(message)
+            report.notes.append(message)
+        if self.verifier is not None and result.modified:
+            step.verification = self.verifier(model)
+            if not step.verification.ok:
+                report.first_broken_pass = p.name
+                return False
+        return True

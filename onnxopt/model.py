@@ -1,0 +1,117 @@
+"""The in-memory model: a graphsurgeon graph plus what ONNX keeps outside the graph.
+
+Passes edit ``model.graph`` (an ``onnx_graphsurgeon.Graph``) in place. Weights are not loaded:
+see :mod:`onnxopt.weights`. :func:`Model.skeleton` exports a ``ModelProto`` whose large
+initializers carry only name, type and shape, which is what shape inference, checkers and
+serialisation of the graph structure need, at a size far below the protobuf 2 GB limit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+import onnx
+import onnx_graphsurgeon as gs
+from onnx_graphsurgeon.ir.tensor import Constant, LazyValues, SparseValues
+
+from onnxopt.weights import constant_data_type, constant_dims, constant_nbytes
+
+# Initializers at least this large are left out of skeletons (and go to external data on save).
+SKELETON_THRESHOLD_BYTES = 1024
+STUB_LOCATION = "__onnxopt_stub__"
+
+
+@dataclass
+class Model:
+    graph: gs.Graph
+    source: Path | None = None  # file it was loaded from, if any
+    metadata_props: dict[str, str] = field(default_factory=dict)
+    model_version: int = 0
+    doc_string: str = ""
+    domain: str = ""
+
+    @property
+    def opset(self) -> int:
+        return int(self.graph.opset)
+
+    def constants(self) -> list[Constant]:
+        """Constants used by the top-level graph (the ones exported as initializers)."""
+        return [
+            t
+            for t in self.graph.tensors().values()
+            if isinstance(t, Constant) and not isinstance(t._values, SparseValues)
+        ]
+
+    def weights_nbytes(self) -> int:
+        return sum(constant_nbytes(c) for c in self.constants())
+
+    def copy(self) -> "Model":
+        """A structural copy: new nodes and tensors, constant values shared (never mutated in place)."""
+        return Model(
+            graph=self.graph.copy(),
+            source=self.source,
+            metadata_props=dict(self.metadata_props),
+            model_version=self.model_version,
+            doc_string=self.doc_string,
+            domain=self.domain,
+        )
+
+    def skeleton(self, threshold: int = SKELETON_THRESHOLD_BYTES) -> onnx.ModelProto:
+        """Export the graph with every initializer of ``threshold`` bytes or more reduced to a stub.
+
+        A stub is a TensorProto with name, dims and type and an external-data entry pointing
+        nowhere; shape inference reads dims only, so the skeleton is enough for it.
+        """
+        with stubbed_constants(self.constants(), threshold):
+            proto = gs.export_onnx(self.graph, do_type_check=False)
+        self._apply_metadata(proto)
+        return proto
+
+    def to_onnx(self) -> onnx.ModelProto:
+        """A full in-memory ModelProto (weights loaded). For small models and tests only."""
+        proto = gs.export_onnx(self.graph, do_type_check=False)
+        for tensor in proto.graph.initializer:
+            if onnx.external_data_helper.uses_external_data(tensor):
+                _inline_external(tensor, self)
+        self._apply_metadata(proto)
+        return proto
+
+    def _apply_metadata(self, proto: onnx.ModelProto) -> None:
+        proto.model_version = self.model_version
+        proto.doc_string = self.doc_string
+        proto.domain = self.domain
+        del proto.metadata_props[:]
+        for key, value in self.metadata_props.items():
+            proto.metadata_props.add(key=key, value=value)
+
+
+def _inline_external(tensor: onnx.TensorProto, model: Model) -> None:
+    constant = model.graph.tensors()[tensor.name]
+    array = constant.values
+    tensor.CopyFrom(onnx.numpy_helper.from_array(array, tensor.name))
+
+
+def stub_tensor(constant: Constant) -> onnx.TensorProto:
+    stub = onnx.TensorProto(name=constant.name, data_type=constant_data_type(constant))
+    stub.dims.extend(constant_dims(constant))
+    stub.data_location = onnx.TensorProto.EXTERNAL
+    stub.external_data.add(key="location", value=STUB_LOCATION)
+    return stub
+
+
+@contextlib.contextmanager
+def stubbed_constants(constants: list[Constant], threshold: int) -> Iterator[list[Constant]]:
+    """Temporarily replace the values of large constants with stubs, then put them back."""
+    swapped: list[tuple[Constant, object]] = []
+    try:
+        for constant in constants:
+            if constant_nbytes(constant) >= threshold:
+                swapped.append((constant, constant._values))
+                constant._values = LazyValues(stub_tensor(constant))
+        yield [c for c, _ in swapped]
+    finally:
+        for constant, values in swapped:
+            constant._values = values

@@ -1,0 +1,64 @@
+"""What a pass is: a named, self-describing rewrite of a :class:`~onnxopt.model.Model`.
+
+A pass declares
+* ``name`` and a one-line ``description`` (shown by ``onnxopt passes``),
+* ``targets`` it applies to (``ort-cuda``, ``tensorrt``; default: all),
+* graph properties it ``requires`` before it runs and ``provides`` after it ran. The pass manager
+  establishes a missing requirement by running the registered pass that provides it, and drops
+  every property a modifying pass does not list in ``provides`` or ``preserves``.
+
+``run`` edits ``model.graph`` in place and returns a :class:`PassResult` saying what it did: how
+many sites fit its pattern, how many it rewrote, and why it refused the others.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from onnxopt.model import Model
+
+TARGETS = frozenset({"ort-cuda", "tensorrt"})
+
+# Graph properties passes can require and provide.
+SHAPES_INFERRED = "shapes-inferred"  # every tensor the ONNX shape inference can type has dtype/shape
+CONSTANTS_FOLDED = "constants-folded"
+NO_DEAD_NODES = "no-dead-nodes"
+
+
+@dataclass
+class PassResult:
+    modified: bool
+    sites_matched: int = 0  # sites that fit the pass's pattern
+    sites_rewritten: int = 0  # of those, how many it rewrote
+    refused: list[tuple[str, str]] = field(default_factory=list)  # (site, reason) for matched-but-refused
+    details: dict[str, Any] = field(default_factory=dict)  # pass-specific facts for the report
+
+    def refuse(self, site: str, reason: str) -> None:
+        self.refused.append((site, reason))
+
+    def refusal_counts(self) -> Counter:
+        return Counter(reason for _, reason in self.refused)
+
+
+class Pass(abc.ABC):
+    name: ClassVar[str]
+    description: ClassVar[str]
+    targets: ClassVar[frozenset[str]] = TARGETS
+    requires: ClassVar[frozenset[str]] = frozenset()
+    provides: ClassVar[frozenset[str]] = frozenset()
+    preserves: ClassVar[frozenset[str]] = frozenset()
+    # A fusion reports "nothing to fuse" when it matched no site; a cleanup pass does not.
+    is_fusion: ClassVar[bool] = False
+
+    def __call__(self, model: Model) -> PassResult:
+        return self.run(model)
+
+    @abc.abstractmethod
+    def run(self, model: Model) -> PassResult:
+        """Rewrite ``model.graph`` in place and say what was done."""
+
+    def __repr__(self) -> str:
+        return f"<pass {self.name}>"

@@ -1,0 +1,55 @@
+"""Declarative subgraph patterns for fusion passes.
+
+A pattern is a function that builds the subgraph it matches::
+
+    import math
+    import onnx_graphsurgeon as gs
+    from onnxopt.pattern import Pattern, op, OneOf, replace
+
+    def erf_gelu(x):
+        return 0.5 * (x * (op.Erf(x / math.sqrt(2)) + 1.0))
+
+    def gelu_op(x):
+        return op.Gelu(x, approximate="none")
+
+    GELU = Pattern(erf_gelu, gelu_op)             # both exporters' forms
+
+    matches = GELU.find(graph, trace=True)
+    for m in matches:
+        y = gs.Variable(m.output.name + "_fused")
+        replace(graph, m, [gs.Node("Gelu", inputs=[m["x"]], outputs=[y])])
+    graph.cleanup().toposort()
+    print(matches.trace.report())                # why the other candidates did not match
+
+Pieces: ``builder`` (op builder and pattern values), ``matcher`` (Pattern,
+Match, the search), ``tracer`` (failure records), ``rewrite`` (replace),
+``constants`` (reading constant tensors lazily).
+"""
+
+from .builder import COMMUTATIVE_OPS, Const, Literal, Maybe, OneOf, OpBuilder, PatternValue, Var, op
+from .constants import constant_shape, constant_value, is_constant
+from .matcher import Match, Matches, Pattern
+from .rewrite import replace
+from .tracer import CandidateTrace, Failure, Tracer
+
+__all__ = [
+    "COMMUTATIVE_OPS",
+    "CandidateTrace",
+    "Const",
+    "Failure",
+    "Literal",
+    "Match",
+    "Matches",
+    "Maybe",
+    "OneOf",
+    "OpBuilder",
+    "Pattern",
+    "PatternValue",
+    "Tracer",
+    "Var",
+    "constant_shape",
+    "constant_value",
+    "is_constant",
+    "op",
+    "replace",
+]

@@ -1,0 +1,741 @@
+"""Matching patterns against a gs graph.
+
+    GELU = Pattern(erf_gelu)                  # or Pattern(erf_gelu, gelu_op): alternatives
+    for match in GELU.find(graph):
+        match["x"], match.root, match.nodes, match.outputs, match.attrs
+
+How it works. Candidate roots are the graph nodes whose op type is the op of
+the pattern's (first) output. From a candidate the matcher walks backward
+through producers, pattern node by graph node. It is a backtracking search
+written with generators: each step yields every way it can extend the current
+bindings, so operand orders of commutative ops, ``OneOf`` alternatives and
+``Maybe`` ops are all explored, and a binding conflict found late (the same
+``x`` bound to two tensors) undoes an earlier choice instead of failing.
+
+A complete assignment is accepted only after the safety check (no value
+computed inside the match escapes it, unless its node says
+``_external_uses=True``) and the pattern's own ``check``. ``find`` skips
+candidates that would overlap an earlier match.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import itertools
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import numpy as np
+import onnx
+import onnx_graphsurgeon as gs
+
+from .builder import (
+    Absent,
+    AttrCapture,
+    AttrUnset,
+    Const,
+    Literal,
+    NodeOutput,
+    OneOf,
+    PatternNode,
+    PatternValue,
+    Var,
+    attr_values_equal,
+    format_number,
+    normalize_domain,
+)
+from .constants import constant_shape, constant_value, is_constant
+from .tracer import CandidateTrace, Failure, Tracer
+
+# A check returns None (or True) to accept a match, a reason string (or False) to refuse it.
+Check = Callable[["Match"], "str | bool | None"]
+
+
+class Pattern:
+    """A pattern built from one or more functions (alternatives), ready to be matched.
+
+        def erf_gelu(x):
+            return 0.5 * (x * (op.Erf(x / math.sqrt(2)) + 1.0))
+
+        def gelu_op(x):
+            return op.Gelu(x)
+
+        GELU = Pattern(erf_gelu, gelu_op)     # either form; parameters with one name share a Var
+        GELU = Pattern(erf_gelu, rtol=1e-2)   # looser literal tolerance
+        BIAS_GELU = Pattern(bias_gelu, check=lambda m: None if m.value("b").ndim == 1 else "bias not 1-D")
+
+    A function's parameters become ``Var``s named after them, unless a
+    parameter's default is a pattern value (``def f(x, w=Const())`` makes ``w``
+    a constant bound as ``"w"``). It returns the pattern's output, or a tuple of
+    outputs; all outputs after the first must be computed inside the first
+    one's subgraph.
+    """
+
+    def __init__(
+        self,
+        *functions: Callable[..., Any] | Sequence[Callable[..., Any]],
+        name: str | None = None,
+        rtol: float = 1e-3,
+        atol: float = 1e-6,
+        check: Check | None = None,
+    ):
+        functions = _flatten(functions)
+        if not functions:
+            raise ValueError("Pattern needs at least one function")
+        self.name = name or "|".join(getattr(f, "__name__", "pattern") for f in functions)
+        self.rtol = rtol
+        self.atol = atol
+        self.check = check
+        self.outputs: list[PatternValue] = _build_outputs(functions)
+        self.root_ops = _root_ops(self.outputs[0])
+        self.paths = _pattern_paths(self.outputs)
+        self._orders: dict[tuple[int, int], list[list[tuple[int, int]]]] = {}
+
+    def __str__(self) -> str:
+        return ", ".join(str(v) for v in self.outputs)
+
+    def __repr__(self) -> str:
+        return f"<Pattern {self.name}: {self}>"
+
+    def find(self, graph: gs.Graph, *, trace: bool | Tracer = False, overlap: bool = False) -> Matches:
+        """All matches in ``graph``, in graph order.
+
+        ``trace=True`` (or a ``Tracer``) records why each candidate failed in
+        ``matches.trace``. Matches do not share nodes unless ``overlap=True``:
+        a candidate that would reuse a node of an earlier match is skipped (it
+        may still match in another way that avoids those nodes).
+        """
+        tracer = Tracer() if trace is True else (trace or None)
+        if tracer is not None:
+            tracer.note_pattern(self.name, str(self), self._root_op_text())
+        search = _Search(self, graph, tracer)
+        claimed: set[int] | None = None if overlap else set()
+        matches = Matches(trace=tracer)
+        for node in graph.nodes:
+            if node.op not in self.root_ops:
+                continue
+            matches.candidates += 1
+            match = search.match_at(node, claimed)
+            if match is not None:
+                matches.append(match)
+                if claimed is not None:
+                    claimed.update(id(n) for n in match.nodes)
+        return matches
+
+    def match(self, node: gs.Node, graph: gs.Graph | None = None, *, trace: Tracer | None = None) -> Match | None:
+        """The match rooted at ``node``, or None. ``graph`` (for its outputs) defaults to ``node``'s."""
+        graph = graph if graph is not None else _owning_graph(node)
+        if trace is not None:
+            trace.note_pattern(self.name, str(self), self._root_op_text())
+        if node.op not in self.root_ops:
+            return None
+        return _Search(self, graph, trace).match_at(node, claimed=None)
+
+    def _root_op_text(self) -> str:
+        return "|".join(sorted(self.root_ops))
+
+    def operand_orders(self, pnode: PatternNode, n_graph_inputs: int) -> list[list[tuple[int, int]]]:
+        """(pattern operand, graph input) pairs for each operand order to try, cached per node."""
+        key = (id(pnode), n_graph_inputs)
+        orders = self._orders.get(key)
+        if orders is None:
+            orders = self._orders[key] = _operand_orders(pnode, n_graph_inputs)
+        return orders
+
+
+class Match:
+    """One occurrence of a pattern in a graph: what a rewrite needs.
+
+        match["x"]            # gs.Tensor bound to variable (or named Const / named output) x
+        match.value("w")      # numpy value of a bound constant (loads it)
+        match.attrs["eps"]    # attribute captured by Var("eps")
+        match.nodes           # matched gs.Nodes, topologically ordered (Constant nodes excluded)
+        match.root            # node producing the (first) output
+        match.outputs         # gs tensors produced by the pattern's outputs; match.output if one
+        match.node("gelu")    # graph node matched by the pattern node named with _name="gelu"
+    """
+
+    def __init__(self, pattern: Pattern, bindings: dict, attrs: dict, nodes: list, outputs: list, named_nodes: dict):
+        self.pattern = pattern
+        self.root: gs.Node = outputs[0].inputs[0]
+        self.bindings: dict[str, gs.Tensor | None] = bindings
+        self.attrs: dict[str, Any] = attrs
+        self.nodes: list[gs.Node] = nodes
+        self.outputs: list[gs.Tensor] = outputs
+        self._named_nodes = named_nodes
+
+    def __getitem__(self, name: str) -> gs.Tensor | None:
+        try:
+            return self.bindings[name]
+        except KeyError:
+            raise KeyError(f"{name!r} is not bound by pattern {self.pattern.name}; bound: {sorted(self.bindings)}") from None
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.bindings
+
+    def get(self, name: str, default=None):
+        return self.bindings.get(name, default)
+
+    def value(self, name: str) -> np.ndarray:
+        """The numpy value of the constant bound to ``name`` (raises if it is not a constant)."""
+        value = constant_value(self[name])
+        if value is None:
+            raise ValueError(f"{name!r} is bound to {self[name].name!r}, which is not a constant")
+        return value
+
+    def node(self, name: str) -> gs.Node:
+        """The graph node matched by the pattern node named ``name`` (``op.X(..., _name=name)``)."""
+        return self._named_nodes[name]
+
+    @property
+    def output(self) -> gs.Tensor:
+        if len(self.outputs) != 1:
+            raise ValueError(f"pattern {self.pattern.name} has {len(self.outputs)} outputs; use .outputs")
+        return self.outputs[0]
+
+    def __repr__(self) -> str:
+        names = ", ".join(f"{k}={v.name if v is not None else None}" for k, v in self.bindings.items())
+        return f"<Match {self.pattern.name} at {self.root.op} '{self.root.name}': {names}>"
+
+
+class Matches(list):
+    """The list ``Pattern.find`` returns; ``.trace`` is its Tracer (or None), ``.candidates`` a count."""
+
+    def __init__(self, trace: Tracer | None = None):
+        super().__init__()
+        self.trace = trace
+        self.candidates = 0
+
+
+# ---------------------------------------------------------------- building a pattern
+
+
+def _flatten(functions) -> list:
+    flat = []
+    for f in functions:
+        flat.extend(f if isinstance(f, (list, tuple)) else [f])
+    return flat
+
+
+def _build_outputs(functions) -> list[PatternValue]:
+    """Call each function with its Vars; alternatives become a OneOf per output."""
+    shared_vars: dict[str, PatternValue] = {}
+    results = []
+    for fn in functions:
+        out = fn(*_parameters(fn, shared_vars))
+        results.append(list(out) if isinstance(out, (tuple, list)) else [out])
+    arity = {len(r) for r in results}
+    if len(arity) != 1:
+        raise ValueError(f"alternative functions return different numbers of outputs: {sorted(arity)}")
+    if len(results) == 1:
+        return results[0]
+    return [OneOf(*alternatives) for alternatives in zip(*results)]
+
+
+def _parameters(fn, shared_vars: dict[str, PatternValue]) -> list[PatternValue]:
+    values = []
+    for param in inspect.signature(fn).parameters.values():
+        if isinstance(param.default, PatternValue):
+            values.append(_named_default(param.name, param.default))
+        else:
+            values.append(shared_vars.setdefault(param.name, Var(param.name)))
+    return values
+
+
+def _named_default(name: str, value: PatternValue) -> PatternValue:
+    if isinstance(value, Const) and value.name is None:
+        return Const(value.check, name=name)
+    return value
+
+
+def _root_ops(value: PatternValue) -> set[str]:
+    """Op types a candidate root may have; the output must be computed by an op."""
+    if isinstance(value, NodeOutput):
+        return {value.node.op_type}
+    if isinstance(value, OneOf):
+        return set().union(*(_root_ops(a) for a in value.alternatives))
+    raise ValueError(f"a pattern's output must be computed by an op, not {value}")
+
+
+def _pattern_paths(outputs: list[PatternValue]) -> dict[int, str]:
+    """For each pattern node (by id), its path from the output, e.g. ``Mul.in1 > Add``."""
+    paths: dict[int, str] = {}
+
+    def visit(value, prefix: str) -> None:
+        if isinstance(value, NodeOutput):
+            node = value.node
+            if id(node) in paths:
+                return
+            paths[id(node)] = path = prefix + node.qualified_op
+            for i, operand in enumerate(node.inputs):
+                visit(operand, f"{path}.in{i} > ")
+        elif isinstance(value, OneOf):
+            for k, alternative in enumerate(value.alternatives):
+                visit(alternative, f"{prefix}alt{k}: ")
+
+    for k, output in enumerate(outputs):
+        visit(output, "" if k == 0 else f"out{k}: ")
+    return paths
+
+
+def _owning_graph(node: gs.Node) -> gs.Graph | None:
+    for tensor in node.outputs:
+        for consumer in tensor.outputs:
+            graph = getattr(consumer, "graph", None)
+            if graph is not None:
+                return graph
+    return None
+
+
+# ---------------------------------------------------------------- the search
+
+
+class _State:
+    """Bindings made so far. Immutable: binding returns a new state, so backtracking is free."""
+
+    __slots__ = ("values", "attrs", "nodes")
+
+    def __init__(self, values=None, attrs=None, nodes=None):
+        self.values: dict[str, gs.Tensor | None] = values or {}
+        self.attrs: dict[str, Any] = attrs or {}
+        self.nodes: dict[int, tuple[PatternNode, gs.Node]] = nodes or {}
+
+    def bind_value(self, name: str, tensor) -> _State:
+        return _State({**self.values, name: tensor}, self.attrs, self.nodes)
+
+    def bind_attr(self, name: str, value) -> _State:
+        return _State(self.values, {**self.attrs, name: value}, self.nodes)
+
+    def bind_node(self, pnode: PatternNode, gnode: gs.Node) -> _State:
+        return _State(self.values, self.attrs, {**self.nodes, id(pnode): (pnode, gnode)})
+
+
+class _Operand:
+    """One pattern operand to match against one graph tensor, with where it sits (for tracing)."""
+
+    __slots__ = ("value", "tensor", "consumer", "index", "graph_node")
+
+    def __init__(self, value: PatternValue, tensor, consumer: PatternNode | None, index: int, graph_node: gs.Node | None):
+        self.value = value
+        self.tensor = tensor
+        self.consumer = consumer
+        self.index = index
+        self.graph_node = graph_node
+
+
+# Operands that lead to subgraphs are matched first: they fail on the op type
+# at once when the operand order is wrong, and when the order is right the
+# failure that follows (say, a constant 0.6 for 0.5) comes after the most
+# progress, which is the failure the tracer reports.
+_OPERAND_PRIORITY = {NodeOutput: 0, OneOf: 0, Var: 1, Const: 2, Literal: 2, Absent: 2}
+
+
+class _Search:
+    """Matching state for one ``find`` on one graph."""
+
+    def __init__(self, pattern: Pattern, graph: gs.Graph | None, tracer: Tracer | None):
+        self.pattern = pattern
+        self.tracer = tracer
+        self.graph_outputs = {id(t) for t in graph.outputs} if graph is not None else set()
+        self.claimed: set[int] | None = None
+        self.trace: CandidateTrace | None = None
+
+    # -- entry point
+
+    def match_at(self, root: gs.Node, claimed: set[int] | None) -> Match | None:
+        self.claimed = claimed
+        if self.tracer is not None:
+            self.trace = self.tracer.begin(
+                self.pattern.name, str(self.pattern), self.pattern._root_op_text(), root.name, root.op
+            )
+        match = next(self._solutions(root), None)
+        if self.trace is not None:
+            self.trace.matched = match is not None
+        return match
+
+    def _solutions(self, root: gs.Node) -> Iterator[Match]:
+        if claimed_by_earlier(root, self.claimed):
+            self._fail("output", root, "already belongs to an earlier match", 0)
+            return
+        for tensor in _distinct(root.outputs):
+            root_operand = _Operand(self.pattern.outputs[0], tensor, None, 0, None)
+            for state in self._value(root_operand, _State()):
+                match = self._accept(state)
+                if match is not None:
+                    yield match
+
+    # -- values
+
+    def _value(self, operand: _Operand, state: _State) -> Iterator[_State]:
+        value = operand.value
+        if isinstance(value, NodeOutput):
+            return self._node_output(operand, state)
+        if isinstance(value, Var):
+            return self._var(operand, state)
+        if isinstance(value, Literal):
+            return self._literal(operand, state)
+        if isinstance(value, Const):
+            return self._const(operand, state)
+        if isinstance(value, OneOf):
+            return self._one_of(operand, state)
+        if isinstance(value, Absent):
+            return self._absent(operand, state)
+        raise TypeError(f"unknown pattern value {value!r}")
+
+    def _var(self, operand: _Operand, state: _State) -> Iterator[_State]:
+        var, tensor = operand.value, operand.tensor
+        if _missing(tensor) and not var.optional:
+            return self._fail_operand(operand, state, f"input is missing; Var {var.name} needs a tensor")
+        tensor = None if _missing(tensor) else tensor
+        if var.name in state.values:
+            bound = state.values[var.name]
+            if bound is not tensor:
+                return self._fail_operand(
+                    operand, state, f"{var.name} bound to two different tensors: {_name(bound)} vs {_name(tensor)}"
+                )
+            return iter((state,))
+        if var.check is not None and tensor is not None and not var.check(tensor):
+            return self._fail_operand(operand, state, f"tensor {_name(tensor)} fails the check of Var {var.name}")
+        return iter((state.bind_value(var.name, tensor),))
+
+    def _const(self, operand: _Operand, state: _State) -> Iterator[_State]:
+        const, tensor = operand.value, operand.tensor
+        if not is_constant(tensor):
+            return self._fail_operand(operand, state, f"{_describe(tensor)} is not a constant; pattern wants {const}")
+        if const.name is not None and const.name in state.values and state.values[const.name] is not tensor:
+            return self._fail_operand(
+                operand, state, f"{const.name} bound to two different tensors: {_name(state.values[const.name])} vs {_name(tensor)}"
+            )
+        if const.check is not None and not const.check(constant_value(tensor)):
+            return self._fail_operand(operand, state, f"constant {_name(tensor)} fails the check of {const}")
+        return iter((state.bind_value(const.name, tensor) if const.name else state,))
+
+    def _literal(self, operand: _Operand, state: _State) -> Iterator[_State]:
+        reason = self._literal_refusal(operand.value, operand.tensor)
+        if reason is not None:
+            return self._fail_operand(operand, state, reason)
+        return iter((state,))
+
+    def _literal_refusal(self, literal: Literal, tensor) -> str | None:
+        if not is_constant(tensor):
+            return f"{_describe(tensor)} is not a constant; pattern wants {literal}"
+        shape = constant_shape(tensor)
+        if literal.is_scalar:
+            if int(np.prod(shape)) != 1 or len(shape) > literal.max_rank:
+                return f"constant {_name(tensor)} has shape {list(shape)}; pattern wants the scalar {literal}"
+        elif tuple(shape) != literal.value.shape:
+            return f"constant {_name(tensor)} has shape {list(shape)}; pattern wants {list(literal.value.shape)}"
+        actual = constant_value(tensor)
+        if not np.issubdtype(actual.dtype, np.number) and actual.dtype != bool:
+            return f"constant {_name(tensor)} has dtype {actual.dtype}; pattern wants {literal}"
+        rtol = self.pattern.rtol if literal.rtol is None else literal.rtol
+        atol = self.pattern.atol if literal.atol is None else literal.atol
+        if not _all_close(actual, literal.value, rtol, atol):
+            return f"constant {_name(tensor)} is {format_number(actual)}, expected {literal} (rtol {rtol:g})"
+        return None
+
+    def _absent(self, operand: _Operand, state: _State) -> Iterator[_State]:
+        if not _missing(operand.tensor):
+            return self._fail_operand(operand, state, f"input is {_name(operand.tensor)}; pattern wants it absent")
+        return iter((state,))
+
+    def _one_of(self, operand: _Operand, state: _State) -> Iterator[_State]:
+        for alternative in operand.value.alternatives:
+            yield from self._value(_Operand(alternative, operand.tensor, operand.consumer, operand.index, operand.graph_node), state)
+
+    def _node_output(self, operand: _Operand, state: _State) -> Iterator[_State]:
+        out, tensor = operand.value, operand.tensor
+        pnode = out.node
+        if _missing(tensor):
+            return self._fail_operand(operand, state, f"input is missing; pattern wants the output of {pnode.qualified_op}")
+        if not isinstance(tensor, gs.Variable) or not tensor.inputs:
+            return self._fail_operand(operand, state, f"{_describe(tensor)}; pattern wants the output of {pnode.qualified_op}")
+        if out.name is not None:
+            bound = state.values.get(out.name, tensor)
+            if bound is not tensor:
+                return self._fail_operand(operand, state, f"{out.name} bound to two different tensors: {_name(bound)} vs {_name(tensor)}")
+            state = state.bind_value(out.name, tensor)
+        return self._node(pnode, tensor.inputs[0], out.index, tensor, state)
+
+    # -- nodes
+
+    def _node(self, pnode: PatternNode, gnode: gs.Node, out_index: int, tensor, state: _State) -> Iterator[_State]:
+        already = state.nodes.get(id(pnode))
+        if already is not None:
+            if already[1] is not gnode:
+                return self._fail_node(pnode, gnode, state, f"this pattern node is already matched to '{already[1].name}'")
+            return iter((state,))
+        reason = self._node_refusal(pnode, gnode, out_index, tensor)
+        if reason is not None:
+            return self._fail_node(pnode, gnode, state, reason)
+        state = self._bind_attrs(pnode, gnode, state)
+        if state is None:
+            return iter(())
+        return self._operand_choices(pnode, gnode, state.bind_node(pnode, gnode))
+
+    def _node_refusal(self, pnode: PatternNode, gnode: gs.Node, out_index: int, tensor) -> str | None:
+        if gnode.op != pnode.op_type:
+            return f"op type is {gnode.op}, expected {pnode.op_type}"
+        if normalize_domain(gnode.domain) != pnode.domain:
+            return f"domain is {normalize_domain(gnode.domain)!r}, expected {pnode.domain!r}"
+        if claimed_by_earlier(gnode, self.claimed):
+            return "already belongs to an earlier match"
+        actual_index = _index_of(gnode.outputs, tensor)
+        if actual_index != out_index:
+            return f"{_name(tensor)} is output {actual_index} of the node; pattern wants output {out_index}"
+        if len(gnode.outputs) < len(pnode.outputs):
+            return f"has {len(gnode.outputs)} outputs; pattern wants {len(pnode.outputs)}"
+        n_inputs = len(_present_inputs(gnode))
+        if n_inputs > len(pnode.inputs) and not pnode.extra_inputs:
+            return f"has {n_inputs} inputs; pattern wants {len(pnode.inputs)}"
+        return None
+
+    def _bind_attrs(self, pnode: PatternNode, gnode: gs.Node, state: _State) -> _State | None:
+        for name, attr_pattern in pnode.attrs.items():
+            is_set = name in gnode.attrs
+            if isinstance(attr_pattern, AttrUnset):
+                if is_set:
+                    self._fail_node(pnode, gnode, state, f"attribute {name}={_show(gnode.attrs[name])} is set; pattern wants it unset")
+                    return None
+                continue
+            value = gnode.attrs[name] if is_set else schema_default(gnode.op, gnode.domain, name)
+            reason = attr_pattern.refusal(value)
+            if reason is not None:
+                self._fail_node(pnode, gnode, state, f"attribute {name}={_show(value)} {reason}")
+                return None
+            if isinstance(attr_pattern, AttrCapture):
+                state = self._capture_attr(pnode, gnode, state, attr_pattern.var.name, name, value)
+                if state is None:
+                    return None
+        return state
+
+    def _capture_attr(self, pnode, gnode, state: _State, var_name: str, attr_name: str, value) -> _State | None:
+        if var_name in state.attrs and not attr_values_equal(state.attrs[var_name], value):
+            self._fail_node(
+                pnode, gnode, state,
+                f"attribute {attr_name}={_show(value)}, but {var_name} already captured {_show(state.attrs[var_name])}",
+            )
+            return None
+        return state.bind_attr(var_name, value)
+
+    def _operand_choices(self, pnode: PatternNode, gnode: gs.Node, state: _State) -> Iterator[_State]:
+        """Every operand order (one unless the op is commutative), matched in priority order."""
+        inputs = gnode.inputs
+        n_inputs = len(_present_inputs(gnode))
+        for order in self.pattern.operand_orders(pnode, n_inputs):
+            operands = [
+                _Operand(pnode.inputs[p], inputs[g] if g < len(inputs) else None, pnode, p, gnode)
+                for p, g in order
+            ]
+            yield from self._operands(operands, state)
+
+    def _operands(self, operands: list[_Operand], state: _State) -> Iterator[_State]:
+        if not operands:
+            yield state
+            return
+        first, rest = operands[0], operands[1:]
+        for extended in self._value(first, state):
+            yield from self._operands(rest, extended)
+
+    # -- accepting a complete assignment
+
+    def _accept(self, state: _State) -> Match | None:
+        outputs = [self._resolve_output(v, state) for v in self.pattern.outputs]
+        if any(t is None for t in outputs):
+            missing = [k for k, t in enumerate(outputs) if t is None]
+            self._fail("output", None, f"outputs {missing} are not computed by the matched nodes", len(state.nodes))
+            return None
+        reason = self._escape_refusal(state, outputs)
+        if reason is not None:
+            return None
+        match = _make_match(self.pattern, state, outputs)
+        if self.pattern.check is not None:
+            verdict = self.pattern.check(match)
+            if verdict is not None and verdict is not True:
+                text = verdict if isinstance(verdict, str) else "refused by the pattern's check"
+                self._fail("check", match.root, text, len(state.nodes))
+                return None
+        return match
+
+    def _resolve_output(self, value: PatternValue, state: _State):
+        if isinstance(value, NodeOutput):
+            bound = state.nodes.get(id(value.node))
+            return bound[1].outputs[value.index] if bound is not None else None
+        if isinstance(value, OneOf):
+            resolved = (self._resolve_output(a, state) for a in value.alternatives)
+            return next((t for t in resolved if t is not None), None)
+        return state.values.get(value.name) if isinstance(value, (Var, Const)) else None
+
+    def _escape_refusal(self, state: _State, outputs: list) -> str | None:
+        """Refuse if a value computed inside the match (other than an output) is used outside it."""
+        matched = {id(g) for _, g in state.nodes.values()}
+        output_ids = {id(t) for t in outputs}
+        for pnode, gnode in state.nodes.values():
+            if pnode.external_uses:
+                continue
+            for tensor in gnode.outputs:
+                if id(tensor) in output_ids:
+                    continue
+                reason = self._escape_reason(tensor, matched)
+                if reason is not None:
+                    self._fail_node(pnode, gnode, state, reason)
+                    return reason
+        return None
+
+    def _escape_reason(self, tensor, matched: set[int]) -> str | None:
+        if id(tensor) in self.graph_outputs:
+            return f"intermediate {_name(tensor)} is a graph output"
+        outside = [c for c in tensor.outputs if id(c) not in matched]
+        if outside:
+            names = ", ".join(f"'{c.name}'" for c in outside[:4])
+            return f"intermediate {_name(tensor)} has {len(outside)} consumer(s) outside the match: {names}"
+        return None
+
+    # -- tracing
+
+    def _fail(self, where: str, gnode: gs.Node | None, reason: str, progress: int) -> Iterator[_State]:
+        if self.trace is not None:
+            self.trace.failures.append(_failure(where, gnode, reason, progress))
+        return iter(())
+
+    def _fail_node(self, pnode: PatternNode, gnode: gs.Node, state: _State, reason: str) -> Iterator[_State]:
+        return self._fail(self.pattern.paths.get(id(pnode), pnode.qualified_op), gnode, reason, len(state.nodes))
+
+    def _fail_operand(self, operand: _Operand, state: _State, reason: str) -> Iterator[_State]:
+        if operand.consumer is None:
+            where = "output"
+        else:
+            where = f"{self.pattern.paths.get(id(operand.consumer), operand.consumer.qualified_op)}.in{operand.index}"
+        return self._fail(where, operand.graph_node, reason, len(state.nodes))
+
+
+def _failure(where, gnode, reason, progress) -> Failure:
+    return Failure(where, gnode.name if gnode is not None else None, reason, progress)
+
+
+def _make_match(pattern: Pattern, state: _State, outputs: list) -> Match:
+    nodes = _topological([g for _, g in state.nodes.values()])
+    named = {p.name: g for p, g in state.nodes.values() if p.name is not None}
+    return Match(pattern, dict(state.values), dict(state.attrs), nodes, outputs, named)
+
+
+# ---------------------------------------------------------------- small helpers
+
+
+def claimed_by_earlier(node: gs.Node, claimed: set[int] | None) -> bool:
+    return claimed is not None and id(node) in claimed
+
+
+def _operand_orders(pnode: PatternNode, n_graph_inputs: int) -> list[list[tuple[int, int]]]:
+    """Pairs (pattern operand, graph input) per order; all distinct permutations for commutative ops.
+
+    Within an order, operands that lead to subgraphs come first (see _OPERAND_PRIORITY).
+    """
+    n = len(pnode.inputs)
+    if not pnode.commutative or n < 2 or n_graph_inputs != n:
+        perms = [tuple(range(n))]
+    else:
+        perms, seen = [], set()
+        for perm in itertools.permutations(range(n)):
+            key = tuple(id(pnode.inputs[p]) for p in perm)  # x * x needs one order, not two
+            if key not in seen:
+                seen.add(key)
+                perms.append(perm)
+    priority = [_OPERAND_PRIORITY[type(v)] for v in pnode.inputs]
+    return [sorted(((p, g) for g, p in enumerate(perm)), key=lambda pair: priority[pair[0]]) for perm in perms]
+
+
+def _all_close(actual: np.ndarray, expected: np.ndarray, rtol: float, atol: float) -> bool:
+    """|actual - expected| <= atol + rtol * |expected|, element by element (tolerance relative to the pattern)."""
+    if expected.ndim == 0:  # the common case, without numpy's per-call overhead
+        e = float(expected)
+        return abs(float(actual.reshape(-1)[0]) - e) <= atol + rtol * abs(e)
+    expected = expected.astype(np.float64)
+    return bool(np.all(np.abs(actual.astype(np.float64) - expected) <= atol + rtol * np.abs(expected)))
+
+
+def _present_inputs(node: gs.Node) -> list:
+    """The node's inputs without trailing missing optional ones."""
+    inputs = list(node.inputs)
+    while inputs and _missing(inputs[-1]):
+        inputs.pop()
+    return inputs
+
+
+def _missing(tensor) -> bool:
+    """A missing optional input: absent from the list, or gs's empty-named Variable."""
+    return tensor is None or (isinstance(tensor, gs.Variable) and not tensor.name and not tensor.inputs)
+
+
+def _distinct(tensors) -> list:
+    seen, out = set(), []
+    for t in tensors:
+        if id(t) not in seen:
+            seen.add(id(t))
+            out.append(t)
+    return out
+
+
+def _index_of(items, item) -> int | None:
+    return next((i for i, x in enumerate(items) if x is item), None)
+
+
+def _topological(nodes: list[gs.Node]) -> list[gs.Node]:
+    """The matched nodes, producers before consumers (the set is small; graph order is not trusted)."""
+    members = {id(n): n for n in nodes}
+    ordered, done = [], set()
+
+    def visit(node):
+        if id(node) in done:
+            return
+        done.add(id(node))
+        for tensor in node.inputs:
+            for producer in getattr(tensor, "inputs", ()):
+                if id(producer) in members:
+                    visit(producer)
+        ordered.append(node)
+
+    for node in members.values():
+        visit(node)
+    return ordered
+
+
+@functools.lru_cache(maxsize=None)
+def schema_default(op_type: str, domain: str | None, attr_name: str):
+    """The ONNX schema default of an attribute (None if unknown or required)."""
+    try:
+        schema = onnx.defs.get_schema(op_type, domain=normalize_domain(domain))
+    except Exception:  # contrib ops (com.microsoft) have no schema in the onnx package
+        return None
+    attr = schema.attributes.get(attr_name)
+    if attr is None or not attr.default_value.type:
+        return None
+    value = onnx.helper.get_attribute_value(attr.default_value)
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def _name(tensor) -> str:
+    return "<missing>" if tensor is None else f"'{tensor.name}'"
+
+
+def _describe(tensor) -> str:
+    """What a tensor is, in a few words, for failure reasons."""
+    if _missing(tensor):
+        return "the input is missing"
+    if isinstance(tensor, gs.Constant):
+        return f"{_name(tensor)} is an initializer"
+    if is_constant(tensor):
+        return f"{_name(tensor)} is a Constant node's output"
+    if not tensor.inputs:
+        return f"{_name(tensor)} is a graph input"
+    producer = tensor.inputs[0]
+    return f"{_name(tensor)} is the output of {producer.op} '{producer.name}'"
+
+
+def _show(value) -> str:
+    if isinstance(value, float):
+        return f"{value:.6g}"
+    if isinstance(value, gs.Constant):
+        return f"<tensor {list(value.shape)}>"
+    return repr(value)

@@ -1,0 +1,306 @@
+"""Attention com.microsoft ops: MultiHeadAttention and the older fused-projection Attention."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ._common import ContribOp, compute_dtype, softmax
+
+
+def _heads(x: np.ndarray, num_heads: int) -> np.ndarray:
+    """(B, L, N*H) -> (B, N, L, H)."""
+    b, length, hidden = x.shape
+    return x.reshape(b, length, num_heads, hidden // num_heads).transpose(0, 2, 1, 3)
+
+
+def _attend(q, k, v, *, scale, attention_bias, keep, causal, mask_filter_value, op) -> np.ndarray:
+    """softmax(scale * Q K^T + attention_bias + mask) V for q (B,N,S,H), k (B,N,T,H), v (B,N,T,Hv).
+
+    ``keep`` is a boolean array broadcastable to (B, 1, S, T) (False = masked) or None; ``causal``
+    masks key j for query i when j > i. Masked scores get ``mask_filter_value`` added, like ORT
+    does (a finite value, so a fully masked row still yields a defined softmax).
+    Returns (B, S, N*Hv).
+    """
+    b, n, s, _ = q.shape
+    t = k.shape[2]
+    scores = (q @ k.transpose(0, 1, 3, 2)) * q.dtype.type(scale)
+    if attention_bias is not None:
+        ab = attention_bias
+        if ab.ndim != 4 or ab.shape[0] not in (1, b) or ab.shape[1] not in (1, n) or ab.shape[2:] != (s, t):
+            raise op._invalid(f"attention_bias must be (B or 1, N or 1, S, T) = ({b} or 1, {n} or 1, {s}, {t}), got {ab.shape}")
+        scores = scores + ab.astype(scores.dtype)
+    masked = np.zeros((1, 1, s, t), dtype=bool)
+    if keep is not None:
+        masked = masked | ~keep
+    if causal:
+        masked = masked | np.triu(np.ones((s, t), dtype=bool), k=1)
+    if masked.any():
+        scores = scores + np.where(masked, scores.dtype.type(mask_filter_value), scores.dtype.type(0))
+    out = softmax(scores, axis=-1) @ v
+    return out.transpose(0, 2, 1, 3).reshape(b, s, -1)
+
+
+def _keep_from_lengths(end, t: int, start=None) -> np.ndarray:
+    """Per-batch valid key range [start, end) -> keep mask (B, 1, 1, T)."""
+    j = np.arange(t)
+    keep = j[None, :] < np.asarray(end).reshape(-1, 1)
+    if start is not None:
+        keep &= j[None, :] >= np.asarray(start).reshape(-1, 1)
+    return keep[:, None, None, :]
+
+
+def _resolve_scale(scale, head_size: int) -> float:
+    # ORT treats an explicit 0 like the default.
+    return 1.0 / math.sqrt(head_size) if not scale else float(scale)
+
+
+class MultiHeadAttention(ContribOp):
+    """output = concat_heads(softmax(scale * Q K^T + attention_bias + mask) V), heads split from the hidden axis.
+
+    Inputs (spec order):
+      query: (B, S, D), or packed QKV (B, S, N, 3, H) with key and value absent;
+      key: (B, L, D), packed KV (B, L, N, 2, H) with value absent, or (B, N, L, H) (already split);
+      value: (B, L, D_v), or (B, N, L, H_v) together with a 4-D key;
+      bias: (D + D + D_v), added to Q, K, V before the heads are split;
+      key_padding_mask (int): (B) key lengths, (B, L) or (B, S, L) with 0 = masked;
+      attention_bias: (B or 1, N or 1, S, L), added to the scaled scores;
+      past_key, past_value, past_sequence_length, cache_indirection: not supported.
+    Attributes: num_heads (required), scale (default 1/sqrt(H)), mask_filter_value (default
+    -10000, added to masked scores), unidirectional (default 0; 1 = causal, key j > query i masked).
+    Outputs: output (B, S, N*H_v); optional present_key (B, N, L, H) and present_value
+    (B, N, L, H_v) -- without past state they are just K and V after bias; qk: not supported.
+    """
+
+    def _run(
+        self,
+        query,
+        key=None,
+        value=None,
+        bias=None,
+        key_padding_mask=None,
+        attention_bias=None,
+        past_key=None,
+        past_value=None,
+        past_sequence_length=None,
+        cache_indirection=None,
+        num_heads=None,
+        scale=None,
+        mask_filter_value=-10000.0,
+        unidirectional=0,
+    ):
+        self._require(num_heads=num_heads)
+        for name, tensor in (
+            ("past_key", past_key),
+            ("past_value", past_value),
+            ("past_sequence_length", past_sequence_length),
+            ("cache_indirection", cache_indirection),
+        ):
+            if tensor is not None:
+                raise self._reject(f"input {name!r} (KV cache)")
+        if self._wants_output(3):
+            raise self._reject("output 'qk'")
+        if unidirectional not in (0, 1):
+            raise self._invalid(f"unidirectional must be 0 or 1, got {unidirectional}")
+
+        ct = compute_dtype(query)
+        q, k, v = self._split_qkv(query, key, value, bias, num_heads, ct)
+        b, _, s, head_size = q.shape
+        t = k.shape[2]
+        out = _attend(
+            q,
+            k,
+            v,
+            scale=_resolve_scale(scale, head_size),
+            attention_bias=attention_bias,
+            keep=self._keep(key_padding_mask, b, s, t),
+            causal=bool(unidirectional),
+            mask_filter_value=mask_filter_value,
+            op=self,
+        )
+        return out.astype(query.dtype), k.astype(query.dtype), v.astype(query.dtype)
+
+    def _split_qkv(self, query, key, value, bias, n, ct):
+        """Q (B,N,S,H), K (B,N,L,H), V (B,N,L,Hv) from any of the spec's input layouts."""
+        query = query.astype(ct)
+        if query.ndim == 5:  # packed QKV (B, S, N, 3, H)
+            if key is not None or value is not None:
+                raise self._invalid("key and value must be absent when query is packed QKV (B, S, N, 3, H)")
+            if query.shape[2:4] != (n, 3):
+                raise self._invalid(f"packed QKV query must be (B, S, {n}, 3, H), got {query.shape}")
+            bq, bk, bv = self._bias_parts(bias, n, query.shape[4], query.shape[4], ct)
+            q, k, v = (query[:, :, :, i, :] + bb for i, bb in enumerate((bq, bk, bv)))
+            return q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+
+        if query.ndim != 3:
+            raise self._invalid(f"query must be (B, S, D) or packed QKV (B, S, N, 3, H), got {query.shape}")
+        if key is None:
+            raise self._invalid("key is required unless query is packed QKV")
+        d = query.shape[2]
+        if d % n:
+            raise self._invalid(f"hidden size {d} is not divisible by num_heads={n}")
+        h = d // n
+        key = key.astype(ct)
+
+        if key.ndim == 5:  # packed KV (B, L, N, 2, H)
+            if value is not None:
+                raise self._invalid("value must be absent when key is packed KV (B, L, N, 2, H)")
+            if key.shape[2:] != (n, 2, h):
+                raise self._invalid(f"packed KV key must be (B, L, {n}, 2, {h}), got {key.shape}")
+            bq, bk, bv = self._bias_parts(bias, n, h, h, ct)
+            k = (key[:, :, :, 0, :] + bk).transpose(0, 2, 1, 3)
+            v = (key[:, :, :, 1, :] + bv).transpose(0, 2, 1, 3)
+            return _heads(query + bq.reshape(-1), n), k, v
+
+        if value is None:
+            raise self._invalid("value is required unless key is packed KV or query is packed QKV")
+        value = value.astype(ct)
+
+        if key.ndim == 4:  # K and V already split into heads: (B, N, L, H), (B, N, L, H_v)
+            if value.ndim != 4 or key.shape[1] != n or value.shape[1] != n or key.shape[3] != h:
+                raise self._invalid(f"4-D key/value must be (B, {n}, L, {h}) and (B, {n}, L, H_v), got {key.shape}, {value.shape}")
+            if bias is not None:
+                raise self._reject("bias together with 4-D (B, N, L, H) key/value")
+            return _heads(query, n), key, value
+
+        if key.ndim != 3 or value.ndim != 3 or key.shape[2] != d or value.shape[1] != key.shape[1]:
+            raise self._invalid(f"expects key (B, L, {d}) and value (B, L, D_v), got {key.shape} and {value.shape}")
+        if value.shape[2] % n:
+            raise self._invalid(f"value hidden size {value.shape[2]} is not divisible by num_heads={n}")
+        bq, bk, bv = self._bias_parts(bias, n, h, value.shape[2] // n, ct)
+        return (
+            _heads(query + bq.reshape(-1), n),
+            _heads(key + bk.reshape(-1), n),
+            _heads(value + bv.reshape(-1), n),
+        )
+
+    def _bias_parts(self, bias, n, h, hv, ct):
+        """Split bias (N*H + N*H + N*H_v) into per-head (N, H) pieces for Q, K, V (zeros when absent)."""
+        if bias is None:
+            return np.zeros((n, h), ct), np.zeros((n, h), ct), np.zeros((n, hv), ct)
+        if bias.shape != (n * (2 * h + hv),):
+            raise self._invalid(f"bias must have shape ({n * (2 * h + hv)},) = (D + D + D_v), got {bias.shape}")
+        bias = bias.astype(ct)
+        d = n * h
+        return bias[:d].reshape(n, h), bias[d : 2 * d].reshape(n, h), bias[2 * d :].reshape(n, hv)
+
+    def _keep(self, mask, b, s, t):
+        if mask is None:
+            return None
+        if mask.shape == (b,):
+            return _keep_from_lengths(mask, t)
+        if mask.shape == (b, t):
+            return (mask > 0)[:, None, None, :]
+        if mask.shape == (b, s, t):
+            return (mask > 0)[:, None, :, :]
+        if mask.shape == (3 * b + 2,):
+            raise self._reject("key_padding_mask of shape (3 * batch_size + 2)")
+        raise self._invalid(f"key_padding_mask must be ({b},), ({b}, {t}) or ({b}, {s}, {t}), got {mask.shape}")
+
+
+class Attention(ContribOp):
+    """Q, K, V = split(input @ weights + bias); output = MultiHeadAttention(Q, K, V) with mask_index.
+
+    Inputs (spec order):
+      input: (B, S, input_hidden); weights: (input_hidden, D + D + D_v); bias: optional (D + D + D_v);
+      mask_index (int): (B) valid lengths (right padding), (2B) end positions then start positions
+        (left padding), (B, T) or (B, S, T) raw 0/1 masks with 0 = masked;
+        (B, 1, M, M) and (3B + 2) are not supported;
+      past, past_sequence_length: not supported;
+      attention_bias: (B or 1, N or 1, S, T), added to the scaled scores.
+    Attributes: num_heads (required); qkv_hidden_sizes (default three equal thirds of the weight
+    width); scale (default 1/sqrt(H)); mask_filter_value (default -10000); unidirectional
+    (default 0; 1 = causal); do_rotary and past_present_share_buffer: only 0 is supported;
+    rotary_embedding_dim: only meaningful with do_rotary, ignored.
+    Outputs: output (B, S, D_v); optional present (2, B, N, T, H) = stacked K and V (no past state).
+    """
+
+    def _run(
+        self,
+        input,
+        weights,
+        bias=None,
+        mask_index=None,
+        past=None,
+        attention_bias=None,
+        past_sequence_length=None,
+        num_heads=None,
+        scale=None,
+        mask_filter_value=-10000.0,
+        unidirectional=0,
+        qkv_hidden_sizes=None,
+        do_rotary=0,
+        rotary_embedding_dim=None,
+        past_present_share_buffer=0,
+    ):
+        self._require(num_heads=num_heads)
+        if do_rotary:
+            raise self._reject(f"do_rotary={do_rotary}")
+        if past_present_share_buffer:
+            raise self._reject(f"past_present_share_buffer={past_present_share_buffer}")
+        if past is not None or past_sequence_length is not None:
+            raise self._reject("past state (inputs 'past' / 'past_sequence_length')")
+        if unidirectional not in (0, 1):
+            raise self._invalid(f"unidirectional must be 0 or 1, got {unidirectional}")
+        if input.ndim != 3 or weights.ndim != 2 or weights.shape[0] != input.shape[2]:
+            raise self._invalid(f"expects input (B, S, K) and weights (K, D + D + D_v), got {input.shape} and {weights.shape}")
+
+        n = num_heads
+        dq, dk, dv = self._hidden_sizes(qkv_hidden_sizes, weights.shape[1], n)
+        ct = compute_dtype(input)
+        qkv = input.astype(ct) @ weights.astype(ct)
+        if bias is not None:
+            if bias.shape != (weights.shape[1],):
+                raise self._invalid(f"bias must have shape ({weights.shape[1]},), got {bias.shape}")
+            qkv = qkv + bias.astype(ct)
+        q = _heads(qkv[..., :dq], n)
+        k = _heads(qkv[..., dq : dq + dk], n)
+        v = _heads(qkv[..., dq + dk :], n)
+
+        b, _, s, head_size = q.shape
+        out = _attend(
+            q,
+            k,
+            v,
+            scale=_resolve_scale(scale, head_size),
+            attention_bias=attention_bias,
+            keep=self._keep(mask_index, b, s, k.shape[2]),
+            causal=bool(unidirectional),
+            mask_filter_value=mask_filter_value,
+            op=self,
+        )
+        if not self._wants_output(1):
+            return (out.astype(input.dtype),)
+        if dk != dv:
+            raise self._reject("output 'present' with different K and V hidden sizes")
+        return out.astype(input.dtype), np.stack([k, v]).astype(input.dtype)
+
+    def _hidden_sizes(self, qkv_hidden_sizes, width, n):
+        if qkv_hidden_sizes is None:
+            if width % 3:
+                raise self._invalid(f"weights width {width} is not divisible by 3 and qkv_hidden_sizes is absent")
+            sizes = [width // 3] * 3
+        else:
+            sizes = [int(x) for x in qkv_hidden_sizes]
+        if len(sizes) != 3 or sum(sizes) != width or sizes[0] != sizes[1] or any(x % n for x in sizes):
+            raise self._invalid(
+                f"qkv_hidden_sizes {sizes} must be 3 sizes summing to the weights width {width}, "
+                f"with equal Q and K sizes, each divisible by num_heads={n}"
+            )
+        return sizes
+
+    def _keep(self, mask, b, s, t):
+        if mask is None:
+            return None
+        if mask.shape == (b,):
+            return _keep_from_lengths(mask, t)
+        if mask.shape == (2 * b,):
+            return _keep_from_lengths(mask[:b], t, start=mask[b:])
+        if mask.shape == (b, t):
+            return (mask > 0)[:, None, None, :]
+        if mask.shape == (b, s, t):
+            return (mask > 0)[:, None, :, :]
+        if mask.ndim == 4 or mask.shape == (3 * b + 2,):
+            raise self._reject(f"mask_index of shape {mask.shape}")
+        raise self._invalid(f"mask_index must be ({b},), ({2 * b},), ({b}, {t}) or ({b}, {s}, {t}), got {mask.shape}")

@@ -1,0 +1,110 @@
+"""Which passes exist, and which presets chain them.
+
+Built-in passes live in ``onnxopt.passes`` (the repo's ``passes/`` folder) and register
+themselves with :func:`register_pass`. Third-party packages add passes through the entry-point
+group ``onnxopt.passes``: each entry point names a :class:`~onnxopt.pass_infra.Pass` subclass
+(or a module that registers passes on import).
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from dataclasses import dataclass
+from importlib import metadata
+
+from onnxopt.errors import UnknownPassError
+from onnxopt.pass_infra import Pass
+
+ENTRY_POINT_GROUP = "onnxopt.passes"
+
+_PASSES: dict[str, type[Pass]] = {}
+_loaded = False
+
+
+@dataclass(frozen=True)
+class Preset:
+    name: str
+    description: str
+    passes: tuple[str, ...]
+    target: str | None = None
+
+
+PRESETS: dict[str, Preset] = {
+    "cleanup": Preset(
+        "cleanup",
+        "remove Identity and dead nodes, fold constants, drop redundant Casts, infer shapes",
+        ("remove-identity", "fold-constants", "remove-redundant-casts", "eliminate-dead-nodes", "infer-shapes"),
+    ),
+}
+
+
+def register_pass(cls: type[Pass]) -> type[Pass]:
+    """Class decorator: make a pass available by its ``name``."""
+    for attr in ("name", "description"):
+        if not getattr(cls, attr, None):
+            raise TypeError(f"pass {cls.__qualname__} must define '{attr}'")
+    existing = _PASSES.get(cls.name)
+    if existing is not None and existing is not cls:
+        raise ValueError(f"two passes named '{cls.name}': {existing.__module__} and {cls.__module__}")
+    _PASSES[cls.name] = cls
+    return cls
+
+
+def _load() -> None:
+    global _loaded
+    if _loaded:
+        return
+    _loaded = True
+    importlib.import_module("onnxopt.passes")
+    for entry in metadata.entry_points(group=ENTRY_POINT_GROUP):
+        try:
+            obj = entry.load()
+        except Exception as exc:  # a broken plugin must not take the tool down
+            import warnings
+
+            warnings.warn(f"onnxopt: could not load pass plugin '{entry.name}' ({entry.value}): {exc}")
+            continue
+        if inspect.isclass(obj) and issubclass(obj, Pass):
+            register_pass(obj)
+
+
+def available_passes() -> dict[str, type[Pass]]:
+    _load()
+    return dict(sorted(_PASSES.items()))
+
+
+def get_pass(name: str) -> type[Pass]:
+    passes = available_passes()
+    if name not in passes:
+        raise UnknownPassError(f"unknown pass or preset '{name}'{_suggest(name)}; 'onnxopt passes' lists them")
+    return passes[name]
+
+
+def provider_of(prop: str) -> type[Pass] | None:
+    for cls in available_passes().values():
+        if prop in cls.provides:
+            return cls
+    return None
+
+
+def expand(names: list[str]) -> list[str]:
+    """Expand preset names into pass names, keeping order; unknown names raise UnknownPassError."""
+    out: list[str] = []
+    for name in names:
+        name = name.strip()
+        if not name:
+            continue
+        if name in PRESETS:
+            out.extend(PRESETS[name].passes)
+        else:
+            get_pass(name)
+            out.append(name)
+    return out
+
+
+def _suggest(name: str) -> str:
+    import difflib
+
+    close = difflib.get_close_matches(name, list(available_passes()) + list(PRESETS), n=1)
+    return f" (did you mean '{close[0]}'?)" if close else ""

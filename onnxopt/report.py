@@ -1,0 +1,112 @@
+"""What each pass did, as a table for people and JSON for tools."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from onnxopt.pass_infra import PassResult
+
+
+@dataclass
+class Verification:
+    ok: bool
+    max_abs_error: float
+    max_rel_error: float
+    worst_output: str
+    message: str = ""
+
+
+@dataclass
+class PassReport:
+    name: str
+    result: PassResult
+    nodes_before: int
+    nodes_after: int
+    seconds: float
+    auto: str | None = None  # why the manager inserted it (a requirement of another pass)
+    verification: Verification | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        r = self.result
+        return {
+            "pass": self.name,
+            "auto_inserted_for": self.auto,
+            "modified": r.modified,
+            "sites_matched": r.sites_matched,
+            "sites_rewritten": r.sites_rewritten,
+            "sites_refused": dict(r.refusal_counts()),
+            "nodes_before": self.nodes_before,
+            "nodes_after": self.nodes_after,
+            "seconds": round(self.seconds, 4),
+            "details": r.details,
+            "verification": asdict(self.verification) if self.verification else None,
+        }
+
+
+@dataclass
+class OptimizationReport:
+    model: str
+    passes: list[PassReport] = field(default_factory=list)
+    nodes_before: int = 0
+    nodes_after: int = 0
+    seconds: float = 0.0
+    first_broken_pass: str | None = None
+    final_verification: Verification | None = None
+    notes: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "model": self.model,
+            "nodes_before": self.nodes_before,
+            "nodes_after": self.nodes_after,
+            "seconds": round(self.seconds, 4),
+            "first_broken_pass": self.first_broken_pass,
+            "final_verification": asdict(self.final_verification) if self.final_verification else None,
+            "passes": [p.as_dict() for p in self.passes],
+            "notes": self.notes,
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(self.as_dict(), indent=2, default=str)
+
+    def table(self) -> str:
+        verified = any(p.verification for p in self.passes)
+        header = ["pass", "matched", "rewritten", "refused", "nodes", "ms"] + (["verify (max abs err)"] if verified else [])
+        rows = []
+        for p in self.passes:
+            r = p.result
+            name = p.name if not p.auto else f"{p.name} (for {p.auto})"
+            row = [
+                name,
+                str(r.sites_matched),
+                str(r.sites_rewritten),
+                str(len(r.refused)),
+                f"{p.nodes_before} -> {p.nodes_after}",
+                f"{p.seconds * 1000:.0f}",
+            ]
+            if verified:
+                v = p.verification
+                row.append("-" if v is None else f"{'ok' if v.ok else 'FAIL'} {v.max_abs_error:.2e}")
+            rows.append(row)
+        rows.append(["total", "", "", "", f"{self.nodes_before} -> {self.nodes_after}", f"{self.seconds * 1000:.0f}"] + ([""] if verified else []))
+        widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(header)]
+        numeric = {1, 2, 3, 5}
+
+        def fmt(row):
+            return "  ".join(c.rjust(w) if i in numeric else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))).rstrip()
+
+        lines = [fmt(header), "  ".join("-" * w for w in widths)]
+        lines += [fmt(r) for r in rows[:-1]] + ["  ".join("-" * w for w in widths), fmt(rows[-1])]
+        for p in self.passes:
+            for reason, count in p.result.refusal_counts().most_common():
+                lines.append(f"  {p.name}: refused {count} site(s): {reason}")
+        lines += [f"  note: {n}" for n in self.notes]
+        if self.final_verification is not None:
+            v = self.final_verification
+            verdict = "equal to the source" if v.ok else "DIFFERS from the source"
+            lines.append(f"  verify: final model {verdict} (max abs err {v.max_abs_error:.2e}, max rel err {v.max_rel_error:.2e})")
+        if self.first_broken_pass:
+            lines.append(f"  VERIFICATION FAILED: first pass to break the tolerance: {self.first_broken_pass}")
+        return "\n".join(lines)

@@ -1,0 +1,192 @@
+"""Prove that two models compute the same thing on random inputs (Polygraphy's Comparator).
+
+The source runs once on ONNX Runtime's CPU EP; each candidate runs on the same inputs, on ORT CPU
+when ORT has kernels for all its ops, otherwise on ``onnx.reference`` with onnxopt's NumPy kernels
+for the com.microsoft fused ops (:mod:`onnxopt.reference`). Outputs are compared element-wise:
+a value passes when its absolute error is within ``atol`` or its relative error within ``rtol``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import onnx
+from polygraphy.backend.base import BaseRunner
+from polygraphy.backend.onnxrt import OnnxrtRunner, SessionFromOnnx
+from polygraphy.common import TensorMetadata
+from polygraphy.comparator import Comparator, CompareFunc, DataLoader
+from polygraphy.comparator.struct import RunResults
+from polygraphy.logger import G_LOGGER
+
+from onnxopt.model import Model
+from onnxopt.report import Verification
+from onnxopt.runtime import import_onnxruntime
+from onnxopt.saving import AUTO_EXTERNAL_BYTES, save_model
+
+# Concrete values for symbolic dims, by name. Exporters name dims freely ("batch", "s30",
+# "height"), so a dim we cannot place gets DEFAULT_DIM; users override with --shape/dims=.
+DEFAULT_DIM = 8
+BATCH_DIM = 2
+FLOAT_RANGE = (-1.0, 1.0)
+INT_RANGE = (0, 10)  # token ids, timesteps: small non-negative values valid for any vocabulary
+
+
+@dataclass
+class Tolerance:
+    atol: float = 1e-4
+    rtol: float = 1e-3
+
+
+@dataclass
+class InputSpec:
+    shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)  # per input name
+    dims: dict[str, int] = field(default_factory=dict)  # per symbolic dim name
+
+
+def input_metadata(model: Model, spec: InputSpec | None = None) -> TensorMetadata:
+    """Concrete shapes and dtypes for every graph input."""
+    spec = spec or InputSpec()
+    meta = TensorMetadata()
+    for tensor in model.graph.inputs:
+        if tensor.name in spec.shapes:
+            shape = tuple(spec.shapes[tensor.name])
+        else:
+            shape = tuple(_concrete_dim(d, spec.dims) for d in (tensor.shape or ()))
+        meta.add(tensor.name, dtype=np.dtype(tensor.dtype), shape=shape)
+    return meta
+
+
+def _concrete_dim(dim, named: dict[str, int]) -> int:
+    if isinstance(dim, (int, np.integer)) and dim >= 0:
+        return int(dim)
+    name = str(dim or "")
+    if name in named:
+        return named[name]
+    if re.search(r"batch", name, re.IGNORECASE):
+        return BATCH_DIM
+    return DEFAULT_DIM
+
+
+def random_feeds(model: Model, spec: InputSpec | None = None, seed: int = 0, iterations: int = 1) -> list[dict[str, np.ndarray]]:
+    meta = input_metadata(model, spec)
+    ranges = {t.name: (INT_RANGE if np.issubdtype(np.dtype(t.dtype), np.integer) else FLOAT_RANGE) for t in model.graph.inputs}
+    with _quiet():
+        loader = DataLoader(seed=seed, iterations=iterations, input_metadata=meta, val_range=ranges)
+        return [dict(feed) for feed in loader]
+
+
+class ReferenceRunner(BaseRunner):
+    """Runs a model with onnx.reference plus onnxopt's kernels for com.microsoft ops."""
+
+    def __init__(self, model: onnx.ModelProto, name: str | None = None):
+        super().__init__(name=name, prefix="onnxopt-reference")
+        self._proto = model
+
+    def activate_impl(self):
+        from onnxopt import reference
+
+        self._evaluator = reference.evaluator(self._proto)
+
+    def get_input_metadata_impl(self):
+        meta = TensorMetadata()
+        for vi in self._proto.graph.input:
+            dtype = onnx.helper.tensor_dtype_to_np_dtype(vi.type.tensor_type.elem_type)
+            dims = [d.dim_value if d.HasField("dim_value") else d.dim_param for d in vi.type.tensor_type.shape.dim]
+            meta.add(vi.name, dtype=dtype, shape=dims)
+        return meta
+
+    def infer_impl(self, feed_dict):
+        names = [o.name for o in self._proto.graph.output]
+        outputs = self._evaluator.run(names, feed_dict)
+        return dict(zip(names, outputs))
+
+    def deactivate_impl(self):
+        del self._evaluator
+
+
+def runner_for(model: Model, name: str, workdir: Path) -> BaseRunner:
+    """ORT CPU where it has every kernel, else the reference evaluator."""
+    from onnxopt import reference
+
+    import_onnxruntime()
+    if model.weights_nbytes() > AUTO_EXTERNAL_BYTES:
+        path = workdir / f"{name}.onnx"
+        save_model(model, path, external_data=True)
+        return OnnxrtRunner(SessionFromOnnx(str(path), providers=["CPUExecutionProvider"]), name=name)
+    proto = model.to_onnx()
+    if reference.unsupported_on_ort_cpu(proto):
+        return ReferenceRunner(proto, name=name)
+    return OnnxrtRunner(SessionFromOnnx(proto.SerializeToString(), providers=["CPUExecutionProvider"]), name=name)
+
+
+class Verifier:
+    """Compares models with ``source``; call it with a model to get a :class:`Verification`."""
+
+    def __init__(self, source: Model, *, tolerance: Tolerance | None = None, inputs: InputSpec | None = None,
+                 feeds: list[dict[str, np.ndarray]] | None = None, seed: int = 0):
+        self.tolerance = tolerance or Tolerance()
+        self._tmp = tempfile.TemporaryDirectory(prefix="onnxopt-verify-")
+        self.feeds = feeds if feeds is not None else random_feeds(source, inputs, seed=seed)
+        self._source_results = self._run(source, "source")
+        self._count = 0
+
+    def _run(self, model: Model, name: str) -> RunResults:
+        runner = runner_for(model, name, Path(self._tmp.name))
+        with _quiet():
+            return Comparator.run([runner], data_loader=self.feeds)
+
+    def __call__(self, model: Model) -> Verification:
+        self._count += 1
+        candidate = self._run(model, f"candidate{self._count}")
+        results = RunResults()
+        for runner_name, iterations in list(self._source_results.items()) + list(candidate.items()):
+            results.append((runner_name, iterations))
+        compare = CompareFunc.simple(atol=self.tolerance.atol, rtol=self.tolerance.rtol)
+        with _quiet():
+            accuracy = Comparator.compare_accuracy(results, compare_func=compare)
+        return _summarise(accuracy)
+
+    def close(self):
+        self._tmp.cleanup()
+
+
+def _summarise(accuracy) -> Verification:
+    worst_abs, worst_rel, worst_name = 0.0, 0.0, ""
+    ok = all(bool(per_func) for per_func in accuracy)
+    for iterations in (it for per_func in accuracy for it in per_func.values()):
+        for per_output in iterations:
+            for name, result in per_output.items():
+                abs_err = float(result.max_absdiff) if result.max_absdiff is not None else float("inf")
+                if abs_err >= worst_abs:
+                    worst_abs, worst_name = abs_err, name
+                worst_rel = max(worst_rel, float(result.max_reldiff or 0.0))
+    message = "" if ok else f"output '{worst_name}' differs by up to {worst_abs:.3g} (abs)"
+    return Verification(ok=ok, max_abs_error=worst_abs, max_rel_error=worst_rel, worst_output=worst_name, message=message)
+
+
+def assert_same_computation(a, b, *, atol: float = 1e-4, rtol: float = 1e-3, inputs: InputSpec | None = None, seed: int = 0) -> Verification:
+    """Test helper: ``a`` and ``b`` (paths, ModelProtos, graphs or Models) agree on random inputs."""
+    from onnxopt.loading import load_model
+
+    source, candidate = load_model(a), load_model(b)
+    verifier = Verifier(source, tolerance=Tolerance(atol, rtol), inputs=inputs, seed=seed)
+    try:
+        outcome = verifier(candidate)
+    finally:
+        verifier.close()
+    if not outcome.ok:
+        raise AssertionError(f"models differ: {outcome.message} (max rel {outcome.max_rel_error:.3g}; atol={atol}, rtol={rtol})")
+    return outcome
+
+
+@contextlib.contextmanager
+def _quiet():
+    """Polygraphy logs every run at INFO; verification reports through its own result instead."""
+    with G_LOGGER.verbosity(G_LOGGER.ERROR):
+        yield

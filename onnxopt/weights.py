@@ -1,0 +1,143 @@
+"""Where a constant's bytes live, and how to stream them without a second copy.
+
+onnxopt never loads a model's weights up front. Initializers stay where they are:
+
+* inline in the parsed protobuf (small models): graphsurgeon's ``LazyValues`` keeps the
+  ``TensorProto`` and decodes it only if a pass asks for ``.values``;
+* in external data files (models over 2 GB, dynamo exports): :class:`ExternalValues` keeps only
+  the file, offset and length, and reads the bytes when a pass needs them or when the model is
+  saved, a chunk at a time.
+
+So a pass that rewires a 3.4 GB UNet touches only the tensors it changes, and saving streams each
+tensor from its source to its destination.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import onnx
+from onnx import external_data_helper, helper
+from onnx_graphsurgeon.ir.tensor import Constant, LazyValues, SparseValues
+
+CHUNK_BYTES = 64 << 20
+
+
+def onnx_dtype_to_numpy(data_type: int) -> np.dtype:
+    return np.dtype(helper.tensor_dtype_to_np_dtype(data_type))
+
+
+@dataclass(frozen=True)
+class ExternalLocation:
+    path: Path
+    offset: int
+    length: int
+
+
+def external_location(tensor: onnx.TensorProto, base_dir: Path) -> ExternalLocation:
+    """Resolve a tensor's external-data entry against the model's folder."""
+    info = external_data_helper.ExternalDataInfo(tensor)
+    location = Path(info.location)
+    if location.is_absolute() or ".." in location.parts:
+        # The ONNX spec requires locations relative to the model; anything else is a path escape.
+        raise ValueError(f"external data location '{info.location}' of tensor '{tensor.name}' is not a relative path")
+    nbytes = int(np.prod(tensor.dims, dtype=np.int64)) * onnx_dtype_to_numpy(tensor.data_type).itemsize
+    length = info.length if info.length is not None and info.length > 0 else nbytes
+    return ExternalLocation(base_dir / location, info.offset or 0, length)
+
+
+class ExternalValues(LazyValues):
+    """Constant values that stay in an external data file until someone reads them."""
+
+    def __init__(self, tensor: onnx.TensorProto, base_dir: Path):
+        super().__init__(tensor)
+        self.location = external_location(tensor, base_dir)
+
+    def load(self) -> np.ndarray:
+        dtype = onnx_dtype_to_numpy(self.tensor.data_type)
+        count = self.location.length // dtype.itemsize
+        with open(self.location.path, "rb") as f:
+            f.seek(self.location.offset)
+            array = np.fromfile(f, dtype=dtype, count=count)
+        return array.reshape(tuple(self.tensor.dims))
+
+    def iter_bytes(self) -> Iterator[bytes]:
+        remaining = self.location.length
+        with open(self.location.path, "rb") as f:
+            f.seek(self.location.offset)
+            while remaining:
+                chunk = f.read(min(CHUNK_BYTES, remaining))
+                if not chunk:
+                    raise OSError(f"external data file {self.location.path} ended early")
+                remaining -= len(chunk)
+                yield chunk
+
+    def __str__(self):
+        return f"ExternalValues(shape={self.shape}, dtype={self.dtype}, file={self.location.path.name})"
+
+
+def attach_external_values(constants, base_dir: Path) -> int:
+    """Swap graphsurgeon's LazyValues for ExternalValues on every externally stored constant."""
+    count = 0
+    for constant in constants:
+        values = constant._values
+        if isinstance(values, LazyValues) and not isinstance(values, (ExternalValues, SparseValues)):
+            if external_data_helper.uses_external_data(values.tensor):
+                constant._values = ExternalValues(values.tensor, base_dir)
+                count += 1
+    return count
+
+
+def constant_nbytes(constant: Constant) -> int:
+    values = constant._values
+    if isinstance(values, LazyValues):
+        return int(values.nbytes)
+    return int(values.nbytes)
+
+
+def constant_data_type(constant: Constant) -> int:
+    values = constant._values
+    if isinstance(values, LazyValues):
+        return values.tensor.data_type
+    return helper.np_dtype_to_tensor_dtype(values.dtype)
+
+
+def constant_dims(constant: Constant) -> list[int]:
+    values = constant._values
+    if isinstance(values, LazyValues):
+        return list(values.tensor.dims)
+    return list(values.shape)
+
+
+def iter_constant_bytes(constant: Constant) -> Iterator[bytes | memoryview]:
+    """The constant's little-endian raw bytes, in chunks, without materialising a copy where avoidable."""
+    values = constant._values
+    if isinstance(values, ExternalValues):
+        yield from values.iter_bytes()
+        return
+    if isinstance(values, LazyValues) and values.tensor.HasField("raw_data"):
+        yield values.tensor.raw_data
+        return
+    array = values.load() if isinstance(values, LazyValues) else values
+    array = np.ascontiguousarray(array)
+    if array.dtype.byteorder == ">":
+        array = array.astype(array.dtype.newbyteorder("<"))
+    view = memoryview(array.reshape(-1).view(np.uint8))
+    for start in range(0, len(view), CHUNK_BYTES):
+        yield view[start : start + CHUNK_BYTES]
+
+
+def is_raw_encodable(constant: Constant) -> bool:
+    """Strings cannot go to raw_data/external data; everything numeric can."""
+    return constant_data_type(constant) != onnx.TensorProto.STRING
+
+
+def file_size(path: Path) -> int:
+    try:
+        return os.path.getsize(path)
+    except OSError:
+        return -1

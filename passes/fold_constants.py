@@ -1,0 +1,127 @@
+"""fold-constants: evaluate every subgraph whose inputs are all constant, using graphsurgeon's folder.
+
+graphsurgeon (0.6.1) has one defect we work around: its shape folding ignores the ``start`` and
+``end`` attributes of ``Shape`` (opset 15+), which the dynamo exporter uses everywhere; on static
+dynamo graphs that yields wrong Reshape shapes. So before folding, each such node becomes
+
+    Shape(x, start=a, end=b)   ==>   Slice(Shape(x), starts=[a], ends=[b])
+
+which graphsurgeon folds correctly, and afterwards every pair that did not fold (dynamic dims)
+is joined back into one ``Shape(start, end)``.
+
+Weights are never loaded to fold them: a node that reads an externally stored constant of 1 MB or
+more is excluded (exporters do not emit foldable work on weights in SD graphs, and loading a
+3.4 GB UNet to find that out would defeat lazy loading). Small external constants (dynamo stores
+even shape vectors externally) are read so they can take part.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx_graphsurgeon as gs
+from onnx_graphsurgeon.logger import G_LOGGER
+
+from onnxopt.graph_edit import detach, is_standard
+from onnxopt.model import Model
+from onnxopt.pass_infra import CONSTANTS_FOLDED, Pass, PassResult
+from onnxopt.registry import register_pass
+from onnxopt.weights import ExternalValues
+
+INT64_MAX = np.iinfo(np.int64).max
+LOAD_EXTERNAL_BELOW_BYTES = 1 << 20
+# Folding must not blow up the model: constants larger than this stay computed at run time
+# (e.g. ConstantOfShape zeros of a static export).
+DEFAULT_SIZE_THRESHOLD = 16 << 20
+
+
+@register_pass
+class FoldConstants(Pass):
+    name = "fold-constants"
+    description = "evaluate constant subgraphs (graphsurgeon + ORT), with Shape(start,end) handled correctly"
+    provides = frozenset({CONSTANTS_FOLDED})
+
+    def __init__(self, size_threshold: int = DEFAULT_SIZE_THRESHOLD):
+        self.size_threshold = size_threshold
+
+    def run(self, model: Model) -> PassResult:
+        graph = model.graph
+        split = split_ranged_shapes(graph)
+        load_small_external_constants(model)
+        before = len(graph.nodes)
+        severity = G_LOGGER.severity
+        G_LOGGER.severity = G_LOGGER.ERROR  # graphsurgeon logs every partition it tries
+        try:
+            graph.fold_constants(
+                fold_shapes=True,
+                partitioning="basic",
+                error_ok=True,
+                size_threshold=self.size_threshold,
+                should_exclude_node=reads_large_external_weight,
+            )
+        finally:
+            G_LOGGER.severity = severity
+        graph.cleanup(remove_unused_graph_inputs=False)
+        folded = before - len(graph.nodes)
+        rejoined = join_ranged_shapes(graph, split)
+        graph.cleanup(remove_unused_graph_inputs=False).toposort()
+        # Net nodes removed, not counting the temporary Slices of the Shape(start, end) workaround.
+        removed = folded + rejoined - len(split)
+        return PassResult(modified=removed > 0, sites_matched=removed, sites_rewritten=removed)
+
+
+def split_ranged_shapes(graph: gs.Graph) -> list[gs.Node]:
+    """Rewrite ``Shape(x, start, end)`` as ``Slice(Shape(x))``; returns the new Slice nodes."""
+    slices = []
+    for node in [n for n in graph.nodes if n.op == "Shape" and is_standard(n)]:
+        start = int(node.attrs.get("start", 0))
+        end = node.attrs.get("end")
+        if start == 0 and end is None:
+            continue
+        full = gs.Variable(f"{node.outputs[0].name}__full_shape", dtype=np.int64, shape=None)
+        ranged = node.outputs[0]
+        node.attrs.pop("start", None)
+        node.attrs.pop("end", None)
+        node.outputs[0] = full
+        consts = [
+            gs.Constant(f"{ranged.name}__{label}", np.array([value], dtype=np.int64))
+            for label, value in (("starts", start), ("ends", INT64_MAX if end is None else int(end)), ("axes", 0))
+        ]
+        slice_node = gs.Node("Slice", name=f"{node.name}__range", inputs=[full, *consts], outputs=[ranged])
+        graph.nodes.append(slice_node)
+        slices.append(slice_node)
+    return slices
+
+
+def join_ranged_shapes(graph: gs.Graph, slices: list[gs.Node]) -> int:
+    """Undo :func:`split_ranged_shapes` where the pair survived folding (dynamic dims)."""
+    joined = 0
+    for slice_node in slices:
+        if not slice_node.inputs or not slice_node.inputs[0].inputs:
+            continue  # folded away
+        full = slice_node.inputs[0]
+        shape_node = full.inputs[0]
+        if shape_node.op != "Shape" or len(full.outputs) != 1:
+            continue
+        starts, ends = (slice_node.inputs[i] for i in (1, 2))
+        if not (isinstance(starts, gs.Constant) and isinstance(ends, gs.Constant)):
+            continue
+        shape_node.attrs["start"] = int(starts.values[0])
+        end = int(ends.values[0])
+        if end != INT64_MAX:
+            shape_node.attrs["end"] = end
+        ranged = slice_node.outputs[0]
+        detach(slice_node)
+        shape_node.outputs[0] = ranged
+        joined += 1
+    return joined
+
+
+def load_small_external_constants(model: Model) -> None:
+    for constant in model.constants():
+        values = constant._values
+        if isinstance(values, ExternalValues) and values.nbytes < LOAD_EXTERNAL_BELOW_BYTES:
+            constant.values = values.load()
+
+
+def reads_large_external_weight(node: gs.Node) -> bool:
+    return any(isinstance(t, gs.Constant) and isinstance(t._values, ExternalValues) for t in node.inputs)
