@@ -20,7 +20,7 @@ import onnx
 from polygraphy.backend.base import BaseRunner
 from polygraphy.backend.onnxrt import OnnxrtRunner, SessionFromOnnx
 from polygraphy.common import TensorMetadata
-from polygraphy.comparator import Comparator, CompareFunc, DataLoader
+from polygraphy.comparator import Comparator, DataLoader, SimpleCompareFunc
 from polygraphy.comparator.struct import RunResults
 from polygraphy.logger import G_LOGGER
 
@@ -147,7 +147,7 @@ class Verifier:
         results = RunResults()
         for runner_name, iterations in list(self._source_results.items()) + list(candidate.items()):
             results.append((runner_name, iterations))
-        compare = CompareFunc.simple(atol=self.tolerance.atol, rtol=self.tolerance.rtol)
+        compare = SimpleCompareFunc(atol=self.tolerance.atol, rtol=self.tolerance.rtol)
         with _quiet():
             accuracy = Comparator.compare_accuracy(results, compare_func=compare)
         return _summarise(accuracy)

@@ -1,0 +1,96 @@
+"""The onnxopt command: reports, exit codes, one-line errors and an untouched input."""
+
+import json
+import subprocess
+import sys
+
+import onnx
+import pytest
+
+from onnxopt.cli import main
+from tests.conftest import fixture_models
+from tests.graphs import linear_model
+from tests.test_pass_manager import plugins  # noqa: F401  (fixture)
+
+
+@pytest.fixture
+def model_path(tmp_path):
+    path = tmp_path / "in.onnx"
+    onnx.save(linear_model()[0], path)
+    return path
+
+
+def test_optimize_prints_report_and_writes_output(tmp_path, model_path, capsys):
+    before = model_path.read_bytes()
+    out, js = tmp_path / "out.onnx", tmp_path / "report.json"
+    assert main(["optimize", "-i", str(model_path), "-o", str(out), "--passes", "cleanup", "--verify", "--report-json", str(js)]) == 0
+    text = capsys.readouterr().out
+    assert "remove-identity" in text and "final model equal to the source" in text
+    onnx.checker.check_model(str(out))
+    assert json.loads(js.read_text())["final_verification"]["ok"] is True
+    assert model_path.read_bytes() == before
+
+
+def test_verification_failure_exits_1_and_writes_nothing(tmp_path, model_path, capsys, plugins):  # noqa: F811
+    out = tmp_path / "out.onnx"
+    code = main(["optimize", "-i", str(model_path), "-o", str(out), "--passes", "test-add-to-sub", "--verify"])
+    assert code == 1 and not out.exists()
+    assert "test-add-to-sub" in capsys.readouterr().err
+
+
+def test_strict_nothing_to_fuse_exits_4(tmp_path, model_path, capsys, plugins):  # noqa: F811
+    code = main(["optimize", "-i", str(model_path), "-o", str(tmp_path / "o.onnx"), "--passes", "test-fuse-nothing", "--strict"])
+    assert code == 4
+    assert "nothing to fuse" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "setup, args_out, message",
+    [
+        ("not-onnx", None, "not an ONNX model"),
+        ("missing", None, "no such file"),
+        ("external-missing", None, "missing external data"),
+        ("ok", "no/such/dir/out.onnx", "does not exist"),
+        ("ok", "same", "never modifies its input"),
+    ],
+)
+def test_bad_input_gets_one_line_and_exit_2(tmp_path, setup, args_out, message, capsys):
+    src = tmp_path / "in.onnx"
+    if setup == "not-onnx":
+        src.write_text("hello, I am a text file\n")
+    elif setup == "external-missing":
+        onnx.save(linear_model()[0], src, save_as_external_data=True, location="in.onnx.data", size_threshold=0)
+        (tmp_path / "in.onnx.data").unlink()
+    elif setup == "ok":
+        onnx.save(linear_model()[0], src)
+    out = {None: tmp_path / "out.onnx", "same": src}.get(args_out, tmp_path / str(args_out))
+    code = main(["optimize", "-i", str(src), "-o", str(out)])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_unknown_pass_exit_2(model_path, tmp_path, capsys):
+    assert main(["optimize", "-i", str(model_path), "-o", str(tmp_path / "o.onnx"), "--passes", "cleanup,nope"]) == 2
+    assert "unknown pass or preset 'nope'" in capsys.readouterr().err
+
+
+def test_console_script_runs_as_a_process(tmp_path):
+    bad = tmp_path / "bad.onnx"
+    bad.write_bytes(b"\x00\x01garbage")
+    proc = subprocess.run([sys.executable, "-m", "onnxopt", "optimize", "-i", str(bad), "-o", str(tmp_path / "o.onnx")],
+                          capture_output=True, text=True)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr and "onnxopt: error:" in proc.stderr
+
+
+def test_passes_and_info_commands(model_path, capsys):
+    assert main(["passes"]) == 0
+    assert "cleanup" in capsys.readouterr().out
+    assert main(["info", str(model_path)]) == 0
+    assert "MatMul 1" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("path", fixture_models()[:4], ids=lambda p: p.name)
+def test_cli_cleanup_verify_on_fixtures(path, tmp_path, capsys):
+    assert main(["optimize", "-i", str(path), "-o", str(tmp_path / "out.onnx"), "--passes", "cleanup", "--verify"]) == 0
+    assert "final model equal to the source" in capsys.readouterr().out

@@ -1,0 +1,158 @@
+"""Graph I/O: external data in both exporters' layouts, lazy weights, atomic and 2 GB-aware saving."""
+
+import os
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+
+from onnxopt import load_model, save_model
+from onnxopt.errors import ModelLoadError, ModelSaveError, UnsupportedModelError
+from onnxopt.saving import AUTO_EXTERNAL_BYTES
+from onnxopt.weights import ExternalValues
+from tests.graphs import linear_model
+
+
+def _run(path, x):
+    return ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+
+
+@pytest.fixture
+def x():
+    return np.random.default_rng(1).standard_normal((3, 64)).astype(np.float32)
+
+
+@pytest.mark.parametrize("layout", ["inline", "one-file-per-tensor", "single-data-file"])
+@pytest.mark.parametrize("external_out", [False, True])
+def test_round_trip_computes_the_same(tmp_path, x, layout, external_out):
+    proto, w, b = linear_model()
+    src = tmp_path / "src" / "model.onnx"
+    src.parent.mkdir()
+    if layout == "inline":
+        onnx.save(proto, src)
+    else:  # TorchScript writes a file per tensor; dynamo one model.onnx.data
+        onnx.save(proto, src, save_as_external_data=True, all_tensors_to_one_file=layout == "single-data-file",
+                  location="model.onnx.data", size_threshold=0)
+    model = load_model(src)
+    out = tmp_path / "out.onnx"
+    info = save_model(model, out, external_data=external_out)
+    assert info.external == external_out
+    assert (tmp_path / "out.onnx.data").exists() == external_out
+    onnx.checker.check_model(str(out))
+    np.testing.assert_allclose(_run(out, x), x @ w + b, rtol=1e-6, atol=1e-6)
+
+
+def test_external_weights_are_not_loaded(tmp_path):
+    proto, w_expected, _ = linear_model()
+    src = tmp_path / "model.onnx"
+    onnx.save(proto, src, save_as_external_data=True, all_tensors_to_one_file=False, size_threshold=0)
+    model = load_model(src)
+    w = model.graph.tensors()["W"]
+    assert isinstance(w._values, ExternalValues)  # still on disk
+    np.testing.assert_array_equal(w.values, w_expected)
+
+
+def test_auto_external_data_over_threshold(tmp_path, monkeypatch):
+    proto, _, _ = linear_model()
+    monkeypatch.setattr("onnxopt.saving.AUTO_EXTERNAL_BYTES", 1000)  # stand-in for 2 GB
+    info = save_model(load_model(proto), tmp_path / "m.onnx")
+    assert info.external and info.data_path.exists()
+    assert AUTO_EXTERNAL_BYTES < 2**31
+
+
+def test_save_never_touches_source_and_refuses_to_overwrite_it(tmp_path):
+    proto, _, _ = linear_model()
+    src = tmp_path / "m.onnx"
+    onnx.save(proto, src)
+    before = src.read_bytes()
+    with pytest.raises(ModelSaveError, match="never modifies its input"):
+        save_model(load_model(src), src)
+    assert src.read_bytes() == before
+
+
+def test_failed_save_leaves_no_partial_file(tmp_path, monkeypatch):
+    proto, _, _ = linear_model()
+    model = load_model(proto)
+    out = tmp_path / "out.onnx"
+    out.write_bytes(b"previous")
+
+    def broken(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr("onnxopt.saving._copy", broken)
+    with pytest.raises(ModelSaveError, match="No space left"):
+        save_model(model, out, external_data=True)
+    assert out.read_bytes() == b"previous"  # the old output is intact
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out.onnx"]  # no temporaries left behind
+
+
+def test_in_memory_sources_are_not_modified():
+    proto, _, _ = linear_model()
+    snapshot = proto.SerializeToString()
+    model = load_model(proto)
+    model.graph.nodes.clear()
+    assert proto.SerializeToString() == snapshot
+    graph_model = load_model(load_model(proto).graph)
+    assert len(graph_model.graph.nodes) == 3
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        (b"this is not a model at all\n" * 10, "not an ONNX model"),
+        (b"", "not an ONNX model"),
+    ],
+)
+def test_not_onnx(tmp_path, content, message):
+    bad = tmp_path / "bad.onnx"
+    bad.write_bytes(content)
+    with pytest.raises(ModelLoadError, match=message):
+        load_model(bad)
+
+
+def test_truncated_file(tmp_path):
+    proto, _, _ = linear_model()
+    data = proto.SerializeToString()
+    bad = tmp_path / "cut.onnx"
+    bad.write_bytes(data[: len(data) // 2])
+    with pytest.raises(ModelLoadError):
+        load_model(bad)
+
+
+def test_missing_and_truncated_external_data(tmp_path):
+    proto, _, _ = linear_model()
+    src = tmp_path / "m.onnx"
+    onnx.save(proto, src, save_as_external_data=True, location="m.onnx.data", size_threshold=0)
+    data = tmp_path / "m.onnx.data"
+    content = data.read_bytes()
+    data.write_bytes(content[:100])
+    with pytest.raises(ModelLoadError, match="truncated"):
+        load_model(src)
+    data.unlink()
+    with pytest.raises(ModelLoadError, match="missing external data: m.onnx.data"):
+        load_model(src)
+
+
+def test_unsupported_opset(tmp_path):
+    proto, _, _ = linear_model()
+    proto.opset_import[0].version = 9
+    with pytest.raises(UnsupportedModelError, match="opset 9 is not supported"):
+        load_model(proto)
+
+
+def test_missing_file_and_unwritable_output(tmp_path):
+    with pytest.raises(ModelLoadError, match="no such file"):
+        load_model(tmp_path / "nope.onnx")
+    proto, _, _ = linear_model()
+    with pytest.raises(ModelSaveError, match="does not exist"):
+        save_model(load_model(proto), tmp_path / "no" / "such" / "dir" / "m.onnx")
+
+
+def test_skeleton_carries_no_weight_bytes():
+    proto, _, _ = linear_model(256, 256)
+    model = load_model(proto)
+    skeleton = model.skeleton()
+    assert skeleton.ByteSize() < 4096 < model.weights_nbytes()
+    # and the graph's own constants are untouched afterwards
+    assert model.graph.tensors()["W"].values.shape == (256, 256)
