@@ -63,11 +63,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def cmd_optimize(args) -> int:
     from onnxopt.api import optimize
-    from onnxopt.saving import save_model
+    from onnxopt.saving import check_destination, save_model
     from onnxopt.verify import InputSpec, Tolerance
 
     passes = [p for p in args.passes.split(",") if p.strip()]
-    registry.expand(passes)  # unknown names fail before any loading
+    registry.expand(passes)  # unknown names and unwritable outputs fail before any work
+    check_destination(args.output, args.input)
     inputs = InputSpec(shapes=dict(args.shape), dims=dict(args.dim))
     start = time.perf_counter()
     model, report = optimize(

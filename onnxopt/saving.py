@@ -98,14 +98,8 @@ def save_model(
     ``data_location``: the data file's name, next to the model (default ``<name>.data``).
     """
     path = Path(path)
-    if model.source is not None and _same_file(path, model.source):
-        raise ModelSaveError(f"{path}: output is the input file; onnxopt never modifies its input")
+    check_destination(path, model.source)
     folder = path.parent if str(path.parent) else Path(".")
-    if not folder.is_dir():
-        raise ModelSaveError(f"{path}: folder {folder} does not exist")
-    if path.is_dir():
-        raise ModelSaveError(f"{path}: is a folder")
-
     weights = model.weights_nbytes()
     external = weights > AUTO_EXTERNAL_BYTES if external_data is None else external_data
     if not external and weights > AUTO_EXTERNAL_BYTES:
@@ -134,6 +128,20 @@ def save_model(
             if tmp.exists():
                 tmp.unlink()
     return SaveInfo(path=path, data_path=data_path, weights_nbytes=weights, external=external)
+
+
+def check_destination(path: str | os.PathLike, source: str | os.PathLike | None = None) -> None:
+    """Fail early, before any work, when ``path`` cannot be written or is the source itself."""
+    path = Path(path)
+    if source is not None and _same_file(path, Path(source)):
+        raise ModelSaveError(f"{path}: output is the input file; onnxopt never modifies its input")
+    folder = path.parent if str(path.parent) else Path(".")
+    if not folder.is_dir():
+        raise ModelSaveError(f"{path}: folder {folder} does not exist")
+    if path.is_dir():
+        raise ModelSaveError(f"{path}: is a folder")
+    if not os.access(folder, os.W_OK):
+        raise ModelSaveError(f"{path}: folder {folder} is not writable")
 
 
 def _write(model: Model, out: BinaryIO, data: BinaryIO | None, data_name: str) -> None:

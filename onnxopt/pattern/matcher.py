@@ -24,7 +24,7 @@ import functools
 import inspect
 import itertools
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, Union
 
 import numpy as np
 import onnx
@@ -49,7 +49,9 @@ from .constants import constant_shape, constant_value, is_constant
 from .tracer import CandidateTrace, Failure, Tracer
 
 # A check returns None (or True) to accept a match, a reason string (or False) to refuse it.
-Check = Callable[["Match"], "str | bool | None"]
+Check = Callable[["Match"], Union[str, bool, None]]
+# Why a step failed: the text, or a callable that builds it (called only when tracing).
+Reason = Union[str, Callable[[], str]]
 
 
 class Pattern:
@@ -89,7 +91,8 @@ class Pattern:
         self.check = check
         self.outputs: list[PatternValue] = _build_outputs(functions)
         self.root_ops = _root_ops(self.outputs[0])
-        self.paths = _pattern_paths(self.outputs)
+        self.output_values = _output_values(self.outputs)  # ids of the NodeOutputs that are outputs
+        self.use_counts = _use_counts(self.outputs)  # id(NodeOutput) -> inputs of pattern nodes it feeds
         self._orders: dict[tuple[int, int], list[list[tuple[int, int]]]] = {}
 
     def __str__(self) -> str:
@@ -123,9 +126,8 @@ class Pattern:
                     claimed.update(id(n) for n in match.nodes)
         return matches
 
-    def match(self, node: gs.Node, graph: gs.Graph | None = None, *, trace: Tracer | None = None) -> Match | None:
-        """The match rooted at ``node``, or None. ``graph`` (for its outputs) defaults to ``node``'s."""
-        graph = graph if graph is not None else _owning_graph(node)
+    def match(self, graph: gs.Graph, node: gs.Node, *, trace: Tracer | None = None) -> Match | None:
+        """The match rooted at ``node`` of ``graph``, or None (overlap with other matches is not checked)."""
         if trace is not None:
             trace.note_pattern(self.name, str(self), self._root_op_text())
         if node.op not in self.root_ops:
@@ -179,9 +181,10 @@ class Match:
 
     def value(self, name: str) -> np.ndarray:
         """The numpy value of the constant bound to ``name`` (raises if it is not a constant)."""
-        value = constant_value(self[name])
+        tensor = self[name]
+        value = constant_value(tensor) if tensor is not None else None
         if value is None:
-            raise ValueError(f"{name!r} is bound to {self[name].name!r}, which is not a constant")
+            raise ValueError(f"{name!r} is bound to {_name(tensor)}, which is not a constant")
         return value
 
     def node(self, name: str) -> gs.Node:
@@ -249,6 +252,44 @@ def _named_default(name: str, value: PatternValue) -> PatternValue:
     return value
 
 
+def _output_values(outputs: list[PatternValue]) -> set[int]:
+    """Ids of the pattern values that are (alternatives of) the pattern's outputs."""
+    ids: set[int] = set()
+
+    def visit(value):
+        ids.add(id(value))
+        for alternative in getattr(value, "alternatives", ()):
+            visit(alternative)
+
+    for output in outputs:
+        visit(output)
+    return ids
+
+
+def _use_counts(outputs: list[PatternValue]) -> dict[int, int]:
+    """For each NodeOutput (by id), how many pattern node inputs it feeds, across all alternatives."""
+    counts: dict[int, int] = {}
+    seen: set[int] = set()
+
+    def count_use(value):
+        for alternative in getattr(value, "alternatives", (value,)):
+            counts[id(alternative)] = counts.get(id(alternative), 0) + 1
+
+    def visit(value):
+        if isinstance(value, OneOf):
+            for alternative in value.alternatives:
+                visit(alternative)
+        elif isinstance(value, NodeOutput) and id(value.node) not in seen:
+            seen.add(id(value.node))
+            for operand in value.node.inputs:
+                count_use(operand)
+                visit(operand)
+
+    for output in outputs:
+        visit(output)
+    return counts
+
+
 def _root_ops(value: PatternValue) -> set[str]:
     """Op types a candidate root may have; the output must be computed by an op."""
     if isinstance(value, NodeOutput):
@@ -256,36 +297,6 @@ def _root_ops(value: PatternValue) -> set[str]:
     if isinstance(value, OneOf):
         return set().union(*(_root_ops(a) for a in value.alternatives))
     raise ValueError(f"a pattern's output must be computed by an op, not {value}")
-
-
-def _pattern_paths(outputs: list[PatternValue]) -> dict[int, str]:
-    """For each pattern node (by id), its path from the output, e.g. ``Mul.in1 > Add``."""
-    paths: dict[int, str] = {}
-
-    def visit(value, prefix: str) -> None:
-        if isinstance(value, NodeOutput):
-            node = value.node
-            if id(node) in paths:
-                return
-            paths[id(node)] = path = prefix + node.qualified_op
-            for i, operand in enumerate(node.inputs):
-                visit(operand, f"{path}.in{i} > ")
-        elif isinstance(value, OneOf):
-            for k, alternative in enumerate(value.alternatives):
-                visit(alternative, f"{prefix}alt{k}: ")
-
-    for k, output in enumerate(outputs):
-        visit(output, "" if k == 0 else f"out{k}: ")
-    return paths
-
-
-def _owning_graph(node: gs.Node) -> gs.Graph | None:
-    for tensor in node.outputs:
-        for consumer in tensor.outputs:
-            graph = getattr(consumer, "graph", None)
-            if graph is not None:
-                return graph
-    return None
 
 
 # ---------------------------------------------------------------- the search
@@ -299,7 +310,7 @@ class _State:
     def __init__(self, values=None, attrs=None, nodes=None):
         self.values: dict[str, gs.Tensor | None] = values or {}
         self.attrs: dict[str, Any] = attrs or {}
-        self.nodes: dict[int, tuple[PatternNode, gs.Node]] = nodes or {}
+        self.nodes: dict[int, tuple[PatternNode, gs.Node, _Operand]] = nodes or {}
 
     def bind_value(self, name: str, tensor) -> _State:
         return _State({**self.values, name: tensor}, self.attrs, self.nodes)
@@ -307,27 +318,41 @@ class _State:
     def bind_attr(self, name: str, value) -> _State:
         return _State(self.values, {**self.attrs, name: value}, self.nodes)
 
-    def bind_node(self, pnode: PatternNode, gnode: gs.Node) -> _State:
-        return _State(self.values, self.attrs, {**self.nodes, id(pnode): (pnode, gnode)})
+    def bind_node(self, pnode: PatternNode, gnode: gs.Node, operand: _Operand) -> _State:
+        return _State(self.values, self.attrs, {**self.nodes, id(pnode): (pnode, gnode, operand)})
 
 
 class _Operand:
-    """One pattern operand to match against one graph tensor, with where it sits (for tracing)."""
+    """One pattern operand to match against one graph tensor, and where it sits: input ``index``
+    of pattern node ``consumer`` (matched to ``graph_node``), reached through ``parent``."""
 
-    __slots__ = ("value", "tensor", "consumer", "index", "graph_node")
+    __slots__ = ("value", "tensor", "consumer", "index", "graph_node", "parent")
 
-    def __init__(self, value: PatternValue, tensor, consumer: PatternNode | None, index: int, graph_node: gs.Node | None):
-        self.value = value
+    def __init__(self, value, tensor, consumer: PatternNode | None = None, index: int = 0, graph_node=None, parent=None):
+        self.value: PatternValue = value
         self.tensor = tensor
         self.consumer = consumer
         self.index = index
-        self.graph_node = graph_node
+        self.graph_node: gs.Node | None = graph_node
+        self.parent: _Operand | None = parent
+
+    def alternative(self, value: PatternValue) -> _Operand:
+        return _Operand(value, self.tensor, self.consumer, self.index, self.graph_node, self.parent)
+
+    def path(self) -> str:
+        """Where this operand sits in the pattern, from the output: ``Mul.in1 > Add.in0``."""
+        steps, operand = [], self
+        while operand is not None and operand.consumer is not None:
+            steps.append(f"{operand.consumer.qualified_op}.in{operand.index}")
+            operand = operand.parent
+        return " > ".join(reversed(steps))
 
 
-# Operands that lead to subgraphs are matched first: they fail on the op type
-# at once when the operand order is wrong, and when the order is right the
-# failure that follows (say, a constant 0.6 for 0.5) comes after the most
-# progress, which is the failure the tracer reports.
+# Operands that lead to subgraphs are matched first, larger subgraphs before
+# smaller ones: they fail on the op type at once when the operand order is
+# wrong, and when the order is right the failure that follows (say, a
+# constant 0.6 for 0.5) comes after the most progress, which is the failure
+# the tracer reports.
 _OPERAND_PRIORITY = {NodeOutput: 0, OneOf: 0, Var: 1, Const: 2, Literal: 2, Absent: 2}
 
 
@@ -340,6 +365,7 @@ class _Search:
         self.graph_outputs = {id(t) for t in graph.outputs} if graph is not None else set()
         self.claimed: set[int] | None = None
         self.trace: CandidateTrace | None = None
+        self.dependent_failures = 0  # a counter: see _operands
 
     # -- entry point
 
@@ -359,7 +385,7 @@ class _Search:
             self._fail("output", root, "already belongs to an earlier match", 0)
             return
         for tensor in _distinct(root.outputs):
-            root_operand = _Operand(self.pattern.outputs[0], tensor, None, 0, None)
+            root_operand = _Operand(self.pattern.outputs[0], tensor)
             for state in self._value(root_operand, _State()):
                 match = self._accept(state)
                 if match is not None:
@@ -392,7 +418,7 @@ class _Search:
             bound = state.values[var.name]
             if bound is not tensor:
                 return self._fail_operand(
-                    operand, state, f"{var.name} bound to two different tensors: {_name(bound)} vs {_name(tensor)}"
+                    operand, state, f"{var.name} bound to two different tensors: {_name(bound)} vs {_name(tensor)}", dependent=True
                 )
             return iter((state,))
         if var.check is not None and tensor is not None and not var.check(tensor):
@@ -402,24 +428,27 @@ class _Search:
     def _const(self, operand: _Operand, state: _State) -> Iterator[_State]:
         const, tensor = operand.value, operand.tensor
         if not is_constant(tensor):
-            return self._fail_operand(operand, state, f"{_describe(tensor)} is not a constant; pattern wants {const}")
+            return self._fail_operand(operand, state, lambda: f"{_describe(tensor)} is not a constant; pattern wants {const}")
         if const.name is not None and const.name in state.values and state.values[const.name] is not tensor:
             return self._fail_operand(
-                operand, state, f"{const.name} bound to two different tensors: {_name(state.values[const.name])} vs {_name(tensor)}"
+                operand, state, f"{const.name} bound to two different tensors: {_name(state.values[const.name])} vs {_name(tensor)}",
+                dependent=True,
             )
         if const.check is not None and not const.check(constant_value(tensor)):
             return self._fail_operand(operand, state, f"constant {_name(tensor)} fails the check of {const}")
         return iter((state.bind_value(const.name, tensor) if const.name else state,))
 
     def _literal(self, operand: _Operand, state: _State) -> Iterator[_State]:
-        reason = self._literal_refusal(operand.value, operand.tensor)
+        literal, tensor = operand.value, operand.tensor
+        if not is_constant(tensor):
+            return self._fail_operand(operand, state, lambda: f"{_describe(tensor)} is not a constant; pattern wants {literal}")
+        reason = self._literal_refusal(literal, tensor)
         if reason is not None:
             return self._fail_operand(operand, state, reason)
         return iter((state,))
 
     def _literal_refusal(self, literal: Literal, tensor) -> str | None:
-        if not is_constant(tensor):
-            return f"{_describe(tensor)} is not a constant; pattern wants {literal}"
+        """Why the constant ``tensor`` is not close to ``literal`` (None if it is)."""
         shape = constant_shape(tensor)
         if literal.is_scalar:
             if int(np.prod(shape)) != 1 or len(shape) > literal.max_rank:
@@ -442,7 +471,7 @@ class _Search:
 
     def _one_of(self, operand: _Operand, state: _State) -> Iterator[_State]:
         for alternative in operand.value.alternatives:
-            yield from self._value(_Operand(alternative, operand.tensor, operand.consumer, operand.index, operand.graph_node), state)
+            yield from self._value(operand.alternative(alternative), state)
 
     def _node_output(self, operand: _Operand, state: _State) -> Iterator[_State]:
         out, tensor = operand.value, operand.tensor
@@ -450,33 +479,65 @@ class _Search:
         if _missing(tensor):
             return self._fail_operand(operand, state, f"input is missing; pattern wants the output of {pnode.qualified_op}")
         if not isinstance(tensor, gs.Variable) or not tensor.inputs:
-            return self._fail_operand(operand, state, f"{_describe(tensor)}; pattern wants the output of {pnode.qualified_op}")
-        if out.name is not None:
-            bound = state.values.get(out.name, tensor)
-            if bound is not tensor:
-                return self._fail_operand(operand, state, f"{out.name} bound to two different tensors: {_name(bound)} vs {_name(tensor)}")
-            state = state.bind_value(out.name, tensor)
-        return self._node(pnode, tensor.inputs[0], out.index, tensor, state)
+            return self._fail_operand(operand, state, lambda: f"{_describe(tensor)}; pattern wants the output of {pnode.qualified_op}")
+        reason = self._early_escape(operand)
+        if reason is not None:
+            return self._fail_node(operand, tensor.inputs[0], state, reason)
+        return self._node(operand, tensor.inputs[0], state)
+
+    def _early_escape(self, operand: _Operand) -> str | None:
+        """The escape check, done as soon as it can be decided, so a doomed branch is cut early.
+
+        An intermediate that is a graph output escapes. One that a single pattern
+        input uses escapes if any graph node other than the consumer at hand uses it.
+        (Everything else is checked on the complete match.)
+        """
+        out, tensor = operand.value, operand.tensor
+        if out.node.external_uses or id(out) in self.pattern.output_values:
+            return None
+        if self.pattern.use_counts.get(id(out), 0) == 1:
+            return self._escape_reason(tensor, {id(operand.graph_node)})
+        if id(tensor) in self.graph_outputs:
+            return f"intermediate {_name(tensor)} is a graph output"
+        return None
 
     # -- nodes
 
-    def _node(self, pnode: PatternNode, gnode: gs.Node, out_index: int, tensor, state: _State) -> Iterator[_State]:
+    def _node(self, operand: _Operand, gnode: gs.Node, state: _State) -> Iterator[_State]:
+        """Match the producer ``gnode`` of the operand's tensor against the operand's pattern node."""
+        pnode = operand.value.node
         already = state.nodes.get(id(pnode))
         if already is not None:
             if already[1] is not gnode:
-                return self._fail_node(pnode, gnode, state, f"this pattern node is already matched to '{already[1].name}'")
+                return self._fail_node(operand, gnode, state, f"this pattern node is already matched to '{already[1].name}'", dependent=True)
             return iter((state,))
-        reason = self._node_refusal(pnode, gnode, out_index, tensor)
+        if gnode.op != pnode.op_type:  # the usual failure: checked first, cheaply
+            return self._fail_node(operand, gnode, state, lambda: f"op type is {gnode.op}, expected {pnode.op_type}")
+        n_inputs = len(_present_inputs(gnode))
+        reason = self._node_refusal(pnode, gnode, operand.value.index, operand.tensor, n_inputs)
         if reason is not None:
-            return self._fail_node(pnode, gnode, state, reason)
-        state = self._bind_attrs(pnode, gnode, state)
+            return self._fail_node(operand, gnode, state, reason)
+        state = self._bind_attrs(operand, gnode, state)
+        if state is not None:
+            state = self._bind_named_outputs(operand, gnode, state)
         if state is None:
             return iter(())
-        return self._operand_choices(pnode, gnode, state.bind_node(pnode, gnode))
+        return self._operand_choices(operand, gnode, n_inputs, state.bind_node(pnode, gnode, operand))
 
-    def _node_refusal(self, pnode: PatternNode, gnode: gs.Node, out_index: int, tensor) -> str | None:
-        if gnode.op != pnode.op_type:
-            return f"op type is {gnode.op}, expected {pnode.op_type}"
+    def _bind_named_outputs(self, operand: _Operand, gnode: gs.Node, state: _State) -> _State | None:
+        """Bind the outputs named with ``_outputs=[...]`` to the graph node's output tensors."""
+        for out in operand.value.node.outputs:
+            if out.name is None:
+                continue
+            tensor = gnode.outputs[out.index]
+            bound = state.values.get(out.name, tensor)
+            if bound is not tensor:
+                self._fail_node(operand, gnode, state, f"{out.name} bound to two different tensors: {_name(bound)} vs {_name(tensor)}", dependent=True)
+                return None
+            state = state.bind_value(out.name, tensor)
+        return state
+
+    def _node_refusal(self, pnode: PatternNode, gnode: gs.Node, out_index: int, tensor, n_inputs: int) -> str | None:
         if normalize_domain(gnode.domain) != pnode.domain:
             return f"domain is {normalize_domain(gnode.domain)!r}, expected {pnode.domain!r}"
         if claimed_by_earlier(gnode, self.claimed):
@@ -486,57 +547,71 @@ class _Search:
             return f"{_name(tensor)} is output {actual_index} of the node; pattern wants output {out_index}"
         if len(gnode.outputs) < len(pnode.outputs):
             return f"has {len(gnode.outputs)} outputs; pattern wants {len(pnode.outputs)}"
-        n_inputs = len(_present_inputs(gnode))
         if n_inputs > len(pnode.inputs) and not pnode.extra_inputs:
             return f"has {n_inputs} inputs; pattern wants {len(pnode.inputs)}"
         return None
 
-    def _bind_attrs(self, pnode: PatternNode, gnode: gs.Node, state: _State) -> _State | None:
+    def _bind_attrs(self, operand: _Operand, gnode: gs.Node, state: _State) -> _State | None:
+        pnode = operand.value.node
         for name, attr_pattern in pnode.attrs.items():
             is_set = name in gnode.attrs
             if isinstance(attr_pattern, AttrUnset):
                 if is_set:
-                    self._fail_node(pnode, gnode, state, f"attribute {name}={_show(gnode.attrs[name])} is set; pattern wants it unset")
+                    self._fail_node(operand, gnode, state, f"attribute {name}={_show(gnode.attrs[name])} is set; pattern wants it unset")
                     return None
                 continue
             value = gnode.attrs[name] if is_set else schema_default(gnode.op, gnode.domain, name)
             reason = attr_pattern.refusal(value)
             if reason is not None:
-                self._fail_node(pnode, gnode, state, f"attribute {name}={_show(value)} {reason}")
+                self._fail_node(operand, gnode, state, f"attribute {name}={_show(value)} {reason}")
                 return None
             if isinstance(attr_pattern, AttrCapture):
-                state = self._capture_attr(pnode, gnode, state, attr_pattern.var.name, name, value)
+                state = self._capture_attr(operand, gnode, state, attr_pattern.var.name, name, value)
                 if state is None:
                     return None
         return state
 
-    def _capture_attr(self, pnode, gnode, state: _State, var_name: str, attr_name: str, value) -> _State | None:
+    def _capture_attr(self, operand: _Operand, gnode: gs.Node, state: _State, var_name: str, attr_name: str, value) -> _State | None:
         if var_name in state.attrs and not attr_values_equal(state.attrs[var_name], value):
             self._fail_node(
-                pnode, gnode, state,
+                operand, gnode, state,
                 f"attribute {attr_name}={_show(value)}, but {var_name} already captured {_show(state.attrs[var_name])}",
+                dependent=True,
             )
             return None
         return state.bind_attr(var_name, value)
 
-    def _operand_choices(self, pnode: PatternNode, gnode: gs.Node, state: _State) -> Iterator[_State]:
+    def _operand_choices(self, parent: _Operand, gnode: gs.Node, n_inputs: int, state: _State) -> Iterator[_State]:
         """Every operand order (one unless the op is commutative), matched in priority order."""
+        pnode = parent.value.node
         inputs = gnode.inputs
-        n_inputs = len(_present_inputs(gnode))
         for order in self.pattern.operand_orders(pnode, n_inputs):
             operands = [
-                _Operand(pnode.inputs[p], inputs[g] if g < len(inputs) else None, pnode, p, gnode)
+                _Operand(pnode.inputs[p], inputs[g] if g < len(inputs) else None, pnode, p, gnode, parent)
                 for p, g in order
             ]
             yield from self._operands(operands, state)
 
     def _operands(self, operands: list[_Operand], state: _State) -> Iterator[_State]:
+        """Match operands left to right, backtracking over each one's ways to match.
+
+        When the rest fails without any binding conflict, its failure does not
+        depend on how ``first`` matched, so ``first``'s other ways are not tried:
+        this keeps a refused candidate from enumerating every operand order of
+        every commutative op before it.
+        """
         if not operands:
             yield state
             return
         first, rest = operands[0], operands[1:]
         for extended in self._value(first, state):
-            yield from self._operands(rest, extended)
+            conflicts_before = self.dependent_failures
+            produced = False
+            for complete in self._operands(rest, extended):
+                produced = True
+                yield complete
+            if not produced and self.dependent_failures == conflicts_before:
+                return
 
     # -- accepting a complete assignment
 
@@ -544,7 +619,7 @@ class _Search:
         outputs = [self._resolve_output(v, state) for v in self.pattern.outputs]
         if any(t is None for t in outputs):
             missing = [k for k, t in enumerate(outputs) if t is None]
-            self._fail("output", None, f"outputs {missing} are not computed by the matched nodes", len(state.nodes))
+            self._fail("output", None, f"outputs {missing} are not computed by the matched nodes", len(state.nodes), dependent=True)
             return None
         reason = self._escape_refusal(state, outputs)
         if reason is not None:
@@ -554,7 +629,7 @@ class _Search:
             verdict = self.pattern.check(match)
             if verdict is not None and verdict is not True:
                 text = verdict if isinstance(verdict, str) else "refused by the pattern's check"
-                self._fail("check", match.root, text, len(state.nodes))
+                self._fail("check", match.root, text, len(state.nodes), dependent=True)
                 return None
         return match
 
@@ -569,9 +644,9 @@ class _Search:
 
     def _escape_refusal(self, state: _State, outputs: list) -> str | None:
         """Refuse if a value computed inside the match (other than an output) is used outside it."""
-        matched = {id(g) for _, g in state.nodes.values()}
+        matched = {id(g) for _, g, _ in state.nodes.values()}
         output_ids = {id(t) for t in outputs}
-        for pnode, gnode in state.nodes.values():
+        for pnode, gnode, operand in state.nodes.values():
             if pnode.external_uses:
                 continue
             for tensor in gnode.outputs:
@@ -579,7 +654,7 @@ class _Search:
                     continue
                 reason = self._escape_reason(tensor, matched)
                 if reason is not None:
-                    self._fail_node(pnode, gnode, state, reason)
+                    self._fail_node(operand, gnode, state, reason, dependent=True)
                     return reason
         return None
 
@@ -594,29 +669,35 @@ class _Search:
 
     # -- tracing
 
-    def _fail(self, where: str, gnode: gs.Node | None, reason: str, progress: int) -> Iterator[_State]:
+    def _fail(self, where: Reason, gnode: gs.Node | None, reason: Reason, progress: int, dependent: bool = False) -> Iterator[_State]:
+        """Record a failure (when tracing); ``where`` and ``reason`` may be callables, called only then.
+
+        ``dependent`` marks failures that depend on earlier bindings (conflicts); see ``_operands``.
+        """
+        if dependent:
+            self.dependent_failures += 1
         if self.trace is not None:
-            self.trace.failures.append(_failure(where, gnode, reason, progress))
+            where, text = (where() if callable(where) else where), (reason() if callable(reason) else reason)
+            self.trace.failures.append(Failure(where, gnode.name if gnode is not None else None, text, progress))
         return iter(())
 
-    def _fail_node(self, pnode: PatternNode, gnode: gs.Node, state: _State, reason: str) -> Iterator[_State]:
-        return self._fail(self.pattern.paths.get(id(pnode), pnode.qualified_op), gnode, reason, len(state.nodes))
+    def _fail_node(self, operand: _Operand, gnode: gs.Node, state: _State, reason: Reason, dependent: bool = False) -> Iterator[_State]:
+        """A failure on the graph node matched against the operand's pattern node."""
 
-    def _fail_operand(self, operand: _Operand, state: _State, reason: str) -> Iterator[_State]:
-        if operand.consumer is None:
-            where = "output"
-        else:
-            where = f"{self.pattern.paths.get(id(operand.consumer), operand.consumer.qualified_op)}.in{operand.index}"
-        return self._fail(where, operand.graph_node, reason, len(state.nodes))
+        def where() -> str:
+            path, op_type = operand.path(), operand.value.node.qualified_op
+            return f"{path} > {op_type}" if path else op_type
 
+        return self._fail(where, gnode, reason, len(state.nodes), dependent)
 
-def _failure(where, gnode, reason, progress) -> Failure:
-    return Failure(where, gnode.name if gnode is not None else None, reason, progress)
+    def _fail_operand(self, operand: _Operand, state: _State, reason: Reason, dependent: bool = False) -> Iterator[_State]:
+        """A failure on an operand: the graph tensor at that input does not fit the pattern value."""
+        return self._fail(lambda: operand.path() or "output", operand.graph_node, reason, len(state.nodes), dependent)
 
 
 def _make_match(pattern: Pattern, state: _State, outputs: list) -> Match:
-    nodes = _topological([g for _, g in state.nodes.values()])
-    named = {p.name: g for p, g in state.nodes.values() if p.name is not None}
+    nodes = _topological([g for _, g, _ in state.nodes.values()])
+    named = {p.name: g for p, g, _ in state.nodes.values() if p.name is not None}
     return Match(pattern, dict(state.values), dict(state.attrs), nodes, outputs, named)
 
 
@@ -642,8 +723,23 @@ def _operand_orders(pnode: PatternNode, n_graph_inputs: int) -> list[list[tuple[
             if key not in seen:
                 seen.add(key)
                 perms.append(perm)
-    priority = [_OPERAND_PRIORITY[type(v)] for v in pnode.inputs]
+    priority = [(_OPERAND_PRIORITY[type(v)], -_pattern_size(v)) for v in pnode.inputs]
     return [sorted(((p, g) for g, p in enumerate(perm)), key=lambda pair: priority[pair[0]]) for perm in perms]
+
+
+def _pattern_size(value: PatternValue) -> int:
+    """Number of distinct pattern nodes a value depends on (alternatives: the largest)."""
+    seen: set[int] = set()
+
+    def visit(v) -> int:
+        if isinstance(v, OneOf):
+            return max(visit(a) for a in v.alternatives)
+        if not isinstance(v, NodeOutput) or id(v.node) in seen:
+            return 0
+        seen.add(id(v.node))
+        return 1 + sum(visit(i) for i in v.node.inputs)
+
+    return visit(value)
 
 
 def _all_close(actual: np.ndarray, expected: np.ndarray, rtol: float, atol: float) -> bool:

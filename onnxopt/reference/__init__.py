@@ -1,16 +1,20 @@
 """NumPy reference kernels for the ONNX Runtime com.microsoft contrib ops our passes emit.
 
 ONNX Runtime's CPU build lacks kernels for several of them (GroupNorm, NhwcConv, packed-QKV
-MultiHeadAttention, ...), so fused graphs are checked on CPU with
-``onnx.reference.ReferenceEvaluator(model, new_ops=CONTRIB_OPS)``::
+MultiHeadAttention, ...), so fused graphs are checked on CPU with onnx's ReferenceEvaluator
+plus these kernels::
 
     from onnxopt import reference
     outputs = reference.run(model, {"sample": x})          # {output name: array}
     reference.unsupported_on_ort_cpu(model)                 # {"com.microsoft.GroupNorm", ...}
 
+``CONTRIB_OPS`` also works as ``ReferenceEvaluator(model, new_ops=CONTRIB_OPS)``; ``evaluator()``
+additionally fixes the stock evaluator's handling of unbound optional outputs (see _Evaluator).
+
 Semantics follow ONNX Runtime's docs/ContribOperators.md and, where the text is silent, its
 CUDA/CPU kernels. Spec features a kernel does not implement raise NotImplementedError naming
-the attribute, input or shape; each class docstring lists what is supported.
+the attribute, input or shape; inputs the spec does not allow raise ValueError. Each class
+docstring gives the formula and lists what is supported.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from collections.abc import Iterator
 
 import numpy as np
 import onnx
+from onnx import NodeProto
 from onnx.reference import ReferenceEvaluator
 
 from ._common import MS_DOMAIN
@@ -46,11 +51,36 @@ CONTRIB_OPS: list[type] = [
 ]
 
 
+class _Evaluator(ReferenceEvaluator):
+    """ReferenceEvaluator that leaves unbound optional outputs unstored.
+
+    The stock evaluator stores every value a node returns under the node's output names, ""
+    included, and "" is also how it resolves omitted optional inputs (to None). So e.g.
+    LayerNormalization(outputs=["y", "", "inv_std"]) followed by Clip(x, "", max) clips at the
+    mean. Here every node's results bound to "" are dropped (subgraphs and functions use this
+    class too).
+    """
+
+    def _init(self) -> None:
+        super()._init()
+        for node in self.rt_nodes_:
+            names = list(getattr(node, "onnx_node", NodeProto()).output)
+            if "" in names:
+                node.run = _drop_unbound(node.run, names)
+
+
+def _drop_unbound(run, names: list[str]):
+    def wrapped(*args, **kwargs):
+        return tuple(None if name == "" else value for name, value in zip(names, run(*args, **kwargs)))
+
+    return wrapped
+
+
 def evaluator(model: onnx.ModelProto | str | os.PathLike) -> ReferenceEvaluator:
     """A ReferenceEvaluator for ``model`` (a ModelProto or a path) that knows the contrib ops."""
     if isinstance(model, os.PathLike):
         model = os.fspath(model)
-    return ReferenceEvaluator(model, new_ops=CONTRIB_OPS)
+    return _Evaluator(model, new_ops=CONTRIB_OPS)
 
 
 def run(

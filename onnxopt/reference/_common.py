@@ -47,6 +47,13 @@ class ContribOp(OpRun):
         outs = self.onnx_node.output
         return index < len(outs) and outs[index] != ""
 
+    def run(self, *args, **kwargs):
+        # Kernels return every output; drop those bound to "". The evaluator stores results under
+        # the node's output names, and "" is also the name that resolves omitted optional *inputs*
+        # to None: an array stored there would be fed to later nodes as their omitted input.
+        results = super().run(*args, **kwargs)
+        return tuple(None if name == "" else value for name, value in zip(self.onnx_node.output, results))
+
 
 def compute_dtype(x: np.ndarray) -> type:
     """The precision the kernels compute in: float32 for fp16/bf16/fp32, float64 for double."""

@@ -15,33 +15,6 @@ def _heads(x: np.ndarray, num_heads: int) -> np.ndarray:
     return x.reshape(b, length, num_heads, hidden // num_heads).transpose(0, 2, 1, 3)
 
 
-def _attend(q, k, v, *, scale, attention_bias, keep, causal, mask_filter_value, op) -> np.ndarray:
-    """softmax(scale * Q K^T + attention_bias + mask) V for q (B,N,S,H), k (B,N,T,H), v (B,N,T,Hv).
-
-    ``keep`` is a boolean array broadcastable to (B, 1, S, T) (False = masked) or None; ``causal``
-    masks key j for query i when j > i. Masked scores get ``mask_filter_value`` added, like ORT
-    does (a finite value, so a fully masked row still yields a defined softmax).
-    Returns (B, S, N*Hv).
-    """
-    b, n, s, _ = q.shape
-    t = k.shape[2]
-    scores = (q @ k.transpose(0, 1, 3, 2)) * q.dtype.type(scale)
-    if attention_bias is not None:
-        ab = attention_bias
-        if ab.ndim != 4 or ab.shape[0] not in (1, b) or ab.shape[1] not in (1, n) or ab.shape[2:] != (s, t):
-            raise op._invalid(f"attention_bias must be (B or 1, N or 1, S, T) = ({b} or 1, {n} or 1, {s}, {t}), got {ab.shape}")
-        scores = scores + ab.astype(scores.dtype)
-    masked = np.zeros((1, 1, s, t), dtype=bool)
-    if keep is not None:
-        masked = masked | ~keep
-    if causal:
-        masked = masked | np.triu(np.ones((s, t), dtype=bool), k=1)
-    if masked.any():
-        scores = scores + np.where(masked, scores.dtype.type(mask_filter_value), scores.dtype.type(0))
-    out = softmax(scores, axis=-1) @ v
-    return out.transpose(0, 2, 1, 3).reshape(b, s, -1)
-
-
 def _keep_from_lengths(end, t: int, start=None) -> np.ndarray:
     """Per-batch valid key range [start, end) -> keep mask (B, 1, 1, T)."""
     j = np.arange(t)
@@ -51,12 +24,35 @@ def _keep_from_lengths(end, t: int, start=None) -> np.ndarray:
     return keep[:, None, None, :]
 
 
-def _resolve_scale(scale, head_size: int) -> float:
-    # ORT treats an explicit 0 like the default.
-    return 1.0 / math.sqrt(head_size) if not scale else float(scale)
+class _AttentionOp(ContribOp):
+    def _attend(self, q, k, v, *, scale, attention_bias, keep, causal, mask_filter_value) -> np.ndarray:
+        """softmax(scale * Q K^T + attention_bias + mask) V for q (B,N,S,H), k (B,N,T,H), v (B,N,T,Hv).
+
+        ``keep`` is a boolean array broadcastable to (B, 1, S, T) (False = masked) or None; masked
+        scores get ``mask_filter_value`` added (finite, so a fully padded row still has a defined
+        softmax). ``causal`` removes key j from query i when j > i (callers ensure S == T).
+        ``scale`` None or 0 means 1/sqrt(H), as in ORT. Returns (B, S, N*Hv).
+        """
+        b, n, s, h = q.shape
+        t = k.shape[2]
+        scale = float(scale) if scale else 1.0 / math.sqrt(h)
+        scores = (q @ k.transpose(0, 1, 3, 2)) * q.dtype.type(scale)
+        if attention_bias is not None:
+            ab = attention_bias
+            if ab.ndim != 4 or ab.shape[0] not in (1, b) or ab.shape[1] not in (1, n) or ab.shape[2:] != (s, t):
+                raise self._invalid(f"attention_bias must be ({b} or 1, {n} or 1, {s}, {t}), got {ab.shape}")
+            scores = scores + ab.astype(scores.dtype)
+        if keep is not None:
+            scores = scores + np.where(keep, scores.dtype.type(0), scores.dtype.type(mask_filter_value))
+        if causal:
+            # Future keys are excluded outright, as ORT's CPU kernels do (-inf, not mask_filter_value).
+            # This matters for a row whose visible keys are all padding: it still attends among them.
+            scores = np.where(np.triu(np.ones((s, t), dtype=bool), k=1), -np.inf, scores)
+        out = softmax(scores, axis=-1) @ v
+        return out.transpose(0, 2, 1, 3).reshape(b, s, -1)
 
 
-class MultiHeadAttention(ContribOp):
+class MultiHeadAttention(_AttentionOp):
     """output = concat_heads(softmax(scale * Q K^T + attention_bias + mask) V), heads split from the hidden axis.
 
     Inputs (spec order):
@@ -64,11 +60,13 @@ class MultiHeadAttention(ContribOp):
       key: (B, L, D), packed KV (B, L, N, 2, H) with value absent, or (B, N, L, H) (already split);
       value: (B, L, D_v), or (B, N, L, H_v) together with a 4-D key;
       bias: (D + D + D_v), added to Q, K, V before the heads are split;
-      key_padding_mask (int): (B) key lengths, (B, L) or (B, S, L) with 0 = masked;
+      key_padding_mask (int): (B) key lengths, or (B, L) / (B, S, L) with 0 = masked;
+        (3B + 2) is not supported;
       attention_bias: (B or 1, N or 1, S, L), added to the scaled scores;
       past_key, past_value, past_sequence_length, cache_indirection: not supported.
     Attributes: num_heads (required), scale (default 1/sqrt(H)), mask_filter_value (default
-    -10000, added to masked scores), unidirectional (default 0; 1 = causal, key j > query i masked).
+    -10000, added to scores of padded keys), unidirectional (default 0; 1 = causal: key j is
+    hidden from query i when j > i; supported only for L == S).
     Outputs: output (B, S, N*H_v); optional present_key (B, N, L, H) and present_value
     (B, N, L, H_v) -- without past state they are just K and V after bias; qk: not supported.
     """
@@ -106,20 +104,19 @@ class MultiHeadAttention(ContribOp):
 
         ct = compute_dtype(query)
         q, k, v = self._split_qkv(query, key, value, bias, num_heads, ct)
-        b, _, s, head_size = q.shape
+        b, _, s, _ = q.shape
         t = k.shape[2]
-        out = _attend(
-            q,
-            k,
-            v,
-            scale=_resolve_scale(scale, head_size),
-            attention_bias=attention_bias,
-            keep=self._keep(key_padding_mask, b, s, t),
-            causal=bool(unidirectional),
-            mask_filter_value=mask_filter_value,
-            op=self,
-        )
-        return out.astype(query.dtype), k.astype(query.dtype), v.astype(query.dtype)
+        if unidirectional and s != t:
+            # ORT's CPU kernel masks top-left aligned but leaves the last query row unmasked; no
+            # single behaviour to follow, and our graphs only use causal self-attention.
+            raise self._reject("unidirectional=1 with kv_sequence_length != sequence_length")
+        keep = self._keep(key_padding_mask, b, s, t)
+        out = self._attend(
+            q, k, v,
+            scale=scale, attention_bias=attention_bias, keep=keep,
+            causal=bool(unidirectional), mask_filter_value=mask_filter_value,
+        )  # fmt: skip
+        return (out.astype(query.dtype), k.astype(query.dtype), v.astype(query.dtype))
 
     def _split_qkv(self, query, key, value, bias, n, ct):
         """Q (B,N,S,H), K (B,N,L,H), V (B,N,L,Hv) from any of the spec's input layouts."""
@@ -159,7 +156,9 @@ class MultiHeadAttention(ContribOp):
 
         if key.ndim == 4:  # K and V already split into heads: (B, N, L, H), (B, N, L, H_v)
             if value.ndim != 4 or key.shape[1] != n or value.shape[1] != n or key.shape[3] != h:
-                raise self._invalid(f"4-D key/value must be (B, {n}, L, {h}) and (B, {n}, L, H_v), got {key.shape}, {value.shape}")
+                raise self._invalid(
+                    f"4-D key/value must be (B, {n}, L, {h}) and (B, {n}, L, H_v), got {key.shape}, {value.shape}"
+                )
             if bias is not None:
                 raise self._reject("bias together with 4-D (B, N, L, H) key/value")
             return _heads(query, n), key, value
@@ -199,7 +198,7 @@ class MultiHeadAttention(ContribOp):
         raise self._invalid(f"key_padding_mask must be ({b},), ({b}, {t}) or ({b}, {s}, {t}), got {mask.shape}")
 
 
-class Attention(ContribOp):
+class Attention(_AttentionOp):
     """Q, K, V = split(input @ weights + bias); output = MultiHeadAttention(Q, K, V) with mask_index.
 
     Inputs (spec order):
@@ -244,7 +243,9 @@ class Attention(ContribOp):
         if unidirectional not in (0, 1):
             raise self._invalid(f"unidirectional must be 0 or 1, got {unidirectional}")
         if input.ndim != 3 or weights.ndim != 2 or weights.shape[0] != input.shape[2]:
-            raise self._invalid(f"expects input (B, S, K) and weights (K, D + D + D_v), got {input.shape} and {weights.shape}")
+            raise self._invalid(
+                f"expects input (B, S, K) and weights (K, D + D + D_v), got {input.shape} and {weights.shape}"
+            )
 
         n = num_heads
         dq, dk, dv = self._hidden_sizes(qkv_hidden_sizes, weights.shape[1], n)
@@ -258,23 +259,18 @@ class Attention(ContribOp):
         k = _heads(qkv[..., dq : dq + dk], n)
         v = _heads(qkv[..., dq + dk :], n)
 
-        b, _, s, head_size = q.shape
-        out = _attend(
-            q,
-            k,
-            v,
-            scale=_resolve_scale(scale, head_size),
-            attention_bias=attention_bias,
-            keep=self._keep(mask_index, b, s, k.shape[2]),
-            causal=bool(unidirectional),
-            mask_filter_value=mask_filter_value,
-            op=self,
-        )
+        b, _, s, _ = q.shape
+        keep = self._keep(mask_index, b, s, k.shape[2])
+        out = self._attend(
+            q, k, v,
+            scale=scale, attention_bias=attention_bias, keep=keep,
+            causal=bool(unidirectional), mask_filter_value=mask_filter_value,
+        )  # fmt: skip
         if not self._wants_output(1):
             return (out.astype(input.dtype),)
         if dk != dv:
             raise self._reject("output 'present' with different K and V hidden sizes")
-        return out.astype(input.dtype), np.stack([k, v]).astype(input.dtype)
+        return (out.astype(input.dtype), np.stack([k, v]).astype(input.dtype))
 
     def _hidden_sizes(self, qkv_hidden_sizes, width, n):
         if qkv_hidden_sizes is None:

@@ -27,9 +27,11 @@ class NhwcConv(ContribOp):
         # standard semantics (and validation) of the reference Conv.
         conv_node = helper.make_node("Conv", ["X", "W", "B"], ["Y"])
         conv_node.attribute.extend(onnx_node.attribute)
-        self._conv = load_op("", "Conv", 11)(conv_node, run_params)
+        self._conv = load_op("", "Conv")(conv_node, run_params)
 
-    def _run(self, X, W, B=None, auto_pad=None, dilations=None, group=1, kernel_shape=None, pads=None, strides=None):
+    def _run(self, X, W, B=None, **_attributes):
+        # auto_pad, dilations, group, kernel_shape, pads, strides: applied by self._conv, whose node
+        # carries this node's attributes.
         if X.ndim < 3 or W.ndim != X.ndim:
             raise self._invalid(f"X and W must be channels-last tensors of the same rank, got {X.shape} and {W.shape}")
         ct = compute_dtype(X)

@@ -6,9 +6,6 @@ import numpy as np
 
 from ._common import ContribOp, compute_dtype, sigmoid
 
-_ACTIVATIONS = {0: "none", 1: "SiLU"}
-
-
 def _group_norm_nhwc(x, gamma, beta, groups: int, epsilon: float, silu: bool) -> np.ndarray:
     """GroupNorm of a channels-last tensor x (N, ..., C), statistics in x's (float) precision."""
     n, c = x.shape[0], x.shape[-1]
@@ -21,18 +18,16 @@ def _group_norm_nhwc(x, gamma, beta, groups: int, epsilon: float, silu: bool) ->
 
 
 class _GroupNormBase(ContribOp):
-    def _check(self, X, gamma, beta, groups, activation, epsilon) -> int:
-        """Validates the attributes and parameters shared by GroupNorm and SkipGroupNorm; returns C."""
+    def _validate(self, X, gamma, beta, groups, activation, epsilon, channels_last) -> None:
+        """Checks what GroupNorm and SkipGroupNorm share: attributes, X rank, gamma/beta shapes."""
         self._require(groups=groups, activation=activation)
-        if activation not in _ACTIVATIONS:
-            raise self._reject(f"activation={activation} (spec: 0 none, 1 SiLU)")
+        if activation not in (0, 1):
+            raise self._invalid(f"activation must be 0 (none) or 1 (SiLU), got {activation}")
         if epsilon < 0:
             raise self._invalid(f"epsilon must be >= 0, got {epsilon}")
         if X.ndim != 4:
             raise self._invalid(f"X must be 4-D, got shape {X.shape}")
-        return X.shape[-1]
-
-    def _check_channels(self, c: int, gamma, beta, groups: int) -> None:
+        c = X.shape[-1] if channels_last else X.shape[1]
         if groups <= 0 or c % groups:
             raise self._invalid(f"groups={groups} must divide the channel count {c}")
         if gamma.shape != (c,) or beta.shape != (c,):
@@ -42,18 +37,17 @@ class _GroupNormBase(ContribOp):
 class GroupNorm(_GroupNormBase):
     """Y = act(gamma * (X - mean) / sqrt(var + epsilon) + beta), statistics per (sample, group).
 
-    Inputs: X (N, H, W, C) when channels_last=1 (default!) else (N, C, H, W); gamma (C); beta (C)
-    (fp32 or fp16). Attributes: groups (required, divides C), activation (required: 0 none, 1 SiLU),
-    epsilon (default 1e-5), channels_last (default 1).
-    Computed in float32 even for fp16 X (as the CUDA kernel does); Y has X's type.
+    Inputs: X (N, H, W, C) when channels_last=1 (the default!) else (N, C, H, W); gamma (C) and
+    beta (C), fp32 or fp16. Attributes: groups (required, divides C), activation (required:
+    0 none, 1 SiLU, i.e. y * sigmoid(y)), epsilon (default 1e-5), channels_last (default 1).
+    Computed in float32 even for fp16 X, as the CUDA kernel does; Y has X's type.
     """
 
     def _run(self, X, gamma, beta, groups=None, activation=None, epsilon=1e-5, channels_last=1):
-        self._check(X, gamma, beta, groups, activation, epsilon)
+        self._validate(X, gamma, beta, groups, activation, epsilon, channels_last)
         x = X.astype(compute_dtype(X))
         if not channels_last:
             x = np.moveaxis(x, 1, -1)
-        self._check_channels(x.shape[-1], gamma, beta, groups)
         y = _group_norm_nhwc(x, gamma, beta, groups, epsilon, activation == 1)
         if not channels_last:
             y = np.moveaxis(y, -1, 1)
@@ -65,18 +59,17 @@ class SkipGroupNorm(_GroupNormBase):
 
     Inputs: X (N, H, W, C); gamma (C); beta (C); skip (N, H, W, C), (N, 1, 1, C) or (N, C);
     optional bias (C). Outputs: Y (N, H, W, C); optional S, the sum, same shape as X.
-    Attributes: as GroupNorm. Only channels_last=1 is accepted: the skip shapes the spec lists
-    are NHWC ones, and ORT's kernel rejects NCHW.
-    The sum is formed in X's type (fp16 stays fp16, as in the CUDA kernel, whose statistics are
-    taken over the stored sum); the normalisation runs in float32.
+    Attributes: as GroupNorm, but only channels_last=1 is supported: the skip shapes the spec
+    lists are NHWC ones, and ORT's kernel rejects NCHW too.
+    The sum is formed in X's type (fp16 stays fp16: the CUDA kernel stores the sum and takes
+    its statistics from the stored values); the normalisation runs in float32.
     """
 
     def _run(self, X, gamma, beta, skip, bias=None, groups=None, activation=None, epsilon=1e-5, channels_last=1):
-        c = self._check(X, gamma, beta, groups, activation, epsilon)
         if not channels_last:
             raise self._reject("channels_last=0 (NCHW)")
-        self._check_channels(c, gamma, beta, groups)
-        n = X.shape[0]
+        self._validate(X, gamma, beta, groups, activation, epsilon, channels_last)
+        n, c = X.shape[0], X.shape[-1]
         if skip.shape == (n, c):
             skip = skip.reshape(n, 1, 1, c)
         if skip.shape not in (X.shape, (n, 1, 1, c)):
@@ -84,10 +77,9 @@ class SkipGroupNorm(_GroupNormBase):
         if bias is not None and bias.shape != (c,):
             raise self._invalid(f"bias must have shape ({c},), got {bias.shape}")
 
-        s = X + skip if bias is None else X + skip + bias
-        s = s.astype(X.dtype)
+        s = (X + skip if bias is None else X + skip + bias).astype(X.dtype)
         y = _group_norm_nhwc(s.astype(compute_dtype(X)), gamma, beta, groups, epsilon, activation == 1)
-        return y.astype(X.dtype), s
+        return (y.astype(X.dtype), s)
 
 
 class SkipLayerNormalization(ContribOp):
@@ -101,9 +93,9 @@ class SkipLayerNormalization(ContribOp):
 
     def _run(self, input, skip, gamma, beta=None, bias=None, epsilon=1e-12):
         d = input.shape[-1]
-        if skip.shape[-1] != d or gamma.shape != (d,):
-            raise self._invalid(f"skip and gamma must end in hidden size {d}, got {skip.shape} and {gamma.shape}")
-        for name, t in (("beta", beta), ("bias", bias)):
+        if skip.shape not in (input.shape, (1, *input.shape[1:]), input.shape[1:]):
+            raise self._invalid(f"skip must be (B, S, D), (1, S, D) or (S, D) for input {input.shape}, got {skip.shape}")
+        for name, t in (("gamma", gamma), ("beta", beta), ("bias", bias)):
             if t is not None and t.shape != (d,):
                 raise self._invalid(f"{name} must have shape ({d},), got {t.shape}")
         ct = compute_dtype(input)
