@@ -156,3 +156,39 @@ def test_skeleton_carries_no_weight_bytes():
     assert skeleton.ByteSize() < 4096 < model.weights_nbytes()
     # and the graph's own constants are untouched afterwards
     assert model.graph.tensors()["W"].values.shape == (256, 256)
+
+
+def test_optimize_and_save_stream_weights_instead_of_holding_them(tmp_path):
+    """Peak Python memory stays far below the weights: nothing loads them, saving streams them."""
+    import tracemalloc
+
+    from onnx import TensorProto, helper, numpy_helper
+
+    from onnxopt import optimize
+
+    n = 3000  # 4 weights of 36 MB
+    rng = np.random.default_rng(0)
+    nodes, inits, prev = [], [], "x"
+    for i in range(4):
+        inits.append(numpy_helper.from_array(rng.standard_normal((n, n), dtype=np.float32), f"W{i}"))
+        nodes.append(helper.make_node("MatMul", [prev, f"W{i}"], [f"h{i}"]))
+        prev = f"h{i}"
+    nodes.append(helper.make_node("Identity", [prev], ["out"]))
+    proto = helper.make_model(
+        helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", n])],
+                          [helper.make_tensor_value_info("out", TensorProto.FLOAT, ["b", n])], inits),
+        opset_imports=[helper.make_opsetid("", 17)],
+    )
+    src = tmp_path / "big.onnx"
+    onnx.save(proto, src, save_as_external_data=True, location="big.onnx.data")
+    del proto, inits
+    weights = 4 * n * n * 4
+
+    tracemalloc.start()
+    model, _ = optimize(src, ["cleanup"])
+    save_model(model, tmp_path / "out.onnx", external_data=True)
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert all(isinstance(c._values, ExternalValues) for c in model.constants())
+    assert peak < 0.6 * weights, f"peak {peak / 1e6:.0f} MB for {weights / 1e6:.0f} MB of weights"
+    assert (tmp_path / "out.onnx.data").stat().st_size >= weights
