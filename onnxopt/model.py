@@ -73,9 +73,10 @@ class Model:
     def to_onnx(self) -> onnx.ModelProto:
         """A full in-memory ModelProto (weights loaded). For small models and tests only."""
         proto = gs.export_onnx(self.graph, do_type_check=False)
+        tensors = self.graph.tensors()
         for tensor in proto.graph.initializer:
             if onnx.external_data_helper.uses_external_data(tensor):
-                _inline_external(tensor, self)
+                tensor.CopyFrom(onnx.numpy_helper.from_array(tensors[tensor.name].values, tensor.name))
         self._apply_metadata(proto)
         return proto
 
@@ -86,12 +87,6 @@ class Model:
         del proto.metadata_props[:]
         for key, value in self.metadata_props.items():
             proto.metadata_props.add(key=key, value=value)
-
-
-def _inline_external(tensor: onnx.TensorProto, model: Model) -> None:
-    constant = model.graph.tensors()[tensor.name]
-    array = constant.values
-    tensor.CopyFrom(onnx.numpy_helper.from_array(array, tensor.name))
 
 
 def stub_tensor(constant: Constant) -> onnx.TensorProto:

@@ -21,6 +21,18 @@ A pattern is a function that builds the subgraph it matches::
     graph.cleanup().toposort()
     print(matches.trace.report())                # why the other candidates did not match
 
+Vocabulary (see ``builder``): function parameters and ``Var("x")`` match any
+tensor; Python numbers match constants close to them (``Literal``);
+``Const()`` / ``Const.named("w")`` any constant; ``OneOf(a, b)`` either form;
+``Maybe(op.Cast, x)`` an op that may be absent; ``None`` an absent optional
+input. Attributes: a value (exact), a callable (predicate), ``Var("eps")``
+(captured into ``match.attrs``). Add, Mul, Max, Min, Sum, Equal, And, Or and Xor
+match in every operand order.
+
+A match is refused when a value computed inside it is used outside it (or is
+a graph output), unless its node says ``_external_uses=True``; matches found
+by one ``find`` do not share nodes.
+
 Pieces: ``builder`` (op builder and pattern values), ``matcher`` (Pattern,
 Match, the search), ``tracer`` (failure records), ``rewrite`` (replace),
 ``constants`` (reading constant tensors lazily).

@@ -256,9 +256,12 @@ class PatternNode:
 
 
 class AttrPattern:
-    """Matches one attribute value. ``refusal(value)`` returns None or why it does not match."""
+    """Matches one attribute. ``refusal(value, is_set)`` returns None, or why it does not match.
 
-    def refusal(self, value) -> str | None:
+    ``value`` is the node's attribute, or its schema default (None if unknown) when not set.
+    """
+
+    def refusal(self, value, is_set: bool) -> str | None:
         raise NotImplementedError
 
 
@@ -268,7 +271,7 @@ class AttrEquals(AttrPattern):
     def __init__(self, expected):
         self.expected = expected
 
-    def refusal(self, value) -> str | None:
+    def refusal(self, value, is_set: bool) -> str | None:
         return None if attr_values_equal(value, self.expected) else f"!= {self.expected!r}"
 
     def __str__(self) -> str:
@@ -281,7 +284,7 @@ class AttrPredicate(AttrPattern):
     def __init__(self, predicate: Callable[[Any], bool]):
         self.predicate = predicate
 
-    def refusal(self, value) -> str | None:
+    def refusal(self, value, is_set: bool) -> str | None:
         return None if self.predicate(value) else f"fails predicate {_callable_name(self.predicate)}"
 
     def __str__(self) -> str:
@@ -291,8 +294,8 @@ class AttrPredicate(AttrPattern):
 class AttrUnset(AttrPattern):
     """The attribute must not be set on the node."""
 
-    def refusal(self, value) -> str | None:
-        return "is set, pattern wants it unset"
+    def refusal(self, value, is_set: bool) -> str | None:
+        return "is set; pattern wants it unset" if is_set else None
 
     def __str__(self) -> str:
         return "unset"
@@ -304,7 +307,7 @@ class AttrCapture(AttrPattern):
     def __init__(self, var: Var):
         self.var = var
 
-    def refusal(self, value) -> str | None:
+    def refusal(self, value, is_set: bool) -> str | None:
         if self.var.check is not None and not self.var.check(value):
             return f"fails check of Var {self.var.name!r}"
         return None

@@ -33,7 +33,6 @@ import onnx_graphsurgeon as gs
 from .builder import (
     Absent,
     AttrCapture,
-    AttrUnset,
     Const,
     Literal,
     NodeOutput,
@@ -48,10 +47,14 @@ from .builder import (
 from .constants import constant_shape, constant_value, is_constant
 from .tracer import CandidateTrace, Failure, Tracer
 
+# How close a failed step came (Failure.fit): the tracer reports, among the
+# failures that got furthest, the one that fit best.
+FIT_RIGHT_OP, FIT_WRONG_OP, FIT_WRONG_KIND = 2, 1, 0
+
 # A check returns None (or True) to accept a match, a reason string (or False) to refuse it.
 Check = Callable[["Match"], Union[str, bool, None]]
-# Why a step failed: the text, or a callable that builds it (called only when tracing).
-Reason = Union[str, Callable[[], str]]
+# Text for a failure record (where, why), or a callable that builds it: called only when tracing.
+LazyText = Union[str, Callable[[], str]]
 
 
 class Pattern:
@@ -381,7 +384,7 @@ class _Search:
         return match
 
     def _solutions(self, root: gs.Node) -> Iterator[Match]:
-        if claimed_by_earlier(root, self.claimed):
+        if _is_claimed(root, self.claimed):
             self._fail("output", root, "already belongs to an earlier match", 0)
             return
         for tensor in _distinct(root.outputs):
@@ -412,7 +415,7 @@ class _Search:
     def _var(self, operand: _Operand, state: _State) -> Iterator[_State]:
         var, tensor = operand.value, operand.tensor
         if _missing(tensor) and not var.optional:
-            return self._fail_operand(operand, state, f"input is missing; Var {var.name} needs a tensor")
+            return self._fail_operand(operand, state, f"input is missing; Var {var.name} needs a tensor", fit=FIT_WRONG_KIND)
         tensor = None if _missing(tensor) else tensor
         if var.name in state.values:
             bound = state.values[var.name]
@@ -428,7 +431,9 @@ class _Search:
     def _const(self, operand: _Operand, state: _State) -> Iterator[_State]:
         const, tensor = operand.value, operand.tensor
         if not is_constant(tensor):
-            return self._fail_operand(operand, state, lambda: f"{_describe(tensor)} is not a constant; pattern wants {const}")
+            return self._fail_operand(
+                operand, state, lambda: f"{_describe(tensor)} is not a constant; pattern wants {const}", fit=FIT_WRONG_KIND
+            )
         if const.name is not None and const.name in state.values and state.values[const.name] is not tensor:
             return self._fail_operand(
                 operand, state, f"{const.name} bound to two different tensors: {_name(state.values[const.name])} vs {_name(tensor)}",
@@ -441,7 +446,9 @@ class _Search:
     def _literal(self, operand: _Operand, state: _State) -> Iterator[_State]:
         literal, tensor = operand.value, operand.tensor
         if not is_constant(tensor):
-            return self._fail_operand(operand, state, lambda: f"{_describe(tensor)} is not a constant; pattern wants {literal}")
+            return self._fail_operand(
+                operand, state, lambda: f"{_describe(tensor)} is not a constant; pattern wants {literal}", fit=FIT_WRONG_KIND
+            )
         reason = self._literal_refusal(literal, tensor)
         if reason is not None:
             return self._fail_operand(operand, state, reason)
@@ -466,7 +473,7 @@ class _Search:
 
     def _absent(self, operand: _Operand, state: _State) -> Iterator[_State]:
         if not _missing(operand.tensor):
-            return self._fail_operand(operand, state, f"input is {_name(operand.tensor)}; pattern wants it absent")
+            return self._fail_operand(operand, state, f"input is {_name(operand.tensor)}; pattern wants it absent", fit=FIT_WRONG_KIND)
         return iter((state,))
 
     def _one_of(self, operand: _Operand, state: _State) -> Iterator[_State]:
@@ -477,9 +484,13 @@ class _Search:
         out, tensor = operand.value, operand.tensor
         pnode = out.node
         if _missing(tensor):
-            return self._fail_operand(operand, state, f"input is missing; pattern wants the output of {pnode.qualified_op}")
+            return self._fail_operand(
+                operand, state, f"input is missing; pattern wants the output of {pnode.qualified_op}", fit=FIT_WRONG_KIND
+            )
         if not isinstance(tensor, gs.Variable) or not tensor.inputs:
-            return self._fail_operand(operand, state, lambda: f"{_describe(tensor)}; pattern wants the output of {pnode.qualified_op}")
+            return self._fail_operand(
+                operand, state, lambda: f"{_describe(tensor)}; pattern wants the output of {pnode.qualified_op}", fit=FIT_WRONG_KIND
+            )
         reason = self._early_escape(operand)
         if reason is not None:
             return self._fail_node(operand, tensor.inputs[0], state, reason)
@@ -512,7 +523,7 @@ class _Search:
                 return self._fail_node(operand, gnode, state, f"this pattern node is already matched to '{already[1].name}'", dependent=True)
             return iter((state,))
         if gnode.op != pnode.op_type:  # the usual failure: checked first, cheaply
-            return self._fail_node(operand, gnode, state, lambda: f"op type is {gnode.op}, expected {pnode.op_type}")
+            return self._fail_node(operand, gnode, state, lambda: f"op type is {gnode.op}, expected {pnode.op_type}", fit=FIT_WRONG_OP)
         n_inputs = len(_present_inputs(gnode))
         reason = self._node_refusal(pnode, gnode, operand.value.index, operand.tensor, n_inputs)
         if reason is not None:
@@ -540,7 +551,7 @@ class _Search:
     def _node_refusal(self, pnode: PatternNode, gnode: gs.Node, out_index: int, tensor, n_inputs: int) -> str | None:
         if normalize_domain(gnode.domain) != pnode.domain:
             return f"domain is {normalize_domain(gnode.domain)!r}, expected {pnode.domain!r}"
-        if claimed_by_earlier(gnode, self.claimed):
+        if _is_claimed(gnode, self.claimed):
             return "already belongs to an earlier match"
         actual_index = _index_of(gnode.outputs, tensor)
         if actual_index != out_index:
@@ -555,13 +566,8 @@ class _Search:
         pnode = operand.value.node
         for name, attr_pattern in pnode.attrs.items():
             is_set = name in gnode.attrs
-            if isinstance(attr_pattern, AttrUnset):
-                if is_set:
-                    self._fail_node(operand, gnode, state, f"attribute {name}={_show(gnode.attrs[name])} is set; pattern wants it unset")
-                    return None
-                continue
             value = gnode.attrs[name] if is_set else schema_default(gnode.op, gnode.domain, name)
-            reason = attr_pattern.refusal(value)
+            reason = attr_pattern.refusal(value, is_set)
             if reason is not None:
                 self._fail_node(operand, gnode, state, f"attribute {name}={_show(value)} {reason}")
                 return None
@@ -669,7 +675,9 @@ class _Search:
 
     # -- tracing
 
-    def _fail(self, where: Reason, gnode: gs.Node | None, reason: Reason, progress: int, dependent: bool = False) -> Iterator[_State]:
+    def _fail(
+        self, where: LazyText, gnode: gs.Node | None, reason: LazyText, progress: int, dependent: bool = False, fit: int = FIT_RIGHT_OP
+    ) -> Iterator[_State]:
         """Record a failure (when tracing); ``where`` and ``reason`` may be callables, called only then.
 
         ``dependent`` marks failures that depend on earlier bindings (conflicts); see ``_operands``.
@@ -678,21 +686,25 @@ class _Search:
             self.dependent_failures += 1
         if self.trace is not None:
             where, text = (where() if callable(where) else where), (reason() if callable(reason) else reason)
-            self.trace.failures.append(Failure(where, gnode.name if gnode is not None else None, text, progress))
+            self.trace.failures.append(Failure(where, gnode.name if gnode is not None else None, text, progress, fit))
         return iter(())
 
-    def _fail_node(self, operand: _Operand, gnode: gs.Node, state: _State, reason: Reason, dependent: bool = False) -> Iterator[_State]:
+    def _fail_node(
+        self, operand: _Operand, gnode: gs.Node, state: _State, reason: LazyText, dependent: bool = False, fit: int = FIT_RIGHT_OP
+    ) -> Iterator[_State]:
         """A failure on the graph node matched against the operand's pattern node."""
 
         def where() -> str:
             path, op_type = operand.path(), operand.value.node.qualified_op
             return f"{path} > {op_type}" if path else op_type
 
-        return self._fail(where, gnode, reason, len(state.nodes), dependent)
+        return self._fail(where, gnode, reason, len(state.nodes), dependent, fit)
 
-    def _fail_operand(self, operand: _Operand, state: _State, reason: Reason, dependent: bool = False) -> Iterator[_State]:
+    def _fail_operand(
+        self, operand: _Operand, state: _State, reason: LazyText, dependent: bool = False, fit: int = FIT_RIGHT_OP
+    ) -> Iterator[_State]:
         """A failure on an operand: the graph tensor at that input does not fit the pattern value."""
-        return self._fail(lambda: operand.path() or "output", operand.graph_node, reason, len(state.nodes), dependent)
+        return self._fail(lambda: operand.path() or "output", operand.graph_node, reason, len(state.nodes), dependent, fit)
 
 
 def _make_match(pattern: Pattern, state: _State, outputs: list) -> Match:
@@ -704,7 +716,7 @@ def _make_match(pattern: Pattern, state: _State, outputs: list) -> Match:
 # ---------------------------------------------------------------- small helpers
 
 
-def claimed_by_earlier(node: gs.Node, claimed: set[int] | None) -> bool:
+def _is_claimed(node: gs.Node, claimed: set[int] | None) -> bool:
     return claimed is not None and id(node) in claimed
 
 

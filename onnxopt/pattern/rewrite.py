@@ -11,7 +11,9 @@ were; the matched nodes are left dead for ``graph.cleanup()``::
     graph.cleanup().toposort()
 
 New nodes are appended to ``graph.nodes``: call ``graph.toposort()`` before
-exporting.
+exporting. Call ``graph.cleanup()`` before the next ``find``: until then the
+dead nodes still count as consumers, and the escape check refuses matches
+whose intermediates they read.
 """
 
 from __future__ import annotations

@@ -6,15 +6,19 @@ A fusion that does not fire on a new exporter's graph is debugged here::
     print(matches.trace.report())
 
     pattern erf_gelu: Mul(0.5, Mul(x, Add(Erf(Div(x, 1.41421)), 1)))
-      3 candidates (root op Mul): 1 matched, 2 failed
-      FAIL Mul 'half_bad': constant 'c_half_bad' is 0.6, expected 0.5 (rtol 0.001)
-           at Mul.in0, graph node 'half_bad', after 5 of the pattern's nodes matched
-      ...
+      4 candidates (root op Mul): 1 matched, 3 failed
+      ok   Mul 'gelu_ok'
+      FAIL Mul 'half_bad': constant 'c22' is 0.6, expected 0.5 (rtol 0.001)
+         at Mul.in0, graph node 'half_bad', after 5 of the pattern's nodes matched
+      FAIL Mul 'mul9': op type is Add, expected Mul
+         at Mul.in1 > Mul, graph node 'add7', after 1 of the pattern's nodes matched
+      ... 1 more failed candidates (report(limit=...) shows them)
 
 The matcher backtracks (operand orders of commutative ops, alternatives), so a
 candidate usually fails several times; the report shows the failure that got
-furthest (most pattern nodes matched), which is nearly always the informative
-one. ``CandidateTrace.failures`` keeps all of them.
+furthest (most pattern nodes matched; on a tie, the one on a node of the right
+op type), which is nearly always the informative one. ``CandidateTrace.failures``
+keeps all of them. Near misses are listed first.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ class Failure:
     graph_node: str | None  # name of the graph node being matched (or whose input failed)
     reason: str  # e.g. "op type is Mul, expected Add"
     progress: int  # pattern nodes matched when it failed
+    fit: int = 2  # how close it came: 2 right op or kind of value, 1 wrong op type, 0 wrong kind of value
 
     def __str__(self) -> str:
         node = f", graph node '{self.graph_node}'" if self.graph_node is not None else ""
@@ -48,10 +53,10 @@ class CandidateTrace:
 
     @property
     def best_failure(self) -> Failure | None:
-        """The failure that got furthest (the first of those, on a tie)."""
+        """The failure that got furthest; on a tie, the best fit (see Failure.fit), then the first."""
         best = None
         for failure in self.failures:
-            if best is None or failure.progress > best.progress:
+            if best is None or _closeness(failure) > _closeness(best):
                 best = failure
         return best
 
@@ -138,6 +143,10 @@ class Tracer:
 
     def __str__(self) -> str:
         return self.report()
+
+
+def _closeness(failure: Failure) -> tuple[int, int]:
+    return failure.progress, failure.fit
 
 
 def _furthest_first(trace: CandidateTrace) -> int:
