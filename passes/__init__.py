@@ -1,9 +1,8 @@
-"""onnxopt's built-in passes, one module each. Importing this package registers them."""
+"""onnxopt's built-in passes, one module each. Importing this package registers them all."""
 
-from . import (  # noqa: F401  (imported for registration)
-    cast_chains,
-    dead_nodes,
-    fold_constants,
-    identity,
-    shape_inference,
-)
+import importlib
+import pkgutil
+
+for _module in pkgutil.iter_modules(__path__):
+    if not _module.name.startswith("_"):
+        importlib.import_module(f"{__name__}.{_module.name}")
