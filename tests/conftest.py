@@ -17,3 +17,62 @@ def fixture_models() -> list[Path]:
 @pytest.fixture
 def fixtures_dir() -> Path:
     return FIXTURES
+
+
+class ExportedModel:
+    """A tiny model exported for a test: the ONNX file, the torch-side facts, and input dims."""
+
+    def __init__(self, path: Path, built, exporter: str, shapes: str):
+        self.path, self.built, self.exporter, self.shapes = path, built, exporter, shapes
+
+    @property
+    def sites(self) -> dict:
+        return self.built.sites
+
+    def input_spec(self):
+        """Concrete input shapes for onnxopt.verify (the dims the model was exported with)."""
+        from onnxopt.verify import InputSpec
+
+        return InputSpec(shapes={name: tuple(shape) for name, shape in self.built.input_shapes().items()})
+
+    def __repr__(self):
+        return f"<{self.path.name}>"
+
+
+@pytest.fixture(scope="session")
+def export_tiny(tmp_path_factory):
+    """export_tiny(family, exporter="torchscript", shapes="dynamic", attention="sdpa") -> ExportedModel.
+
+    Exports a tiny model from models/ once per test session (several test files share them).
+    Skips when torch/diffusers/transformers are not installed.
+    """
+    cache: dict[tuple, ExportedModel] = {}
+    root = tmp_path_factory.mktemp("exports")
+
+    def get(family: str, exporter: str = "torchscript", shapes: str = "dynamic", attention: str = "sdpa") -> ExportedModel:
+        key = (family, exporter, shapes, attention)
+        if key not in cache:
+            pytest.importorskip("torch", reason="exporting models needs torch (pip install -e '.[models]')")
+            pytest.importorskip("diffusers", reason="exporting models needs diffusers")
+            pytest.importorskip("transformers", reason="exporting models needs transformers")
+            from models import build
+            from models.export import export
+
+            built = build(family, size="tiny", attention=attention)
+            folder = root / "-".join(key)
+            path = folder / f"{family}.onnx"
+            export(built, path, exporter=exporter, shapes=shapes)
+            cache[key] = ExportedModel(path, built, exporter, shapes)
+        return cache[key]
+
+    return get
+
+
+EXPORT_VARIANTS = [
+    ("torchscript", "dynamic", "sdpa"),
+    ("torchscript", "static", "sdpa"),
+    ("dynamo", "dynamic", "sdpa"),
+    ("dynamo", "static", "sdpa"),
+    ("torchscript", "dynamic", "classic"),
+    ("dynamo", "dynamic", "classic"),
+]
