@@ -17,7 +17,7 @@ import onnx
 import onnx_graphsurgeon as gs
 from onnx_graphsurgeon.ir.tensor import Constant, LazyValues, SparseValues
 
-from onnxopt.weights import constant_data_type, constant_dims, constant_nbytes
+from onnxopt.weights import constant_data_type, constant_dims, constant_nbytes, needs_materialising
 
 # Initializers at least this large are left out of skeletons (and go to external data on save).
 SKELETON_THRESHOLD_BYTES = 1024
@@ -75,7 +75,7 @@ class Model:
         proto = gs.export_onnx(self.graph, do_type_check=False)
         tensors = self.graph.tensors()
         for tensor in proto.graph.initializer:
-            if onnx.external_data_helper.uses_external_data(tensor):
+            if needs_materialising(tensors[tensor.name]):
                 tensor.CopyFrom(onnx.numpy_helper.from_array(tensors[tensor.name].values, tensor.name))
         self._apply_metadata(proto)
         return proto

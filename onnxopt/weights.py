@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import numpy as np
 import onnx
@@ -80,6 +80,31 @@ class ExternalValues(LazyValues):
         return f"ExternalValues(shape={self.shape}, dtype={self.dtype}, file={self.location.path.name})"
 
 
+class DerivedValues(LazyValues):
+    """Constant values computed from other constants only when read (or saved).
+
+    Passes that rewrite weights (transposing a Conv weight, concatenating Q/K/V, converting to
+    fp16) describe the result instead of computing it, so a 3.4 GB model is rewritten without
+    loading it; the save streams each derived tensor as it is computed.
+    """
+
+    def __init__(self, shape, dtype, compute: Callable[[], np.ndarray], name: str = ""):
+        proto = onnx.TensorProto(name=name, data_type=helper.np_dtype_to_tensor_dtype(np.dtype(dtype)))
+        proto.dims.extend(int(d) for d in shape)
+        super().__init__(proto)
+        self._compute = compute
+
+    def load(self) -> np.ndarray:
+        array = np.ascontiguousarray(self._compute())
+        expected = tuple(self.tensor.dims)
+        if array.shape != expected:
+            raise ValueError(f"derived tensor '{self.tensor.name}': computed shape {array.shape}, declared {expected}")
+        return array
+
+    def __str__(self):
+        return f"DerivedValues(shape={self.shape}, dtype={self.dtype})"
+
+
 def attach_external_values(constants, base_dir: Path) -> int:
     """Swap graphsurgeon's LazyValues for ExternalValues on every externally stored constant."""
     count = 0
@@ -119,7 +144,7 @@ def iter_constant_bytes(constant: Constant) -> Iterator[bytes | memoryview]:
     if isinstance(values, ExternalValues):
         yield from values.iter_bytes()
         return
-    if isinstance(values, LazyValues) and values.tensor.HasField("raw_data"):
+    if isinstance(values, LazyValues) and not isinstance(values, DerivedValues) and values.tensor.HasField("raw_data"):
         yield values.tensor.raw_data
         return
     array = values.load() if isinstance(values, LazyValues) else values
@@ -129,6 +154,12 @@ def iter_constant_bytes(constant: Constant) -> Iterator[bytes | memoryview]:
     view = memoryview(array.reshape(-1).view(np.uint8))
     for start in range(0, len(view), CHUNK_BYTES):
         yield view[start : start + CHUNK_BYTES]
+
+
+def needs_materialising(constant: Constant) -> bool:
+    """True when the constant's exported TensorProto does not carry its data (external or derived)."""
+    values = constant._values
+    return isinstance(values, (ExternalValues, DerivedValues))
 
 
 def is_raw_encodable(constant: Constant) -> bool:
