@@ -1,0 +1,284 @@
+"""sink-transposes: move layout Transposes down through layout-agnostic ops until they cancel.
+
+Fusions that need a different layout (NhwcConv, GroupNorm with channels_last=1) wrap their node in
+a Transpose pair. Between two such nodes the graph then reads
+
+    ... ─ Transpose(P) ─ y ─ Add(·, c) ─ Sigmoid ─ Transpose(P⁻¹) ─ ...
+
+This pass sinks every Transpose below ops that do not care about layout, rewriting them for the
+other layout, so that inverse pairs meet and vanish; Transposes are left only at the edges of
+layout regions (before a Reshape, a MatMul, a graph output):
+
+    Transpose(P)(x) ─ op            ==>  op'(x) ─ Transpose(P)     op elementwise / Concat / Resize
+    Transpose(P⁻¹)(Transpose(P)(x)) ==>  x                          per consumer
+    Shape(Transpose(P)(x))          ==>  Gather(Shape(x), P)        per consumer (dynamic graphs)
+
+Rewrites for each op (P: the transpose's perm, out[i] = in[P[i]]):
+
+* unary elementwise: unchanged;
+* binary/ternary elementwise: every other operand is brought into the new layout: a constant is
+  transposed offline (after right-aligning its rank), the output of a Transpose(P) is unwrapped,
+  an operand that some other reader already transposes to the new layout reuses that Transpose,
+  a broadcast operand much smaller than the transposed one (e.g. a (N, C, 1, 1) time embedding next
+  to (N, C, H, W) activations) gets a Transpose(P⁻¹) of its own; anything else stops the sinking
+  (a full-size operand would need a Transpose as costly as the one saved, and two small operands
+  could trade a Transpose back and forth forever);
+* Concat(axis=a) → Concat(axis=P[a]), all inputs unwrapped as above;
+* Resize (constant scales or sizes, no ROI use) → scales/sizes permuted.
+
+Safe because each rewrite is the identity ``op(T(x), T(c)) = T(op(x, c))`` for ops applied
+element by element (or along an axis that is renamed accordingly).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx_graphsurgeon as gs
+
+from onnxopt.graph_edit import detach, is_standard, redirect_consumers
+from onnxopt.model import Model
+from onnxopt.pass_infra import Pass, PassResult
+from onnxopt.pattern import constant_value, is_constant
+from onnxopt.registry import register_pass
+
+UNARY = {"Sigmoid", "Relu", "Tanh", "Erf", "Neg", "Sqrt", "Exp", "Log", "Abs", "Cast", "Softplus", "Elu",
+         "LeakyRelu", "HardSigmoid", "Gelu", "Reciprocal", "Identity", "Floor", "Ceil", "Round", "Sin", "Cos"}
+ELEMENTWISE = {"Add", "Sub", "Mul", "Div", "Pow", "Max", "Min", "Where", "Equal", "Less", "Greater", "And", "Or"}
+SMALL_OPERAND = 1 << 16  # elements of a broadcast operand worth a Transpose of its own
+MAX_ROUNDS = 1000
+
+
+def inverse(perm: list[int]) -> list[int]:
+    inv = [0] * len(perm)
+    for i, p in enumerate(perm):
+        inv[p] = i
+    return inv
+
+
+def is_layout_transpose(node: gs.Node) -> bool:
+    return node.op == "Transpose" and is_standard(node) and "perm" in node.attrs and len(node.inputs) == 1
+
+
+def _perm(node: gs.Node) -> list[int]:
+    return [int(p) for p in node.attrs["perm"]]
+
+
+@register_pass
+class SinkTransposes(Pass):
+    name = "sink-transposes"
+    description = "sink layout Transposes through elementwise ops, Concat and Resize so inverse pairs cancel"
+
+    def run(self, model: Model) -> PassResult:
+        graph = model.graph
+        result = PassResult(modified=False)
+        transposes_before = sum(1 for n in graph.nodes if is_layout_transpose(n))
+        for _ in range(MAX_ROUNDS):
+            changed = cancel_inverse_pairs(graph) + read_shapes_before_transposes(graph) + sink_once(graph)
+            if not changed:
+                break
+            result.modified = True
+            graph.cleanup(remove_unused_graph_inputs=False)
+        graph.toposort()
+        transposes_after = sum(1 for n in graph.nodes if is_layout_transpose(n))
+        result.sites_matched = transposes_before
+        result.sites_rewritten = max(transposes_before - transposes_after, 0)
+        result.details = {"transposes_before": transposes_before, "transposes_after": transposes_after}
+        return result
+
+
+def cancel_inverse_pairs(graph: gs.Graph) -> int:
+    """Transpose(Q)(Transpose(P)(x)) with Q = P⁻¹: the consumer reads x. Counted per consumer."""
+    cancelled = 0
+    for outer in [n for n in graph.nodes if is_layout_transpose(n)]:
+        t = outer.inputs[0]
+        if len(t.inputs) != 1 or not is_layout_transpose(t.inputs[0]):
+            continue
+        inner = t.inputs[0]
+        if _perm(outer) != inverse(_perm(inner)):
+            continue
+        x = inner.inputs[0]
+        y = outer.outputs[0]
+        if any(y is out for out in graph.outputs):
+            continue  # the graph output keeps its name and its producer
+        redirect_consumers(y, x)
+        detach(outer)
+        cancelled += 1
+    return cancelled
+
+
+def read_shapes_before_transposes(graph: gs.Graph) -> int:
+    """A Shape of a transposed tensor reads the untransposed one and permutes the result instead.
+
+    Dynamic exports take many Shapes; without this they would pin Transposes in place.
+    """
+    rewritten = 0
+    for transpose in [n for n in graph.nodes if is_layout_transpose(n)]:
+        t = transpose.outputs[0]
+        for shape_node in [c for c in t.outputs if c.op == "Shape" and is_standard(c)]:
+            perm = _perm(transpose)
+            start = int(shape_node.attrs.get("start", 0))
+            end = shape_node.attrs.get("end")
+            indices = perm[start: None if end is None else int(end)]
+            full = gs.Variable(f"{shape_node.name}__untransposed", dtype=np.int64, shape=[len(perm)])
+            shape_node.attrs.pop("start", None)
+            shape_node.attrs.pop("end", None)
+            shape_node.inputs[0] = transpose.inputs[0]
+            result = shape_node.outputs[0]
+            shape_node.outputs[0] = full
+            graph.nodes.append(gs.Node("Gather", name=f"{shape_node.name}__permuted", attrs={"axis": 0},
+                                       inputs=[full, gs.Constant(f"{shape_node.name}__perm", np.array(indices, np.int64))],
+                                       outputs=[result]))
+            rewritten += 1
+    return rewritten
+
+
+def sink_once(graph: gs.Graph) -> int:
+    """Sink each Transpose one op down. A Transpose read by several ops is cloned for each op it
+    can sink through (the others keep sharing it), so a residual branch does not pin it."""
+    moved = 0
+    for node in list(graph.nodes):
+        if not is_layout_transpose(node) or not node.outputs:
+            continue
+        t = node.outputs[0]
+        if any(t is out for out in graph.outputs):
+            continue
+        consumers = list(t.outputs)
+        if len(consumers) == 1:
+            moved += _sink_through(graph, node, consumers[0])
+            continue
+        for consumer in consumers:
+            if not _sink_through(graph, node, consumer, dry_run=True):
+                continue
+            clone_out = gs.Variable(f"{t.name}__for_{consumer.name}", dtype=t.dtype, shape=t.shape)
+            clone = gs.Node("Transpose", name=f"{node.name}__for_{consumer.name}", attrs=dict(node.attrs),
+                            inputs=[node.inputs[0]], outputs=[clone_out])
+            graph.nodes.append(clone)
+            for i, x in enumerate(consumer.inputs):
+                if x is t:
+                    consumer.inputs[i] = clone_out
+            moved += _sink_through(graph, clone, consumer)
+    return moved
+
+
+def _sink_through(graph: gs.Graph, transpose: gs.Node, consumer: gs.Node, dry_run: bool = False) -> bool:
+    """Rewrite ``consumer(Transpose(P)(x), ...)`` as ``Transpose(P)(consumer'(x, ...))``.
+
+    With ``dry_run``, only say whether it can be done; the graph is not touched.
+    """
+    if not is_standard(consumer) or len(consumer.outputs) != 1:
+        return False
+    perm = _perm(transpose)
+    rank = len(perm)
+    t = transpose.outputs[0]
+    op = consumer.op
+    new_inputs = list(consumer.inputs)
+    new_attrs = dict(consumer.attrs)
+
+    if op in UNARY:
+        new_inputs[0] = transpose.inputs[0]
+    elif op in ELEMENTWISE or op == "Concat":
+        if op == "Concat":
+            axis = int(consumer.attrs["axis"]) % rank
+            new_attrs["axis"] = perm[axis]
+        for i, operand in enumerate(consumer.inputs):
+            if operand is t:
+                new_inputs[i] = transpose.inputs[0]
+                continue
+            converted = _to_inner_layout(graph, operand, perm, broadcast=op != "Concat", beside=t, dry_run=dry_run)
+            if converted is None:
+                return False
+            new_inputs[i] = converted
+    elif op == "Resize":
+        converted = _resize_inputs(consumer, perm)
+        if converted is None:
+            return False
+        new_inputs = [transpose.inputs[0]] + converted
+    else:
+        return False
+    if dry_run:
+        return True
+
+    y = consumer.outputs[0]
+    y_inner = gs.Variable(f"{y.name}__{'x'.join(map(str, inverse(perm)))}", dtype=y.dtype,
+                          shape=[y.shape[i] for i in inverse(perm)] if y.shape is not None and len(y.shape) == rank else None)
+    consumer.inputs.clear()
+    consumer.inputs.extend(new_inputs)
+    consumer.attrs.clear()
+    consumer.attrs.update(new_attrs)
+    consumer.outputs[0] = y_inner
+    sunk = gs.Node("Transpose", name=f"{transpose.name}__sunk", attrs={"perm": perm}, inputs=[y_inner], outputs=[y])
+    graph.nodes.append(sunk)
+    return True
+
+
+def _to_inner_layout(graph: gs.Graph, operand: gs.Tensor, perm: list[int], broadcast: bool, beside: gs.Tensor,
+                     dry_run: bool = False) -> gs.Tensor | None:
+    """``operand`` as seen before Transpose(P): the same values in the other layout, or None."""
+    rank = len(perm)
+    inv = inverse(perm)
+    if is_constant(operand):
+        value = constant_value(operand)
+        if value.ndim > rank or (not broadcast and value.ndim != rank):
+            return None
+        if value.size == 1 and value.ndim <= 1:
+            return operand  # a scalar broadcasts the same way in any layout
+        aligned = value.reshape((1,) * (rank - value.ndim) + value.shape)
+        return gs.Constant(f"{operand.name}__{'x'.join(map(str, inv))}", np.ascontiguousarray(aligned.transpose(inv)))
+    if len(operand.inputs) == 1 and is_layout_transpose(operand.inputs[0]) and _perm(operand.inputs[0]) == perm:
+        return operand.inputs[0].inputs[0]
+    for reader in operand.outputs:  # the other layout may already be computed for another reader
+        if is_layout_transpose(reader) and _perm(reader) == inv:
+            return reader.outputs[0]
+    shape = operand.shape
+    if shape is None or len(shape) != rank:
+        return None
+    if not broadcast or not _is_small_broadcast(shape, beside):
+        return None
+    if dry_run:
+        return operand
+    out = gs.Variable(f"{operand.name}__{'x'.join(map(str, inv))}", dtype=operand.dtype, shape=[shape[i] for i in inv])
+    graph.nodes.append(gs.Node("Transpose", name=f"{operand.name}__to_inner_layout", attrs={"perm": inv}, inputs=[operand], outputs=[out]))
+    return out
+
+
+def _is_small_broadcast(shape, beside: gs.Tensor) -> bool:
+    """A small operand that broadcasts over ``beside`` (e.g. a (N, C, 1, 1) time embedding next to
+    (N, C, H, W) activations): worth a Transpose of its own. Symbolic dims (a dynamic batch) are
+    allowed: transposing the operand is correct whatever its size, and broadcasting along some
+    axis of ``beside`` bounds it below ``beside``'s size."""
+    if beside.shape is None or len(beside.shape) != len(shape):
+        return False
+    known = 1
+    broadcasts = False
+    for mine, theirs in zip(shape, beside.shape):
+        if isinstance(mine, int):
+            known *= mine
+            broadcasts |= mine == 1 and theirs != 1
+    return broadcasts and known <= SMALL_OPERAND
+
+
+def _resize_inputs(resize: gs.Node, perm: list[int]) -> list[gs.Tensor] | None:
+    """Resize's roi/scales/sizes, permuted for the other layout; None if they are not constant."""
+    inv = inverse(perm)
+    out: list[gs.Tensor] = []
+    for index, tensor in enumerate(resize.inputs[1:], start=1):
+        if tensor is None or (isinstance(tensor, gs.Variable) and tensor.name == ""):
+            out.append(tensor)
+            continue
+        if not is_constant(tensor):
+            return None
+        value = constant_value(tensor)
+        if value.size == 0:
+            out.append(tensor)
+            continue
+        if index == 1:  # roi: starts then ends, one per axis; only matters for tf_crop_and_resize
+            if resize.attrs.get("coordinate_transformation_mode") == "tf_crop_and_resize":
+                return None
+            out.append(tensor)
+            continue
+        if value.ndim != 1 or value.size != len(perm):
+            return None
+        out.append(gs.Constant(f"{tensor.name}__{'x'.join(map(str, inv))}", np.ascontiguousarray(value[inv])))
+    if resize.attrs.get("axes") is not None:
+        return None
+    return out

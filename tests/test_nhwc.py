@@ -1,0 +1,140 @@
+"""NHWC: every Conv becomes NhwcConv, Transposes stay only at NHWC region edges, results unchanged."""
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from onnxopt import load_model, optimize
+from onnxopt.manager import PassManager
+from onnxopt.verify import assert_same_computation
+from tests.conftest import FIXTURES
+from tests.graphs import make_model
+
+F32 = TensorProto.FLOAT
+TO_NHWC, TO_NCHW = [0, 2, 3, 1], [0, 3, 1, 2]
+NHWC_OPS = {"NhwcConv", "GroupNorm", "SkipGroupNorm"}
+LAYOUT_FREE = {"Add", "Sub", "Mul", "Div", "Sigmoid", "Concat", "Resize", "Cast", "Relu", "Neg"}
+
+CONV_FIXTURES = [
+    "unet-sd15.tiny.torchscript.dynamic.sdpa.onnx",
+    "unet-sd15.tiny.torchscript.static.sdpa.onnx",
+    "unet-sd15.tiny.dynamo.dynamic.sdpa.onnx",
+    "unet-sd15.tiny.dynamo.static.sdpa.onnx",
+    "vae-decoder.tiny.torchscript.dynamic.sdpa.onnx",
+    "vae-decoder.tiny.dynamo.static.sdpa.onnx",
+    "controlnet.tiny.torchscript.dynamic.sdpa.onnx",
+]
+
+
+def _manifest_sites(name):
+    import json
+
+    manifest = json.loads((FIXTURES / "manifest.json").read_text())
+    return next(e for e in manifest["fixtures"] if e["file"] == name)["sites"]
+
+
+def uncancelled_pairs(graph) -> list[str]:
+    """Transpose(to NCHW) that reaches a Transpose(to NHWC) through layout-free ops only."""
+    found = []
+    for node in graph.nodes:
+        if node.op != "Transpose" or list(node.attrs["perm"]) != TO_NCHW:
+            continue
+        frontier = list(node.outputs[0].outputs)
+        seen = set()
+        while frontier:
+            consumer = frontier.pop()
+            if id(consumer) in seen:
+                continue
+            seen.add(id(consumer))
+            if consumer.op == "Transpose" and list(consumer.attrs["perm"]) == TO_NHWC:
+                found.append(f"{node.name} -> ... -> {consumer.name}")
+            elif consumer.op in LAYOUT_FREE:
+                frontier.extend(c for out in consumer.outputs for c in out.outputs)
+    return found
+
+
+# The VAE mid-block attention works on (N, C, H*W) views of NCHW data; its residual Add pairs an
+# NCHW attention output with the block input, so one NHWC->NCHW->NHWC round trip stays there
+# until attention itself runs channels-last.
+EXPECTED_ROUND_TRIPS = {"vae-decoder": 1}
+
+
+@pytest.mark.parametrize("name", CONV_FIXTURES)
+def test_every_conv_runs_nhwc_with_transposes_only_at_region_edges(name):
+    path = FIXTURES / name
+    model, report = optimize(path, ["cleanup", "fuse-group-norm", "nhwc-conv"])
+    step = report.passes[-1]
+    convs = _manifest_sites(name)["conv2d"]
+    assert (step.result.sites_matched, step.result.sites_rewritten) == (convs, convs)
+    ops = [n.op for n in model.graph.nodes]
+    assert ops.count("NhwcConv") == convs and "Conv" not in ops
+    round_trips = uncancelled_pairs(model.graph)
+    assert len(round_trips) == EXPECTED_ROUND_TRIPS.get(name.split(".")[0], 0), round_trips
+    layout_transposes = sum(1 for n in model.graph.nodes if n.op == "Transpose" and list(n.attrs["perm"]) in (TO_NHWC, TO_NCHW))
+    # ONNX Runtime's own pass leaves two per Conv on static dynamo graphs.
+    assert layout_transposes < convs
+    assert_same_computation(path, model, atol=1e-4, rtol=1e-3)
+
+
+def test_conv_with_computed_weight_is_refused():
+    rng = np.random.default_rng(0)
+    proto = make_model(
+        [
+            helper.make_node("Mul", ["w_raw", "w_scale"], ["w"]),
+            helper.make_node("Conv", ["x", "w"], ["out"], pads=[1, 1, 1, 1]),
+        ],
+        [helper.make_tensor_value_info("x", F32, [1, 4, 8, 8]), helper.make_tensor_value_info("w_scale", F32, [1])],
+        [helper.make_tensor_value_info("out", F32, [1, 6, 8, 8])],
+        [numpy_helper.from_array(rng.standard_normal((6, 4, 3, 3)).astype(np.float32), "w_raw")],
+    )
+    model = load_model(proto)
+    report = PassManager(["nhwc-conv"]).run(model)
+    result = report.passes[0].result
+    assert (result.sites_matched, result.sites_rewritten) == (1, 0)
+    assert "not a constant" in result.refused[0][1]
+    assert [n.op for n in model.graph.nodes] == ["Mul", "Conv"]
+
+
+def _chain_model():
+    """conv -> Add(bias c,1,1) -> Sigmoid -> Resize(x2 nearest) -> Concat(axis=1, with itself) -> conv."""
+    rng = np.random.default_rng(1)
+    c = 4
+    inits = [
+        numpy_helper.from_array(rng.standard_normal((c, c, 3, 3)).astype(np.float32), "w1"),
+        numpy_helper.from_array(rng.standard_normal((c, 1, 1)).astype(np.float32), "bias"),
+        numpy_helper.from_array(np.array([1, 1, 2, 2], np.float32), "scales"),
+        numpy_helper.from_array(rng.standard_normal((c, 2 * c, 1, 1)).astype(np.float32), "w2"),
+    ]
+    nodes = [
+        helper.make_node("Conv", ["x", "w1"], ["a"], pads=[1, 1, 1, 1]),
+        helper.make_node("Add", ["a", "bias"], ["b"]),
+        helper.make_node("Sigmoid", ["b"], ["s"]),
+        helper.make_node("Resize", ["s", "", "scales"], ["r"], mode="nearest"),
+        helper.make_node("Concat", ["r", "r"], ["cat"], axis=1),
+        helper.make_node("Conv", ["cat", "w2"], ["out"]),
+    ]
+    return make_model(nodes, [helper.make_tensor_value_info("x", F32, ["n", c, 6, 6])],
+                      [helper.make_tensor_value_info("out", F32, ["n", c, 12, 12])], inits)
+
+
+def test_transposes_sink_through_add_sigmoid_resize_and_concat():
+    proto = _chain_model()
+    model = load_model(proto)
+    PassManager(["nhwc-conv"]).run(model)
+    transposes = [n for n in model.graph.nodes if n.op == "Transpose"]
+    assert len(transposes) == 2  # graph input and graph output only
+    concat = next(n for n in model.graph.nodes if n.op == "Concat")
+    assert concat.attrs["axis"] == 3
+    resize = next(n for n in model.graph.nodes if n.op == "Resize")
+    assert list(resize.inputs[2].values) == [1, 2, 2, 1]
+    assert_same_computation(proto, model, atol=1e-5, rtol=1e-4)
+
+
+def test_sinking_is_what_makes_the_difference():
+    """Without sinking, each Conv keeps its own pair: the chain above would have four Transposes."""
+    from onnxopt.passes.nhwc_conv import NhwcConvPass
+
+    model = load_model(_chain_model())
+    PassManager([NhwcConvPass(sink=False)]).run(model)
+    assert sum(1 for n in model.graph.nodes if n.op == "Transpose") == 4
