@@ -1,0 +1,59 @@
+"""Builders that export real Stable-Diffusion-class graphs (random weights, seeded).
+
+Registry::
+
+    from models import build, FAMILIES
+    bm = build("unet-sd15", size="tiny", attention="sdpa")
+    from models.export import export, check_export
+    export(bm, "/tmp/unet.onnx", exporter="torchscript", shapes="dynamic")
+    print(check_export(bm, "/tmp/unet.onnx", dims=bm.alt_dims))
+
+CLI: ``python -m models build FAMILY ...`` and ``python -m models fixtures``
+(see ``models/README.md``).  Importing this package does not import torch;
+the builders do.
+"""
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+
+from .base import ATTENTIONS, SIZES, SITE_KEYS, BuiltModel  # noqa: F401
+
+FIXTURES_DIR = Path(__file__).resolve().parent / "fixtures"
+MANIFEST = FIXTURES_DIR / "manifest.json"
+
+# family -> module that builds it
+REGISTRY = {
+    "unet-sd15": "unet",
+    "unet-sd21": "unet",
+    "unet-sdxl": "unet",
+    "vae-encoder": "vae",
+    "vae-decoder": "vae",
+    "clip-text": "clip",
+    "openclip-text": "clip",
+    "controlnet": "controlnet",
+}
+FAMILIES = tuple(REGISTRY)
+
+
+def build(family: str, size: str = "tiny", attention: str = "sdpa", seed: int = 0) -> BuiltModel:
+    """Build ``family`` at ``size`` with ``attention`` ("sdpa" or "classic"), seeded."""
+    if family not in REGISTRY:
+        raise KeyError(f"unknown family {family!r}; known: {', '.join(FAMILIES)}")
+    if size not in SIZES:
+        raise ValueError(f"size must be one of {SIZES}, got {size!r}")
+    if attention not in ATTENTIONS:
+        raise ValueError(f"attention must be one of {ATTENTIONS}, got {attention!r}")
+    mod = importlib.import_module(f".{REGISTRY[family]}", __name__)
+    return mod.build(family, size=size, attention=attention, seed=seed)
+
+
+def load_manifest() -> dict:
+    import json
+
+    return json.loads(MANIFEST.read_text())
+
+
+def fixture_path(name: str) -> Path:
+    """Path of a committed fixture, by file name (``unet-sd15.tiny.torchscript.dynamic.sdpa.onnx``)."""
+    return FIXTURES_DIR / name

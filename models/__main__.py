@@ -1,0 +1,123 @@
+"""CLI: ``python -m models {build,fixtures,list,sites}``.
+
+    python -m models build unet-sd15 --size tiny --exporter torchscript --shapes dynamic \\
+        --attention sdpa -o /tmp/unet.onnx
+    python -m models fixtures              # regenerate models/fixtures/ + manifest.json
+    python -m models list
+    python -m models sites unet-sdxl --size full
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+
+def _parser() -> argparse.ArgumentParser:
+    from . import FAMILIES
+    from .base import ATTENTIONS, SIZES
+    from .export import EXPORTERS, SHAPES
+
+    p = argparse.ArgumentParser(prog="python -m models", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    b = sub.add_parser("build", help="build a model and export it to ONNX")
+    b.add_argument("family", choices=FAMILIES)
+    b.add_argument("--size", choices=SIZES, default="tiny")
+    b.add_argument("--exporter", choices=EXPORTERS, default="torchscript")
+    b.add_argument("--shapes", choices=SHAPES, default="dynamic")
+    b.add_argument("--attention", choices=ATTENTIONS, default="sdpa")
+    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--opset", type=int, default=None, help="override the exporter's opset")
+    b.add_argument("--batch", type=int, help="example batch (export/check)")
+    b.add_argument("--height", type=int, help="example latent height")
+    b.add_argument("--width", type=int, help="example latent width")
+    b.add_argument("--sequence", type=int, help="example text sequence length")
+    b.add_argument("--inline", action="store_true",
+                   help="re-save with all tensors inside the .onnx file (< 2 GB models only)")
+    b.add_argument("--no-check", action="store_true", help="skip the ONNX Runtime vs torch check")
+    b.add_argument("--atol", type=float, default=1e-4)
+    b.add_argument("--verbose", action="store_true", help="show exporter output")
+    b.add_argument("-o", "--output", required=True, help="output .onnx path (use a directory of its own "
+                                                           "for full-size models: external data files)")
+
+    f = sub.add_parser("fixtures", help="regenerate the committed fixtures")
+    f.add_argument("--out", default=None, help="output directory (default models/fixtures)")
+    f.add_argument("--only", nargs="*", help="fixture file names or families to regenerate")
+
+    sub.add_parser("list", help="list families and fixtures")
+
+    s = sub.add_parser("sites", help="print the sites counts of a model")
+    s.add_argument("family", choices=FAMILIES)
+    s.add_argument("--size", choices=SIZES, default="tiny")
+    s.add_argument("--attention", choices=ATTENTIONS, default="sdpa")
+    return p
+
+
+def main(argv=None) -> int:
+    args = _parser().parse_args(argv)
+    if args.cmd == "list":
+        from . import FAMILIES, MANIFEST
+        from .make_fixtures import FIXTURES
+
+        print("families:", ", ".join(FAMILIES))
+        print("fixtures:")
+        for spec in FIXTURES:
+            print("  ", spec.name, "(+ .data)" if spec.external_data else "")
+        print("manifest:", MANIFEST)
+        return 0
+    if args.cmd == "sites":
+        from . import build
+
+        bm = build(args.family, args.size, args.attention)
+        print(json.dumps(bm.sites, indent=1))
+        return 0
+    if args.cmd == "fixtures":
+        from .make_fixtures import make_all
+
+        make_all(args.out, args.only)
+        return 0
+
+    # build
+    from . import build
+    from .export import check_export, export, inline_external_data
+
+    t0 = time.perf_counter()
+    bm = build(args.family, args.size, args.attention, args.seed)
+    for k in ("batch", "height", "width", "sequence"):
+        v = getattr(args, k)
+        if v is not None:
+            if k not in bm.example_dims:
+                print(f"--{k} does not apply to {args.family}", file=sys.stderr)
+                return 2
+            bm.example_dims[k] = v
+    t_build = time.perf_counter() - t0
+    n_params = sum(p.numel() for p in bm.module.parameters())
+    print(f"built {args.family} ({args.size}, {args.attention}): {n_params / 1e6:.2f}M parameters "
+          f"in {t_build:.1f}s; example dims {bm.example_dims}")
+    print("sites:", json.dumps(bm.sites))
+    res = export(bm, args.output, args.exporter, args.shapes, opset=args.opset, quiet=not args.verbose)
+    print(f"exported ({args.exporter}, {args.shapes}) in {res.seconds:.1f}s: {len(res.files)} file(s), "
+          f"{res.total_bytes / 1e6:.1f} MB -> {res.path}")
+    if args.inline:
+        inline_external_data(res.path)
+        print("re-saved with inline tensors")
+    if not args.no_check:
+        t1 = time.perf_counter()
+        c = check_export(bm, res.path, atol=args.atol, rtol=args.atol)
+        print(f"check (example dims): {c} [{time.perf_counter() - t1:.1f}s]")
+        ok = c.ok
+        if args.shapes == "dynamic":
+            c2 = check_export(bm, res.path, dims=bm.alt_dims, atol=args.atol, rtol=args.atol)
+            print(f"check (alt dims):     {c2}")
+            ok = ok and c2.ok
+        if not ok:
+            return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

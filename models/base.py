@@ -1,0 +1,165 @@
+"""Common pieces of the model builders: the BuiltModel record and site counting."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+SIZES = ("tiny", "full")
+ATTENTIONS = ("sdpa", "classic")
+
+# Keys of the ``sites`` dict, in a fixed order (the manifest writes them in this order).
+SITE_KEYS = (
+    "attention",          # all attention modules (diffusers Attention + transformers CLIPAttention)
+    "attention_self",
+    "attention_cross",
+    "group_norm",         # nn.GroupNorm modules (includes the GroupNorm inside VAE attention)
+    "layer_norm",         # nn.LayerNorm modules
+    "geglu",              # diffusers GEGLU modules (proj Linear + chunk + gelu * gate)
+    "gelu",               # standalone GELU activations (diffusers GELU, transformers GELUActivation)
+    "quick_gelu",         # transformers QuickGELUActivation (x * sigmoid(1.702 x))
+    "conv2d",             # nn.Conv2d modules
+    "linear",             # nn.Linear modules
+    "transformer_block",  # diffusers BasicTransformerBlock / transformers CLIPEncoderLayer
+    "resnet",             # diffusers ResnetBlock2D
+    "upsample",           # diffusers Upsample2D (one Resize each)
+    "downsample",         # diffusers Downsample2D (a stride-2 conv each)
+)
+
+
+@dataclass
+class BuiltModel:
+    """A model ready to export: a wrapper module with a plain-tensor signature.
+
+    ``module.forward`` takes the inputs in ``input_names`` order, as positional
+    tensors, and returns a tuple of tensors in ``output_names`` order.
+
+    Dims: ``batch``, ``height``/``width`` (always the *latent* size, also for the
+    VAE and ControlNet; pixel sizes are ``k*height``) and ``sequence`` (text tokens).
+    """
+
+    family: str
+    size: str
+    attention: str
+    module: "object"                       # torch.nn.Module (wrapper)
+    input_specs: list[dict]                # name, shape template (ints, dim names, "k*name"), dtype, kind
+    output_names: list[str]
+    dynamic_axes: dict[str, dict[int, str]]   # input and output names -> {axis: symbolic name}
+    example_dims: dict                        # dims used for export (dynamic dims all >= 2)
+    alt_dims: dict                            # another set of dims, to check dynamic exports
+    dim_multiples: dict[str, int]             # dim -> the multiple it must be (latent spatial dims)
+    sites: dict[str, int]
+    config: dict = field(default_factory=dict)
+    seed: int = 0
+    feed_options: dict = field(default_factory=dict)   # extra make_feeds arguments (vocab, pad_id)
+
+    @property
+    def input_names(self) -> list[str]:
+        return [s["name"] for s in self.input_specs]
+
+    def input_shapes(self, dims: dict | None = None) -> dict[str, list[int]]:
+        from .feeds import resolve_shape
+
+        d = dict(self.example_dims)
+        d.update(dims or {})
+        return {s["name"]: resolve_shape(s["shape"], d) for s in self.input_specs}
+
+    def make_feeds(self, dims: dict | None = None) -> dict:
+        """numpy feeds (name -> array) at ``dims`` (example dims by default)."""
+        from .feeds import make_feeds
+
+        shapes = self.input_shapes(dims)
+        specs = [dict(s, shape=shapes[s["name"]]) for s in self.input_specs]
+        return make_feeds(specs, self.seed, **self.feed_options)
+
+    def make_inputs(self, dims: dict | None = None) -> tuple:
+        """torch inputs, in ``input_names`` order, at ``dims`` (example dims by default)."""
+        import torch
+
+        feeds = self.make_feeds(dims)
+        return tuple(torch.from_numpy(feeds[n]) for n in self.input_names)
+
+    @property
+    def example_inputs(self) -> tuple:
+        return self.make_inputs(self.example_dims)
+
+
+def count_sites(module) -> dict[str, int]:
+    """Count optimisation sites in a torch module tree."""
+    import torch.nn as nn
+
+    counts = {k: 0 for k in SITE_KEYS}
+
+    diff_attn = diff_geglu = diff_gelu = diff_btb = diff_resnet = diff_up = diff_down = ()
+    try:
+        from diffusers.models.attention_processor import Attention as DiffAttention
+        from diffusers.models.activations import GEGLU, GELU as DiffGELU
+        from diffusers.models.attention import BasicTransformerBlock
+        from diffusers.models.resnet import ResnetBlock2D
+        from diffusers.models.upsampling import Upsample2D
+        from diffusers.models.downsampling import Downsample2D
+
+        diff_attn, diff_geglu, diff_gelu = (DiffAttention,), (GEGLU,), (DiffGELU,)
+        diff_btb, diff_resnet = (BasicTransformerBlock,), (ResnetBlock2D,)
+        diff_up, diff_down = (Upsample2D,), (Downsample2D,)
+    except ImportError:  # pragma: no cover
+        pass
+    tf_attn = tf_layer = tf_gelu = tf_qgelu = ()
+    try:
+        from transformers.models.clip.modeling_clip import CLIPAttention, CLIPEncoderLayer
+        from transformers.activations import GELUActivation, QuickGELUActivation
+
+        tf_attn, tf_layer = (CLIPAttention,), (CLIPEncoderLayer,)
+        tf_gelu, tf_qgelu = (GELUActivation,), (QuickGELUActivation,)
+    except ImportError:  # pragma: no cover
+        pass
+
+    for m in module.modules():
+        if diff_attn and isinstance(m, diff_attn):
+            counts["attention"] += 1
+            if getattr(m, "is_cross_attention", False):
+                counts["attention_cross"] += 1
+            else:
+                counts["attention_self"] += 1
+        elif tf_attn and isinstance(m, tf_attn):
+            counts["attention"] += 1
+            counts["attention_self"] += 1
+        if isinstance(m, nn.GroupNorm):
+            counts["group_norm"] += 1
+        if isinstance(m, nn.LayerNorm):
+            counts["layer_norm"] += 1
+        if diff_geglu and isinstance(m, diff_geglu):
+            counts["geglu"] += 1
+        if (diff_gelu and isinstance(m, diff_gelu)) or (tf_gelu and isinstance(m, tf_gelu)):
+            counts["gelu"] += 1
+        if tf_qgelu and isinstance(m, tf_qgelu):
+            counts["quick_gelu"] += 1
+        if isinstance(m, nn.Conv2d):
+            counts["conv2d"] += 1
+        if isinstance(m, nn.Linear):
+            counts["linear"] += 1
+        if (diff_btb and isinstance(m, diff_btb)) or (tf_layer and isinstance(m, tf_layer)):
+            counts["transformer_block"] += 1
+        if diff_resnet and isinstance(m, diff_resnet):
+            counts["resnet"] += 1
+        if diff_up and isinstance(m, diff_up):
+            counts["upsample"] += 1
+        if diff_down and isinstance(m, diff_down):
+            counts["downsample"] += 1
+    return counts
+
+
+def set_diffusers_attention(model, attention: str) -> None:
+    """sdpa -> AttnProcessor2_0 (diffusers default); classic -> AttnProcessor (bmm + softmax)."""
+    from diffusers.models.attention_processor import AttnProcessor, AttnProcessor2_0
+
+    if attention == "sdpa":
+        model.set_attn_processor(AttnProcessor2_0())
+    elif attention == "classic":
+        model.set_attn_processor(AttnProcessor())
+    else:
+        raise ValueError(f"attention must be one of {ATTENTIONS}, got {attention!r}")
+
+
+def check_choice(name: str, value: str, choices) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {tuple(choices)}, got {value!r}")
