@@ -33,8 +33,9 @@ class Preset:
 PRESETS: dict[str, Preset] = {
     "cleanup": Preset(
         "cleanup",
-        "remove Identity and dead nodes, fold constants, drop redundant Casts, infer shapes",
-        ("remove-identity", "fold-constants", "remove-redundant-casts", "eliminate-dead-nodes", "infer-shapes"),
+        "remove Identity and dead nodes, fold constants, drop redundant Casts and neutral arithmetic, infer shapes",
+        ("remove-identity", "fold-constants", "remove-redundant-casts", "remove-neutral-arithmetic",
+         "eliminate-dead-nodes", "infer-shapes"),
     ),
 }
 

@@ -160,3 +160,49 @@ def test_cleanup_preserves_every_fixture(path):
     assert report.nodes_after <= report.nodes_before
     if ".torchscript." in path.name:  # TorchScript's shape plumbing always has something to fold
         assert report.nodes_after < report.nodes_before
+
+
+# --- remove-neutral-arithmetic ---------------------------------------------------------------------
+
+def _binary(op, x_first, const, x_shape=(2, 3, 4, 4), x_type=F32):
+    c = numpy_helper.from_array(np.asarray(const), "c")
+    inputs = ["x", "c"] if x_first else ["c", "x"]
+    return make_model(
+        [helper.make_node(op, inputs, ["y"]), helper.make_node("Neg", ["y"], ["out"])],
+        [helper.make_tensor_value_info("x", x_type, list(x_shape))],
+        [helper.make_tensor_value_info("out", x_type, None)],
+        [c],
+    )
+
+
+@pytest.mark.parametrize(
+    "op, x_first, const, removed",
+    [
+        ("Div", True, np.float32(1.0), True),  # diffusers' output_scale_factor
+        ("Mul", False, np.ones((1, 1, 1), np.float32), True),
+        ("Add", True, np.zeros(1, np.float32), True),
+        ("Sub", True, np.float32(0.0), True),
+        ("Div", False, np.float32(1.0), False),  # 1 / x is a reciprocal
+        ("Sub", False, np.float32(0.0), False),  # 0 - x is a negation
+        ("Mul", True, np.float32(2.0), False),
+        ("Mul", True, np.ones((1, 1, 1, 1, 1), np.float32), False),  # broadcasting adds a dim
+        ("Add", True, np.zeros((1, 3, 1, 1), np.float64), False),  # would not type-check anyway: dtype differs
+    ],
+)
+def test_neutral_arithmetic(op, x_first, const, removed):
+    proto = _binary(op, x_first, const)
+    model, _ = _run(["remove-neutral-arithmetic"], proto)
+    assert (op not in _ops(model)) == removed
+    if const.dtype == np.float32:
+        assert_same_computation(proto, model, atol=0, rtol=0)
+
+
+def test_removing_a_real_scale_would_be_caught():
+    proto = _binary("Mul", True, np.float32(2.0))
+    bypassed = make_model(
+        [helper.make_node("Neg", ["x"], ["out"])],
+        [helper.make_tensor_value_info("x", F32, [2, 3, 4, 4])],
+        [helper.make_tensor_value_info("out", F32, None)],
+    )
+    with pytest.raises(AssertionError, match="models differ"):
+        assert_same_computation(proto, bypassed)
