@@ -106,9 +106,15 @@ class DerivedValues(LazyValues):
 
 
 def attach_external_values(constants, base_dir: Path) -> int:
-    """Swap graphsurgeon's LazyValues for ExternalValues on every externally stored constant."""
+    """Swap graphsurgeon's LazyValues for ExternalValues on every externally stored constant.
+
+    Also forget graphsurgeon's ``data_location``: it would stamp EXTERNAL on the TensorProto of a
+    constant whose values were later loaded or replaced, making an invalid model. Where a
+    constant's bytes live is the business of its values object alone.
+    """
     count = 0
     for constant in constants:
+        constant.data_location = None
         values = constant._values
         if isinstance(values, LazyValues) and not isinstance(values, (ExternalValues, SparseValues)):
             if external_data_helper.uses_external_data(values.tensor):
