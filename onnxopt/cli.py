@@ -54,6 +54,17 @@ def build_parser() -> argparse.ArgumentParser:
     opt.add_argument("--strict", action="store_true", help="fail (exit 4) when a requested fusion finds nothing to fuse")
     opt.add_argument("-q", "--quiet", action="store_true", help="do not print the report table")
 
+    bench = sub.add_parser("bench", help="latency on the ORT CUDA EP of several models on the same inputs")
+    bench.add_argument("models", nargs="+")
+    bench.add_argument("--labels", help="comma-separated names for the table")
+    bench.add_argument("--shape", type=_shape_arg, action="append", default=[], metavar="INPUT=D1,D2,..")
+    bench.add_argument("--dim", type=_dim_arg, action="append", default=[], metavar="DIM=N")
+    bench.add_argument("--cuda-graph", choices=["off", "on", "both"], default="both")
+    bench.add_argument("--warmup", type=int, default=10)
+    bench.add_argument("--runs", type=int, default=40)
+    bench.add_argument("--prefer-nhwc", action="store_true")
+    bench.add_argument("--json", type=Path, help="also write every number as JSON")
+
     sub.add_parser("passes", help="list passes and presets")
 
     info = sub.add_parser("info", help="summarise a model: inputs, outputs, ops, weights")
@@ -120,7 +131,23 @@ def cmd_info(args) -> int:
     return EXIT_OK
 
 
-COMMANDS = {"optimize": cmd_optimize, "passes": cmd_passes, "info": cmd_info}
+def cmd_bench(args) -> int:
+    from onnxopt.bench import bench
+    from onnxopt.runners.ort_cuda import _require_cuda
+    from onnxopt.verify import InputSpec
+
+    _require_cuda()  # fail with the install hint before loading anything
+    modes = {"off": (False,), "on": (True,), "both": (False, True)}[args.cuda_graph]
+    labels = args.labels.split(",") if args.labels else None
+    report = bench(args.models, labels, inputs=InputSpec(shapes=dict(args.shape), dims=dict(args.dim)), cuda_graph=modes,
+                   warmup=args.warmup, runs=args.runs, prefer_nhwc=args.prefer_nhwc)
+    print(report.markdown())
+    if args.json:
+        args.json.write_text(report.to_json())
+    return EXIT_OK
+
+
+COMMANDS = {"optimize": cmd_optimize, "passes": cmd_passes, "info": cmd_info, "bench": cmd_bench}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -94,3 +94,13 @@ def test_passes_and_info_commands(model_path, capsys):
 def test_cli_cleanup_verify_on_fixtures(path, tmp_path, capsys):
     assert main(["optimize", "-i", str(path), "-o", str(tmp_path / "out.onnx"), "--passes", "cleanup", "--verify"]) == 0
     assert "final model equal to the source" in capsys.readouterr().out
+
+
+def test_bench_without_cuda_names_the_package_to_install(model_path, capsys):
+    from onnxopt.runners import cuda_available
+
+    if cuda_available():
+        pytest.skip("this machine has the CUDA EP")
+    assert main(["bench", str(model_path)]) == 2
+    err = capsys.readouterr().err
+    assert "onnxruntime-gpu" in err and "Traceback" not in err

@@ -1,0 +1,178 @@
+"""ONNX Runtime on the CUDA EP, the way a diffusion pipeline runs it.
+
+* IO binding on device buffers: inputs are copied to the GPU once, outputs are preallocated there,
+  so a timed run moves no data across PCIe.
+* CUDA graphs (``cuda_graph=True``): ORT captures the first run and replays it; this needs the
+  fixed buffers of IO binding.
+* ``prefer_nhwc``: the CUDA EP's own channels-last layout for standard Convs.
+* When torch with CUDA is importable, ORT runs on torch's current stream (``user_compute_stream``)
+  so that CUDA events recorded on that stream time exactly ORT's work; without torch, runs are
+  timed on the host around a synchronous run.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from onnxopt.errors import MissingDependencyError, OnnxoptError
+from onnxopt.runtime import import_onnxruntime
+
+
+def gpu_memory_used_mb(device_id: int = 0) -> float | None:
+    """Device memory in use (all processes), from NVML; None without pynvml."""
+    try:
+        import pynvml
+    except ImportError:
+        return None
+    pynvml.nvmlInit()
+    try:
+        return pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(device_id)).used / 2**20
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def cuda_available() -> bool:
+    try:
+        ort = import_onnxruntime()
+    except MissingDependencyError:
+        return False
+    return "CUDAExecutionProvider" in ort.get_available_providers()
+
+
+def _require_cuda():
+    ort = import_onnxruntime()
+    if "CUDAExecutionProvider" not in ort.get_available_providers():
+        raise MissingDependencyError(
+            "ONNX Runtime's CUDA execution provider is not available: install onnxruntime-gpu "
+            "(pip install 'onnxopt[gpu]') on a machine with an NVIDIA GPU"
+        )
+    return ort
+
+
+def _torch_cuda():
+    try:
+        import torch
+    except ImportError:
+        return None
+    return torch if torch.cuda.is_available() else None
+
+
+@dataclass
+class Timing:
+    median_ms: float
+    min_ms: float
+    max_ms: float
+    runs: int
+    clock: str  # "cuda-events" or "host"
+
+
+class OrtCudaSession:
+    """One model on the CUDA EP with IO binding (and optionally CUDA graphs)."""
+
+    def __init__(self, path: str, *, cuda_graph: bool = False, prefer_nhwc: bool = False, device_id: int = 0,
+                 graph_optimization_level: str = "all", log_severity: int = 3):
+        ort = _require_cuda()
+        self.ort = ort
+        self.device_id = device_id
+        self.cuda_graph = cuda_graph
+        self.torch = _torch_cuda()
+        options = {"device_id": str(device_id), "enable_cuda_graph": "1" if cuda_graph else "0",
+                   "prefer_nhwc": "1" if prefer_nhwc else "0"}
+        if self.torch is not None:
+            self.torch.cuda.set_device(device_id)
+            options["user_compute_stream"] = str(self.torch.cuda.current_stream().cuda_stream)
+        so = ort.SessionOptions()
+        so.log_severity_level = log_severity
+        so.graph_optimization_level = {
+            "disable": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
+            "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
+            "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
+            "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
+        }[graph_optimization_level]
+        try:
+            self.session = ort.InferenceSession(str(path), so, providers=[("CUDAExecutionProvider", options)])
+        except Exception as exc:  # ORT raises its own exception types with long messages
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise OnnxoptError(f"{path}: ONNX Runtime CUDA EP cannot load the model: {first}") from exc
+        if self.session.get_providers()[0] != "CUDAExecutionProvider":
+            raise MissingDependencyError("ONNX Runtime fell back from the CUDA EP: check the CUDA/cuDNN installation")
+        self.path = str(path)
+        self.binding = None
+        self._outputs: dict[str, object] = {}
+        self._keep: list = []
+
+    def input_types(self) -> dict[str, np.dtype]:
+        mapping = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(int64)": np.int64,
+                   "tensor(int32)": np.int32, "tensor(double)": np.float64, "tensor(bool)": np.bool_}
+        return {i.name: np.dtype(mapping.get(i.type, np.float32)) for i in self.session.get_inputs()}
+
+    def bind(self, feeds: dict[str, np.ndarray]) -> None:
+        """Copy ``feeds`` to the GPU (cast to the model's input types) and preallocate the outputs."""
+        types = self.input_types()
+        binding = self.session.io_binding()
+        self._keep = []
+        for name, dtype in types.items():
+            value = self.ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(feeds[name].astype(dtype)), "cuda", self.device_id)
+            self._keep.append(value)
+            binding.bind_ortvalue_input(name, value)
+        # One run with ORT-allocated outputs tells their shapes; then bind fixed device buffers
+        # (CUDA graph replay needs stable addresses).
+        probe = self.session.io_binding()
+        for name in types:
+            probe.bind_ortvalue_input(name, self._keep[list(types).index(name)])
+        for out in self.session.get_outputs():
+            probe.bind_output(out.name, "cuda", self.device_id)
+        if not self.cuda_graph:
+            self.session.run_with_iobinding(probe)
+            shapes = {o.name: v.shape() for o, v in zip(self.session.get_outputs(), probe.get_outputs())}
+            dtypes = {o.name: v.data_type() for o, v in zip(self.session.get_outputs(), probe.get_outputs())}
+        else:
+            # Capture must not see a probe run with different buffers: ask a plain session for shapes.
+            shapes, dtypes = self._output_shapes_without_graph(feeds)
+        for name, shape in shapes.items():
+            dtype = np.float16 if "float16" in dtypes[name] else np.float32
+            value = self.ort.OrtValue.ortvalue_from_shape_and_type(list(shape), dtype, "cuda", self.device_id)
+            self._outputs[name] = value
+            binding.bind_ortvalue_output(name, value)
+        self.binding = binding
+
+    def _output_shapes_without_graph(self, feeds):
+        so = self.ort.SessionOptions()
+        so.log_severity_level = 3
+        sess = self.ort.InferenceSession(self.path, so, providers=[("CUDAExecutionProvider", {"device_id": str(self.device_id)})])
+        types = self.input_types()
+        outs = sess.run(None, {n: feeds[n].astype(t) for n, t in types.items()})
+        names = [o.name for o in sess.get_outputs()]
+        return ({n: v.shape for n, v in zip(names, outs)}, {n: str(v.dtype) for n, v in zip(names, outs)})
+
+    def run(self) -> None:
+        self.session.run_with_iobinding(self.binding)
+
+    def outputs(self) -> dict[str, np.ndarray]:
+        return {name: value.numpy() for name, value in self._outputs.items()}
+
+    def time(self, warmup: int = 10, runs: int = 40) -> Timing:
+        for _ in range(warmup):
+            self.run()
+        samples = []
+        if self.torch is not None:
+            torch = self.torch
+            torch.cuda.synchronize()
+            for _ in range(runs):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                self.run()
+                end.record()
+                end.synchronize()
+                samples.append(start.elapsed_time(end))
+            clock = "cuda-events"
+        else:
+            for _ in range(runs):
+                t0 = time.perf_counter()
+                self.run()
+                samples.append((time.perf_counter() - t0) * 1000)
+            clock = "host"
+        return Timing(float(np.median(samples)), float(np.min(samples)), float(np.max(samples)), runs, clock)
