@@ -30,11 +30,16 @@ def optimize(
     """
     model = load_model(source)
     steps: list[str | Pass] = []
+    requested: set[str] = set()  # named by the caller, not brought in by a preset
     for p in passes:
+        if isinstance(p, str) and p not in registry.PRESETS:
+            requested.add(p)
+        elif not isinstance(p, str):
+            requested.add(p.name)
         steps.extend(registry.expand([p]) if isinstance(p, str) else [p])
     verifier = Verifier(model, tolerance=tolerance, inputs=inputs) if verify else None
     try:
-        report = PassManager(steps, verifier=verifier, strict=strict).run(model)
+        report = PassManager(steps, verifier=verifier, strict=strict, requested=requested).run(model)
     finally:
         if verifier is not None:
             verifier.close()

@@ -26,12 +26,16 @@ class PassManager:
     * Verification: with a verifier, the model is compared with the source after every pass that
       modified it; the first pass that breaks the tolerance is named and the run stops there.
     * ``strict``: a fusion pass that matched nothing raises :class:`PassNotApplicableError`.
+      Only passes the user named count (``requested``, default: all); a preset's fusions that do
+      not apply to this model (no GroupNorm in a text encoder) are normal.
     """
 
-    def __init__(self, passes: Iterable[Pass | str], *, verifier: Verifier | None = None, strict: bool = False):
+    def __init__(self, passes: Iterable[Pass | str], *, verifier: Verifier | None = None, strict: bool = False,
+                 requested: set[str] | None = None):
         self.passes = [registry.get_pass(p)() if isinstance(p, str) else p for p in passes]
         self.verifier = verifier
         self.strict = strict
+        self.requested = requested
 
     def run(self, model: Model) -> OptimizationReport:
         report = OptimizationReport(model=str(model.source or model.graph.name or "model"))
@@ -66,7 +70,7 @@ class PassManager:
         if result.modified:
             properties.intersection_update(p.provides | p.preserves)
         properties.update(p.provides)
-        if p.is_fusion and result.sites_matched == 0:
+        if p.is_fusion and result.sites_matched == 0 and (self.requested is None or p.name in self.requested):
             message = f"{p.name}: nothing to fuse (no site matches its pattern)"
             if self.strict:
                 raise PassNotApplicableError(message)

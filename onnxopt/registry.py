@@ -38,6 +38,24 @@ PRESETS: dict[str, Preset] = {
          "eliminate-dead-nodes", "infer-shapes"),
     ),
 }
+PRESETS["ort-cuda"] = Preset(
+    "ort-cuda",
+    "cleanup, then every fusion into ONNX Runtime's com.microsoft ops, then NHWC convolutions",
+    PRESETS["cleanup"].passes
+    + (
+        "fuse-attention",  # first: it reads the exporters' attention as written, before layout changes
+        "fuse-group-norm",
+        "fuse-skip-group-norm",
+        "fuse-bias-split-gelu",
+        "fuse-bias-add",
+        "fuse-layer-norm",
+        "fuse-skip-layer-norm",
+        "nhwc-conv",  # last fusion: it wraps Convs (and finds GroupNorms) in Transposes and sinks them
+        "eliminate-dead-nodes",
+        "infer-shapes",
+    ),
+    target="ort-cuda",
+)
 
 
 def register_pass(cls: type[Pass]) -> type[Pass]:

@@ -84,3 +84,10 @@ def test_nothing_to_fuse_is_a_note_or_with_strict_an_error(plugins):
 def test_unknown_pass_suggests_a_name():
     with pytest.raises(UnknownPassError, match="did you mean 'fold-constants'"):
         optimize(linear_model()[0], ["fold-constant"])
+
+
+def test_preset_fusions_that_do_not_apply_are_not_errors(plugins, monkeypatch):
+    """--strict is about passes the user named: a preset's fusion that finds nothing is normal."""
+    monkeypatch.setitem(registry.PRESETS, "test-preset", registry.Preset("test-preset", "test", ("test-fuse-nothing",)))
+    _, report = optimize(linear_model()[0], ["test-preset"], strict=True)
+    assert report.notes == []
