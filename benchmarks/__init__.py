@@ -1,0 +1,1 @@
+"""Benchmarks that need a GPU. Timings live here, never in tests."""

@@ -1,0 +1,209 @@
+"""SD1.5-architecture UNet on the ORT CUDA EP: raw fp16 vs ONNX Runtime's optimizer vs onnxopt.
+
+    python -m benchmarks.unet_gpu --work /tmp/unet-bench --budget 540 [--variants ts-dynamic,ts-static,dynamo-dynamic]
+
+For each export variant (same seeded random weights), it builds:
+  raw        the export converted to fp16 by onnxopt's fp16 pass, no fusion;
+  ort        ONNX Runtime's transformers optimizer as its SD pipeline runs it (opt_level 0, packed
+             QKV/KV and BiasAdd on, then its convert_float_to_float16); run in a subprocess with
+             ``--ort-pythonpath`` first on sys.path (numpy 1.26: it crashes under numpy >= 2.4);
+  onnxopt    ``ort-cuda`` preset, then fp16;
+and times each with IO binding, CUDA graph off and on (batch 2, 64x64 latent, 77 tokens), and
+compares its output with torch's fp32 output on the GPU (max abs error, relative L2).
+
+Steps are resumable: each writes its result under --work and is skipped when it exists, and the
+script stops between steps once --budget seconds have passed, so a run can be split over several
+calls of a time-limited machine. Results accumulate in <work>/results.json; the markdown table is
+printed at the end of every call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+VARIANTS = {"ts-dynamic": ("torchscript", "dynamic"), "ts-static": ("torchscript", "static"), "dynamo-dynamic": ("dynamo", "dynamic")}
+DIMS = dict(batch=2, height=64, width=64, sequence=77)
+ORT_OPTIMIZE = r"""
+import sys, onnx
+from onnxruntime.transformers.optimizer import optimize_model
+from onnxruntime.transformers.fusion_options import FusionOptions
+options = FusionOptions("unet")
+options.enable_packed_kv = True
+options.enable_packed_qkv = True
+options.enable_bias_add = True
+m = optimize_model(sys.argv[1], model_type="unet", num_heads=0, hidden_size=0, opt_level=0, optimization_options=options, use_gpu=True)
+m.convert_float_to_float16(keep_io_types=False, op_block_list=[])
+m.save_model_to_file(sys.argv[2], use_external_data_format=True)
+from collections import Counter
+print(dict(Counter(n.op_type for n in m.model.graph.node if n.domain == "com.microsoft")))
+"""
+
+
+class Steps:
+    def __init__(self, work: Path, budget: float):
+        self.work, self.deadline = work, time.time() + budget
+        self.results_path = work / "results.json"
+        self.results = json.loads(self.results_path.read_text()) if self.results_path.exists() else {}
+
+    def out_of_time(self) -> bool:
+        return time.time() > self.deadline
+
+    def record(self, key: str, value) -> None:
+        self.results[key] = value
+        self.results_path.write_text(json.dumps(self.results, indent=2, default=str))
+
+    def run(self, key: str, fn):
+        if key in self.results:
+            return self.results[key]
+        if self.out_of_time():
+            raise TimeoutError(key)
+        t0 = time.time()
+        print(f"[{key}] ...", flush=True)
+        value = fn()
+        self.record(key, value)
+        print(f"[{key}] done in {time.time() - t0:.0f} s: {str(value)[:300]}", flush=True)
+        return value
+
+
+def export_variant(work: Path, variant: str) -> dict:
+    from models import build
+    from models.export import export
+
+    exporter, shapes = VARIANTS[variant]
+    built = build("unet-sd15", size="full")
+    path = work / variant / "raw.onnx"
+    result = export(built, path, exporter=exporter, shapes=shapes)
+    return {"path": str(path), "seconds": result.seconds, "files": len(result.files), "bytes": result.total_bytes}
+
+
+def torch_reference(work: Path) -> dict:
+    import torch
+
+    from models import build
+
+    built = build("unet-sd15", size="full")
+    feeds = built.make_feeds(DIMS)
+    module = built.module.cuda().float().eval()
+    with torch.no_grad():
+        out = module(*[torch.from_numpy(feeds[n]).cuda() for n in built.input_names])
+    out = out[0] if isinstance(out, (tuple, list)) else out
+    np.savez(work / "reference.npz", output=out.float().cpu().numpy(), **{f"in_{k}": v for k, v in feeds.items()})
+    return {"output_shape": list(out.shape)}
+
+
+def onnxopt_fp16(src: Path, dst: Path, passes: list[str]) -> dict:
+    import onnxopt
+
+    model, report = onnxopt.optimize(str(src), passes)
+    onnxopt.save_model(model, dst, external_data=True)
+    fused = {p.name: f"{p.result.sites_rewritten}/{p.result.sites_matched}" for p in report.passes if p.name.startswith(("fuse", "nhwc"))}
+    return {"path": str(dst), "fused": fused, "seconds": report.seconds}
+
+
+def ort_optimizer(src: Path, dst: Path, ort_pythonpath: str) -> dict:
+    env = dict(os.environ, PYTHONPATH=f"{ort_pythonpath}:{os.environ.get('PYTHONPATH', '')}")
+    t0 = time.time()
+    proc = subprocess.run([sys.executable, "-c", ORT_OPTIMIZE, str(src), str(dst)], env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        return {"error": proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else f"exit {proc.returncode}"}
+    return {"path": str(dst), "fused": proc.stdout.strip().splitlines()[-1], "seconds": time.time() - t0}
+
+
+def measure(work: Path, path: str, cuda_graph: bool, runs: int) -> dict:
+    from onnxopt.runners.ort_cuda import OrtCudaSession, gpu_memory_used_mb
+
+    ref = np.load(work / "reference.npz")
+    feeds = {k[3:]: ref[k] for k in ref.files if k.startswith("in_")}
+    before = gpu_memory_used_mb()
+    session = OrtCudaSession(path, cuda_graph=cuda_graph)
+    session.bind(feeds)
+    session.run()
+    output = next(iter(session.outputs().values())).astype(np.float32)
+    expected = ref["output"]
+    timing = session.time(warmup=10, runs=runs)
+    after = gpu_memory_used_mb()
+    return {
+        "median_ms": timing.median_ms, "min_ms": timing.min_ms, "max_ms": timing.max_ms, "clock": timing.clock,
+        "max_abs": float(np.abs(output - expected).max()),
+        "rel_l2": float(np.linalg.norm(output - expected) / np.linalg.norm(expected)),
+        "finite": bool(np.isfinite(output).all()),
+        "gpu_mb": (after - before) if before is not None and after is not None else None,
+    }
+
+
+def table(results: dict, variants: list[str]) -> str:
+    lines = ["| export | model | fused | ms | ms, CUDA graph | vs ORT (best) | max abs | rel L2 |", "|---|---|---|---|---|---|---|---|"]
+    for variant in variants:
+        ort_best = min((results.get(f"time:{variant}:ort:{g}", {}).get("median_ms", float("inf")) for g in (0, 1)), default=float("inf"))
+        for label in ("raw", "ort", "onnxopt"):
+            off, on = results.get(f"time:{variant}:{label}:0"), results.get(f"time:{variant}:{label}:1")
+            built = results.get(f"build:{variant}:{label}", {})
+            if not off and not on:
+                if "error" in built:
+                    lines.append(f"| {variant} | {label} | failed: {built['error'][:80]} | | | | | |")
+                continue
+            best = min(x["median_ms"] for x in (off, on) if x and "median_ms" in x)
+            acc = off or on
+            lines.append(
+                f"| {variant} | {label} | {built.get('fused', '')} | {off.get('median_ms', float('nan')) if off else float('nan'):.2f} | "
+                f"{on.get('median_ms', float('nan')) if on else float('nan'):.2f} | {best / ort_best:.2f}x | {acc.get('max_abs', float('nan')):.3g} | {acc.get('rel_l2', float('nan')):.3g} |"
+            )
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--work", type=Path, default=Path("/tmp/unet-bench"))
+    ap.add_argument("--budget", type=float, default=540)
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--ort-pythonpath", default="/tmp/np1")
+    ap.add_argument("--runs", type=int, default=40)
+    ap.add_argument("--fp16-pass", default="fp16")
+    ap.add_argument("--out", type=Path, help="copy results.json and the table here")
+    args = ap.parse_args(argv)
+    args.work.mkdir(parents=True, exist_ok=True)
+    steps = Steps(args.work, args.budget)
+    variants = args.variants.split(",")
+    try:
+        steps.run("reference", lambda: torch_reference(args.work))
+        for variant in variants:
+            raw = Path(steps.run(f"export:{variant}", lambda: export_variant(args.work, variant))["path"])
+            d = raw.parent
+            steps.run(f"build:{variant}:raw", lambda: onnxopt_fp16(raw, d / "raw_fp16.onnx", ["cleanup", args.fp16_pass]))
+            steps.run(f"build:{variant}:ort", lambda: ort_optimizer(raw, d / "ort_fp16.onnx", args.ort_pythonpath))
+            steps.run(f"build:{variant}:onnxopt", lambda: onnxopt_fp16(raw, d / "onnxopt_fp16.onnx", ["ort-cuda", args.fp16_pass]))
+        for variant in variants:
+            for label in ("raw", "ort", "onnxopt"):
+                built = steps.results.get(f"build:{variant}:{label}", {})
+                if "path" not in built:
+                    continue
+                for graph in (0, 1):
+                    def timed(path=built["path"], graph=graph):
+                        try:
+                            return measure(args.work, path, bool(graph), args.runs)
+                        except Exception as exc:  # keep the other rows
+                            return {"error": str(exc).splitlines()[0][:200]}
+                    steps.run(f"time:{variant}:{label}:{graph}", timed)
+        done = True
+    except TimeoutError as stop:
+        print(f"budget spent before step {stop}; rerun to continue", flush=True)
+        done = False
+    text = table(steps.results, variants)
+    print(text)
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "results.json").write_text(json.dumps(steps.results, indent=2, default=str))
+        (args.out / "table.md").write_text(text + "\n")
+    return 0 if done else 3
+
+
+if __name__ == "__main__":
+    sys.exit(main())
