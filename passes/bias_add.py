@@ -1,0 +1,99 @@
+"""fuse-bias-add: a Linear's bias Add and the residual Add after it as one com.microsoft BiasAdd.
+
+    p = x @ W                      MatMul (stays)
+    y = Add(Add(p, bias), skip)    bias: a 1-D constant (C); p, skip: (B, S, C)
+                         ==>
+    y = BiasAdd(p, bias, skip)     (com.microsoft)
+
+Where it fires in SD UNets: the feed-forward output of the *last* BasicTransformerBlock of every
+Transformer2DModel, ``ff(norm3(h)) + h``. Every other Linear + residual Add there feeds a
+LayerNorm (norm2, norm3, the next block's norm1) and becomes SkipLayerNormalization with a bias
+instead; this pass leaves those to fuse-skip-layer-norm (details["left_for_skip_layer_norm"]),
+whichever runs first. (The Transformer2DModel's ``proj_out(h) + residual`` is not a site: the
+residual Add happens in NCHW after a Reshape/Transpose, or after a 1x1 Conv.)
+
+Conditions, from ORT's CUDA kernel (bias_add.cc), which checks them at run time:
+p is 3-D; bias is (C,); skip has exactly p's shape (no broadcasting: a static 1 against another
+dim is refused; dims that shape inference left symbolic are taken as equal -- a mismatch there
+makes the kernel fail, it cannot compute something else); fp32 or fp16. Any C: ORT 1.31.1's
+kernel, run on an H100, took 16, 320, 640, 768 and 1280 channels (releases before it rejected
+everything but 320, 640 and 1280).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx_graphsurgeon as gs
+
+from onnxopt.model import Model
+from onnxopt.pass_infra import CONSTANTS_FOLDED, SHAPES_INFERRED, Pass, PassResult
+from onnxopt.pattern import Const, Pattern, constant_shape, op, replace
+from onnxopt.pattern.tensor_facts import dims_agree, dims_conflict, rank_of, shape_of, static_dim
+from onnxopt.registry import register_pass
+
+MS_DOMAIN = "com.microsoft"
+KERNEL_DTYPES = (np.dtype(np.float32), np.dtype(np.float16))
+LAYER_NORMS = ("LayerNormalization", "SkipLayerNormalization")
+
+
+def linear_residual(x, w, skip, bias=Const()):
+    product = op.MatMul(x, w, _outputs=["product"])
+    return op.Add(op.Add(product, bias, _name="bias_add"), skip, _name="sum")
+
+
+LINEAR_RESIDUAL = Pattern(linear_residual, name="linear-residual")
+
+
+@register_pass
+class FuseBiasAdd(Pass):
+    name = "fuse-bias-add"
+    description = "fuse a Linear's bias Add and the residual Add after it into com.microsoft BiasAdd"
+    targets = frozenset({"ort-cuda"})
+    requires = frozenset({SHAPES_INFERRED})
+    preserves = frozenset({SHAPES_INFERRED, CONSTANTS_FOLDED})
+    is_fusion = True
+
+    def run(self, model: Model) -> PassResult:
+        graph = model.graph
+        result = PassResult(modified=False)
+        left = assumed = 0
+        for match in LINEAR_RESIDUAL.find(graph):
+            if any(c.op in LAYER_NORMS for c in match.output.outputs):
+                left += 1  # a SkipLayerNormalization site, not one of ours
+                continue
+            result.sites_matched += 1
+            reason = self._refusal(match)
+            if reason is not None:
+                result.refuse(match.root.name, reason)
+                continue
+            assumed += not all(dims_agree(a, b) for a, b in zip(shape_of(match["product"]), shape_of(match["skip"])))
+            y = gs.Variable(f"{match.output.name}__bias_add")
+            node = gs.Node("BiasAdd", f"{match.root.name}__bias_add", domain=MS_DOMAIN,
+                           inputs=[match["product"], match["bias"], match["skip"]], outputs=[y])
+            replace(graph, match, [node])
+            result.sites_rewritten += 1
+        result.details.update(left_for_skip_layer_norm=left, dims_assumed_equal=assumed)
+        result.modified = result.sites_rewritten > 0
+        if result.modified:
+            graph.cleanup(remove_unused_graph_inputs=False).toposort()
+        return result
+
+    def _refusal(self, match) -> str | None:
+        product, skip = match["product"], match["skip"]
+        bias_shape = constant_shape(match["bias"])
+        if len(bias_shape) != 1:
+            return f"bias has shape {list(bias_shape)}; BiasAdd takes a 1-D bias"
+        c = int(bias_shape[0])
+        if rank_of(product) != 3 or rank_of(skip) != 3:
+            return f"operands of shapes {shape_of(product)} and {shape_of(skip)}; BiasAdd takes (B, S, C)"
+        if static_dim(product, -1) != c or static_dim(skip, -1) != c:
+            return f"last dims {shape_of(product)[-1]!r} and {shape_of(skip)[-1]!r} are not both the bias size {c}"
+        if any(dims_conflict(a, b) for a, b in zip(shape_of(product), shape_of(skip))):
+            return f"{shape_of(product)} + {shape_of(skip)} broadcasts; BiasAdd needs skip of the input's shape"
+        dtype = product.dtype
+        if dtype is not None and np.dtype(dtype) not in KERNEL_DTYPES:
+            return f"dtype {np.dtype(dtype)}; the CUDA kernel takes float32 and float16"
+        return None
+
+
+__all__ = ["LINEAR_RESIDUAL", "FuseBiasAdd"]
