@@ -43,13 +43,9 @@ class PassManager:
         properties: set[str] = set()
         start = time.perf_counter()
         for p in self.passes:
-            for prop in sorted(p.requires - properties):
-                provider = registry.provider_of(prop)
-                if provider is None:
-                    raise RuntimeError(f"pass {p.name} requires '{prop}' but no pass provides it")
-                if not self._step(provider(), model, report, properties, auto=p.name):
-                    break
-            if report.first_broken_pass or not self._step(p, model, report, properties):
+            if not self._establish(p, model, report, properties, chain=()):
+                break
+            if not self._step(p, model, report, properties):
                 break
         report.nodes_after = len(model.graph.nodes)
         report.seconds = time.perf_counter() - start
@@ -59,6 +55,23 @@ class PassManager:
             if not report.final_verification.ok:
                 report.first_broken_pass = "(final model)"
         return report
+
+    def _establish(self, p: Pass, model: Model, report: OptimizationReport, properties: set[str], chain: tuple) -> bool:
+        """Run the providers of ``p``'s missing requirements, their own requirements first."""
+        for prop in sorted(p.requires - properties):
+            if prop in properties:  # established by a provider run for an earlier property
+                continue
+            provider_cls = registry.provider_of(prop)
+            if provider_cls is None:
+                raise RuntimeError(f"pass {p.name} requires '{prop}' but no pass provides it")
+            if provider_cls.name in chain:
+                raise RuntimeError(f"requirement cycle: {' -> '.join(chain + (provider_cls.name,))}")
+            provider = provider_cls()
+            if not self._establish(provider, model, report, properties, chain + (p.name,)):
+                return False
+            if not self._step(provider, model, report, properties, auto=p.name):
+                return False
+        return True
 
     def _step(self, p: Pass, model: Model, report: OptimizationReport, properties: set[str], auto: str | None = None) -> bool:
         nodes_before = len(model.graph.nodes)

@@ -34,7 +34,8 @@ PRESETS: dict[str, Preset] = {
     "cleanup": Preset(
         "cleanup",
         "remove Identity and dead nodes, fold constants, drop redundant Casts and neutral arithmetic, infer shapes",
-        ("remove-identity", "fold-constants", "remove-redundant-casts", "remove-neutral-arithmetic",
+        # Shapes first: graphsurgeon folds Shape ops only where it knows the shapes.
+        ("remove-identity", "infer-shapes", "fold-constants", "remove-redundant-casts", "remove-neutral-arithmetic",
          "eliminate-dead-nodes", "infer-shapes"),
     ),
 }
@@ -47,8 +48,8 @@ PRESETS["ort-cuda"] = Preset(
         "fuse-group-norm",
         "fuse-skip-group-norm",
         "fuse-bias-split-gelu",
+        "fuse-layer-norm",  # before bias-add: BiasAdd leaves the Adds that feed a LayerNorm to SkipLayerNorm
         "fuse-bias-add",
-        "fuse-layer-norm",
         "fuse-skip-layer-norm",
         "nhwc-conv",  # last fusion: it wraps Convs (and finds GroupNorms) in Transposes and sinks them
         "eliminate-dead-nodes",

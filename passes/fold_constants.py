@@ -50,6 +50,7 @@ class FoldConstants(Pass):
         before = len(graph.nodes)
         severity = G_LOGGER.severity
         G_LOGGER.severity = G_LOGGER.ERROR  # graphsurgeon logs every partition it tries
+        quiet_onnxruntime()  # and the sessions it folds with warn about their own graph optimizations
         try:
             graph.fold_constants(
                 fold_shapes=True,
@@ -67,6 +68,15 @@ class FoldConstants(Pass):
         # Net nodes removed, not counting the temporary Slices of the Shape(start, end) workaround.
         removed = folded + rejoined - len(split)
         return PassResult(modified=removed > 0, sites_matched=removed, sites_rewritten=removed)
+
+
+def quiet_onnxruntime() -> None:
+    try:
+        import onnxruntime
+
+        onnxruntime.set_default_logger_severity(3)
+    except ImportError:
+        pass
 
 
 def split_ranged_shapes(graph: gs.Graph) -> list[gs.Node]:

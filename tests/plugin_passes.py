@@ -28,3 +28,28 @@ class NeverMatches(Pass):
 
     def run(self, model):
         return PassResult(modified=False)
+
+
+class _Marker(Pass):
+    """Changes nothing; exists to exercise requirement handling."""
+
+    description = "test marker"
+
+    def run(self, model):
+        return PassResult(modified=False)
+
+
+class ProvidesA(_Marker):
+    name = "test-provides-a"
+    provides = frozenset({"test-a"})
+
+
+class ProvidesB(_Marker):
+    name = "test-provides-b"
+    requires = frozenset({"test-a"})
+    provides = frozenset({"test-b"})
+
+
+class NeedsB(_Marker):
+    name = "test-needs-b"
+    requires = frozenset({"test-b"})

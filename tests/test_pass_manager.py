@@ -8,7 +8,10 @@ import pytest
 from onnxopt import PassManager, available_passes, load_model, optimize, registry
 from onnxopt.errors import PassNotApplicableError, UnknownPassError
 from tests.graphs import linear_model
-from tests.plugin_passes import AddToSub, NeverMatches
+from tests.plugin_passes import AddToSub, NeedsB, NeverMatches, ProvidesA, ProvidesB
+
+
+PLUGINS = (AddToSub, NeverMatches, ProvidesA, ProvidesB, NeedsB)
 
 
 @pytest.fixture
@@ -17,7 +20,7 @@ def plugins(monkeypatch):
     real = metadata.entry_points
     eps = [
         metadata.EntryPoint(name=cls.name, value=f"tests.plugin_passes:{cls.__name__}", group=registry.ENTRY_POINT_GROUP)
-        for cls in (AddToSub, NeverMatches)
+        for cls in PLUGINS
     ]
 
     def entry_points(**kwargs):
@@ -28,8 +31,8 @@ def plugins(monkeypatch):
     monkeypatch.setattr(registry.metadata, "entry_points", entry_points)
     monkeypatch.setattr(registry, "_loaded", False)
     yield
-    registry._PASSES.pop(AddToSub.name, None)
-    registry._PASSES.pop(NeverMatches.name, None)
+    for cls in PLUGINS:
+        registry._PASSES.pop(cls.name, None)
 
 
 def test_every_builtin_pass_describes_itself():
@@ -91,3 +94,13 @@ def test_preset_fusions_that_do_not_apply_are_not_errors(plugins, monkeypatch):
     monkeypatch.setitem(registry.PRESETS, "test-preset", registry.Preset("test-preset", "test", ("test-fuse-nothing",)))
     _, report = optimize(linear_model()[0], ["test-preset"], strict=True)
     assert report.notes == []
+
+
+def test_requirements_of_auto_inserted_passes_come_first(plugins):
+    model = load_model(linear_model()[0])
+    report = PassManager(["test-needs-b"]).run(model)
+    assert [(p.name, p.auto) for p in report.passes] == [
+        ("test-provides-a", "test-provides-b"),
+        ("test-provides-b", "test-needs-b"),
+        ("test-needs-b", None),
+    ]
