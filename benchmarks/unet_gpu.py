@@ -73,27 +73,28 @@ class Steps:
         return value
 
 
-def export_variant(work: Path, variant: str) -> dict:
+def export_variant(work: Path, variant: str, size: str) -> dict:
     from models import build
     from models.export import export
 
     exporter, shapes = VARIANTS[variant]
-    built = build("unet-sd15", size="full")
+    built = build("unet-sd15", size=size)
     path = work / variant / "raw.onnx"
     result = export(built, path, exporter=exporter, shapes=shapes)
     return {"path": str(path), "seconds": result.seconds, "files": len(result.files), "bytes": result.total_bytes}
 
 
-def torch_reference(work: Path) -> dict:
+def torch_reference(work: Path, size: str) -> dict:
     import torch
 
     from models import build
 
-    built = build("unet-sd15", size="full")
-    feeds = built.make_feeds(DIMS)
-    module = built.module.cuda().float().eval()
+    built = build("unet-sd15", size=size)
+    feeds = built.make_feeds(DIMS if size == "full" else None)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    module = built.module.to(device).float().eval()
     with torch.no_grad():
-        out = module(*[torch.from_numpy(feeds[n]).cuda() for n in built.input_names])
+        out = module(*[torch.from_numpy(feeds[n]).to(device) for n in built.input_names])
     out = out[0] if isinstance(out, (tuple, list)) else out
     np.savez(work / "reference.npz", output=out.float().cpu().numpy(), **{f"in_{k}": v for k, v in feeds.items()})
     return {"output_shape": list(out.shape)}
@@ -113,7 +114,8 @@ def ort_optimizer(src: Path, dst: Path, ort_pythonpath: str) -> dict:
     t0 = time.time()
     proc = subprocess.run([sys.executable, "-c", ORT_OPTIMIZE, str(src), str(dst)], env=env, capture_output=True, text=True)
     if proc.returncode != 0:
-        return {"error": proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else f"exit {proc.returncode}"}
+        errors = [line for line in proc.stderr.splitlines() if "Error" in line or "error" in line]
+        return {"error": (errors or [f"exit {proc.returncode}"])[-1].strip()}
     return {"path": str(dst), "fused": proc.stdout.strip().splitlines()[-1], "seconds": time.time() - t0}
 
 
@@ -139,22 +141,27 @@ def measure(work: Path, path: str, cuda_graph: bool, runs: int) -> dict:
     }
 
 
+def _ms(entry) -> float:
+    return entry["median_ms"] if entry and "median_ms" in entry else float("nan")
+
+
 def table(results: dict, variants: list[str]) -> str:
-    lines = ["| export | model | fused | ms | ms, CUDA graph | vs ORT (best) | max abs | rel L2 |", "|---|---|---|---|---|---|---|---|"]
+    lines = ["| export | model | fused | ms | ms, CUDA graph | best vs ORT best | max abs | rel L2 |", "|---|---|---|---|---|---|---|---|"]
     for variant in variants:
-        ort_best = min((results.get(f"time:{variant}:ort:{g}", {}).get("median_ms", float("inf")) for g in (0, 1)), default=float("inf"))
+        ort_times = [_ms(results.get(f"time:{variant}:ort:{g}")) for g in (0, 1)]
+        ort_best = min((t for t in ort_times if t == t), default=float("nan"))
         for label in ("raw", "ort", "onnxopt"):
-            off, on = results.get(f"time:{variant}:{label}:0"), results.get(f"time:{variant}:{label}:1")
             built = results.get(f"build:{variant}:{label}", {})
-            if not off and not on:
-                if "error" in built:
-                    lines.append(f"| {variant} | {label} | failed: {built['error'][:80]} | | | | | |")
+            off, on = results.get(f"time:{variant}:{label}:0"), results.get(f"time:{variant}:{label}:1")
+            times = [t for t in (_ms(off), _ms(on)) if t == t]
+            if not times:
+                error = built.get("error") or (off or {}).get("error") or (on or {}).get("error") or "not run"
+                lines.append(f"| {variant} | {label} | failed: {str(error)[:90]} | | | | | |")
                 continue
-            best = min(x["median_ms"] for x in (off, on) if x and "median_ms" in x)
-            acc = off or on
+            acc = off if off and "max_abs" in off else on
             lines.append(
-                f"| {variant} | {label} | {built.get('fused', '')} | {off.get('median_ms', float('nan')) if off else float('nan'):.2f} | "
-                f"{on.get('median_ms', float('nan')) if on else float('nan'):.2f} | {best / ort_best:.2f}x | {acc.get('max_abs', float('nan')):.3g} | {acc.get('rel_l2', float('nan')):.3g} |"
+                f"| {variant} | {label} | {built.get('fused', '')} | {_ms(off):.2f} | {_ms(on):.2f} | "
+                f"{min(times) / ort_best:.2f}x | {acc['max_abs']:.3g} | {acc['rel_l2']:.3g} |"
             )
     return "\n".join(lines)
 
@@ -168,14 +175,15 @@ def main(argv=None) -> int:
     ap.add_argument("--runs", type=int, default=40)
     ap.add_argument("--fp16-pass", default="fp16")
     ap.add_argument("--out", type=Path, help="copy results.json and the table here")
+    ap.add_argument("--size", default="full", choices=["full", "tiny"], help="tiny: a quick rehearsal of every step")
     args = ap.parse_args(argv)
     args.work.mkdir(parents=True, exist_ok=True)
     steps = Steps(args.work, args.budget)
     variants = args.variants.split(",")
     try:
-        steps.run("reference", lambda: torch_reference(args.work))
+        steps.run("reference", lambda: torch_reference(args.work, args.size))
         for variant in variants:
-            raw = Path(steps.run(f"export:{variant}", lambda: export_variant(args.work, variant))["path"])
+            raw = Path(steps.run(f"export:{variant}", lambda: export_variant(args.work, variant, args.size))["path"])
             d = raw.parent
             steps.run(f"build:{variant}:raw", lambda: onnxopt_fp16(raw, d / "raw_fp16.onnx", ["cleanup", args.fp16_pass]))
             steps.run(f"build:{variant}:ort", lambda: ort_optimizer(raw, d / "ort_fp16.onnx", args.ort_pythonpath))
