@@ -33,20 +33,21 @@ __all__ = [
 
 
 def _map_checkout_passes() -> None:
-    """In a source checkout run without installing (PYTHONPATH=.), ``passes/`` sits beside this
-    package; an install maps it to ``onnxopt.passes`` through package-dir. Do the same here."""
+    """``passes/`` ships as ``onnxopt.passes`` (package-dir in pyproject). In a source checkout,
+    the passes beside this package are the ones that belong to it, whatever another install maps:
+    import them from there (also when the checkout is used without installing, PYTHONPATH=.)."""
     import importlib.util
     import sys
     from pathlib import Path
 
-    if "onnxopt.passes" in sys.modules or importlib.util.find_spec("onnxopt.passes") is not None:
-        return
     folder = Path(__file__).resolve().parent.parent / "passes"
-    if (folder / "__init__.py").is_file():
-        spec = importlib.util.spec_from_file_location("onnxopt.passes", folder / "__init__.py", submodule_search_locations=[str(folder)])
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["onnxopt.passes"] = module
-        spec.loader.exec_module(module)
+    if "onnxopt.passes" in sys.modules or not (folder / "__init__.py").is_file():
+        return
+    spec = importlib.util.spec_from_file_location("onnxopt.passes", folder / "__init__.py", submodule_search_locations=[str(folder)])
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["onnxopt.passes"] = module
+    globals()["passes"] = module
+    spec.loader.exec_module(module)
 
 
 _map_checkout_passes()
