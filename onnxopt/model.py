@@ -103,7 +103,8 @@ def stubbed_constants(constants: list[Constant], threshold: int) -> Iterator[lis
     swapped: list[tuple[Constant, object]] = []
     try:
         for constant in constants:
-            if constant_nbytes(constant) >= threshold:
+            # A derived or external tensor's TensorProto carries no data: always stub it, whatever its size.
+            if constant_nbytes(constant) >= threshold or needs_materialising(constant):
                 swapped.append((constant, constant._values))
                 constant._values = LazyValues(stub_tensor(constant))
         yield [c for c, _ in swapped]

@@ -138,3 +138,16 @@ def test_sinking_is_what_makes_the_difference():
     model = load_model(_chain_model())
     PassManager([NhwcConvPass(sink=False)]).run(model)
     assert sum(1 for n in model.graph.nodes if n.op == "Transpose") == 4
+
+
+@pytest.mark.parametrize("external", [False, True])
+def test_saved_nhwc_model_is_valid_and_carries_every_transposed_weight(tmp_path, external):
+    """Transposed weights are derived lazily; small ones must still be written with their data."""
+    from onnxopt import save_model
+
+    path = FIXTURES / "unet-sd15.tiny.dynamo.static.sdpa.onnx"
+    model, _ = optimize(path, ["cleanup", "nhwc-conv"])
+    out = tmp_path / "nhwc.onnx"
+    save_model(model, out, external_data=external)
+    onnx.checker.check_model(str(out), full_check=True)
+    assert_same_computation(path, out, atol=1e-4, rtol=1e-3)
