@@ -21,11 +21,13 @@ def optimize(
     tolerance: Tolerance | None = None,
     inputs: InputSpec | None = None,
     strict: bool = False,
+    options: dict[str, dict] | None = None,
 ) -> tuple[Model, OptimizationReport]:
     """Load ``source`` (path, ModelProto, graph or Model), run ``passes`` and return the result.
 
     Names may be passes or presets (``cleanup``). The source is never modified: a Model or graph
-    given in memory is copied first. With ``verify``, the result of every pass is compared with the
+    given in memory is copied first. ``options`` maps a pass name to its constructor arguments
+    (``{"fp16": {"fp32_ops": ["Resize"]}}``), wherever that pass comes from. With ``verify``, the result of every pass is compared with the
     source on random inputs and the report names the first pass that broke ``tolerance``.
     """
     model = load_model(source)
@@ -37,6 +39,8 @@ def optimize(
         elif not isinstance(p, str):
             requested.add(p.name)
         steps.extend(registry.expand([p]) if isinstance(p, str) else [p])
+    options = options or {}
+    steps = [registry.get_pass(s)(**options.get(s, {})) if isinstance(s, str) else s for s in steps]
     verifier = Verifier(model, tolerance=tolerance, inputs=inputs) if verify else None
     try:
         report = PassManager(steps, verifier=verifier, strict=strict, requested=requested).run(model)

@@ -51,6 +51,14 @@ def build_parser() -> argparse.ArgumentParser:
     ext.add_argument("--external-data", dest="external_data", action="store_true", default=None, help="always write weights to <output>.data")
     ext.add_argument("--no-external-data", dest="external_data", action="store_false", help="keep weights inline (fails over 2 GB)")
     opt.add_argument("--report-json", type=Path, help="also write the report as JSON")
+    fp16 = opt.add_argument_group("fp16 pass")
+    fp16.add_argument("--low-precision", choices=["float16", "bfloat16"], help="the fp16 pass's low precision (default float16)")
+    fp16.add_argument("--fp32-ops", help="comma-separated op types kept in float32")
+    fp16.add_argument("--fp32-nodes", help="comma-separated node names kept in float32")
+    fp16.add_argument("--keep-io-types", dest="keep_io_types", action="store_true", default=None, help="model inputs/outputs stay float32 (default)")
+    fp16.add_argument("--no-keep-io-types", dest="keep_io_types", action="store_false", help="model inputs/outputs become float16")
+    fp16.add_argument("--fp32-auto", action="store_true", help="keep float32 the nodes whose values leave the fp16 range on calibration inputs")
+    fp16.add_argument("--calibration", help=".npz of calibration inputs for --fp32-auto (default: random inputs)")
     opt.add_argument("--strict", action="store_true", help="fail (exit 4) when a requested fusion finds nothing to fuse")
     opt.add_argument("-q", "--quiet", action="store_true", help="do not print the report table")
 
@@ -83,7 +91,8 @@ def cmd_optimize(args) -> int:
     inputs = InputSpec(shapes=dict(args.shape), dims=dict(args.dim))
     start = time.perf_counter()
     model, report = optimize(
-        args.input, passes, verify=args.verify, tolerance=Tolerance(args.atol, args.rtol), inputs=inputs, strict=args.strict
+        args.input, passes, verify=args.verify, tolerance=Tolerance(args.atol, args.rtol), inputs=inputs, strict=args.strict,
+        options={"fp16": _fp16_options(args)},
     )
     if args.report_json:
         try:
@@ -100,6 +109,18 @@ def cmd_optimize(args) -> int:
     if not args.quiet:
         print(f"wrote {where}: {info.weights_nbytes / 1e6:.1f} MB of weights, {time.perf_counter() - start:.1f} s in all")
     return EXIT_OK
+
+
+def _fp16_options(args) -> dict:
+    options = {
+        "low_precision": args.low_precision,
+        "fp32_ops": tuple(filter(None, (args.fp32_ops or "").split(","))) or None,
+        "fp32_nodes": tuple(filter(None, (args.fp32_nodes or "").split(","))) or None,
+        "keep_io_types": args.keep_io_types,
+        "fp32_auto": args.fp32_auto or None,
+        "calibration": args.calibration,
+    }
+    return {k: v for k, v in options.items() if v is not None}
 
 
 def cmd_passes(args) -> int:

@@ -11,8 +11,9 @@ from onnxopt.model import Model
 from onnxopt.pass_infra import Pass
 from onnxopt.report import OptimizationReport, PassReport, Verification
 
-# A verifier compares the current model with the source and says how far apart they are.
-Verifier = Callable[[Model], Verification]
+# A verifier compares the current model with the source and says how far apart they are, at a
+# tolerance (atol, rtol) no tighter than the one given (None: its own).
+Verifier = Callable[..., Verification]
 
 
 class PassManager:
@@ -41,6 +42,7 @@ class PassManager:
         report = OptimizationReport(model=str(model.source or model.graph.name or "model"))
         report.nodes_before = len(model.graph.nodes)
         properties: set[str] = set()
+        self._tolerance: tuple[float, float] | None = None  # loosened by passes that change numerics
         start = time.perf_counter()
         for p in self.passes:
             if not self._establish(p, model, report, properties, chain=()):
@@ -51,7 +53,7 @@ class PassManager:
         report.seconds = time.perf_counter() - start
         if self.verifier is not None and not report.first_broken_pass:
             # The final model is always proven, also when no single pass changed it.
-            report.final_verification = self.verifier(model)
+            report.final_verification = self.verifier(model, tolerance=self._tolerance)
             if not report.final_verification.ok:
                 report.first_broken_pass = "(final model)"
         return report
@@ -88,8 +90,11 @@ class PassManager:
             if self.strict:
                 raise PassNotApplicableError(message)
             report.notes.append(message)
+        if p.verify_tolerance is not None:
+            current = self._tolerance or (0.0, 0.0)
+            self._tolerance = (max(current[0], p.verify_tolerance[0]), max(current[1], p.verify_tolerance[1]))
         if self.verifier is not None and result.modified:
-            step.verification = self.verifier(model)
+            step.verification = self.verifier(model, tolerance=self._tolerance)
             if not step.verification.ok:
                 report.first_broken_pass = p.name
                 return False

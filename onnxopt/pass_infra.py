@@ -52,6 +52,9 @@ class Pass(abc.ABC):
     preserves: ClassVar[frozenset[str]] = frozenset()
     # A fusion reports "nothing to fuse" when it matched no site; a cleanup pass does not.
     is_fusion: ClassVar[bool] = False
+    # (atol, rtol) a pass that changes numerics (fp16) needs from --verify, from it on; None: exact
+    # up to the user's tolerance.
+    verify_tolerance: ClassVar[tuple[float, float] | None] = None
 
     def __call__(self, model: Model) -> PassResult:
         return self.run(model)

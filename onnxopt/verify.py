@@ -144,13 +144,17 @@ class Verifier:
         with _quiet():
             return Comparator.run([runner], data_loader=self.feeds)
 
-    def __call__(self, model: Model) -> Verification:
+    def __call__(self, model: Model, tolerance: tuple[float, float] | None = None) -> Verification:
+        """Compare ``model`` with the source, at this verifier's tolerance or ``tolerance`` where looser."""
         self._count += 1
+        atol, rtol = self.tolerance.atol, self.tolerance.rtol
+        if tolerance is not None:
+            atol, rtol = max(atol, tolerance[0]), max(rtol, tolerance[1])
         candidate = self._run(model, f"candidate{self._count}")
         results = RunResults()
         for runner_name, iterations in list(self._source_results.items()) + list(candidate.items()):
             results.append((runner_name, iterations))
-        compare = SimpleCompareFunc(atol=self.tolerance.atol, rtol=self.tolerance.rtol)
+        compare = SimpleCompareFunc(atol=atol, rtol=rtol)
         with _quiet():
             accuracy = Comparator.compare_accuracy(results, compare_func=compare)
         return _summarise(accuracy)

@@ -8,7 +8,7 @@ import onnx
 import pytest
 
 from onnxopt.cli import main
-from tests.conftest import fixture_models
+from tests.conftest import FIXTURES as FIXTURES_DIR, fixture_models
 from tests.graphs import linear_model
 from tests.test_pass_manager import plugins  # noqa: F401  (fixture)
 
@@ -104,3 +104,9 @@ def test_bench_without_cuda_names_the_package_to_install(model_path, capsys):
     assert main(["bench", str(model_path)]) == 2
     err = capsys.readouterr().err
     assert "onnxruntime-gpu" in err and "Traceback" not in err
+
+
+def test_verify_after_fp16_uses_half_precision_tolerance(tmp_path, capsys):
+    path = FIXTURES_DIR / "unet-sd15.tiny.torchscript.static.sdpa.onnx"
+    assert main(["optimize", "-i", str(path), "-o", str(tmp_path / "o.onnx"), "--passes", "cleanup,fp16", "--verify"]) == 0
+    assert "final model equal to the source" in capsys.readouterr().out
