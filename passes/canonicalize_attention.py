@@ -1,0 +1,423 @@
+"""canonicalize-attention: bring every exporter's attention to the one form fuse-attention matches.
+
+The TorchScript and dynamo exporters write the same scaled-dot-product attention differently
+(see the field notes). Each rule below removes one difference, and only where it can prove the
+rewrite exact::
+
+    rule                   before                                           after
+    identity-reshape       Reshape(x, shape)  with shape provably x's       x
+    sdpa-scale-from-shape  Div(1, Sqrt(Cast(Slice(Shape(q), -1:))))         1/sqrt(H)   H = q's last dim, proven
+    scalar-arithmetic      Sqrt(c), Cast(c), Mul(c1, c2) ... of 1-element   the constant
+                           float constants
+    k-transpose-chain      Reshape(Transpose(Reshape(k, (-1, c, d)),        Transpose(k, (0, 1, 3, 2))
+                           (0, 2, 1)), (a, b, d, c))   k: (a, b, c, d)
+    transpose-pair         Transpose(Transpose(x, p), q)                    Transpose(x, p[q])
+    qk-scale               MatMul(Mul(q, a), Mul(kT, b))                    Mul(MatMul(q, kT), a*b)   a, b scalars
+    zero-score-bias        Add(s, Mul(ConstantOfShape|Expand(c, shape), 0)) s   c finite; shape broadcasts into s
+                           Add(s, zeros)
+    softmax-nan-guard      Where(IsNaN(p), 0, p),  p = Softmax(s [+ mask])  p   s and mask finite: no row is all -inf
+
+After it, attention reads: ``Softmax([Add(] [Mul(] MatMul(Transpose(Reshape(q)), Transpose(Reshape(k)))
+[, scale)] [, mask)])`` with K^T one ``Transpose(perm=(0, 2, 3, 1))`` (or ``(0, 2, 1)`` in the
+batch-of-heads form of the classic processor), one constant scale, and no guard.
+
+Shapes come from :class:`onnxopt.pattern.dims.Dims`: symbolic Shape/Reshape algebra plus the
+annotations of infer-shapes, which this pass requires.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import onnx
+import onnx_graphsurgeon as gs
+
+from onnxopt.graph_edit import is_standard
+from onnxopt.model import Model
+from onnxopt.pass_infra import CONSTANTS_FOLDED, SHAPES_INFERRED, Pass, PassResult
+from onnxopt.pattern import Const, Match, OneOf, Pattern, Var, constant_value, is_constant, op, replace
+from onnxopt.pattern.dims import Dim, Dims, same, same_dims, text
+from onnxopt.registry import register_pass
+
+ATTENTION_CANONICAL = "attention-canonical"
+
+FLOAT_TYPES = {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16, onnx.TensorProto.DOUBLE}
+# An additive mask entry at or below this hides its key exactly: exp(s + m - max) is 0 in fp32.
+HIDDEN = -1e30
+
+
+# ---------------------------------------------------------------- patterns
+
+
+def reshape_of_scores_product(p, v, shape):
+    """TorchScript's SDPA reshapes its output (B, N, S, H) to the query's shape: a no-op."""
+    return op.Reshape(op.MatMul(p, v, _external_uses=True), shape)
+
+
+def sdpa_default_scale(q, starts=Const(), ends=Const()):
+    """torch's SDPA decomposition: 1 / sqrt(q.shape[-1]), computed at run time."""
+    head_dim = op.Cast(op.Slice(op.Shape(q), starts, ends, _name="slice", _extra_inputs=True), to=Var("to"))
+    return op.Div(1.0, op.Sqrt(head_dim))
+
+
+def k_transpose_via_reshapes(k, flat, unflat):
+    """dynamo's K^T: fold (B, N) into one batch axis, transpose the last two, unfold."""
+    folded = op.Reshape(k, flat, _name="fold")
+    return op.Reshape(op.Transpose(folded, perm=[0, 2, 1]), unflat, _name="unfold")
+
+
+def transpose_pair(x):
+    return op.Transpose(op.Transpose(x, perm=Var("inner"), _external_uses=True), perm=Var("outer"))
+
+
+def scaled_qk(q, kt):
+    return op.MatMul(OneOf(op.Mul(q, Var("q_scale")), q), OneOf(op.Mul(kt, Var("k_scale")), kt))
+
+
+def plus_zeros(scores):
+    """baddbmm(empty, q, kT, beta=0): scores + 0 * empty. dynamo shares one empty (and its
+    product with 0) between attentions of one size, so those may be read outside the match."""
+    zeros = OneOf(
+        op.ConstantOfShape(Var("shape"), _name="fill", _external_uses=True),
+        op.Expand(Const.named("value"), Var("shape"), _external_uses=True),
+        Const.named("value"),
+    )
+    return op.Add(scores, OneOf(op.Mul(zeros, 0.0, _name="times_zero", _external_uses=True), zeros), _name="add")
+
+
+def nan_guarded_softmax(scores):
+    probs = op.Softmax(scores, axis=Var("axis"), _name="softmax")
+    return op.Where(op.IsNaN(probs), 0.0, probs)
+
+
+def _scalar_check(*names):
+    def check(match: Match):
+        if is_constant(match["q"]) or is_constant(match["kt"]):
+            return "an operand is a constant (a projection, not attention scores)"
+        bound = [match.get(n) for n in names]
+        if all(t is None for t in bound):
+            return "no scale on either operand"
+        for t in bound:
+            if t is not None and (not is_constant(t) or constant_value(t).size != 1 or constant_value(t).ndim > 1):
+                return f"'{t.name}' is not a one-element constant"
+        return None
+
+    return check
+
+
+def _adds_zero(m: Match) -> str | None:
+    value = _fill_value(m)
+    if value is None:
+        return "fill value is not a constant"
+    if has_node(m, "times_zero"):
+        return None if np.all(np.isfinite(value)) else "0 * a non-finite fill is NaN, not 0"
+    return None if not np.any(value) else "added tensor is not zero"
+
+
+IDENTITY_RESHAPE = Pattern(reshape_of_scores_product, name="identity-reshape")
+SDPA_SCALE = Pattern(sdpa_default_scale, name="sdpa-scale-from-shape")
+K_TRANSPOSE_CHAIN = Pattern(k_transpose_via_reshapes, name="k-transpose-chain")
+TRANSPOSE_PAIR = Pattern(transpose_pair, name="transpose-pair")
+QK_SCALE = Pattern(scaled_qk, name="qk-scale", check=_scalar_check("q_scale", "k_scale"))
+ZERO_SCORE_BIAS = Pattern(plus_zeros, name="zero-score-bias", check=_adds_zero)
+SOFTMAX_NAN_GUARD = Pattern(nan_guarded_softmax, name="softmax-nan-guard")
+
+
+# ---------------------------------------------------------------- rewrites
+# Each takes (graph, match, dims) and returns None when it rewrote, the reason it refused, or
+# NOT_A_SITE when the match is an ordinary node the rule does not apply to (not reported).
+# A rewrite that bypasses a node (its output replaced by an existing tensor) reads that tensor
+# from the live node, not from the match: an earlier bypass in the same sweep may have moved it.
+
+NOT_A_SITE = "not a site"
+
+
+def rewrite_identity_reshape(graph: gs.Graph, m: Match, dims: Dims) -> str | None:
+    x = m.root.inputs[0]  # the product
+    before, after = dims.shape(x), dims.reshaped(m.root)
+    if not same_dims(before, after) or any(d is None for d in before):
+        return NOT_A_SITE
+    replace(graph, m, [], [x])
+    return None
+
+
+def rewrite_sdpa_scale(graph: gs.Graph, m: Match, dims: Dims) -> str | None:
+    # Whatever the Slice takes (starts, ends, axes, steps), Dims evaluates exactly that.
+    head_dim = dims.scalar(m.node("slice").outputs[0])
+    if head_dim is None or not head_dim.is_int or head_dim.value <= 0:
+        return f"the sliced dim of '{m['q'].name}' is not a proven constant ({head_dim})"
+    if int(m.attrs["to"]) not in FLOAT_TYPES:
+        return f"Cast to {m.attrs['to']} is not a float cast"
+    dtype = onnx.helper.tensor_dtype_to_np_dtype(int(m.attrs["to"]))
+    scale = dtype.type(1) / np.sqrt(dtype.type(head_dim.value))
+    replace(graph, m, [], [_constant(f"{m.output.name}__const", np.array([scale], dtype=dtype))])
+    return None
+
+
+def rewrite_k_transpose_chain(graph: gs.Graph, m: Match, dims: Dims) -> str | None:
+    k = dims.shape(m["k"])
+    if k is None or len(k) != 4 or any(d is None for d in k):
+        return f"shape of '{m['k'].name}' is not known ({text(k)})"
+    a, b, c, d = k
+    folded, unfolded = dims.reshaped(m.node("fold")), dims.reshaped(m.node("unfold"))
+    if not same_dims(folded, [a * b, c, d]):
+        return f"first Reshape gives {text(folded)}, not {text([a * b, c, d])}"
+    if not same_dims(unfolded, [a, b, d, c]):
+        return f"second Reshape gives {text(unfolded)}, not {text([a, b, d, c])}"
+    out = gs.Variable(f"{m.output.name}__kt")
+    replace(graph, m, [gs.Node("Transpose", f"{m.root.name}__kt", {"perm": [0, 1, 3, 2]}, [m["k"]], [out])])
+    return None
+
+
+def rewrite_transpose_pair(graph: gs.Graph, m: Match, dims: Dims) -> str | None:
+    inner, outer = m.attrs["inner"], m.attrs["outer"]
+    if inner is None or outer is None or len(inner) != len(outer):
+        return "a Transpose without an explicit perm"
+    perm = [int(inner[i]) for i in outer]
+    x = m.root.inputs[0].inputs[0].inputs[0]
+    if perm == sorted(perm):
+        replace(graph, m, [], [x])
+        return None
+    out = gs.Variable(f"{m.output.name}__perm")
+    replace(graph, m, [gs.Node("Transpose", f"{m.root.name}__merged", {"perm": perm}, [x], [out])])
+    return None
+
+
+def rewrite_qk_scale(graph: gs.Graph, m: Match, dims: Dims) -> str | None:
+    scales = [constant_value(m[n]) for n in ("q_scale", "k_scale") if m.get(n) is not None]
+    dtype = scales[0].dtype
+    value = dtype.type(1)
+    for s in scales:
+        value = value * dtype.type(s.reshape(-1)[0])
+    scores = gs.Variable(f"{m.output.name}__unscaled", dtype=m.output.dtype, shape=m.output.shape)
+    out = gs.Variable(f"{m.output.name}__scaled")
+    matmul = gs.Node("MatMul", f"{m.root.name}__unscaled", inputs=[m["q"], m["kt"]], outputs=[scores])
+    mul = gs.Node("Mul", f"{m.root.name}__scale", inputs=[scores, _constant(f"{m.root.name}__scale", np.array([value], dtype))], outputs=[out])
+    replace(graph, m, [matmul, mul])
+    return None
+
+
+def rewrite_zero_score_bias(graph: gs.Graph, m: Match, dims: Dims) -> str | None:
+    add, matched = m.node("add"), {id(n) for n in m.nodes}
+    # The zeros are computed inside the match (or constant); the scores come from outside it.
+    zeros_index = 0 if is_constant(add.inputs[0]) or id(_producer(add.inputs[0])) in matched else 1
+    zeros, scores = add.inputs[zeros_index], add.inputs[1 - zeros_index]
+    z, s = dims.shape(zeros), dims.shape(scores)
+    if z is None or s is None or len(z) > len(s):
+        return f"cannot prove the zeros {text(z)} broadcast into the scores {text(s)}"
+    for zd, sd in zip(reversed(z), reversed(s)):
+        if not (same(zd, Dim(1)) or same(zd, sd)):
+            return f"zeros {text(z)} may broadcast the scores {text(s)} to a larger shape"
+    replace(graph, m, [], [scores])
+    return None
+
+
+def rewrite_softmax_nan_guard(graph: gs.Graph, m: Match, dims: Dims) -> str | None:
+    reason = nan_free_scores(m["scores"])
+    if reason is not None:
+        return reason
+    replace(graph, m, [], [m.node("softmax").outputs[0]])
+    return None
+
+
+# ---------------------------------------------------------------- facts shared with fuse-attention
+
+
+def nan_free_scores(scores: gs.Tensor) -> str | None:
+    """None when no row of Softmax(scores) can be all -inf (so Softmax never yields NaN), else why not.
+
+    Scores are a MatMul (optionally scaled by a finite constant), optionally plus a mask whose
+    every value is finite.
+    """
+    node = _producer(scores)
+    if node is not None and node.op == "Add":
+        a, b = node.inputs
+        core, mask = (a, b) if _is_scores(a) else (b, a)
+        if not _is_scores(core):
+            return f"'{scores.name}' is not attention scores plus a mask"
+        if not provably_finite(mask):
+            return f"mask '{mask.name}' may hold -inf: a fully masked row would make Softmax NaN"
+        return None
+    return None if _is_scores(scores) else f"'{scores.name}' is not attention scores"
+
+
+def provably_finite(t: gs.Tensor) -> bool:
+    """Every value of ``t`` is finite: finite constants, selected, broadcast or reshaped."""
+    if is_constant(t):
+        value = constant_value(t)
+        return np.issubdtype(value.dtype, np.floating) and bool(np.all(np.isfinite(value)))
+    node = _producer(t)
+    if node is None:
+        return False
+    if node.op == "Where":
+        return provably_finite(node.inputs[1]) and provably_finite(node.inputs[2])
+    if node.op in ("Expand", "Reshape", "Unsqueeze", "Squeeze", "Identity", "Transpose"):
+        return provably_finite(node.inputs[0])
+    if node.op == "Cast":
+        return int(node.attrs["to"]) in (onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE) and provably_finite(node.inputs[0])
+    return False
+
+
+def _is_scores(t: gs.Tensor) -> bool:
+    node = _producer(t)
+    if node is None:
+        return False
+    if node.op in ("Mul", "Div"):
+        a, b = node.inputs
+        factor = b if node.op == "Div" or is_constant(b) else a
+        other = a if factor is b else b
+        return provably_finite(factor) and _is_scores(other)
+    if node.op == "Cast":
+        return _is_scores(node.inputs[0])
+    return node.op == "MatMul"
+
+
+# ---------------------------------------------------------------- scalar arithmetic
+
+_SCALAR_OPS: dict[str, Callable] = {
+    "Sqrt": np.sqrt,
+    "Neg": np.negative,
+    "Reciprocal": np.reciprocal,
+    "Mul": np.multiply,
+    "Div": np.divide,
+    "Add": np.add,
+    "Sub": np.subtract,
+}
+
+
+def fold_scalar_constants(graph: gs.Graph) -> int:
+    """Evaluate float ops (and float Casts) whose inputs are all one-element constants.
+
+    ``graph.nodes`` must be topologically sorted, so that a chain folds in one sweep.
+    """
+    folded = 0
+    for node in list(graph.nodes):
+        if not is_standard(node) or len(node.outputs) != 1 or not node.inputs:
+            continue
+        if node.op not in _SCALAR_OPS and node.op != "Cast":
+            continue
+        values = [constant_value(t) if is_constant(t) else None for t in node.inputs]
+        if any(v is None or v.size != 1 or not np.issubdtype(v.dtype, np.floating) for v in values):
+            continue
+        if node.op == "Cast":
+            to = int(node.attrs["to"])
+            if to not in FLOAT_TYPES:
+                continue
+            result = values[0].astype(onnx.helper.tensor_dtype_to_np_dtype(to))
+        else:
+            if len({v.dtype for v in values}) != 1:
+                continue
+            with np.errstate(all="ignore"):
+                result = np.asarray(_SCALAR_OPS[node.op](*values)).astype(values[0].dtype)
+        rank = max(v.ndim for v in values)
+        out = node.outputs[0]
+        _bypass_output(graph, out, _constant(f"{out.name}__folded", result.reshape((1,) * rank)))
+        node.outputs.clear()
+        node.inputs.clear()
+        folded += 1
+    return folded
+
+
+# ---------------------------------------------------------------- the pass
+
+
+@dataclass(frozen=True)
+class Rule:
+    pattern: Pattern
+    rewrite: Callable[[gs.Graph, Match, Dims], str | None]
+    overlap: bool = False  # matches may share nodes (the rewrite leaves the shared ones in place)
+
+
+RULES = (
+    Rule(IDENTITY_RESHAPE, rewrite_identity_reshape),
+    Rule(SDPA_SCALE, rewrite_sdpa_scale),
+    Rule(K_TRANSPOSE_CHAIN, rewrite_k_transpose_chain),
+    Rule(TRANSPOSE_PAIR, rewrite_transpose_pair),
+    Rule(QK_SCALE, rewrite_qk_scale),
+    Rule(ZERO_SCORE_BIAS, rewrite_zero_score_bias, overlap=True),
+    Rule(SOFTMAX_NAN_GUARD, rewrite_softmax_nan_guard),
+)
+
+
+@register_pass
+class CanonicalizeAttention(Pass):
+    name = "canonicalize-attention"
+    description = "bring both exporters' attention to one form: constant scale on the scores, K^T as one Transpose, no zero bias or NaN guard"
+    requires = frozenset({SHAPES_INFERRED})
+    provides = frozenset({ATTENTION_CANONICAL})
+    preserves = frozenset({SHAPES_INFERRED, CONSTANTS_FOLDED})
+
+    def run(self, model: Model) -> PassResult:
+        graph = model.graph
+        result = PassResult(modified=False)
+        counts: Counter = Counter()
+        for rule in RULES:
+            if rule.pattern is QK_SCALE:  # the scale the previous rules materialized, as one constant
+                graph.toposort()
+                counts["scalar-arithmetic"] += fold_scalar_constants(graph)
+                if counts["scalar-arithmetic"]:
+                    graph.cleanup(remove_unused_graph_inputs=False)
+            dims = Dims()
+            for match in rule.pattern.find(graph, overlap=rule.overlap):
+                reason = rule.rewrite(graph, match, dims)
+                if reason is NOT_A_SITE:
+                    continue
+                result.sites_matched += 1
+                if reason is None:
+                    result.sites_rewritten += 1
+                    counts[rule.pattern.name] += 1
+                else:
+                    result.refuse(f"{rule.pattern.name} at '{match.root.name}'", reason)
+            if counts[rule.pattern.name]:  # dead nodes still count as consumers for the next find
+                graph.cleanup(remove_unused_graph_inputs=False)
+        result.sites_matched += counts["scalar-arithmetic"]
+        result.sites_rewritten += counts["scalar-arithmetic"]
+        result.modified = result.sites_rewritten > 0
+        result.details = {k: v for k, v in counts.items() if v}
+        graph.toposort()
+        return result
+
+
+# ---------------------------------------------------------------- small graph helpers
+
+
+def _producer(t: gs.Tensor) -> gs.Node | None:
+    return t.inputs[0] if isinstance(t, gs.Variable) and len(t.inputs) == 1 else None
+
+
+def has_node(m: Match, name: str) -> bool:
+    """Whether the pattern node named ``name`` is part of the match (alternatives may skip it)."""
+    try:
+        m.node(name)
+    except KeyError:
+        return False
+    return True
+
+
+def _fill_value(m: Match) -> np.ndarray | None:
+    if has_node(m, "fill"):
+        value = m.node("fill").attrs.get("value")
+        return np.zeros(1, np.float32) if value is None else np.asarray(value.values)
+    return constant_value(m["value"])
+
+
+_ids = iter(range(1 << 62))
+
+
+def _constant(name: str, value: np.ndarray) -> gs.Constant:
+    return gs.Constant(f"{name}_{next(_ids)}", np.asarray(value))
+
+
+def _bypass_output(graph: gs.Graph, old: gs.Tensor, new: gs.Tensor) -> None:
+    """Point ``old``'s consumers at ``new``; a graph output keeps its name through an Identity."""
+    for consumer in list(old.outputs):
+        for i, t in enumerate(consumer.inputs):
+            if t is old:
+                consumer.inputs[i] = new
+    if any(o is old for o in graph.outputs):
+        for producer in list(old.inputs):
+            producer.outputs[producer.outputs.index(old)] = gs.Variable(f"{old.name}__bypassed")
+        graph.nodes.append(gs.Node("Identity", f"{old.name}__identity", inputs=[new], outputs=[old]))
