@@ -110,3 +110,17 @@ def test_verify_after_fp16_uses_half_precision_tolerance(tmp_path, capsys):
     path = FIXTURES_DIR / "unet-sd15.tiny.torchscript.static.sdpa.onnx"
     assert main(["optimize", "-i", str(path), "-o", str(tmp_path / "o.onnx"), "--passes", "cleanup,fp16", "--verify"]) == 0
     assert "final model equal to the source" in capsys.readouterr().out
+
+
+def test_readme_first_command_runs(tmp_path, capsys):
+    """The README's first command (install, then optimize a shipped model) keeps working."""
+    import shlex
+
+    from tests.conftest import ROOT
+
+    first = next(line for line in (ROOT / "README.md").read_text().splitlines() if "onnxopt optimize" in line)
+    args = shlex.split(first.split("&&", 1)[1])[1:]  # drop "onnxopt"
+    args[args.index("-o") + 1] = str(tmp_path / "out.onnx")
+    args[args.index("-i") + 1] = str(ROOT / args[args.index("-i") + 1])
+    assert main(args) == 0
+    assert "final model equal to the source" in capsys.readouterr().out
