@@ -65,3 +65,13 @@ class Pass(abc.ABC):
 
     def __repr__(self) -> str:
         return f"<pass {self.name}>"
+
+
+class OrtFusion(Pass):
+    """A fusion into ONNX Runtime's com.microsoft ops: the ORT CUDA target, reads inferred shapes,
+    annotates the tensors it writes and folds nothing new. Subclasses override what differs."""
+
+    targets = frozenset({"ort-cuda"})
+    requires = frozenset({SHAPES_INFERRED})
+    preserves = frozenset({SHAPES_INFERRED, CONSTANTS_FOLDED})
+    is_fusion = True

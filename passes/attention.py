@@ -52,7 +52,7 @@ import onnx
 import onnx_graphsurgeon as gs
 
 from onnxopt.model import Model
-from onnxopt.pass_infra import CONSTANTS_FOLDED, SHAPES_INFERRED, Pass, PassResult
+from onnxopt.pass_infra import SHAPES_INFERRED, OrtFusion, PassResult
 from onnxopt.pattern import Const, Match, Maybe, OneOf, OpBuilder, Pattern, Var, constant_shape, constant_value, is_constant
 from onnxopt.pattern import op as std_op
 from onnxopt.pattern import replace
@@ -529,13 +529,10 @@ def _node(op_type: str, name: str, inputs: list, out: gs.Variable, attrs: dict) 
 
 
 @register_pass
-class FuseAttention(Pass):
+class FuseAttention(OrtFusion):
     name = "fuse-attention"
     description = "fuse attention (self, cross, VAE, causal CLIP) into com.microsoft MultiHeadAttention/Attention, packing Q/K/V weights and keeping biases"
-    targets = frozenset({"ort-cuda"})
     requires = frozenset({SHAPES_INFERRED, ATTENTION_CANONICAL})
-    preserves = frozenset({SHAPES_INFERRED, CONSTANTS_FOLDED})
-    is_fusion = True
 
     def run(self, model: Model) -> PassResult:
         graph = model.graph

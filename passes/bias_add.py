@@ -26,7 +26,7 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from onnxopt.model import Model
-from onnxopt.pass_infra import CONSTANTS_FOLDED, SHAPES_INFERRED, Pass, PassResult
+from onnxopt.pass_infra import OrtFusion, PassResult
 from onnxopt.pattern import Const, Pattern, constant_shape, op, replace
 from onnxopt.pattern.tensor_facts import dims_agree, dims_conflict, rank_of, shape_of, static_dim
 from onnxopt.registry import register_pass
@@ -45,13 +45,9 @@ LINEAR_RESIDUAL = Pattern(linear_residual, name="linear-residual")
 
 
 @register_pass
-class FuseBiasAdd(Pass):
+class FuseBiasAdd(OrtFusion):
     name = "fuse-bias-add"
     description = "fuse a Linear's bias Add and the residual Add after it into com.microsoft BiasAdd"
-    targets = frozenset({"ort-cuda"})
-    requires = frozenset({SHAPES_INFERRED})
-    preserves = frozenset({SHAPES_INFERRED, CONSTANTS_FOLDED})
-    is_fusion = True
 
     def run(self, model: Model) -> PassResult:
         graph = model.graph

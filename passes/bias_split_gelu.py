@@ -35,7 +35,7 @@ import onnx_graphsurgeon as gs
 
 from onnxopt.graph_edit import detach, is_standard
 from onnxopt.model import Model
-from onnxopt.pass_infra import CONSTANTS_FOLDED, SHAPES_INFERRED, Pass, PassResult
+from onnxopt.pass_infra import CONSTANTS_FOLDED, SHAPES_INFERRED, OrtFusion, Pass, PassResult
 from onnxopt.pattern import Const, OneOf, Pattern, constant_shape, constant_value, is_constant, op, replace
 from onnxopt.pattern.tensor_facts import normalize_axis, rank_of, shape_of, static_dim, static_ints
 from onnxopt.registry import register_pass
@@ -186,13 +186,11 @@ GEGLU_GATING_LEFT = Pattern(geglu_gating_left, name="geglu-gating-left")
 
 
 @register_pass
-class FuseBiasSplitGelu(Pass):
+class FuseBiasSplitGelu(OrtFusion):
     name = "fuse-bias-split-gelu"
     description = "fuse GEGLU (x@W + b, chunk in halves, a * gelu(g)) into com.microsoft BiasSplitGelu"
-    targets = frozenset({"ort-cuda"})
     requires = frozenset({SHAPES_INFERRED, SLICES_AS_SPLIT})
     preserves = frozenset({SHAPES_INFERRED, CONSTANTS_FOLDED, SLICES_AS_SPLIT})
-    is_fusion = True
 
     def __init__(self, check_kernel_sizes: bool = True):
         self.check_kernel_sizes = check_kernel_sizes

@@ -47,7 +47,7 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from onnxopt.model import Model
-from onnxopt.pass_infra import CONSTANTS_FOLDED, NO_DEAD_NODES, SHAPES_INFERRED, Pass, PassResult
+from onnxopt.pass_infra import CONSTANTS_FOLDED, NO_DEAD_NODES, SHAPES_INFERRED, OrtFusion, PassResult
 from onnxopt.pattern import Const, Match, OneOf, Pattern, Var, op, replace
 from onnxopt.registry import register_pass
 
@@ -305,13 +305,10 @@ def _is_flattened_view(x4: gs.Tensor, x: gs.Tensor) -> bool:
 
 
 @register_pass
-class FuseGroupNorm(Pass):
+class FuseGroupNorm(OrtFusion):
     name = "fuse-group-norm"
     description = "GroupNorm subgraphs (InstanceNorm form, GroupNormalization) + SiLU -> com.microsoft GroupNorm (NHWC)"
-    targets = frozenset({"ort-cuda"})
-    requires = frozenset({SHAPES_INFERRED})
     preserves = frozenset({SHAPES_INFERRED, CONSTANTS_FOLDED, NO_DEAD_NODES})  # new tensors are annotated
-    is_fusion = True
 
     def run(self, model: Model) -> PassResult:
         graph = model.graph

@@ -42,7 +42,7 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from onnxopt.model import Model
-from onnxopt.pass_infra import CONSTANTS_FOLDED, SHAPES_INFERRED, Pass, PassResult
+from onnxopt.pass_infra import CONSTANTS_FOLDED, SHAPES_INFERRED, OrtFusion, Pass, PassResult
 from onnxopt.pattern import Const, Literal, OneOf, Pattern, Var, constant_shape, constant_value, is_constant, op, replace
 from onnxopt.pattern.tensor_facts import (
     dims_agree,
@@ -161,13 +161,9 @@ SKIP_LAYER_NORM = Pattern(bias_skip_layer_norm, skip_layer_norm, name="skip-laye
 
 
 @register_pass
-class FuseSkipLayerNorm(Pass):
+class FuseSkipLayerNorm(OrtFusion):
     name = "fuse-skip-layer-norm"
     description = "fuse Add (+ bias) + LayerNormalization into com.microsoft SkipLayerNormalization (sum as output 3)"
-    targets = frozenset({"ort-cuda"})
-    requires = frozenset({SHAPES_INFERRED})
-    preserves = frozenset({SHAPES_INFERRED, CONSTANTS_FOLDED})
-    is_fusion = True
 
     def run(self, model: Model) -> PassResult:
         graph = model.graph

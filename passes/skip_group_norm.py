@@ -42,7 +42,7 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from onnxopt.model import Model
-from onnxopt.pass_infra import CONSTANTS_FOLDED, NO_DEAD_NODES, SHAPES_INFERRED, Pass, PassResult
+from onnxopt.pass_infra import CONSTANTS_FOLDED, NO_DEAD_NODES, SHAPES_INFERRED, OrtFusion, PassResult
 from onnxopt.pattern import OpBuilder, Pattern, Var, is_constant, op, replace
 from onnxopt.registry import register_pass
 
@@ -117,13 +117,10 @@ def split_operands(add: gs.Node, channels: int, layout: str) -> tuple[gs.Tensor,
 
 
 @register_pass
-class FuseSkipGroupNorm(Pass):
+class FuseSkipGroupNorm(OrtFusion):
     name = "fuse-skip-group-norm"
     description = "Add (residual or time embedding) + com.microsoft GroupNorm -> SkipGroupNorm (after fuse-group-norm)"
-    targets = frozenset({"ort-cuda"})
-    requires = frozenset({SHAPES_INFERRED})
     preserves = frozenset({SHAPES_INFERRED, CONSTANTS_FOLDED, NO_DEAD_NODES})  # new tensors are annotated
-    is_fusion = True
 
     def run(self, model: Model) -> PassResult:
         graph = model.graph
