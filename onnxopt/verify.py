@@ -15,6 +15,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import onnx
@@ -132,15 +133,19 @@ class Verifier:
     """Compares models with ``source``; call it with a model to get a :class:`Verification`."""
 
     def __init__(self, source: Model, *, tolerance: Tolerance | None = None, inputs: InputSpec | None = None,
-                 feeds: list[dict[str, np.ndarray]] | None = None, seed: int = 0):
+                 feeds: list[dict[str, np.ndarray]] | None = None, seed: int = 0,
+                 candidate_runner: Callable[[Model, str, Path], BaseRunner] | None = None):
+        """``candidate_runner(model, name, workdir)`` runs the candidates elsewhere (``onnxopt diff
+        --bisect --runtime cuda``); the source always runs as :func:`runner_for` runs it."""
         self.tolerance = tolerance or Tolerance()
+        self._candidate_runner = candidate_runner or runner_for
         self._tmp = tempfile.TemporaryDirectory(prefix="onnxopt-verify-")
         self.feeds = feeds if feeds is not None else random_feeds(source, inputs, seed=seed)
         self._source_results = self._run(source, "source")
         self._count = 0
 
-    def _run(self, model: Model, name: str) -> RunResults:
-        runner = runner_for(model, name, Path(self._tmp.name))
+    def _run(self, model: Model, name: str, make_runner=runner_for) -> RunResults:
+        runner = make_runner(model, name, Path(self._tmp.name))
         with _quiet():
             return Comparator.run([runner], data_loader=self.feeds)
 
@@ -150,7 +155,7 @@ class Verifier:
         atol, rtol = self.tolerance.atol, self.tolerance.rtol
         if tolerance is not None:
             atol, rtol = max(atol, tolerance[0]), max(rtol, tolerance[1])
-        candidate = self._run(model, f"candidate{self._count}")
+        candidate = self._run(model, f"candidate{self._count}", self._candidate_runner)
         results = RunResults()
         for runner_name, iterations in list(self._source_results.items()) + list(candidate.items()):
             results.append((runner_name, iterations))
