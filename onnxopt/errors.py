@@ -30,6 +30,10 @@ class UnknownPassError(OnnxoptError):
     """A pass or preset name that is not registered."""
 
 
+class PassOptionError(OnnxoptError):
+    """A pass was given an option value it does not take."""
+
+
 class PassNotApplicableError(OnnxoptError):
     """A requested pass found nothing to do and the caller asked for that to be an error."""
 

@@ -51,6 +51,7 @@ import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 
+from onnxopt.errors import PassOptionError
 from onnxopt.model import Model
 from onnxopt.pass_infra import SHAPES_INFERRED, OrtFusion, PassResult
 from onnxopt.pattern import Const, Match, Maybe, OneOf, OpBuilder, Pattern, Var, constant_shape, constant_value, is_constant
@@ -432,8 +433,13 @@ def _reads_shape_only(node: gs.Node, depth: int = 0) -> bool:
 # ---------------------------------------------------------------- the rewrite
 
 
-def fused_nodes(m: Match, site: Site) -> list[gs.Node]:
-    """The nodes that compute ``m.output`` in place of the match."""
+def fused_nodes(m: Match, site: Site, layout: str = "packed") -> list[gs.Node]:
+    """The nodes that compute ``m.output`` in place of the match.
+
+    ``layout="packed"`` writes one projection MatMul for QKV (self) or KV (cross) and hands MHA
+    the packed tensor; ``"separate"`` keeps one MatMul per projection and hands MHA (B, S, N*H)
+    query, key and value, the layout ORT's flash/memory-efficient kernels read without unpacking.
+    """
     n, h = site.heads, site.head_dim
     name = site.name
     x = m["x_k"]
@@ -449,7 +455,16 @@ def fused_nodes(m: Match, site: Site) -> list[gs.Node]:
         attrs["unidirectional"] = 1
     out = gs.Variable(f"{name}/attention_out", dtype=m.output.dtype, shape=m.output.shape)
 
-    if site.cross:
+    if layout == "separate" and (site.cross or all(b is None for b in biases.values())):
+        q = m.node("q_split").inputs[0] if site.cross else _matmul_by(nodes, f"{name}/q", x, m["wq"])
+        k = _matmul_by(nodes, f"{name}/k", x, m["wk"])
+        v = _matmul_by(nodes, f"{name}/v", x, m["wv"])
+        if biases["k"] is not None:
+            k = _add(nodes, f"{name}/k_bias", k, biases["k"].astype(dtype))
+        if biases["v"] is not None:
+            v = _add(nodes, f"{name}/v_bias", v, biases["v"].astype(dtype))
+        nodes.append(_node("MultiHeadAttention", f"{name}/MultiHeadAttention", [q, k, v, None, None, bias_input], out, attrs))
+    elif site.cross:
         packed = _pack([weights["k"], weights["v"]], n, h)
         kv = _matmul(nodes, f"{name}/kv", x, packed, [*_leading(x), 2 * n * h])
         if biases["k"] is not None or biases["v"] is not None:
@@ -506,6 +521,13 @@ def _matmul(nodes, name, x, w: np.ndarray, shape) -> gs.Variable:
     return out
 
 
+def _matmul_by(nodes, name, x, w: gs.Tensor) -> gs.Variable:
+    """x @ w with the exported weight tensor itself (not a copy)."""
+    out = gs.Variable(name, dtype=x.dtype, shape=[*_leading(x), w.shape[-1]] if w.shape is not None else None)
+    nodes.append(gs.Node("MatMul", name, inputs=[x, w], outputs=[out]))
+    return out
+
+
 def _add(nodes, name, x, b: np.ndarray) -> gs.Variable:
     out = gs.Variable(name, dtype=x.dtype, shape=x.shape)
     nodes.append(gs.Node("Add", name, inputs=[x, gs.Constant(f"{name}.bias", b)], outputs=[out]))
@@ -533,6 +555,12 @@ class FuseAttention(OrtFusion):
     name = "fuse-attention"
     description = "fuse attention (self, cross, VAE, causal CLIP) into com.microsoft MultiHeadAttention/Attention, packing Q/K/V weights and keeping biases"
     requires = frozenset({SHAPES_INFERRED, ATTENTION_CANONICAL})
+    LAYOUTS = ("packed", "separate")
+
+    def __init__(self, layout: str = "packed"):
+        if layout not in self.LAYOUTS:
+            raise PassOptionError(f"fuse-attention: layout must be one of {', '.join(self.LAYOUTS)}, not '{layout}'")
+        self.layout = layout
 
     def run(self, model: Model) -> PassResult:
         graph = model.graph
@@ -549,7 +577,7 @@ class FuseAttention(OrtFusion):
         names = {n.name for n in graph.nodes} | set(graph.tensors())
         for m, site in proven:
             site.name = _unused(site.name, names)  # prefixes the new nodes' and tensors' names
-            replace(graph, m, fused_nodes(m, site))
+            replace(graph, m, fused_nodes(m, site, self.layout))
             result.sites_rewritten += 1
             kinds[site.kind] += 1
             kinds["with projection bias"] += any(m.get(f"b{t}") is not None for t in "qkv")
@@ -575,7 +603,7 @@ def _site_name(m: Match) -> str:
 CREATED_NAMES = (
     "MultiHeadAttention", "Attention", "Attention.weights", "Attention.bias", "attention_out", "attention_bias",
     "attention_bias.axes", "qkv", "qkv.weight", "qkv_packed", "qkv_packed.shape", "kv", "kv.weight", "kv_bias",
-    "kv_bias.bias", "kv_packed", "kv_packed.shape",
+    "kv_bias.bias", "kv_packed", "kv_packed.shape", "q", "k", "v", "k_bias", "k_bias.bias", "v_bias", "v_bias.bias",
 )
 
 

@@ -9,6 +9,11 @@ that they cancel between neighbouring NHWC nodes (convolutions and GroupNorms, w
 fuse-group-norm emits in the same wrapped form): Transposes remain only at the edges of NHWC
 regions, where ONNX Runtime's own NHWC pass leaves two per Conv.
 
+With ``pointwise="matmul"``, a 1x1 convolution (stride 1, no padding, one group) is written as
+what it is on channels-last data, a MatMul over the channel axis (cuBLAS instead of cuDNN)::
+
+    x ─ Transpose(0,2,3,1) ─ MatMul(W[:, :, 0, 0]ᵀ) ─ [Add(B)] ─ Transpose(0,3,1,2) ─ y
+
 Conditions: the Conv is 2-D (4-D input), its weight is a constant (a computed weight cannot be
 transposed offline: refused), and its bias, if any, is a constant or absent.
 """
@@ -18,6 +23,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_graphsurgeon as gs
 
+from onnxopt.errors import PassOptionError
 from onnxopt.graph_edit import is_standard
 from onnxopt.model import Model
 from onnxopt.pass_infra import Pass, PassResult
@@ -55,8 +61,13 @@ class NhwcConvPass(Pass):
     targets = frozenset({"ort-cuda"})
     is_fusion = True
 
-    def __init__(self, sink: bool = True):
+    POINTWISE = ("conv", "matmul")
+
+    def __init__(self, sink: bool = True, pointwise: str = "conv"):
+        if pointwise not in self.POINTWISE:
+            raise PassOptionError(f"nhwc-conv: pointwise must be one of {', '.join(self.POINTWISE)}, not '{pointwise}'")
         self.sink = sink
+        self.pointwise = pointwise
 
     def run(self, model: Model) -> PassResult:
         graph = model.graph
@@ -68,7 +79,11 @@ class NhwcConvPass(Pass):
             if reason:
                 result.refuse(node.name, reason)
                 continue
-            _rewrite(graph, match)
+            if self.pointwise == "matmul" and _is_pointwise(node, match["w"]):
+                _rewrite_as_matmul(graph, match)
+                result.details["as MatMul"] = result.details.get("as MatMul", 0) + 1
+            else:
+                _rewrite(graph, match)
             result.sites_rewritten += 1
         if result.sites_rewritten:
             result.modified = True
@@ -110,6 +125,40 @@ def _rewrite(graph: gs.Graph, match) -> None:
             gs.Node("Transpose", name=f"{name}__to_nchw", attrs={"perm": TO_NCHW}, inputs=[y_nhwc], outputs=[gs.Variable(f"{name}__y")]),
         ],
     )
+
+
+def _is_pointwise(node: gs.Node, w: gs.Constant) -> bool:
+    a = node.attrs
+    return (
+        tuple(w.shape[2:]) == (1, 1)
+        and a.get("group", 1) == 1
+        and all(s == 1 for s in a.get("strides", [1, 1]))
+        and all(d == 1 for d in a.get("dilations", [1, 1]))
+        and not any(a.get("pads", [0, 0, 0, 0]))
+        and a.get("auto_pad", "NOTSET") in ("NOTSET", "VALID", b"NOTSET", b"VALID")
+    )
+
+
+def _rewrite_as_matmul(graph: gs.Graph, match) -> None:
+    node = match.node("conv")
+    x, w, b = match["x"], match["w"], match.get("b")
+    y = match.output
+    name = node.name or y.name
+    m, c = w.shape[:2]
+    w_matrix = gs.Constant(
+        f"{w.name}__cm", DerivedValues((c, m), w.dtype, lambda: np.asarray(w.values)[:, :, 0, 0].T.copy(), name=w.name)
+    )
+    x_nhwc = gs.Variable(f"{name}__x_nhwc", dtype=x.dtype, shape=_permute(x.shape, TO_NHWC))
+    y_nhwc = gs.Variable(f"{name}__y_nhwc", dtype=y.dtype, shape=_permute(y.shape, TO_NHWC))
+    nodes = [gs.Node("Transpose", name=f"{name}__to_nhwc", attrs={"perm": TO_NHWC}, inputs=[x], outputs=[x_nhwc])]
+    if b is None:
+        nodes.append(gs.Node("MatMul", name=f"{name}__matmul", inputs=[x_nhwc, w_matrix], outputs=[y_nhwc]))
+    else:
+        product = gs.Variable(f"{name}__matmul_out", dtype=y.dtype, shape=y_nhwc.shape)
+        nodes.append(gs.Node("MatMul", name=f"{name}__matmul", inputs=[x_nhwc, w_matrix], outputs=[product]))
+        nodes.append(gs.Node("Add", name=f"{name}__bias", inputs=[product, b], outputs=[y_nhwc]))
+    nodes.append(gs.Node("Transpose", name=f"{name}__to_nchw", attrs={"perm": TO_NCHW}, inputs=[y_nhwc], outputs=[gs.Variable(f"{name}__y")]))
+    replace(graph, match, nodes)
 
 
 def _permute(shape, perm):
