@@ -100,10 +100,10 @@ def torch_reference(work: Path, size: str) -> dict:
     return {"output_shape": list(out.shape)}
 
 
-def onnxopt_fp16(src: Path, dst: Path, passes: list[str]) -> dict:
+def onnxopt_fp16(src: Path, dst: Path, passes: list[str], options: dict | None = None) -> dict:
     import onnxopt
 
-    model, report = onnxopt.optimize(str(src), passes)
+    model, report = onnxopt.optimize(str(src), passes, options=options)
     onnxopt.save_model(model, dst, external_data=True)
     fused = {p.name: f"{p.result.sites_rewritten}/{p.result.sites_matched}" for p in report.passes if p.name.startswith(("fuse", "nhwc"))}
     return {"path": str(dst), "fused": fused, "seconds": report.seconds}
@@ -145,12 +145,23 @@ def _ms(entry) -> float:
     return entry["median_ms"] if entry and "median_ms" in entry else float("nan")
 
 
-def table(results: dict, variants: list[str]) -> str:
+def parse_extra(text: str) -> tuple[str, dict]:
+    """'sep:fuse-attention.layout=separate,nhwc-conv.pointwise=matmul' -> ('sep', {pass: {option: value}})."""
+    label, _, spec = text.partition(":")
+    options: dict = {}
+    for item in filter(None, spec.split(",")):
+        key, _, value = item.partition("=")
+        pass_name, _, option = key.rpartition(".")
+        options.setdefault(pass_name, {})[option] = {"true": True, "false": False}.get(value, value)
+    return label, options
+
+
+def table(results: dict, variants: list[str], labels=("raw", "ort", "onnxopt")) -> str:
     lines = ["| export | model | fused | ms | ms, CUDA graph | best vs ORT best | max abs | rel L2 |", "|---|---|---|---|---|---|---|---|"]
     for variant in variants:
         ort_times = [_ms(results.get(f"time:{variant}:ort:{g}")) for g in (0, 1)]
         ort_best = min((t for t in ort_times if t == t), default=float("nan"))
-        for label in ("raw", "ort", "onnxopt"):
+        for label in labels:
             built = results.get(f"build:{variant}:{label}", {})
             off, on = results.get(f"time:{variant}:{label}:0"), results.get(f"time:{variant}:{label}:1")
             times = [t for t in (_ms(off), _ms(on)) if t == t]
@@ -176,20 +187,32 @@ def main(argv=None) -> int:
     ap.add_argument("--fp16-pass", default="fp16")
     ap.add_argument("--out", type=Path, help="copy results.json and the table here")
     ap.add_argument("--size", default="full", choices=["full", "tiny"], help="tiny: a quick rehearsal of every step")
+    ap.add_argument("--extra", action="append", default=[], metavar="LABEL:PASS.OPTION=VALUE,...",
+                    help="another onnxopt build with pass options, e.g. sep:fuse-attention.layout=separate")
+    ap.add_argument("--skip", default="", help="comma-separated labels not to build or time (e.g. raw)")
     args = ap.parse_args(argv)
     args.work.mkdir(parents=True, exist_ok=True)
     steps = Steps(args.work, args.budget)
     variants = args.variants.split(",")
+    extras = dict(parse_extra(e) for e in args.extra)
+    skip = set(filter(None, args.skip.split(",")))
+    labels = [label for label in ("raw", "ort", "onnxopt", *extras) if label not in skip]
     try:
         steps.run("reference", lambda: torch_reference(args.work, args.size))
         for variant in variants:
             raw = Path(steps.run(f"export:{variant}", lambda: export_variant(args.work, variant, args.size))["path"])
             d = raw.parent
-            steps.run(f"build:{variant}:raw", lambda: onnxopt_fp16(raw, d / "raw_fp16.onnx", ["cleanup", args.fp16_pass]))
-            steps.run(f"build:{variant}:ort", lambda: ort_optimizer(raw, d / "ort_fp16.onnx", args.ort_pythonpath))
-            steps.run(f"build:{variant}:onnxopt", lambda: onnxopt_fp16(raw, d / "onnxopt_fp16.onnx", ["ort-cuda", args.fp16_pass]))
+            if "raw" in labels:
+                steps.run(f"build:{variant}:raw", lambda: onnxopt_fp16(raw, d / "raw_fp16.onnx", ["cleanup", args.fp16_pass]))
+            if "ort" in labels:
+                steps.run(f"build:{variant}:ort", lambda: ort_optimizer(raw, d / "ort_fp16.onnx", args.ort_pythonpath))
+            if "onnxopt" in labels:
+                steps.run(f"build:{variant}:onnxopt", lambda: onnxopt_fp16(raw, d / "onnxopt_fp16.onnx", ["ort-cuda", args.fp16_pass]))
+            for label, options in extras.items():
+                steps.run(f"build:{variant}:{label}",
+                          lambda: onnxopt_fp16(raw, d / f"{label}_fp16.onnx", ["ort-cuda", args.fp16_pass], options))
         for variant in variants:
-            for label in ("raw", "ort", "onnxopt"):
+            for label in labels:
                 built = steps.results.get(f"build:{variant}:{label}", {})
                 if "path" not in built:
                     continue
@@ -204,7 +227,7 @@ def main(argv=None) -> int:
     except TimeoutError as stop:
         print(f"budget spent before step {stop}; rerun to continue", flush=True)
         done = False
-    text = table(steps.results, variants)
+    text = table(steps.results, variants, labels)
     print(text)
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)

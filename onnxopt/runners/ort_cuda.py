@@ -73,7 +73,7 @@ class OrtCudaSession:
     """One model on the CUDA EP with IO binding (and optionally CUDA graphs)."""
 
     def __init__(self, path: str, *, cuda_graph: bool = False, prefer_nhwc: bool = False, device_id: int = 0,
-                 graph_optimization_level: str = "all", log_severity: int = 3):
+                 graph_optimization_level: str = "all", log_severity: int = 3, provider_options: dict | None = None):
         ort = _require_cuda()
         self.ort = ort
         self.device_id = device_id
@@ -81,6 +81,7 @@ class OrtCudaSession:
         self.torch = _torch_cuda()
         options = {"device_id": str(device_id), "enable_cuda_graph": "1" if cuda_graph else "0",
                    "prefer_nhwc": "1" if prefer_nhwc else "0"}
+        options.update({k: str(v) for k, v in (provider_options or {}).items()})  # e.g. sdpa_kernel
         if self.torch is not None:
             self.torch.cuda.set_device(device_id)
             options["user_compute_stream"] = str(self.torch.cuda.current_stream().cuda_stream)
