@@ -57,6 +57,21 @@ PRESETS["ort-cuda"] = Preset(
     ),
     target="ort-cuda",
 )
+PRESETS["tensorrt"] = Preset(
+    "tensorrt",
+    "cleanup, then standard ONNX ops TensorRT's parser fuses: attention with the scale on Q, GroupNormalization",
+    # No com.microsoft op: TensorRT's parser reads standard ops only. LayerNormalization (both
+    # exporters) and GELU (Erf chain or Gelu op) are left as written: TensorRT fuses them itself.
+    PRESETS["cleanup"].passes
+    + (
+        "canonicalize-attention",  # one attention form: constant scale, K^T one Transpose, no NaN guard
+        "trt-attention-scale",  # the scale onto Q, before the first MatMul (TensorRT's MHA fusion)
+        "trt-group-norm",  # Reshape-InstanceNorm-Reshape -> GroupNormalization (opset 17 -> 18)
+        "eliminate-dead-nodes",
+        "infer-shapes",
+    ),
+    target="tensorrt",
+)
 
 
 def register_pass(cls: type[Pass]) -> type[Pass]:
