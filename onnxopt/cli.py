@@ -63,8 +63,12 @@ def build_parser() -> argparse.ArgumentParser:
     opt.add_argument("-q", "--quiet", action="store_true", help="do not print the report table")
 
     bench = sub.add_parser("bench", help="latency on the ORT CUDA EP of several models on the same inputs")
-    bench.add_argument("models", nargs="+")
-    bench.add_argument("--labels", help="comma-separated names for the table")
+    bench.add_argument("models", nargs="+", help="models to time; with --ablation: SOURCE, then extra models to time beside it")
+    bench.add_argument("--labels", help="comma-separated names for the table (with --ablation: for the extra models)")
+    bench.add_argument("--ablation", metavar="PASSES", help="time SOURCE in fp16 alone, then with the passes added one fusion at a time (e.g. ort-cuda,fp16)")
+    bench.add_argument("--work", type=Path, help="folder for the ablation models (default: <SOURCE stem>.ablation beside it); reused when present")
+    bench.add_argument("--build-only", action="store_true", help="with --ablation: build the models, time nothing (no GPU needed)")
+    bench.add_argument("--markdown", type=Path, help="also write the table to this file")
     bench.add_argument("--shape", type=_shape_arg, action="append", default=[], metavar="INPUT=D1,D2,..")
     bench.add_argument("--dim", type=_dim_arg, action="append", default=[], metavar="DIM=N")
     bench.add_argument("--cuda-graph", choices=["off", "on", "both"], default="both")
@@ -72,6 +76,23 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--runs", type=int, default=40)
     bench.add_argument("--prefer-nhwc", action="store_true")
     bench.add_argument("--json", type=Path, help="also write every number as JSON")
+
+    diff = sub.add_parser("diff", help="accuracy of an optimized model against its fp32 source; --bisect names the pass that broke it")
+    diff.add_argument("source", help="the source model (runs in float32 on ORT CPU)")
+    diff.add_argument("optimized", nargs="?", help="the optimized model (optional with --bisect)")
+    diff.add_argument("--runtime", choices=["cuda", "trt", "cpu", "reference"],
+                      help="where the optimized model runs (default: cuda if available, else cpu if ORT CPU has every kernel, else reference)")
+    diff.add_argument("--atol", type=float, default=1e-4)
+    diff.add_argument("--rtol", type=float, default=1e-3)
+    diff.add_argument("--shape", type=_shape_arg, action="append", default=[], metavar="INPUT=D1,D2,..")
+    diff.add_argument("--dim", type=_dim_arg, action="append", default=[], metavar="DIM=N")
+    diff.add_argument("--inputs", type=Path, help=".npz of inputs, keyed by input name (default: random)")
+    diff.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
+    diff.add_argument("--json", type=Path, help="also write every metric as JSON")
+    diff.add_argument("--bisect", action="store_true", help="apply --passes to SOURCE one at a time and name the first that breaks the tolerance")
+    diff.add_argument("--passes", help="passes and presets for --bisect (e.g. ort-cuda,fp16)")
+    diff.add_argument("--prefer-nhwc", action="store_true", help="--runtime cuda: the CUDA EP's prefer_nhwc option")
+    diff.add_argument("--precision", help="--runtime trt: the engine precision (default: fp16 for a model with fp16 tensors, else fp32)")
 
     sub.add_parser("passes", help="list passes and presets")
 
@@ -153,22 +174,66 @@ def cmd_info(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from onnxopt.bench import bench
+    from onnxopt.bench import bench, bench_ablation, build_ablation
     from onnxopt.runners.ort_cuda import _require_cuda
     from onnxopt.verify import InputSpec
 
-    _require_cuda()  # fail with the install hint before loading anything
+    if args.build_only and not args.ablation:
+        raise OnnxoptError("--build-only goes with --ablation")
+    if not args.build_only:
+        _require_cuda()  # fail with the install hint before loading or building anything
     modes = {"off": (False,), "on": (True,), "both": (False, True)}[args.cuda_graph]
     labels = args.labels.split(",") if args.labels else None
-    report = bench(args.models, labels, inputs=InputSpec(shapes=dict(args.shape), dims=dict(args.dim)), cuda_graph=modes,
-                   warmup=args.warmup, runs=args.runs, prefer_nhwc=args.prefer_nhwc)
-    print(report.markdown())
-    if args.json:
-        args.json.write_text(report.to_json())
+    inputs = InputSpec(shapes=dict(args.shape), dims=dict(args.dim))
+    if args.ablation:
+        names = [n for n in args.ablation.split(",") if n.strip()]
+        registry.expand(names)
+        source, extra = args.models[0], args.models[1:]
+        work = args.work or Path(source).with_name(Path(source).stem + ".ablation")
+        if args.build_only:
+            for step in build_ablation(source, names, work):
+                print(f"{step.label}: {step.path}" + (f" ({step.rewritten})" if step.rewritten else ""))
+            return EXIT_OK
+        _, report = bench_ablation(source, names, work, extra=extra, extra_labels=labels, inputs=inputs, cuda_graph=modes,
+                                   warmup=args.warmup, runs=args.runs, prefer_nhwc=args.prefer_nhwc)
+    else:
+        report = bench(args.models, labels, inputs=inputs, cuda_graph=modes, warmup=args.warmup, runs=args.runs,
+                       prefer_nhwc=args.prefer_nhwc)
+    text = report.markdown()
+    print(text)
+    for path, content in ((args.json, report.to_json()), (args.markdown, text + "\n")):
+        if path:
+            try:
+                path.write_text(content)
+            except OSError as exc:
+                raise OnnxoptError(f"{path}: cannot write: {exc.strerror or exc}")
     return EXIT_OK
 
 
-COMMANDS = {"optimize": cmd_optimize, "passes": cmd_passes, "info": cmd_info, "bench": cmd_bench}
+def cmd_diff(args) -> int:
+    from onnxopt.diff import diff
+    from onnxopt.verify import InputSpec, Tolerance
+
+    if args.bisect and not args.passes:
+        raise OnnxoptError("--bisect needs --passes (the passes that made the optimized model, e.g. ort-cuda,fp16)")
+    if args.passes and not args.bisect:
+        raise OnnxoptError("--passes goes with --bisect")
+    if args.optimized is None and not args.bisect:
+        raise OnnxoptError("give the optimized model to compare, or --bisect --passes ...")
+    passes = [p for p in (args.passes or "").split(",") if p.strip()]
+    report = diff(args.source, args.optimized, runtime=args.runtime, tolerance=Tolerance(args.atol, args.rtol),
+                  inputs=InputSpec(shapes=dict(args.shape), dims=dict(args.dim)), feeds_path=args.inputs,
+                  bisect=passes or None, prefer_nhwc=args.prefer_nhwc, precision=args.precision, seed=args.seed)
+    print(report.table())
+    if args.json:
+        try:
+            args.json.write_text(report.to_json())
+        except OSError as exc:
+            raise OnnxoptError(f"{args.json}: cannot write: {exc.strerror or exc}")
+    return EXIT_OK if report.ok else EXIT_VERIFY_FAILED
+
+
+COMMANDS = {"optimize": cmd_optimize, "passes": cmd_passes, "info": cmd_info, "bench": cmd_bench, "diff": cmd_diff}
 
 
 def main(argv: list[str] | None = None) -> int:
