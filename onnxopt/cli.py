@@ -98,7 +98,28 @@ def build_parser() -> argparse.ArgumentParser:
 
     info = sub.add_parser("info", help="summarise a model: inputs, outputs, ops, weights")
     info.add_argument("model")
+
+    build = sub.add_parser("build", help="build a TensorRT engine (through Polygraphy; needs tensorrt and an NVIDIA GPU)")
+    build.add_argument("-i", "--input", required=True, help="the .onnx to build (optimize it with --passes tensorrt first)")
+    build.add_argument("-o", "--output", required=True, help="the engine file to write (atomically), e.g. model.plan")
+    build.add_argument("--precision", choices=["fp16", "bf16", "fp32"], default="fp16",
+                       help="strongly typed engine precision; a float32 graph is converted by the fp16 pass (default fp16)")
+    build.add_argument("--profile", type=_profile_arg, action="append", default=[], metavar="INPUT=MIN:OPT:MAX",
+                       help="shape range of one input, e.g. sample=1x4x64x64:2x4x64x64:4x4x128x128 (one shape: fixed)")
+    build.add_argument("--dim", type=_dim_arg, action="append", default=[], metavar="DIM=N",
+                       help="value of a symbolic dim for inputs without --profile (default: batch 2, others 8)")
+    build.add_argument("--timing-cache", type=Path, help="TensorRT timing cache: read if it exists, written after the build")
+    build.add_argument("--workspace", type=int, metavar="MB", help="builder workspace limit in MiB")
     return parser
+
+
+def _profile_arg(text: str):
+    from onnxopt.runners.tensorrt import parse_profile
+
+    try:
+        return parse_profile(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc))
 
 
 def cmd_optimize(args) -> int:
@@ -233,7 +254,20 @@ def cmd_diff(args) -> int:
     return EXIT_OK if report.ok else EXIT_VERIFY_FAILED
 
 
+def cmd_build(args) -> int:
+    from onnxopt.runners.tensorrt import build_engine
+
+    profiles = dict(args.profile)
+    if len(profiles) != len(args.profile):
+        raise OnnxoptError("--profile names the same input twice")
+    info = build_engine(args.input, args.output, precision=args.precision, profiles=profiles, timing_cache=args.timing_cache,
+                        workspace=args.workspace, dims=dict(args.dim))
+    print(info.summary())
+    return EXIT_OK
+
+
 COMMANDS = {"optimize": cmd_optimize, "passes": cmd_passes, "info": cmd_info, "bench": cmd_bench, "diff": cmd_diff}
+COMMANDS["build"] = cmd_build
 
 
 def main(argv: list[str] | None = None) -> int:
