@@ -1,10 +1,11 @@
-"""CLI: ``python -m models {build,fixtures,list,sites}``.
+"""CLI: ``python -m models {build,fixtures,list,sites,coverage}``.
 
     python -m models build unet-sd15 --size tiny --exporter torchscript --shapes dynamic \\
         --attention sdpa -o /tmp/unet.onnx
     python -m models fixtures              # regenerate models/fixtures/ + manifest.json
     python -m models list
     python -m models sites unet-sdxl --size full
+    python -m models coverage [--families ...] [--variants ...] [--json out.json]   # see models/coverage.py
 """
 from __future__ import annotations
 
@@ -54,10 +55,17 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("family", choices=FAMILIES)
     s.add_argument("--size", choices=SIZES, default="tiny")
     s.add_argument("--attention", choices=ATTENTIONS, default="sdpa")
+
+    sub.add_parser("coverage", help="fusion coverage table of the ort-cuda preset (python -m models coverage --help)")
     return p
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["coverage"]:  # its own parser: python -m models coverage --help
+        from .coverage import main as coverage_main
+
+        return coverage_main(argv[1:])
     args = _parser().parse_args(argv)
     if args.cmd == "list":
         from . import FAMILIES, MANIFEST

@@ -71,9 +71,9 @@ class LowPrecision:
         """``array`` rounded to this format; ``mask``: values below :attr:`mask_fill` (±inf too) become it."""
         array = np.asarray(array)
         if mask:
-            array = np.clip(array, self.mask_fill, self.max)
+            array = np.asarray(np.clip(array, self.mask_fill, self.max))  # np.clip of a 0-d array is a scalar
         with np.errstate(over="ignore", invalid="ignore"):
-            return array.astype(self.np_dtype)
+            return np.asarray(array.astype(self.np_dtype))
 
 
 def _low(name: str, dtype) -> LowPrecision:

@@ -638,7 +638,7 @@ class _Conversion:
         fill = self.low.mask_fill
 
         def clamp(array):
-            return np.maximum(array, np.float32(fill)).astype(np.float32)
+            return np.asarray(np.maximum(array, np.float32(fill)), dtype=np.float32)  # an array also when 0-d
 
         if isinstance(where, gs.Constant):
             source = where._values
