@@ -194,8 +194,9 @@ class OrtCudaRunner(BaseRunner):
         del self._session
 
 
-def tensorrt_runner(path: str, precision: str):
-    """``onnxopt.runners.tensorrt.polygraphy_runner``, imported only when asked for."""
+def tensorrt_runner(path: str, precision: str, shapes: dict[str, tuple[int, ...]] | None = None):
+    """``onnxopt.runners.tensorrt.polygraphy_runner``, imported only when asked for; one engine
+    profile fixed at ``shapes`` (the shapes diff feeds)."""
     try:
         from onnxopt.runners.tensorrt import polygraphy_runner
     except ImportError as exc:
@@ -203,11 +204,14 @@ def tensorrt_runner(path: str, precision: str):
             "the TensorRT runtime is not available: pip install tensorrt ('onnxopt[trt]') on a machine "
             f"with an NVIDIA GPU ({type(exc).__name__}: {exc})"
         ) from exc
-    return polygraphy_runner(str(path), precision=precision, profiles=None, timing_cache=None)
+    return polygraphy_runner(str(path), precision=precision, profiles=shapes or None, timing_cache=None)
 
 
-def _low_precision(model: Model) -> bool:
-    return any(str(t.dtype) in ("float16", "bfloat16") for t in model.graph.tensors().values() if t.dtype is not None)
+def trt_precision(model: Model) -> str:
+    """The TensorRT precision a model's own types ask for: bf16 or fp16 where it has such tensors, else fp32."""
+    types = {str(np.dtype(t.dtype)) if not isinstance(t.dtype, str) else t.dtype
+             for t in model.graph.tensors().values() if t.dtype is not None}
+    return "bf16" if "bfloat16" in types else "fp16" if "float16" in types else "fp32"
 
 
 def default_runtime(model: Model) -> str:
@@ -239,19 +243,20 @@ def check_runtime(runtime: str, model: Model) -> None:
 
 
 def runner_for_path(runtime: str, path: str | Path, model: Model, *, name: str, prefer_nhwc: bool = False,
-                    precision: str | None = None) -> BaseRunner:
+                    precision: str | None = None, shapes: dict[str, tuple[int, ...]] | None = None) -> BaseRunner:
     """A Polygraphy runner for the model file ``path`` (``model``: the same model, loaded lazily)."""
     check_runtime(runtime, model)
     if runtime == "cuda":
         return OrtCudaRunner(str(path), prefer_nhwc=prefer_nhwc, name=name)
     if runtime == "trt":
-        return tensorrt_runner(str(path), precision or ("fp16" if _low_precision(model) else "fp32"))
+        return tensorrt_runner(str(path), precision or trt_precision(model), shapes)
     if runtime == "cpu":
         return OnnxrtRunner(SessionFromOnnx(str(path), providers=["CPUExecutionProvider"]), name=name)
     return ReferenceRunner(model.to_onnx(), name=name)
 
 
-def model_runner(runtime: str, *, prefer_nhwc: bool = False, precision: str | None = None):
+def model_runner(runtime: str, *, prefer_nhwc: bool = False, precision: str | None = None,
+                 shapes: dict[str, tuple[int, ...]] | None = None):
     """``make(model, name, workdir) -> runner`` for in-memory models (the Verifier's candidates):
     saved to ``workdir`` for the runtimes that need a file."""
     from onnxopt.saving import save_model
@@ -262,7 +267,7 @@ def model_runner(runtime: str, *, prefer_nhwc: bool = False, precision: str | No
             return runner_for(model, name, workdir)  # ORT CPU, in memory below 2 GB
         path = Path(workdir) / f"{name}.onnx"
         save_model(model, path, external_data=True if model.weights_nbytes() > LARGE_MODEL_BYTES else None)
-        return runner_for_path(runtime, path, model, name=name, prefer_nhwc=prefer_nhwc, precision=precision)
+        return runner_for_path(runtime, path, model, name=name, prefer_nhwc=prefer_nhwc, precision=precision, shapes=shapes)
 
     return make
 
@@ -413,7 +418,7 @@ def diff(source: str | Path, candidate: str | Path | None = None, *, runtime: st
                         inputs={k: list(v.shape) for k, v in feeds[0].items()})
     if candidate_model is not None:
         cand_runner = runner_for_path(runtime, candidate, candidate_model, name="candidate", prefer_nhwc=prefer_nhwc,
-                                      precision=precision)
+                                      precision=precision, shapes=_shapes(feeds))
         results = _run([cand_runner, source_runner(source, source_model)], feeds, runtime)
         report.outputs = _metrics_from(results, tolerance)
         if bisect and all(m.passed for m in report.outputs) and not always_bisect:
@@ -431,7 +436,7 @@ def bisect_passes(source: Model, passes: list[str], *, runtime: str, tolerance: 
     from onnxopt.manager import PassManager
 
     steps = [registry.get_pass(name)() for name in registry.expand(list(passes))]
-    make = model_runner(runtime, prefer_nhwc=prefer_nhwc, precision=precision)
+    make = model_runner(runtime, prefer_nhwc=prefer_nhwc, precision=precision, shapes=_shapes(feeds))
     model = source.copy()
     verifier = Verifier(source, tolerance=tolerance, feeds=feeds, candidate_runner=make)
     try:
@@ -448,6 +453,10 @@ def bisect_passes(source: Model, passes: list[str], *, runtime: str, tolerance: 
             src = source_runner(source_path, source) if source_path else runner_for(source, "reference", Path(tmp))
             result.metrics = _metrics_from(_run([runner, src], feeds, runtime), applied)
     return result
+
+
+def _shapes(feeds) -> dict[str, tuple[int, ...]]:
+    return {name: tuple(value.shape) for name, value in feeds[0].items()}
 
 
 def _applied_tolerance(report: OptimizationReport, tolerance: Tolerance) -> Tolerance:
