@@ -34,6 +34,10 @@ class PassOptionError(OnnxoptError):
     """A pass was given an option value it does not take."""
 
 
+class PassOrderError(OnnxoptError):
+    """Passes listed in an order that cannot work (a pass before one it must follow)."""
+
+
 class PassNotApplicableError(OnnxoptError):
     """A requested pass found nothing to do and the caller asked for that to be an error."""
 

@@ -74,9 +74,35 @@ def _from_proto(proto: onnx.ModelProto, base_dir: Path, origin: Path | None) -> 
         model_version=proto.model_version,
         doc_string=proto.doc_string,
         domain=proto.domain,
+        node_scopes=_node_scopes(proto.graph),
     )
     attach_external_values(model.constants(), base_dir)
     return model
+
+
+TORCH_NAME_SCOPES = "pkg.torch.onnx.name_scopes"  # the dynamo exporter's module path of a node
+
+
+def _node_scopes(graph: onnx.GraphProto) -> dict[str, str]:
+    """Node name -> innermost torch module ('unet.mid_block.attentions.0...attn2'), where recorded.
+
+    The dynamo exporter writes ``['', 'unet', 'unet.mid_block', ..., 'linear_8']`` (modules, then
+    the op); graphsurgeon drops node metadata, so it is kept here for passes that name things.
+    """
+    import ast
+
+    scopes = {}
+    for node in graph.node:
+        for prop in getattr(node, "metadata_props", ()):
+            if prop.key == TORCH_NAME_SCOPES:
+                try:
+                    path = ast.literal_eval(prop.value)
+                except (ValueError, SyntaxError):
+                    break
+                if isinstance(path, list) and len(path) >= 2 and path[-2]:
+                    scopes[node.name] = str(path[-2])
+                break
+    return scopes
 
 
 def _check_opset(proto: onnx.ModelProto, where: str) -> None:

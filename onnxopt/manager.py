@@ -6,7 +6,8 @@ import time
 from typing import Callable, Iterable
 
 from onnxopt import registry
-from onnxopt.errors import PassNotApplicableError
+from onnxopt.companions import narrow_interface_casts
+from onnxopt.errors import PassNotApplicableError, PassOrderError
 from onnxopt.model import Model
 from onnxopt.pass_infra import Pass
 from onnxopt.report import OptimizationReport, PassReport, Verification
@@ -29,11 +30,20 @@ class PassManager:
     * ``strict``: a fusion pass that matched nothing raises :class:`PassNotApplicableError`.
       Only passes the user named count (``requested``, default: all); a preset's fusions that do
       not apply to this model (no GroupNorm in a text encoder) are normal.
+    * Order: a pass listed before one of its ``runs_after`` passes is refused up front
+      (:class:`PassOrderError`, one line saying why and where to put it).
+    * Companions: once a pass has split the model (``context-kv``), every later pass runs on the
+      main model and on each companion (unless it sets ``applies_to_companions = False``); the
+      companion runs appear in the report as their own rows. Afterwards, a Cast pair that a pass
+      left across a companion interface (fp16 with float32 I/O kept: Cast(f16->f32) as the
+      companion's output, Cast(f32->f16) on the main model's input) is removed, so the tensors
+      handed over stay in the low precision.
     """
 
     def __init__(self, passes: Iterable[Pass | str], *, verifier: Verifier | None = None, strict: bool = False,
                  requested: set[str] | None = None):
         self.passes = [registry.get_pass(p)() if isinstance(p, str) else p for p in passes]
+        check_order(self.passes)
         self.verifier = verifier
         self.strict = strict
         self.requested = requested
@@ -77,25 +87,47 @@ class PassManager:
 
     def _step(self, p: Pass, model: Model, report: OptimizationReport, properties: set[str], auto: str | None = None) -> bool:
         nodes_before = len(model.graph.nodes)
+        companions = list(model.companions.items()) if p.applies_to_companions else []  # not those p makes
         t0 = time.perf_counter()
         result = p(model)
         seconds = time.perf_counter() - t0
         step = PassReport(p.name, result, nodes_before, len(model.graph.nodes), seconds, auto=auto)
         report.passes.append(step)
-        if result.modified:
+        modified = result.modified
+        for name, companion in companions:
+            nodes, t0 = len(companion.graph.nodes), time.perf_counter()
+            part = p(companion)
+            report.passes.append(PassReport(p.name, part, nodes, len(companion.graph.nodes), time.perf_counter() - t0,
+                                            auto=auto, companion=name))
+            modified = modified or part.modified
+        if companions and modified:
+            narrow_interface_casts(model)
+        if modified:
             properties.intersection_update(p.provides | p.preserves)
         properties.update(p.provides)
         if p.is_fusion and result.sites_matched == 0 and (self.requested is None or p.name in self.requested):
-            message = f"{p.name}: nothing to fuse (no site matches its pattern)"
+            message = f"{p.name}: {result.nothing_to_do or 'nothing to fuse (no site matches its pattern)'}"
             if self.strict:
                 raise PassNotApplicableError(message)
             report.notes.append(message)
         if p.verify_tolerance is not None:
             current = self._tolerance or (0.0, 0.0)
             self._tolerance = (max(current[0], p.verify_tolerance[0]), max(current[1], p.verify_tolerance[1]))
-        if self.verifier is not None and result.modified:
+        if self.verifier is not None and modified:
             step.verification = self.verifier(model, tolerance=self._tolerance)
             if not step.verification.ok:
                 report.first_broken_pass = p.name
                 return False
         return True
+
+
+def check_order(passes: list[Pass]) -> None:
+    """Refuse a pass listed before a pass it must follow (``Pass.runs_after``)."""
+    names = [p.name for p in passes]
+    for i, p in enumerate(passes):
+        for earlier, why in p.runs_after.items():
+            if earlier in names[i + 1:]:
+                presets = [preset.name for preset in registry.PRESETS.values() if earlier in preset.passes]
+                where = f"after '{earlier}'" + (f" or after a preset that includes it ({', '.join(presets)})" if presets else "")
+                example = f" e.g. --passes {presets[0]},{p.name}" if presets else ""
+                raise PassOrderError(f"pass '{p.name}' must run after '{earlier}': {why}. List it {where};{example}".rstrip(";"))

@@ -4,6 +4,14 @@ Passes edit ``model.graph`` (an ``onnx_graphsurgeon.Graph``) in place. Weights a
 see :mod:`onnxopt.weights`. :func:`Model.skeleton` exports a ``ModelProto`` whose large
 initializers carry only name, type and shape, which is what shape inference, checkers and
 serialisation of the graph structure need, at a size far below the protobuf 2 GB limit.
+
+Companions: a pass may split a model in two (``context-kv``: the K/V projections of
+``encoder_hidden_states`` go to a graph run once per prompt). The part that runs first is a
+*companion* of the main model, kept in ``model.companions`` by name. The convention that ties
+them: every companion runs on the caller's inputs first, and each of its outputs feeds the main
+model's input of the same name. The pass manager runs later passes over the companions too,
+:func:`onnxopt.saving.save_model` writes them beside the main file (``out.onnx`` and
+``out.context_kv.onnx``) and :class:`onnxopt.verify.Verifier` runs the chain.
 """
 
 from __future__ import annotations
@@ -32,6 +40,12 @@ class Model:
     model_version: int = 0
     doc_string: str = ""
     domain: str = ""
+    # Models that run before this one and feed its inputs by name (see the module docstring).
+    companions: dict[str, "Model"] = field(default_factory=dict)
+    # Node name -> the torch module it came from ("unet.down_blocks.0.attentions.0...attn2"), from
+    # the dynamo exporter's node metadata, which graphsurgeon does not keep. TorchScript exports
+    # carry the module path in the node names themselves ("/unet/down_blocks.0/.../attn2/MatMul").
+    node_scopes: dict[str, str] = field(default_factory=dict)
 
     @property
     def opset(self) -> int:
@@ -57,7 +71,16 @@ class Model:
             model_version=self.model_version,
             doc_string=self.doc_string,
             domain=self.domain,
+            companions={name: c.copy() for name, c in self.companions.items()},
+            node_scopes=dict(self.node_scopes),
         )
+
+    def alone(self) -> "Model":
+        """This model without its companions (same graph object): what runs or saves as one file."""
+        if not self.companions:
+            return self
+        return Model(self.graph, self.source, self.metadata_props, self.model_version, self.doc_string, self.domain,
+                     node_scopes=self.node_scopes)
 
     def skeleton(self, threshold: int = SKELETON_THRESHOLD_BYTES) -> onnx.ModelProto:
         """Export the graph with every initializer of ``threshold`` bytes or more reduced to a stub.

@@ -5,7 +5,11 @@ A pass declares
 * ``targets`` it applies to (``ort-cuda``, ``tensorrt``; default: all),
 * graph properties it ``requires`` before it runs and ``provides`` after it ran. The pass manager
   establishes a missing requirement by running the registered pass that provides it, and drops
-  every property a modifying pass does not list in ``provides`` or ``preserves``.
+  every property a modifying pass does not list in ``provides`` or ``preserves``,
+* passes it must follow when both are in one run (``runs_after``: name -> why); the manager
+  refuses a list that puts them the other way round, before any work,
+* whether it also applies to a model's companions (``applies_to_companions``, see
+  :mod:`onnxopt.model`): by default every pass that runs after a split runs on both parts.
 
 ``run`` edits ``model.graph`` in place and returns a :class:`PassResult` saying what it did: how
 many sites fit its pattern, how many it rewrote, and why it refused the others.
@@ -35,6 +39,7 @@ class PassResult:
     sites_rewritten: int = 0  # of those, how many it rewrote
     refused: list[tuple[str, str]] = field(default_factory=list)  # (site, reason) for matched-but-refused
     details: dict[str, Any] = field(default_factory=dict)  # pass-specific facts for the report
+    nothing_to_do: str = ""  # why a pass found no site at all, said instead of the generic "nothing to fuse"
 
     def refuse(self, site: str, reason: str) -> None:
         self.refused.append((site, reason))
@@ -55,6 +60,10 @@ class Pass(abc.ABC):
     # (atol, rtol) a pass that changes numerics (fp16) needs from --verify, from it on; None: exact
     # up to the user's tolerance.
     verify_tolerance: ClassVar[tuple[float, float] | None] = None
+    # Passes that, when in the same run, must come before this one: name -> why.
+    runs_after: ClassVar[dict[str, str]] = {}
+    # Run on the companions too (fp16 converts the context-KV graph as well as the denoiser).
+    applies_to_companions: ClassVar[bool] = True
 
     def __call__(self, model: Model) -> PassResult:
         return self.run(model)

@@ -1,4 +1,9 @@
-"""What each pass did, as a table for people and JSON for tools."""
+"""What each pass did, as a table for people and JSON for tools.
+
+A pass's ``details["listing"]`` (lines of text, e.g. context-kv's cross-attention layers and the
+input each now reads) is printed under the table; the rest of ``details`` goes to JSON only.
+A pass run on a companion model (see :mod:`onnxopt.model`) is its own row, ``fp16 [context_kv]``.
+"""
 
 from __future__ import annotations
 
@@ -27,12 +32,19 @@ class PassReport:
     seconds: float
     auto: str | None = None  # why the manager inserted it (a requirement of another pass)
     verification: Verification | None = None
+    companion: str | None = None  # the companion model it ran on (None: the main model)
+
+    @property
+    def label(self) -> str:
+        name = self.name if not self.companion else f"{self.name} [{self.companion}]"
+        return name if not self.auto else f"{name} (for {self.auto})"
 
     def as_dict(self) -> dict[str, Any]:
         r = self.result
         return {
             "pass": self.name,
             "auto_inserted_for": self.auto,
+            "companion": self.companion,
             "modified": r.modified,
             "sites_matched": r.sites_matched,
             "sites_rewritten": r.sites_rewritten,
@@ -77,9 +89,8 @@ class OptimizationReport:
         rows = []
         for p in self.passes:
             r = p.result
-            name = p.name if not p.auto else f"{p.name} (for {p.auto})"
             row = [
-                name,
+                p.label,
                 str(r.sites_matched),
                 str(r.sites_rewritten),
                 str(len(r.refused)),
@@ -101,7 +112,8 @@ class OptimizationReport:
         lines += [fmt(r) for r in rows[:-1]] + ["  ".join("-" * w for w in widths), fmt(rows[-1])]
         for p in self.passes:
             for reason, count in p.result.refusal_counts().most_common():
-                lines.append(f"  {p.name}: refused {count} site(s): {reason}")
+                lines.append(f"  {p.label}: refused {count} site(s): {reason}")
+            lines += [f"  {p.label}: {line}" for line in p.result.details.get("listing", ())]
         lines += [f"  note: {n}" for n in self.notes]
         if self.final_verification is not None:
             v = self.final_verification

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO, Iterable
 
@@ -82,6 +82,7 @@ class SaveInfo:
     data_path: Path | None
     weights_nbytes: int
     external: bool
+    companions: dict[str, "SaveInfo"] = field(default_factory=dict)  # name -> where it went
 
 
 def save_model(
@@ -91,14 +92,44 @@ def save_model(
     external_data: bool | None = None,
     data_location: str | None = None,
 ) -> SaveInfo:
-    """Save ``model`` to ``path``.
+    """Save ``model`` to ``path``, and each companion beside it (``<stem>.<name>.onnx``).
 
     ``external_data``: True forces one external data file, False forces everything inline,
-    None (default) goes external only when the weights exceed ~1.8 GB.
-    ``data_location``: the data file's name, next to the model (default ``<name>.data``).
+    None (default) goes external only when the weights exceed ~1.8 GB (decided per file).
+    ``data_location``: the main model's data file name, next to it (default ``<name>.data``);
+    a companion's is always ``<its file name>.data``.
+    All files are complete before any is renamed into place: a failure leaves none of them.
     """
+    from onnxopt.companions import companion_path
+
     path = Path(path)
-    check_destination(path, model.source)
+    parts = [(None, model.alone(), path, data_location)]
+    parts += [(name, c.alone(), companion_path(path, name), None) for name, c in model.companions.items()]
+    for _, _, destination, _ in parts:
+        check_destination(destination, model.source)
+    tmp_files: list[Path] = []
+    written: list[tuple[str | None, Path, Path | None, SaveInfo]] = []
+    try:
+        for name, part, destination, location in parts:
+            written.append((name, *_write_beside(part, destination, external_data, location, tmp_files)))
+        for _, model_tmp, data_tmp, info in written:
+            if data_tmp:
+                os.replace(data_tmp, info.data_path)
+            os.replace(model_tmp, info.path)
+    except OSError as exc:
+        raise ModelSaveError(f"{path}: cannot write: {exc.strerror or exc}") from exc
+    finally:
+        for tmp in tmp_files:
+            if tmp.exists():
+                tmp.unlink()
+    main = written[0][3]
+    main.companions = {name: info for name, _, _, info in written[1:]}
+    return main
+
+
+def _write_beside(model: Model, path: Path, external_data: bool | None, data_location: str | None,
+                  tmp_files: list[Path]) -> tuple[Path, Path | None, SaveInfo]:
+    """Write ``model`` to temporary files beside ``path``; return them and where they will go."""
     folder = path.parent if str(path.parent) else Path(".")
     weights = model.weights_nbytes()
     external = weights > AUTO_EXTERNAL_BYTES if external_data is None else external_data
@@ -106,11 +137,9 @@ def save_model(
         raise ModelSaveError(f"{path}: {weights / 1e9:.1f} GB of weights cannot be stored inline (protobuf 2 GB limit)")
     data_name = data_location or f"{path.name}.data"
     data_path = folder / data_name if external else None
-
-    tmp_files: list[Path] = []
+    model_tmp = _temp_beside(path, tmp_files)
+    data_tmp = _temp_beside(data_path, tmp_files) if data_path else None
     try:
-        model_tmp = _temp_beside(path, tmp_files)
-        data_tmp = _temp_beside(data_path, tmp_files) if data_path else None
         with open(model_tmp, "wb") as model_file:
             data_file = open(data_tmp, "wb") if data_tmp else None
             try:
@@ -118,16 +147,9 @@ def save_model(
             finally:
                 if data_file:
                     data_file.close()
-        if data_tmp:
-            os.replace(data_tmp, data_path)
-        os.replace(model_tmp, path)
     except OSError as exc:
         raise ModelSaveError(f"{path}: cannot write: {exc.strerror or exc}") from exc
-    finally:
-        for tmp in tmp_files:
-            if tmp.exists():
-                tmp.unlink()
-    return SaveInfo(path=path, data_path=data_path, weights_nbytes=weights, external=external)
+    return model_tmp, data_tmp, SaveInfo(path=path, data_path=data_path, weights_nbytes=weights, external=external)
 
 
 def check_destination(path: str | os.PathLike, source: str | os.PathLike | None = None) -> None:

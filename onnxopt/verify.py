@@ -129,8 +129,60 @@ def runner_for(model: Model, name: str, workdir: Path) -> BaseRunner:
     return OnnxrtRunner(SessionFromOnnx(proto.SerializeToString(), providers=["CPUExecutionProvider"]), name=name)
 
 
+class ChainedRunner(BaseRunner):
+    """A model with companions, run as a pipeline runs it: each companion on the inputs, then the
+    main model on the inputs plus what the companions computed (outputs feed inputs by name)."""
+
+    def __init__(self, stages: list[BaseRunner], name: str | None = None):
+        super().__init__(name=name, prefix="onnxopt-chain")
+        self.stages = stages  # companions first, the main model last
+
+    def activate_impl(self):
+        for stage in self.stages:
+            stage.activate()
+
+    def get_input_metadata_impl(self):
+        meta, produced = TensorMetadata(), set()
+        for stage in self.stages:
+            for name, entry in stage.get_input_metadata().items():
+                if name not in produced and name not in meta:
+                    meta.add(name, dtype=entry.dtype, shape=entry.shape)
+            produced |= getattr(stage, "output_names", set())
+        return meta
+
+    def infer_impl(self, feed_dict):
+        values, seconds = dict(feed_dict), 0.0
+        for stage in self.stages:
+            wanted = stage.get_input_metadata()
+            outputs = stage.infer({name: values[name] for name in wanted}, check_inputs=False)
+            seconds += stage.last_inference_time() or 0.0
+            values.update({name: np.array(value) for name, value in outputs.items()})
+        self.inference_time = seconds
+        return outputs
+
+    def deactivate_impl(self):
+        for stage in reversed(self.stages):
+            stage.deactivate()
+
+
+def chained(model: Model, name: str, workdir: Path, make_runner=None) -> BaseRunner:
+    """``make_runner`` (default :func:`runner_for`) for ``model``; a :class:`ChainedRunner` of its
+    companions and itself when it has companions."""
+    make_runner = make_runner or runner_for
+    if not model.companions:
+        return make_runner(model, name, workdir)
+    stages = []
+    for part_name, part in [*model.companions.items(), (None, model.alone())]:
+        stage = make_runner(part, f"{name}.{part_name}" if part_name else f"{name}.main", workdir)
+        stage.output_names = {t.name for t in part.graph.outputs}
+        stages.append(stage)
+    return ChainedRunner(stages, name=name)
+
+
 class Verifier:
-    """Compares models with ``source``; call it with a model to get a :class:`Verification`."""
+    """Compares models with ``source``; call it with a model to get a :class:`Verification`.
+
+    A model with companions (a split by ``context-kv``) is run as the chain companion -> main."""
 
     def __init__(self, source: Model, *, tolerance: Tolerance | None = None, inputs: InputSpec | None = None,
                  feeds: list[dict[str, np.ndarray]] | None = None, seed: int = 0,
@@ -145,7 +197,7 @@ class Verifier:
         self._count = 0
 
     def _run(self, model: Model, name: str, make_runner=runner_for) -> RunResults:
-        runner = make_runner(model, name, Path(self._tmp.name))
+        runner = chained(model, name, Path(self._tmp.name), make_runner)
         with _quiet():
             return Comparator.run([runner], data_loader=self.feeds)
 
