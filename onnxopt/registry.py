@@ -52,6 +52,7 @@ PRESETS["ort-cuda"] = Preset(
         "fuse-bias-add",
         "fuse-skip-layer-norm",
         "nhwc-conv",  # last fusion: it wraps Convs (and finds GroupNorms) in Transposes and sinks them
+        "fold-conv-bias",  # after nhwc-conv: conv biases move into the SkipGroupNorm / BiasAdd reading them
         "eliminate-dead-nodes",
         "infer-shapes",
     ),
@@ -66,7 +67,7 @@ PRESETS["tensorrt"] = Preset(
     + (
         "canonicalize-attention",  # one attention form: constant scale, K^T one Transpose, no NaN guard
         "trt-attention-scale",  # the scale onto Q, before the first MatMul (TensorRT's MHA fusion)
-        "trt-group-norm",  # Reshape-InstanceNorm-Reshape -> GroupNormalization (opset 17 -> 18)
+        "trt-group-norm",  # Reshape-InstanceNorm-Reshape -> GroupNormalization (the model moves to opset 21)
         "eliminate-dead-nodes",
         "infer-shapes",
     ),

@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+import onnx
 
 from onnxopt.errors import MissingDependencyError, OnnxoptError
 
@@ -209,13 +210,22 @@ def require_gpu() -> None:
 def graph_precision(model) -> str:
     """``fp16``/``bf16`` when the graph already computes in that type (its float initializers or
     inputs are of it), else ``fp32``."""
-    floats = {np.dtype(t.dtype).name for t in list(model.graph.inputs) + model.constants()
-              if t.dtype is not None and np.issubdtype(np.dtype(t.dtype), np.floating)}
-    floats |= {"bfloat16" for t in model.constants() if str(t.dtype) == "bfloat16"}
+    kinds = {_float_kind(t.dtype) for t in list(model.graph.inputs) + model.constants()}
     for precision, low in (("bf16", "bfloat16"), ("fp16", "float16")):
-        if low in floats:
+        if low in kinds:
             return precision
     return "fp32"
+
+
+def _float_kind(dtype) -> str | None:
+    if dtype is None:
+        return None
+    if dtype == onnx.TensorProto.BFLOAT16 or str(dtype) == "bfloat16":  # graphsurgeon keeps bfloat16 as the enum
+        return "bfloat16"
+    try:
+        return np.dtype(dtype).name
+    except TypeError:
+        return None
 
 
 def check_parseable(model, where: str) -> None:
