@@ -49,6 +49,9 @@ class BuiltModel:
     dim_multiples: dict[str, int]             # dim -> the multiple it must be (latent spatial dims)
     sites: dict[str, int]
     config: dict = field(default_factory=dict)
+    # site kind -> names of the torch modules that are those sites, relative to the diffusers model
+    # (the ``sites`` counts, named): {"attention_cross": ["down_blocks.0.attentions.0.transformer_blocks.0.attn2", ...]}
+    site_modules: dict[str, list[str]] = field(default_factory=dict)
     seed: int = 0
     feed_options: dict = field(default_factory=dict)   # extra make_feeds arguments (vocab, pad_id)
 
@@ -146,6 +149,16 @@ def count_sites(module) -> dict[str, int]:
         if diff_down and isinstance(m, diff_down):
             counts["downsample"] += 1
     return counts
+
+
+def site_module_names(module) -> dict[str, list[str]]:
+    """Named sites: ``attention_cross`` lists the cross-attention modules, in module order."""
+    try:
+        from diffusers.models.attention_processor import Attention
+    except ImportError:  # pragma: no cover
+        return {}
+    cross = [name for name, m in module.named_modules() if isinstance(m, Attention) and getattr(m, "is_cross_attention", False)]
+    return {"attention_cross": cross}
 
 
 def set_diffusers_attention(model, attention: str) -> None:

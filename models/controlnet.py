@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import BuiltModel, check_choice, count_sites, set_diffusers_attention, SIZES
+from .base import BuiltModel, check_choice, count_sites, set_diffusers_attention, site_module_names, SIZES
 from .seeding import init_module, seed_everything
 from .unet import CONFIGS as UNET_CONFIGS, EXAMPLE_DIMS as UNET_DIMS, ALT_DIMS as UNET_ALT
 
@@ -124,6 +124,7 @@ def build(family: str = "controlnet", size: str = "tiny", attention: str = "sdpa
         alt_dims=dict(UNET_ALT[size]),
         dim_multiples={"height": down_factor, "width": down_factor},
         sites=count_sites(cn),
+        site_modules=site_module_names(cn),
         config=dict(cfg),
         seed=seed,
     )

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import BuiltModel, check_choice, count_sites, set_diffusers_attention, SIZES
+from .base import BuiltModel, check_choice, count_sites, set_diffusers_attention, site_module_names, SIZES
 from .seeding import init_module, seed_everything
 
 _SD_COMMON = dict(
@@ -225,6 +225,7 @@ def build(family: str, size: str = "tiny", attention: str = "sdpa", seed: int = 
         alt_dims=dict(ALT_DIMS[size]),
         dim_multiples={"height": m, "width": m},
         sites=count_sites(unet),
+        site_modules=site_module_names(unet),
         config=dict(cfg),
         seed=seed,
     )

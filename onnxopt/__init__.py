@@ -6,7 +6,7 @@
     onnxopt.save_model(model, "unet.opt.onnx")
 """
 
-from onnxopt.api import optimize
+from onnxopt.api import context_and_denoiser, optimize
 from onnxopt.errors import OnnxoptError
 from onnxopt.loading import load_model
 from onnxopt.manager import PassManager
@@ -25,6 +25,7 @@ __all__ = [
     "PassManager",
     "PassResult",
     "available_passes",
+    "context_and_denoiser",
     "load_model",
     "optimize",
     "register_pass",

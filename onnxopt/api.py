@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Iterable
 
 from onnxopt import registry
+from onnxopt.errors import OnnxoptError
 from onnxopt.loading import load_model
 from onnxopt.manager import PassManager
 from onnxopt.model import Model
@@ -48,3 +49,12 @@ def optimize(
         if verifier is not None:
             verifier.close()
     return model, report
+
+
+def context_and_denoiser(model: Model, companion: str = "context_kv") -> tuple[Model, Model]:
+    """The two models a ``context-kv`` run makes: (context graph, denoiser). Run the context graph
+    once per prompt; feed its outputs, by name, to the denoiser at every step. (``save_model``
+    writes both: ``out.onnx`` and ``out.context_kv.onnx``.)"""
+    if companion not in model.companions:
+        raise OnnxoptError(f"the model has no '{companion}' companion: run the context-kv pass (--passes ort-cuda,context-kv)")
+    return model.companions[companion], model.alone()

@@ -390,7 +390,7 @@ class Split:
             listing.append(f"{module} reads " + ", ".join(f"{r} {s}" for r, s in zip(reads, shapes)))
         weights = sum(constant_nbytes(c) for c in context.constants())
         keep = self.keep_input_reason
-        listing.append(f"{len(context.graph.nodes)} nodes and {weights / 1e6:.1f} MB of weights moved to the companion; "
+        listing.append(f"{len(context.graph.nodes)} nodes and {_size(weights)} of weights moved to the companion; "
                        + (f"the denoiser still reads {self.input.name} ({keep})" if keep else f"the denoiser no longer reads {self.input.name}"))
         return {
             "layers": layers,
@@ -418,11 +418,15 @@ def attention_reading(t: gs.Tensor) -> tuple[gs.Node | None, str]:
             if len(inputs) > 2 and inputs[2] is t:
                 return reader, "v"
             return reader, "context"
-    for reader in t.outputs:
-        if reader.op == "MatMul" and len(reader.inputs) == 2 and reader.inputs[1] is t:
-            softmax = _softmax_above(reader.inputs[0])
-            if softmax is not None:
-                return softmax, "v"
+    frontier = [t]
+    for _ in range(4):  # V, through its head split: MatMul(probabilities, v)
+        for x in frontier:
+            for reader in x.outputs:
+                if reader.op == "MatMul" and len(reader.inputs) == 2 and reader.inputs[1] is x:
+                    softmax = _softmax_above(reader.inputs[0])
+                    if softmax is not None:
+                        return softmax, "v"
+        frontier = [o for x in frontier for r in x.outputs if r.op in LAYOUT_OPS for o in r.outputs]
     softmax = _softmax_below(t)
     return (softmax, "k") if softmax is not None else (None, "context")
 
@@ -444,6 +448,7 @@ def _softmax_above(x: gs.Tensor, depth: int = 6) -> gs.Node | None:
     return None
 
 
+LAYOUT_OPS = frozenset({"Reshape", "Transpose", "Cast", "Squeeze", "Unsqueeze", "Identity"})
 SCORE_OPS = frozenset({"Mul", "Div", "MatMul", "Add", "Cast", "Transpose", "Reshape", "Softmax"})
 
 
@@ -529,3 +534,7 @@ def shape_from(pieces: list, node: gs.Node, opset: int) -> list[gs.Node]:
     else:
         nodes.append(gs.Node("Concat", name, attrs={"axis": 0}, inputs=parts, outputs=[out]))
     return nodes
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / 1e6:.1f} MB" if nbytes >= 1e6 else f"{nbytes / 1e3:.1f} kB"
