@@ -150,6 +150,8 @@ def cmd_optimize(args) -> int:
     where = f"{info.path}" + (f" (+ {info.data_path.name})" if info.data_path else "")
     if not args.quiet:
         print(f"wrote {where}: {info.weights_nbytes / 1e6:.1f} MB of weights, {time.perf_counter() - start:.1f} s in all")
+        for name, part in info.companions.items():  # context-kv: the graph run once per prompt, beside it
+            print(f"wrote {part.path}" + (f" (+ {part.data_path.name})" if part.data_path else "") + f": companion '{name}'")
     return EXIT_OK
 
 
