@@ -178,8 +178,8 @@ class OrtCudaRunner(BaseRunner):
     def get_input_metadata_impl(self):
         meta = TensorMetadata()
         types = self._session.input_types()
-        for i in self._session.session.get_inputs():
-            meta.add(i.name, dtype=types[i.name], shape=list(i.shape))
+        for i in self._session.session.get_inputs():  # symbolic dims: their names (None: "?")
+            meta.add(i.name, dtype=types[i.name], shape=[d if isinstance(d, (int, str)) else "?" for d in i.shape])
         return meta
 
     def infer_impl(self, feed_dict):
@@ -258,14 +258,20 @@ def runner_for_path(runtime: str, path: str | Path, model: Model, *, name: str, 
 def model_runner(runtime: str, *, prefer_nhwc: bool = False, precision: str | None = None,
                  shapes: dict[str, tuple[int, ...]] | None = None):
     """``make(model, name, workdir) -> runner`` for in-memory models (the Verifier's candidates):
-    saved to ``workdir`` for the runtimes that need a file."""
+    saved to ``workdir`` for the runtimes that need a file. Each call first deletes the files the
+    previous call wrote (its run is over), so a bisection of a 3.4 GB UNet keeps one candidate on disk."""
     from onnxopt.saving import save_model
 
+    written: list[Path] = []
+
     def make(model: Model, name: str, workdir: Path) -> BaseRunner:
+        while written:
+            written.pop().unlink(missing_ok=True)
+        path = Path(workdir) / f"{name}.onnx"
+        written.extend([path, path.with_name(path.name + ".data")])
         if runtime in ("cpu", "reference"):
             check_runtime(runtime, model)
-            return runner_for(model, name, workdir)  # ORT CPU, in memory below 2 GB
-        path = Path(workdir) / f"{name}.onnx"
+            return runner_for(model, name, workdir)  # ORT CPU, in memory below 1.8 GB, else saved as ``path``
         save_model(model, path, external_data=True if model.weights_nbytes() > LARGE_MODEL_BYTES else None)
         return runner_for_path(runtime, path, model, name=name, prefer_nhwc=prefer_nhwc, precision=precision, shapes=shapes)
 

@@ -217,3 +217,60 @@ def test_cuda_runtime_without_gpu_names_the_package(tmp_path, capsys):
     assert "onnxruntime-gpu" in one_line_error(capsys)
     assert main(["diff", str(UNET), "--bisect", "--passes", "cleanup", "--runtime", "cuda"]) == 2
     assert "onnxruntime-gpu" in one_line_error(capsys)
+
+
+# ------------------------------------------------------------------------------ the CUDA path, on CPU
+
+
+class CpuBackedCudaSession:
+    """OrtCudaSession's interface over ORT's CPU EP: exercises diff's Polygraphy runner for --runtime cuda."""
+
+    opened = []
+
+    def __init__(self, path, *, cuda_graph=False, prefer_nhwc=False):
+        import onnxruntime as ort
+
+        self.session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+        folder = __import__("pathlib").Path(path).parent
+        CpuBackedCudaSession.opened.append((str(path), sorted(p.name for p in folder.glob("candidate*.onnx"))))
+
+    def input_types(self):
+        types = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
+        return {i.name: np.dtype(types[i.type]) for i in self.session.get_inputs()}
+
+    def bind(self, feeds):
+        self.feeds = {n: np.asarray(feeds[n]).astype(t) for n, t in self.input_types().items()}
+        self.bound_types = {n: np.asarray(v).dtype for n, v in feeds.items()}
+
+    def run(self):
+        names = [o.name for o in self.session.get_outputs()]
+        self._out = dict(zip(names, self.session.run(None, self.feeds)))
+
+    def outputs(self):
+        return self._out
+
+
+@pytest.fixture
+def cpu_backed_cuda(monkeypatch):
+    from onnxopt.runners import ort_cuda
+
+    CpuBackedCudaSession.opened = []
+    monkeypatch.setattr(ort_cuda, "OrtCudaSession", CpuBackedCudaSession)
+    monkeypatch.setattr(ort_cuda, "_require_cuda", lambda: None)
+    monkeypatch.setattr(ort_cuda, "cuda_available", lambda: True)
+
+
+def test_cuda_runtime_compares_an_fp16_io_model_through_the_session(tmp_path, cpu_backed_cuda):
+    candidate = optimized(tmp_path, ["cleanup", "fp16"], options={"fp16": {"keep_io_types": False}})
+    report = diff(UNET, candidate, tolerance=Tolerance(2e-2, 2e-2))  # default runtime: cuda, as on a GPU machine
+    assert report.runtime == "cuda" and report.ok
+    assert report.outputs[0].dtype == "float16" and 0 < report.outputs[0].max_abs < 2e-2
+    assert CpuBackedCudaSession.opened[0][0] == str(candidate)
+
+
+def test_cuda_bisect_keeps_one_candidate_on_disk_and_names_the_pass(tmp_path, cpu_backed_cuda, plugins):  # noqa: F811
+    report = diff(UNET, bisect=["cleanup", "test-add-to-sub"], runtime="cuda")
+    assert report.bisect.first_broken_pass == "test-add-to-sub" and not report.ok
+    assert len(CpuBackedCudaSession.opened) >= 3  # the candidates of cleanup's modifying passes, the broken one, its metrics
+    assert all(len(on_disk) <= 1 for _, on_disk in CpuBackedCudaSession.opened)
+    assert not report.bisect.metrics[0].passed
