@@ -68,7 +68,8 @@ def test_every_conv_runs_nhwc_with_transposes_only_at_region_edges(name):
     convs = _manifest_sites(name)["conv2d"]
     assert (step.result.sites_matched, step.result.sites_rewritten) == (convs, convs)
     ops = [n.op for n in model.graph.nodes]
-    assert ops.count("NhwcConv") == convs and "Conv" not in ops
+    pointwise = step.result.details.get("as MatMul", 0)  # 1x1 convs become MatMuls over channels
+    assert ops.count("NhwcConv") + pointwise == convs and "Conv" not in ops
     round_trips = uncancelled_pairs(model.graph)
     assert len(round_trips) == EXPECTED_ROUND_TRIPS.get(name.split(".")[0], 0), round_trips
     layout_transposes = sum(1 for n in model.graph.nodes if n.op == "Transpose" and list(n.attrs["perm"]) in (TO_NHWC, TO_NCHW))
@@ -151,3 +152,99 @@ def test_saved_nhwc_model_is_valid_and_carries_every_transposed_weight(tmp_path,
     save_model(model, out, external_data=external)
     onnx.checker.check_model(str(out), full_check=True)
     assert_same_computation(path, out, atol=1e-4, rtol=1e-3)
+
+
+def test_pointwise_conv_option_keeps_every_conv_an_nhwc_conv():
+    name = "unet-sd15.tiny.torchscript.dynamic.sdpa.onnx"
+    path = FIXTURES / name
+    model, report = optimize(path, ["cleanup", "nhwc-conv"], options={"nhwc-conv": {"pointwise": "conv"}})
+    convs = _manifest_sites(name)["conv2d"]
+    assert [n.op for n in model.graph.nodes].count("NhwcConv") == convs
+    assert "as MatMul" not in report.passes[-1].result.details
+    matmuls, _ = optimize(path, ["cleanup", "nhwc-conv"])
+    assert [n.op for n in matmuls.graph.nodes].count("NhwcConv") < convs
+
+
+def test_unknown_pointwise_option_is_a_clear_error():
+    from onnxopt.errors import PassOptionError
+
+    with pytest.raises(PassOptionError, match="pointwise must be one of"):
+        optimize(FIXTURES / "unet-sd15.tiny.torchscript.dynamic.sdpa.onnx", ["nhwc-conv"], options={"nhwc-conv": {"pointwise": "gemm"}})
+
+
+# ---------------------------------------------------------------- fold-conv-bias
+
+
+def _biased(graph) -> int:
+    """Convs that still add their own bias: NhwcConv with 3 inputs, or a pointwise MatMul + Add(const)."""
+    from onnxopt.passes.conv_bias import biased_producer
+
+    count = 0
+    for n in graph.nodes:
+        producer = biased_producer(n.outputs[0]) if n.outputs else None
+        if producer is None or producer.output is not n.outputs[0]:
+            continue
+        # a conv's: an NhwcConv, or the MatMul nhwc-conv made of a 1x1 conv (its weight is W[:, :, 0, 0]^T)
+        count += producer.node.op == "NhwcConv" or producer.node.inputs[1].name.endswith("__cm")
+    return count
+
+
+@pytest.mark.parametrize("name", [n for n in CONV_FIXTURES if n.startswith(("unet", "controlnet"))])
+def test_conv_biases_move_into_the_skip_group_norms_and_bias_adds_reading_them(name):
+    path = FIXTURES / name
+    model, report = optimize(path, ["ort-cuda"])
+    step = next(s for s in report.passes if s.name == "fold-conv-bias")
+    result = step.result
+    assert result.refused == []
+    assert result.details["into SkipGroupNorm"] >= 11 and result.details["into BiasAdd"] >= 2
+    convs = _manifest_sites(name)["conv2d"]
+    # conv_in, conv_out, down/up samplers and proj_in (read by a LayerNorm) keep theirs
+    assert _biased(model.graph) <= convs - result.sites_rewritten
+    sgn_biases = [n for n in model.graph.nodes if n.op == "SkipGroupNorm" and len(n.inputs) == 5]
+    # a SkipGroupNorm whose input and skip are both conv outputs takes both biases
+    assert 0 < len(sgn_biases) <= result.details["into SkipGroupNorm"]
+    assert_same_computation(path, model, atol=1e-4, rtol=1e-3)
+
+
+def _conv_add_model(residual: str):
+    """Conv(x) + residual, the sum an output; residual: 'full' (another Conv), 'broadcast' (N,C,1,1), 'shared'."""
+    rng = np.random.default_rng(3)
+    c = 8
+    inits = [numpy_helper.from_array(rng.standard_normal((c, c, 3, 3)).astype(np.float32), "w1"),
+             numpy_helper.from_array(rng.standard_normal(c).astype(np.float32), "b1"),
+             numpy_helper.from_array(rng.standard_normal((c, c, 1, 1)).astype(np.float32), "w2"),
+             numpy_helper.from_array(rng.standard_normal(c).astype(np.float32), "b2")]
+    nodes = [helper.make_node("Conv", ["x", "w1", "b1"], ["a"], pads=[1, 1, 1, 1])]
+    outputs = [helper.make_tensor_value_info("out", F32, None)]
+    inputs = [helper.make_tensor_value_info("x", F32, ["n", c, 6, 6])]
+    if residual == "broadcast":
+        inputs.append(helper.make_tensor_value_info("t", F32, ["n", c, 1, 1]))
+        nodes.append(helper.make_node("Add", ["a", "t"], ["out"]))
+    else:
+        nodes.append(helper.make_node("Conv", ["x", "w2", "b2"], ["r"]))
+        nodes.append(helper.make_node("Add", ["a", "r"], ["out"]))
+        if residual == "shared":  # the conv output is read twice: its bias must stay
+            nodes.append(helper.make_node("Neg", ["a"], ["other"]))
+            outputs.append(helper.make_tensor_value_info("other", F32, None))
+    return make_model(nodes, inputs, outputs, inits)
+
+
+def test_residual_sum_of_two_biased_convs_becomes_one_bias_add_with_both_biases():
+    proto = _conv_add_model("full")
+    model, report = optimize(proto, ["infer-shapes", "nhwc-conv", "fold-conv-bias"])
+    result = report.passes[-1].result
+    assert (result.sites_rewritten, result.details) == (1, {"into BiasAdd": 1, "shortcut biases joined": 1})
+    assert _biased(model.graph) == 0
+    assert [n.op for n in model.graph.nodes].count("BiasAdd") == 1
+    assert_same_computation(proto, model, atol=1e-4, rtol=1e-3)
+
+
+def test_broadcast_residual_is_refused_and_a_shared_conv_output_keeps_its_bias():
+    model, report = optimize(_conv_add_model("broadcast"), ["infer-shapes", "nhwc-conv", "fold-conv-bias"])
+    result = report.passes[-1].result
+    assert result.sites_rewritten == 0 and "broadcasts" in result.refused[0][1]
+    shared = _conv_add_model("shared")
+    model, report = optimize(shared, ["infer-shapes", "nhwc-conv", "fold-conv-bias"])
+    assert report.passes[-1].result.sites_rewritten == 0 or _biased(model.graph) >= 1
+    assert "BiasAdd" not in [n.op for n in model.graph.nodes if n.inputs and n.inputs[0].name.startswith("a")]
+    assert_same_computation(shared, model, atol=1e-4, rtol=1e-3)
