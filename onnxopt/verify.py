@@ -144,7 +144,7 @@ class ChainedRunner(BaseRunner):
     def get_input_metadata_impl(self):
         meta, produced = TensorMetadata(), set()
         for stage in self.stages:
-            for name, entry in stage.get_input_metadata().items():
+            for name, entry in stage.get_input_metadata(use_numpy_dtypes=False).items():
                 if name not in produced and name not in meta:
                     meta.add(name, dtype=entry.dtype, shape=entry.shape)
             produced |= getattr(stage, "output_names", set())
@@ -153,7 +153,7 @@ class ChainedRunner(BaseRunner):
     def infer_impl(self, feed_dict):
         values, seconds = dict(feed_dict), 0.0
         for stage in self.stages:
-            wanted = stage.get_input_metadata()
+            wanted = stage.get_input_metadata(use_numpy_dtypes=False)
             outputs = stage.infer({name: values[name] for name in wanted}, check_inputs=False)
             seconds += stage.last_inference_time() or 0.0
             values.update({name: np.array(value) for name, value in outputs.items()})
