@@ -230,3 +230,18 @@ def test_a_second_context_kv_finds_nothing_to_extract():
     second = [step for step in report.passes if step.name == "context-kv"][1]
     assert not second.result.modified and "no input 'encoder_hidden_states'" in second.result.nothing_to_do
     assert list(model.companions) == ["context_kv"]
+
+
+def test_gpu_benchmark_builds_the_full_unet_and_the_split_pair_on_cpu(tmp_path, capsys):
+    """benchmarks/context_kv_gpu.py's CPU side: both builds, the pair's files, a table even with nothing timed."""
+    from benchmarks.context_kv_gpu import main as bench_main
+
+    assert bench_main(["--source", str(SD15_TS_DYNAMIC), "--work", str(tmp_path), "--build-only", "--out", str(tmp_path / "out")]) == 0
+    results = json.loads((tmp_path / "results.json").read_text())
+    full, split = results["build:ts-dynamic:full"], results["build:ts-dynamic:split"]
+    assert "context_path" not in full and (tmp_path / "split_fp16.context_kv.onnx").exists()
+    assert split["context_path"] == str(tmp_path / "split_fp16.context_kv.onnx")
+    context = onnx.load(split["context_path"])
+    assert [i.name for i in context.graph.input] == [CONTEXT] and len(context.graph.output) == len(TINY_SD15_CROSS)
+    table = capsys.readouterr().out
+    assert "| denoiser, ort-cuda+context-kv+fp16 | step | failed: not run" in table
