@@ -97,7 +97,9 @@ def assert_tensorrt_form(source, model, report):
     softmaxes = ops(src)["Softmax"]
     assert attention_forms(model) == Counter({"MatMul(Mul(q, s), Transpose)": softmaxes})
     assert result_of(report, "trt-attention-scale").sites_rewritten == softmaxes
-    ort.InferenceSession(model.to_onnx().SerializeToString(), providers=["CPUExecutionProvider"])
+    proto = model.to_onnx()
+    onnx.checker.check_model(proto)
+    ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
 
 
 # ---------------------------------------------------------------- the preset on real graphs

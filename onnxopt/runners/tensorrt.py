@@ -300,7 +300,7 @@ def _config(trt, profiles: list[dict[str, ShapeRange]], timing_cache, workspace_
 @dataclass
 class BuildInfo:
     engine_path: Path
-    onnx_path: Path  # what TensorRT parsed (a temporary converted copy when ``converted``)
+    onnx_path: Path  # the source; TensorRT parsed a temporary fp16/bf16 copy of it when ``converted``
     precision: str
     converted: bool
     profiles: list[dict[str, ShapeRange]]
@@ -374,7 +374,7 @@ def build_engine(onnx_path, engine_path, *, precision: str = "fp16", profiles=No
         seconds = time.perf_counter() - start
         data = bytes(engine)
         _write_atomically(engine_path, data)
-    return BuildInfo(engine_path, parsed, precision, converted, resolved, defaulted,
+    return BuildInfo(engine_path, onnx_path, precision, converted, resolved, defaulted,
                      Path(timing_cache) if timing_cache else None, seconds, len(data), str(trt.__version__))
 
 
