@@ -452,8 +452,9 @@ LAYOUT_OPS = frozenset({"Reshape", "Transpose", "Cast", "Squeeze", "Unsqueeze", 
 SCORE_OPS = frozenset({"Mul", "Div", "MatMul", "Add", "Cast", "Transpose", "Reshape", "Softmax"})
 
 
-def _softmax_below(t: gs.Tensor, depth: int = 5) -> gs.Node | None:
-    """The nearest Softmax that the scores computed from ``t`` reach (K, K^T, scaled K^T)."""
+def _softmax_below(t: gs.Tensor, depth: int = 10) -> gs.Node | None:
+    """The nearest Softmax that the scores computed from ``t`` reach (K, K^T, scaled K^T; dynamo
+    writes K^T as Reshape-Transpose-Reshape-Transpose-Reshape, then Mul and MatMul: 7 nodes)."""
     frontier = [t]
     for _ in range(depth):
         readers = [r for x in frontier for r in x.outputs if r.op in SCORE_OPS]
