@@ -14,11 +14,13 @@ has. Sites present come from the torch modules:
   two tensors (a residual or the broadcast time embedding; through data movement and ``/ 1.0``,
   which cleanup removes), found by tracing one forward pass; LayerNorm counts every nn.LayerNorm
   (LayerNormalization or SkipLayerNormalization both cover it);
-* BiasAdd: the sums of an nn.Linear's output (bias included) and another tensor that no LayerNorm
-  reads (those become SkipLayerNorm with the bias folded in): one per Transformer2DModel.
+* BiasAdd: the sums of a biased nn.Linear's (3-D) or nn.Conv2d's (4-D) output and a tensor of
+  the same shape that no LayerNorm or GroupNorm reads (those become SkipLayerNorm / SkipGroupNorm
+  with the bias folded in): the last feed-forward of every Transformer2DModel, and the residuals
+  after a conv that fold-conv-bias turns into BiasAdd.
 
 Fused counts are the fused ops in the final graph (attention self/cross from fuse-attention's
-report). A cell is ``fused/present``; ``!`` marks a difference. BiasSplitGelu sites that the pass
+report; NhwcConv: the convs nhwc-conv rewrote, as NhwcConv or, 1x1, as a channels-last MatMul). A cell is ``fused/present``; ``!`` marks a difference. BiasSplitGelu sites that the pass
 matched and refused because ORT's CUDA kernel lacks the hidden size (every tiny model) show as
 ``refused (kernel)``: by design, not a miss.
 """
@@ -72,9 +74,9 @@ def traced_sites(built) -> dict[str, int]:
     adds = {"add", "__add__", "__radd__", "__iadd__", "add_"}
     scale = {"mul", "__mul__", "__rmul__", "div", "__truediv__"}
     root_of: dict[int, int] = {}  # id of a sum (or a view / scale-by-1 of it) -> id of the sum
-    linear_roots: set[int] = set()  # sums with an nn.Linear output (bias included) as an operand
+    linear_roots: set[int] = set()  # sums with a biased nn.Linear (3-D) or nn.Conv2d (4-D) output as an operand
     linear_out: set[int] = set()
-    read_by_layer_norm: set[int] = set()
+    read_by_norm: set[int] = set()
     keep: list = []  # every traced tensor stays alive: ids must not be reused
 
     def is_one(v) -> bool:
@@ -92,7 +94,8 @@ def traced_sites(built) -> dict[str, int]:
                 a, b = args[0], args[1]
                 if not isinstance(a, nn.Parameter) and not isinstance(b, nn.Parameter) and a.dim() > 0 and b.dim() > 0:
                     root_of[id(out)] = id(out)
-                    if id(a) in linear_out or id(b) in linear_out:
+                    # BiasAdd takes (B, S, C) of the same shape: not SDXL's 2-D time + add embeddings
+                    if (id(a) in linear_out or id(b) in linear_out) and out.dim() in (3, 4) and a.shape == b.shape:
                         linear_roots.add(id(out))
             elif name in data_movement and id(first) in root_of:
                 root_of[id(out)] = root_of[id(first)]
@@ -110,8 +113,7 @@ def traced_sites(built) -> dict[str, int]:
             x = args[0]
             if id(x) in root_of:
                 counts[f"{kind}_after_sum"] += 1
-                if kind == "layer_norm":
-                    read_by_layer_norm.add(root_of[id(x)])
+                read_by_norm.add(root_of[id(x)])
         return hook
 
     def linear_hook(module, args, out):
@@ -122,7 +124,7 @@ def traced_sites(built) -> dict[str, int]:
     modules = list(built.module.modules())
     handles = [m.register_forward_pre_hook(norm_hook("group_norm")) for m in modules if isinstance(m, nn.GroupNorm)]
     handles += [m.register_forward_pre_hook(norm_hook("layer_norm")) for m in modules if isinstance(m, nn.LayerNorm)]
-    handles += [m.register_forward_hook(linear_hook) for m in modules if isinstance(m, nn.Linear)]
+    handles += [m.register_forward_hook(linear_hook) for m in modules if isinstance(m, (nn.Linear, nn.Conv2d))]
     try:
         with torch.no_grad(), Trace():
             built.module(*built.example_inputs)
@@ -132,8 +134,8 @@ def traced_sites(built) -> dict[str, int]:
     return {
         "skip_group_norm": counts["group_norm_after_sum"],
         "skip_layer_norm": counts["layer_norm_after_sum"],
-        # a Linear + residual sum read by a LayerNorm is a SkipLayerNorm site (bias folded in)
-        "bias_add": len(linear_roots - read_by_layer_norm),
+        # a sum read by a LayerNorm / GroupNorm is a SkipLayerNorm / SkipGroupNorm site (bias folded in)
+        "bias_add": len(linear_roots - read_by_norm),
     }
 
 
@@ -170,7 +172,8 @@ def fused_sites(model, report) -> tuple[dict[str, int], dict[str, dict[str, int]
         "bias_add": ops["BiasAdd"],
         "layer_norm": ops["LayerNormalization"] + ops["SkipLayerNormalization"],
         "skip_layer_norm": ops["SkipLayerNormalization"],
-        "nhwc_conv": ops["NhwcConv"],
+        # nhwc-conv: every Conv runs channels-last, pointwise ones as a MatMul (details["as MatMul"])
+        "nhwc_conv": by_pass["nhwc-conv"].sites_rewritten if "nhwc-conv" in by_pass else ops["NhwcConv"],
     }
     refusals = {}
     for p in report.passes:
@@ -259,6 +262,21 @@ def markdown(rows: list[dict]) -> str:
     text = "\n".join(lines)
     if notes:
         text += "\n\nDifferences (`!`):\n\n" + "\n".join(notes)
+    # Refusals that are not misses (every torch-side site fused): lookalikes the passes matched and
+    # left alone, with the reason, grouped by family.
+    other: dict[tuple, list[str]] = {}
+    for row in rows:
+        if "error" in row or misses(row):
+            continue
+        for pass_name, reasons in row["refusals"].items():
+            for reason, n in reasons.items():
+                if pass_name == "fuse-bias-split-gelu" and KERNEL_REFUSAL in reason:
+                    continue
+                other.setdefault((row["family"], pass_name, reason, n), []).append(row["variant"])
+    if other:
+        text += "\n\nOther refusals (sites matched that are not torch-side sites; nothing missed):\n\n"
+        text += "\n".join(f"* {family}, {pass_name}, {n} per model ({len(variants)} variants): {reason}"
+                           for (family, pass_name, reason, n), variants in other.items())
     return text + "\n"
 
 
