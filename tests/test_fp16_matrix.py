@@ -17,6 +17,10 @@ static / dynamic, SDPA / classic attention), on the tiny export the other test f
 * Text encoders: every attention of the fused graph is causal (the mask was proven, not passed
   as a float16 bias), and the float16 plain graph's mask constants are finite.
 
+Measured (relative L2 / max abs against float32): plain 5.7e-4 to 1.1e-3 / at most 5.0e-3 (the
+text encoders: at most 1.1e-3 / 5.0e-3); fused on the reference kernels 9.1e-4 to 1.7e-3 / at most
+3.2e-3. On the exports, all 96 cases take about 3 minutes on 2 cores.
+
 Cases outside a default set (every exporter form on unet-sd15 and clip-text, the VAE in its
 classic form) are marked ``slow``; CI runs them too. Exports are shared with the fusion tests.
 """
