@@ -35,6 +35,16 @@ REGISTRY = {
 }
 FAMILIES = tuple(REGISTRY)
 
+# (exporter, shapes, attention processor): what today's exporters write, as tests and coverage cover it
+EXPORT_VARIANTS = [
+    ("torchscript", "dynamic", "sdpa"),
+    ("torchscript", "static", "sdpa"),
+    ("dynamo", "dynamic", "sdpa"),
+    ("dynamo", "static", "sdpa"),
+    ("torchscript", "dynamic", "classic"),
+    ("dynamo", "dynamic", "classic"),
+]
+
 
 def build(family: str, size: str = "tiny", attention: str = "sdpa", seed: int = 0) -> BuiltModel:
     """Build ``family`` at ``size`` with ``attention`` ("sdpa" or "classic"), seeded."""

@@ -34,14 +34,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
-VARIANTS = [
-    ("torchscript", "dynamic", "sdpa"),
-    ("torchscript", "static", "sdpa"),
-    ("dynamo", "dynamic", "sdpa"),
-    ("dynamo", "static", "sdpa"),
-    ("torchscript", "dynamic", "classic"),
-    ("dynamo", "dynamic", "classic"),
-]  # the same as tests/conftest.py EXPORT_VARIANTS
+from models import EXPORT_VARIANTS as VARIANTS
 
 COLUMNS = [
     ("attn_self", "attention self"),

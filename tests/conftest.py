@@ -68,11 +68,4 @@ def export_tiny(tmp_path_factory):
     return get
 
 
-EXPORT_VARIANTS = [
-    ("torchscript", "dynamic", "sdpa"),
-    ("torchscript", "static", "sdpa"),
-    ("dynamo", "dynamic", "sdpa"),
-    ("dynamo", "static", "sdpa"),
-    ("torchscript", "dynamic", "classic"),
-    ("dynamo", "dynamic", "classic"),
-]
+from models import EXPORT_VARIANTS  # noqa: E402  (re-exported for the test modules)
