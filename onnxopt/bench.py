@@ -111,8 +111,9 @@ class BenchReport:
     memory_probe: str = "unavailable"
 
     def ratio(self, row: BenchRow) -> float | None:
-        """Median over the first model's median in the same CUDA graph mode (None where either failed)."""
-        first = next((r for r in self.rows if r.cuda_graph == row.cuda_graph), None)
+        """Median over the median of the first model that ran in the same CUDA graph mode (a raw
+        export with CPU-placed shape ops cannot be captured: the next row is the baseline then)."""
+        first = next((r for r in self.rows if r.cuda_graph == row.cuda_graph and r.timing is not None), None)
         if first is None or first.timing is None or row.timing is None:
             return None
         return row.timing.median_ms / first.timing.median_ms
@@ -135,7 +136,7 @@ class BenchReport:
         shapes = ", ".join(f"{k} {'x'.join(map(str, v))}" for k, v in self.inputs.items())
         clock = next((r.timing.clock for r in self.rows if r.timing is not None), "-")
         lines.append("")
-        lines.append(f"inputs: {shapes or '-'}; timing: {clock}; GPU MB: {self.memory_probe}; ratios against the first model, same CUDA graph mode")
+        lines.append(f"inputs: {shapes or '-'}; timing: {clock}; GPU MB: {self.memory_probe}; ratios against the first model that ran, same CUDA graph mode")
         return "\n".join(lines)
 
     def as_dict(self) -> dict:

@@ -1,5 +1,5 @@
 """onnxopt bench: the ablation's models (built on CPU from a committed fixture), and the table and
-JSON with ratios to the first model; the GPU sessions are replaced by a fake with known timings."""
+JSON with ratios to the first model that ran; the GPU sessions are replaced by a fake with known timings."""
 
 import json
 from collections import Counter
@@ -15,13 +15,13 @@ from tests.conftest import FIXTURES
 
 UNET = FIXTURES / "unet-sd15.tiny.torchscript.dynamic.sdpa.onnx"
 FUSIONS = ["fuse-attention", "fuse-group-norm", "fuse-skip-group-norm", "fuse-bias-split-gelu", "fuse-layer-norm",
-           "fuse-bias-add", "fuse-skip-layer-norm", "nhwc-conv"]
+           "fuse-bias-add", "fuse-skip-layer-norm", "nhwc-conv", "fold-conv-bias"]
 
 
 def test_ablation_plan_adds_one_fusion_per_step_with_fp16_last():
     steps = ablation_plan(["ort-cuda", "fp16"])
     assert [s.label for s in steps] == (["source fp16", "+ cleanup"] + [f"+ {f}" for f in FUSIONS[:-1]]
-                                        + ["+ nhwc-conv (= ort-cuda,fp16)"])
+                                        + ["+ fold-conv-bias (= ort-cuda,fp16)"])
     assert steps[0].passes == ["fp16"]
     assert all(s.passes[-1] == "fp16" for s in steps)
     assert steps[-1].passes == registry.expand(["ort-cuda"]) + ["fp16"]  # the last step is the whole preset
@@ -61,12 +61,14 @@ def test_ablation_builds_every_model_on_the_tiny_unet_and_reuses_them(tmp_path, 
     assert "fuse-attention 8/8" in printed and "fuse-group-norm 21/21" in printed
     files = sorted(work.glob("*.onnx"))
     assert [f.name for f in files] == ["00-source-fp16.onnx", "01-cleanup.onnx"] + [
-        f"{i:02d}-{name}.onnx" for i, name in enumerate(FUSIONS[:-1], start=2)] + ["09-nhwc-conv-ort-cuda-fp16.onnx"]
+        f"{i:02d}-{name}.onnx" for i, name in enumerate(FUSIONS[:-1], start=2)] + ["10-fold-conv-bias-ort-cuda-fp16.onnx"]
     ops = [contrib_ops(f) for f in files]
     assert ops[0] == ops[1] == Counter()  # fp16 alone, then cleanup: nothing fused yet
     assert ops[2] == Counter({"MultiHeadAttention": 8})
     assert ops[3]["GroupNorm"] == 21 and ops[4]["SkipGroupNorm"] == 15 and ops[4]["GroupNorm"] == 6
-    assert ops[7]["BiasAdd"] == 4 and ops[8]["SkipLayerNormalization"] == 8 and ops[9]["NhwcConv"] == 33
+    assert ops[7]["BiasAdd"] == 4 and ops[8]["SkipLayerNormalization"] == 8
+    assert ops[9]["NhwcConv"] == 33 - 13  # the 13 1x1 convs run as channels-last MatMuls
+    assert ops[10]["BiasAdd"] == 4 + 5  # fold-conv-bias: conv + residual sums
     assert all(sum(after.values()) >= sum(before.values()) for before, after in zip(ops, ops[1:]))
     assert fp16_share(UNET) == 0 and all(fp16_share(f) > 0.95 for f in files)  # every step is fp16
     for f in files:
@@ -161,3 +163,19 @@ def test_markdown_ratios_are_per_cuda_graph_mode_and_failures_keep_their_row():
     assert "sample 2x4x64x64" in lines[-1] and "cuda-events" in lines[-1]
     data = json.loads(report.to_json())
     assert [r["ratio_to_first"] for r in data["rows"]] == [1.0, 0.25, None, 1.0, 0.75]
+
+
+def test_when_the_first_model_fails_in_a_mode_the_next_that_ran_is_the_baseline():
+    from onnxopt.bench import BenchReport, BenchRow
+    from onnxopt.runners.ort_cuda import Timing
+
+    def t(ms):
+        return Timing(median_ms=ms, min_ms=ms, max_ms=ms, runs=40, clock="cuda-events")
+
+    report = BenchReport(rows=[
+        BenchRow("source", "a", True, None, error="cannot capture"),
+        BenchRow("+ attention", "b", True, t(8.0)),
+        BenchRow("+ all", "c", True, t(6.0)),
+    ])
+    assert [report.ratio(r) for r in report.rows] == [None, 1.0, 0.75]
+    assert "| + all | on | 6.00 | 6.00 | 6.00 | 0.75x |" in report.markdown()
