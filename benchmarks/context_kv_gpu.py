@@ -22,7 +22,6 @@ tests/test_context_kv.py); ``--source`` takes an existing export instead of expo
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -191,10 +190,7 @@ def main(argv=None) -> int:
     dims = DIMS if args.size == "full" else "example dims of the tiny model"
     text = f"SD 1.5 UNet ({args.size}, {v}), {dims}, fp16, ORT CUDA EP\n\n" + table(steps.results, v, args.steps)
     print(text)
-    if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "results.json").write_text(json.dumps(steps.results, indent=2, default=str))
-        (args.out / "table.md").write_text(text + "\n")
+    steps.save(args.out, text)
     return 0 if done else 3
 
 

@@ -60,6 +60,14 @@ class Steps:
         self.results[key] = value
         self.results_path.write_text(json.dumps(self.results, indent=2, default=str))
 
+    def save(self, out: Path | None, text: str) -> None:
+        """Copy results.json and the printed table to ``out`` (nothing without one)."""
+        if out is None:
+            return
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "results.json").write_text(json.dumps(self.results, indent=2, default=str))
+        (out / "table.md").write_text(text + "\n")
+
     def run(self, key: str, fn):
         if key in self.results:
             return self.results[key]
@@ -229,10 +237,7 @@ def main(argv=None) -> int:
         done = False
     text = table(steps.results, variants, labels)
     print(text)
-    if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "results.json").write_text(json.dumps(steps.results, indent=2, default=str))
-        (args.out / "table.md").write_text(text + "\n")
+    steps.save(args.out, text)
     return 0 if done else 3
 
 

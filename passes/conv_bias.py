@@ -94,7 +94,7 @@ class FoldConvBias(OrtFusion):
         result = PassResult(modified=False)
         counts = {"into SkipGroupNorm": 0, "into BiasAdd": 0, "shortcut biases joined": 0}
         for node in list(graph.nodes):
-            if node.op not in ("NhwcConv", "MatMul", "Add"):
+            if node.op not in ("NhwcConv", "Add"):  # the conv itself, or the bias Add after a pointwise MatMul
                 continue
             producer = biased_producer(node.outputs[0]) if node.outputs else None
             if producer is None or producer.output is not node.outputs[0]:

@@ -461,3 +461,32 @@ def test_scale_computed_from_the_head_dim_at_run_time_becomes_one_constant_on_th
     fused, result = fuse(model)
     assert result.sites_rewritten == 1 and "scale" not in fused_nodes(fused)[0].attrs
     assert_same_computation(model, fused, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("name", [
+    "unet-sd15.tiny.torchscript.dynamic.sdpa.onnx", "unet-sd15.tiny.dynamo.static.sdpa.onnx",
+    "unet-sd15.tiny.torchscript.dynamic.classic.onnx",
+])
+def test_separate_layout_hands_mha_unpacked_q_k_v_and_computes_the_same(name):
+    from tests.conftest import FIXTURES
+
+    path = FIXTURES / name
+    model, report = optimize(path, ["cleanup", "fuse-attention"], options={"fuse-attention": {"layout": "separate"}})
+    result = fusion_result(report)
+    assert result.refused == [] and result.sites_rewritten == 8
+    mha = [n for n in fused_nodes(model) if n.op == "MultiHeadAttention"]
+    assert len(mha) == 8
+    for node in mha:  # query, key and value each a (B, S, N*H) projection: no packed tensor
+        assert len([t for t in node.inputs[:3] if t.name]) == 3
+        assert all(t.shape is None or len(t.shape) == 3 for t in node.inputs[:3])
+    assert not [n for n in model.graph.nodes if n.name.endswith(("qkv_packed", "kv_packed"))]
+    assert_same_computation(path, model, atol=1e-4, rtol=1e-3)
+
+
+def test_unknown_attention_layout_is_a_clear_error():
+    from onnxopt.errors import PassOptionError
+    from tests.conftest import FIXTURES
+
+    with pytest.raises(PassOptionError, match="layout must be one of"):
+        optimize(FIXTURES / "unet-sd15.tiny.torchscript.dynamic.sdpa.onnx", ["fuse-attention"],
+                 options={"fuse-attention": {"layout": "interleaved"}})

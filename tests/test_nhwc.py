@@ -247,4 +247,8 @@ def test_broadcast_residual_is_refused_and_a_shared_conv_output_keeps_its_bias()
     model, report = optimize(shared, ["infer-shapes", "nhwc-conv", "fold-conv-bias"])
     assert report.passes[-1].result.sites_rewritten == 0 or _biased(model.graph) >= 1
     assert "BiasAdd" not in [n.op for n in model.graph.nodes if n.inputs and n.inputs[0].name.startswith("a")]
+    # the conv read twice (Add and Neg) keeps its bias; only the other operand's bias may move
+    shared_conv = next(n for n in model.graph.nodes if n.op == "NhwcConv" and len(n.inputs[1].shape) == 4
+                       and n.inputs[1].shape[1:3] == [3, 3])
+    assert len(shared_conv.inputs) == 3
     assert_same_computation(shared, model, atol=1e-4, rtol=1e-3)
