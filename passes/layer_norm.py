@@ -1,4 +1,5 @@
-"""fuse-layer-norm and fuse-skip-layer-norm: LayerNorm as one op, then with its residual Add.
+"""fuse-layer-norm, fuse-skip-layer-norm and fuse-bias-layer-norm: LayerNorm as one op, then as
+ONNX Runtime's SkipLayerNormalization, with its residual Add or with the bias Add in front of it.
 
 fuse-layer-norm (older exports; opset >= 17 has the op and both exporters use it):
 
@@ -34,9 +35,49 @@ fuse-skip-layer-norm (ort-cuda):
     a static 1 shows broadcasting (details["dims_assumed_equal"] counts those sites); a run-time
     mismatch there makes ORT's kernel fail rather than compute something else, except an input
     whose batch is 1 against a larger batch of skip.
+
+fuse-bias-layer-norm (ort-cuda; after fuse-skip-layer-norm and nhwc-conv): the LayerNorms left
+without a residual Add. ORT's CUDA LayerNormalization kernel is about twice as slow as its
+SkipLayerNormalization (H100, fp16: MatMul + bias Add + LayerNorm 37.3 us, MatMul +
+SkipLayerNorm 16.9 us at (2, 4096, 320)). In a UNet these are the first norm1 of every
+Transformer2DModel, reading proj_in: a 1x1 conv (after nhwc-conv a channels-last MatMul + bias Add,
+then a Reshape (B, H, W, C) -> (B, H*W, C)) or, with use_linear_projection, a Linear (MatMul + bias
+Add on (B, S, C)). The kernel wants skip's last two dims equal to input's and broadcasts a 2-D
+skip, so the tensor is viewed as (-1, 1, D) rows and the skip is a constant zero row:
+
+    t4 = Add(u, bias)             [t = Reshape(t4, target)   or   t = t4]
+    y  = LayerNormalization(t, gamma, beta, axis=-1, epsilon=eps)
+                         ==>
+    v = Reshape(u, [-1, 1, D])
+    y', _, _, t' = SkipLayerNormalization(v, zeros(1, D), gamma, beta, bias, epsilon=eps)  (com.microsoft)
+    y  = Reshape(y', shape of t)
+    t  = Reshape(t', shape of t)      t4 = Reshape(t', shape of u)      (only those read elsewhere)
+
+and a LayerNorm with no bias Add in front: y = Reshape(SkipLayerNormalization(Reshape(t, [-1, 1, D]),
+zeros(1, D), gamma, beta), shape of t). The shapes back are constants when static, else Shape(u),
+Shape(t) or, through the Reshape, Shape(Reshape(u, target)) (a view: ORT's Reshape copies nothing
+and Shape runs on the host). Output 3 (u + bias) is written only when t or t4 has another reader
+(SD 1.5: the block's residual, which a later SkipLayerNormalization reads).
+
+Why it is the same computation: row-major Reshapes that keep the last dim D keep every group of D
+consecutive elements together, so the per-last-element bias and the last-axis normalization are
+the same on (-1, 1, D) rows; a zero skip adds nothing.
+
+    Conditions: as fuse-skip-layer-norm's (last axis, stash_type 1, mean / inv-std unused, float32
+    or float16), and gamma (and beta) constant 1-D of D, the LayerNorm input's static last dim; the
+    bias a constant of shape (D,) or (1, .., 1, D) no longer in rank than u, and u's static last dim
+    D (then the Add gives u's shape, and a Reshape between keeps the last dim). Refused: a bias that
+    broadcasts along another axis ((D, 1)), and a LayerNorm reading an Add of two computed tensors,
+    directly or through a Reshape (a residual sum, fuse-skip-layer-norm's site; a (B, 1, D) tensor
+    added is one of those).
+
+    details: bias_folded (sites with a bias Add), through_reshape (with a Reshape between Add and
+    LayerNorm), dynamic_shape (reshaped back through Shape rather than a constant shape).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 import onnx_graphsurgeon as gs
@@ -51,6 +92,7 @@ from onnxopt.pattern.tensor_facts import (
     rank_of,
     shape_of,
     static_dim,
+    static_dims,
     static_ints,
 )
 from onnxopt.registry import register_pass
@@ -190,28 +232,13 @@ class FuseSkipLayerNorm(OrtFusion):
 
 def _skip_layer_norm_plan(match, graph_outputs: set[int]):
     """(input, skip, dims proven equal) for the kernel, or why the site is refused."""
-    ln = match.node("ln")
     s = match.outputs[1]
-    if any(t.outputs or id(t) in graph_outputs for t in ln.outputs[1:] if t.name):
-        return "the LayerNorm's mean / inv-std outputs are used"
-    rank = rank_of(s)
-    axis = int(ln.attrs.get("axis", -1))
-    if axis != -1 and (rank is None or normalize_axis(axis, rank) != rank - 1):
-        return f"normalizes from axis {axis}; SkipLayerNormalization normalizes the last axis only"
-    if int(ln.attrs.get("stash_type", 1)) != 1:
-        return f"stash_type {ln.attrs['stash_type']}; SkipLayerNormalization computes in float32"
-    d = static_dim(match["gamma"], 0) if rank_of(match["gamma"]) == 1 else None
-    if d is None:
-        return f"gamma has shape {shape_of(match['gamma'])}; SkipLayerNormalization takes a 1-D gamma of static size"
-    for name in ("beta", "bias"):
-        t = match.get(name)
-        if t is not None and shape_of(t) != [d]:
-            return f"{name} has shape {shape_of(t)}; SkipLayerNormalization takes ({d},)"
-    if static_dim(s, -1) not in (None, d):
-        return f"gamma of {d} broadcasts over a last dim of {static_dim(s, -1)}"
-    dtype = s.dtype
-    if dtype is not None and np.dtype(dtype) not in SKIP_LAYER_NORM_DTYPES:
-        return f"dtype {np.dtype(dtype)}; the kernels take float32 and float16"
+    d = layer_norm_kernel_refusal(match.node("ln"), s, match["gamma"], match.get("beta"), graph_outputs)
+    if isinstance(d, str):
+        return d
+    bias = match.get("bias")
+    if bias is not None and shape_of(bias) != [d]:
+        return f"bias has shape {shape_of(bias)}; SkipLayerNormalization takes ({d},)"
     if "bias" in match:
         first, second = match["x"], match["residual"]
     else:
@@ -223,6 +250,31 @@ def _skip_layer_norm_plan(match, graph_outputs: set[int]):
             return input_, skip, _dims_proven(input_, skip)
         reasons.append(reason)
     return reasons[0] if reasons[0] == reasons[1] else f"{reasons[0]}; swapped: {reasons[1]}"
+
+
+def layer_norm_kernel_refusal(ln: gs.Node, normalized: gs.Tensor, gamma: gs.Tensor, beta: gs.Tensor | None,
+                              graph_outputs: set[int]) -> int | str:
+    """D, the normalized size, when SkipLayerNormalization can compute what ``ln`` computes on
+    ``normalized``; else why not."""
+    if any(t.outputs or id(t) in graph_outputs for t in ln.outputs[1:] if t.name):
+        return "the LayerNorm's mean / inv-std outputs are used"
+    rank = rank_of(normalized)
+    axis = int(ln.attrs.get("axis", -1))
+    if axis != -1 and (rank is None or normalize_axis(axis, rank) != rank - 1):
+        return f"normalizes from axis {axis}; SkipLayerNormalization normalizes the last axis only"
+    if int(ln.attrs.get("stash_type", 1)) != 1:
+        return f"stash_type {ln.attrs['stash_type']}; SkipLayerNormalization computes in float32"
+    d = static_dim(gamma, 0) if rank_of(gamma) == 1 else None
+    if d is None:
+        return f"gamma has shape {shape_of(gamma)}; SkipLayerNormalization takes a 1-D gamma of static size"
+    if beta is not None and shape_of(beta) != [d]:
+        return f"beta has shape {shape_of(beta)}; SkipLayerNormalization takes ({d},)"
+    if static_dim(normalized, -1) not in (None, d):
+        return f"gamma of {d} broadcasts over a last dim of {static_dim(normalized, -1)}"
+    dtype = normalized.dtype
+    if dtype is not None and np.dtype(dtype) not in SKIP_LAYER_NORM_DTYPES:
+        return f"dtype {np.dtype(dtype)}; the kernels take float32 and float16"
+    return d
 
 
 def skip_shape_refusal(input_: gs.Tensor, skip: gs.Tensor, d: int) -> str | None:
@@ -258,28 +310,230 @@ def _dims_proven(input_: gs.Tensor, skip: gs.Tensor) -> bool:
 
 def _rewrite_skip_layer_norm(graph: gs.Graph, match, input_, skip, graph_outputs: set[int]) -> None:
     ln, s = match.node("ln"), match.outputs[1]
-    beta, bias = match.get("beta"), match.get("bias")
-    inputs = [input_, skip, match["gamma"], beta if beta is not None else gs.Variable.empty()]
-    if bias is not None:
-        inputs.append(bias)
     y = gs.Variable(f"{match.outputs[0].name}__skip_ln")
-    outputs = [y]
     sum_is_read = any(c is not ln for c in s.outputs) or id(s) in graph_outputs
-    new_sum = None
-    if sum_is_read:
-        new_sum = gs.Variable(f"{s.name}__skip_ln_sum")
-        outputs += [gs.Variable.empty(), gs.Variable.empty(), new_sum]
-    epsilon = float(ln.attrs.get("epsilon", LAYER_NORM_DEFAULT_EPSILON))
-    node = gs.Node("SkipLayerNormalization", f"{ln.name}__skip", domain=MS_DOMAIN, attrs={"epsilon": epsilon},
-                   inputs=inputs, outputs=outputs)
+    new_sum = gs.Variable(f"{s.name}__skip_ln_sum") if sum_is_read else None
+    node = skip_layer_norm_node(ln, input_, skip, match["gamma"], match.get("beta"), match.get("bias"), y, new_sum)
     # When only the LayerNorm read s, s is left without producer or consumer (cleanup drops it).
     replace(graph, match, [node], [y, new_sum if new_sum is not None else s])
+
+
+def skip_layer_norm_node(ln: gs.Node, input_, skip, gamma, beta, bias, y: gs.Variable,
+                         input_skip_bias_sum: gs.Variable | None = None) -> gs.Node:
+    """SkipLayerNormalization(input, skip, gamma, beta, bias) with ``ln``'s epsilon, computing y
+    (output 0) and, when given, the sum input + skip + bias (output 3)."""
+    inputs = [input_, skip, gamma, beta if beta is not None else gs.Variable.empty()]
+    if bias is not None:
+        inputs.append(bias)
+    outputs = [y]
+    if input_skip_bias_sum is not None:
+        outputs += [gs.Variable.empty(), gs.Variable.empty(), input_skip_bias_sum]
+    epsilon = float(ln.attrs.get("epsilon", LAYER_NORM_DEFAULT_EPSILON))
+    return gs.Node("SkipLayerNormalization", f"{ln.name}__skip", domain=MS_DOMAIN, attrs={"epsilon": epsilon},
+                   inputs=inputs, outputs=outputs)
+
+
+# ---------------------------------------------------------------- fuse-bias-layer-norm
+
+
+def reshaped_bias_layer_norm(u, gamma, beta=Var("beta", optional=True), bias=Const()):
+    biased = op.Add(u, bias, _name="bias_add")
+    viewed = op.Reshape(biased, Var("target"), _name="view")
+    return op.LayerNormalization(viewed, gamma, beta, _name="ln", _external_uses=True), viewed, biased
+
+
+def bias_layer_norm(u, gamma, beta=Var("beta", optional=True), bias=Const()):
+    biased = op.Add(u, bias, _name="bias_add")
+    return op.LayerNormalization(biased, gamma, beta, _name="ln", _external_uses=True), biased
+
+
+def layer_norm(x, gamma, beta=Var("beta", optional=True)):
+    return op.LayerNormalization(x, gamma, beta, _name="ln", _external_uses=True)
+
+
+# Tried in this order on every LayerNormalization: the first that matches is the site's form.
+# (_external_uses on the LayerNorm: its mean / inv-std outputs are checked with a reason, below.)
+BIAS_LAYER_NORM_FORMS = (
+    Pattern(reshaped_bias_layer_norm, name="bias-reshape-layer-norm"),
+    Pattern(bias_layer_norm, name="bias-layer-norm"),
+    Pattern(layer_norm, name="layer-norm"),
+)
+
+
+@register_pass
+class FuseBiasLayerNorm(OrtFusion):
+    name = "fuse-bias-layer-norm"
+    description = ("LayerNormalization with no residual Add (+ the bias Add in front) -> com.microsoft "
+                   "SkipLayerNormalization over (-1, 1, D) rows with a zero skip (ORT's faster CUDA kernel)")
+    runs_after = {
+        "fuse-skip-layer-norm": "a LayerNorm of a residual sum is SkipLayerNormalization's with the sum as its skip; "
+                                "this pass leaves Adds of two computed tensors alone",
+        "nhwc-conv": "a 1x1 proj_in conv becomes the MatMul + bias Add whose bias this pass folds",
+    }
+
+    def run(self, model: Model) -> PassResult:
+        graph = model.graph
+        result = PassResult(modified=False)
+        graph_outputs = {id(t) for t in graph.outputs}
+        counts = {"bias_folded": 0, "through_reshape": 0, "dynamic_shape": 0}
+        for ln in [n for n in graph.nodes if n.op == "LayerNormalization" and n.domain in ("", "ai.onnx", None)]:
+            match = next((m for m in (form.match(graph, ln) for form in BIAS_LAYER_NORM_FORMS) if m is not None), None)
+            if match is None:
+                continue
+            result.sites_matched += 1
+            plan = _bias_layer_norm_plan(match, graph_outputs)
+            if isinstance(plan, str):
+                result.refuse(ln.name, plan)
+                continue
+            _rewrite_bias_layer_norm(graph, match, plan, graph_outputs)
+            result.sites_rewritten += 1
+            counts["bias_folded"] += "bias" in match
+            counts["through_reshape"] += "target" in match
+            counts["dynamic_shape"] += plan.shape is None
+        result.details.update(counts)
+        result.modified = result.sites_rewritten > 0
+        if result.modified:
+            graph.cleanup(remove_unused_graph_inputs=False).toposort()
+        return result
+
+
+@dataclass
+class _RowsPlan:
+    """What the rewrite needs: D, the dtype, the bias as (D,) (None: no bias Add), and the
+    normalized tensor's static shape (None: some dim is not static)."""
+
+    d: int
+    dtype: np.dtype
+    bias: gs.Tensor | None
+    shape: list[int] | None
+
+
+def _bias_layer_norm_plan(match, graph_outputs: set[int]) -> _RowsPlan | str:
+    ln = match.node("ln")
+    normalized = ln.inputs[0]
+    gamma, beta = match["gamma"], match.get("beta")
+    d = layer_norm_kernel_refusal(ln, normalized, gamma, beta, graph_outputs)
+    if isinstance(d, str):
+        return d
+    for name, t in (("gamma", gamma), ("beta", beta)):
+        if t is not None and not is_constant(t):
+            return f"{name} is computed at run time; this rewrite takes constant gamma and beta"
+    dtype = np.dtype(constant_value(gamma).dtype)
+    if dtype not in SKIP_LAYER_NORM_DTYPES:
+        return f"dtype {dtype}; the kernels take float32 and float16"
+    if static_dim(normalized, -1) != d:
+        return f"the normalized last dim {_last_dim(normalized)} is not static {d}; the rows view needs it"
+    bias = None
+    if "bias" in match:
+        reason = _bias_refusal(match, d)
+        if reason is not None:
+            return reason
+        bias = _per_channel(match["bias"], d)
+    else:
+        reason = _residual_sum_refusal(normalized)
+        if reason is not None:
+            return reason
+    return _RowsPlan(d, dtype, bias, _static_shape(normalized))
+
+
+def _bias_refusal(match, d: int) -> str | None:
+    """Why Add(u, bias) is not u plus one value per last-axis element, shaped as u, with a Reshape
+    after it (if any) keeping the last dim (None if it is)."""
+    u, bias, biased = match["u"], match["bias"], match.node("bias_add").outputs[0]
+    if "target" in match and static_dim(biased, -1) != d:
+        return f"the Reshape between the Add and the LayerNorm does not keep the last dim: {_last_dim(biased)} -> {d}"
+    shape = shape_of(bias)
+    if not shape or shape[-1] != d or any(s != 1 for s in shape[:-1]):
+        return f"the constant added in front has shape {shape}; a bias is ({d},) or (1, .., 1, {d})"
+    rank = rank_of(u)
+    if rank is None or rank < len(shape) or static_dim(u, -1) != d:
+        return f"{shape_of(u)} + {shape} broadcasts the Add's other operand; a bias Add keeps its shape"
+    return None
+
+
+def _residual_sum_refusal(normalized: gs.Tensor) -> str | None:
+    """A LayerNorm of an Add of two computed tensors (maybe through a Reshape) is fuse-skip-layer-norm's site."""
+    producer = normalized.inputs[0] if len(normalized.inputs) == 1 else None
+    if producer is not None and producer.op == "Reshape" and len(producer.inputs[0].inputs) == 1:
+        producer = producer.inputs[0].inputs[0]
+    if producer is not None and producer.op == "Add" and producer.domain in ("", "ai.onnx", None):
+        shapes = " + ".join(str(shape_of(t)) for t in producer.inputs)
+        return f"reads the sum {shapes} of two computed tensors: a residual Add, left to fuse-skip-layer-norm"
+    return None
+
+
+def _last_dim(t: gs.Tensor):
+    shape = shape_of(t)
+    return shape[-1] if shape else None
+
+
+def _rewrite_bias_layer_norm(graph: gs.Graph, match, plan: _RowsPlan, graph_outputs: set[int]) -> None:
+    """Reshape to (-1, 1, D) rows, SkipLayerNormalization with a zero (1, D) skip, reshape back.
+
+    Output 3 (u + bias) is written only when the Add's (or the Reshape's) output has readers
+    besides the LayerNorm; it is reshaped back into that tensor.
+    """
+    ln = match.node("ln")
+    name = ln.name or ln.outputs[0].name
+    normalized = ln.inputs[0]
+    source = match["u"] if plan.bias is not None else normalized  # what the kernel reads, before the bias
+    rows_shape = gs.Constant(f"{name}__rows_shape", np.array([-1, 1, plan.d], np.int64))
+    n_rows = int(np.prod(plan.shape)) // plan.d if plan.shape is not None else None
+    rows = gs.Variable(f"{name}__rows", dtype=plan.dtype, shape=[n_rows, 1, plan.d])
+    nodes = [gs.Node("Reshape", f"{name}__to_rows", inputs=[source, rows_shape], outputs=[rows])]
+
+    def back(rows_tensor: gs.Variable, shape: gs.Tensor, old: gs.Tensor) -> gs.Variable:
+        """rows_tensor reshaped to ``shape``: the tensor that takes over ``old``."""
+        out = gs.Variable(f"{old.name}__from_rows", dtype=plan.dtype, shape=shape_of(old))
+        nodes.append(gs.Node("Reshape", f"{old.name}__from_rows", inputs=[rows_tensor, shape], outputs=[out]))
+        return out
+
+    def shape_tensor(of: gs.Tensor, static: list[int] | None, label: str, view: gs.Node | None = None) -> gs.Tensor:
+        if static is not None:
+            return gs.Constant(f"{name}__{label}_shape", np.array(static, np.int64))
+        if view is not None:  # the shape the Reshape between Add and LayerNorm gives u (free: a view)
+            viewed = gs.Variable(f"{name}__{label}_view", dtype=plan.dtype, shape=shape_of(view.outputs[0]))
+            nodes.append(gs.Node("Reshape", f"{name}__{label}_view", attrs=dict(view.attrs), inputs=[of, view.inputs[1]],
+                                 outputs=[viewed]))
+            of = viewed
+        out = gs.Variable(f"{name}__{label}_shape", dtype=np.int64, shape=[rank_of(of)])
+        nodes.append(gs.Node("Shape", f"{name}__{label}_shape", inputs=[of], outputs=[out]))
+        return out
+
+    # Outputs after the first: the Reshape's output, the Add's output (those of the match's form).
+    sums = match.outputs[1:]
+    matched = {id(n) for n in match.nodes}
+    read = [any(id(c) not in matched for c in t.outputs) or id(t) in graph_outputs for t in sums]
+    y_rows = gs.Variable(f"{name}__y_rows", dtype=plan.dtype, shape=[n_rows, 1, plan.d])
+    sum_rows = gs.Variable(f"{name}__sum_rows", dtype=plan.dtype, shape=[n_rows, 1, plan.d]) if any(read) else None
+    nodes.append(skip_layer_norm_node(ln, rows, gs.Constant(f"{name}__zero_skip", np.zeros((1, plan.d), plan.dtype)),
+                                      match["gamma"], match.get("beta"), plan.bias, y_rows, sum_rows))
+    view = match.node("view") if "target" in match else None
+    normalized_shape = shape_tensor(source, plan.shape, "normalized", view)
+    new_outputs = [back(y_rows, normalized_shape, match.outputs[0])]
+    for t, is_read in zip(sums, read):
+        if not is_read:
+            new_outputs.append(t)  # left without producer or readers: cleanup drops it
+        elif t is normalized:
+            new_outputs.append(back(sum_rows, normalized_shape, t))
+        else:  # the Add's output, before the Reshape: u's shape
+            new_outputs.append(back(sum_rows, shape_tensor(source, _static_shape(t), "biased"), t))
+    replace(graph, match, nodes, new_outputs)
+
+
+def _static_shape(t: gs.Tensor) -> list[int] | None:
+    dims = static_dims(t)
+    return dims if dims is not None and None not in dims else None
 
 
 __all__ = [
     "DECOMPOSED_LAYER_NORM",
     "SKIP_LAYER_NORM",
+    "BIAS_LAYER_NORM_FORMS",
+    "FuseBiasLayerNorm",
     "FuseLayerNorm",
     "FuseSkipLayerNorm",
+    "layer_norm_kernel_refusal",
+    "skip_layer_norm_node",
     "skip_shape_refusal",
 ]
