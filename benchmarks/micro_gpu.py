@@ -162,6 +162,39 @@ def case_thin_conv():
             {"name": "conv_out 320->4 @64x64", "count": 1, "variants": variants_out}]
 
 
+def conv3x3_split_k(cin, cout, h, w, groups, weights):
+    """The same conv with its input channels split in ``groups`` slices: one grouped conv (each
+    group all cout outputs of one slice, so ``groups`` times the thread blocks), then a ReduceSum
+    over the groups. For convs with few output pixels, where cuDNN leaves most SMs idle."""
+    def build(i, x):
+        wt, b = weights(i)
+        part = cin // groups
+        w_grouped = np.concatenate([wt[..., g * part:(g + 1) * part] for g in range(groups)], axis=0)  # (groups*cout, 3, 3, part)
+        bias = np.concatenate([b] + [np.zeros_like(b)] * (groups - 1))
+        nodes = [helper.make_node("NhwcConv", [x, f"w{i}", f"b{i}"], [f"z{i}"], domain="com.microsoft",
+                                  kernel_shape=[3, 3], pads=[1, 1, 1, 1], group=groups),
+                 helper.make_node("Reshape", [f"z{i}", "grouped"], [f"r{i}"]),
+                 helper.make_node("ReduceSum", [f"r{i}", "group_axis"], [f"y{i}"], keepdims=0)]
+        inits = [_const(f"w{i}", w_grouped), _const(f"b{i}", bias)]
+        if i == 0:
+            inits += [_const("grouped", np.array([2, h, w, groups, cout], np.int64)), _const("group_axis", np.array([3], np.int64))]
+        return nodes, inits, f"y{i}", [2, h, w, cout]
+    return copies(build, [2, h, w, cin])
+
+
+def case_split_k():
+    out = []
+    for cin, cout, h, w in [(1280, 1280, 8, 8), (2560, 1280, 8, 8), (1280, 1280, 16, 16), (2560, 1280, 16, 16), (640, 640, 32, 32)]:
+        state = RNG.bit_generator.state
+        variants = {"NhwcConv": conv3x3(cin, cout, h, w)}
+        RNG.bit_generator.state = state
+        weights = [(_weight((cout, 3, 3, cin), 9 * cin), _weight((cout,), 1)) for _ in range(COPIES)]
+        for groups in (2, 4, 8):
+            variants[f"split-K x{groups}: grouped NhwcConv + ReduceSum"] = conv3x3_split_k(cin, cout, h, w, groups, lambda i: weights[i])
+        out.append({"name": f"conv3x3 {cin}->{cout} @{h}x{w}", "flops": 2 * 2 * h * w * cout * cin * 9, "count": 1, "variants": variants})
+    return out
+
+
 def case_conv():
     out = []
     for cin, cout, h, w, s, count in CONV_SHAPES:
@@ -356,7 +389,7 @@ def case_cross_attention():
     return out
 
 
-CASES = {"conv": case_conv, "thin": case_thin_conv, "im2col": case_conv_im2col, "cross": case_cross_attention, "upsample": case_upsample, "layernorm": case_layernorm, "temb": case_temb,
+CASES = {"conv": case_conv, "thin": case_thin_conv, "splitk": case_split_k, "im2col": case_conv_im2col, "cross": case_cross_attention, "upsample": case_upsample, "layernorm": case_layernorm, "temb": case_temb,
          "attention": case_attention}
 
 

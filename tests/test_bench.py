@@ -15,13 +15,13 @@ from tests.conftest import FIXTURES
 
 UNET = FIXTURES / "unet-sd15.tiny.torchscript.dynamic.sdpa.onnx"
 FUSIONS = ["fuse-attention", "fuse-group-norm", "fuse-skip-group-norm", "fuse-bias-split-gelu", "fuse-layer-norm",
-           "fuse-bias-add", "fuse-skip-layer-norm", "nhwc-conv", "fold-conv-bias"]
+           "fuse-bias-add", "fuse-skip-layer-norm", "fuse-parallel-gemm", "nhwc-conv", "fold-conv-bias", "fuse-bias-layer-norm"]
 
 
 def test_ablation_plan_adds_one_fusion_per_step_with_fp16_last():
     steps = ablation_plan(["ort-cuda", "fp16"])
     assert [s.label for s in steps] == (["source fp16", "+ cleanup"] + [f"+ {f}" for f in FUSIONS[:-1]]
-                                        + ["+ fold-conv-bias (= ort-cuda,fp16)"])
+                                        + ["+ fuse-bias-layer-norm (= ort-cuda,fp16)"])
     assert steps[0].passes == ["fp16"]
     assert all(s.passes[-1] == "fp16" for s in steps)
     assert steps[-1].passes == registry.expand(["ort-cuda"]) + ["fp16"]  # the last step is the whole preset
@@ -61,14 +61,16 @@ def test_ablation_builds_every_model_on_the_tiny_unet_and_reuses_them(tmp_path, 
     assert "fuse-attention 8/8" in printed and "fuse-group-norm 21/21" in printed
     files = sorted(work.glob("*.onnx"))
     assert [f.name for f in files] == ["00-source-fp16.onnx", "01-cleanup.onnx"] + [
-        f"{i:02d}-{name}.onnx" for i, name in enumerate(FUSIONS[:-1], start=2)] + ["10-fold-conv-bias-ort-cuda-fp16.onnx"]
+        f"{i:02d}-{name}.onnx" for i, name in enumerate(FUSIONS[:-1], start=2)] + ["12-fuse-bias-layer-norm-ort-cuda-fp16.onnx"]
     ops = [contrib_ops(f) for f in files]
     assert ops[0] == ops[1] == Counter()  # fp16 alone, then cleanup: nothing fused yet
     assert ops[2] == Counter({"MultiHeadAttention": 8})
     assert ops[3]["GroupNorm"] == 21 and ops[4]["SkipGroupNorm"] == 15 and ops[4]["GroupNorm"] == 6
     assert ops[7]["BiasAdd"] == 4 and ops[8]["SkipLayerNormalization"] == 8
-    assert ops[9]["NhwcConv"] == 33 - 13  # the 13 1x1 convs run as channels-last MatMuls
-    assert ops[10]["BiasAdd"] == 4 + 5  # fold-conv-bias: conv + residual sums
+    assert ops[9] == ops[8]  # fuse-parallel-gemm writes standard ops (one Gemm + Split)
+    assert ops[10]["NhwcConv"] == 33 - 13  # the 13 1x1 convs run as channels-last MatMuls
+    assert ops[11]["BiasAdd"] == 4 + 5  # fold-conv-bias: conv + residual sums
+    assert ops[12]["SkipLayerNormalization"] == 8 + 4  # fuse-bias-layer-norm: each transformer's norm1
     assert all(sum(after.values()) >= sum(before.values()) for before, after in zip(ops, ops[1:]))
     assert fp16_share(UNET) == 0 and all(fp16_share(f) > 0.95 for f in files)  # every step is fp16
     for f in files:

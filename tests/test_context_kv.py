@@ -26,17 +26,21 @@ from onnxopt.verify import InputSpec, assert_same_computation, random_feeds
 from tests.conftest import EXPORT_VARIANTS, FIXTURES
 
 FAMILIES = ["unet-sd15", "unet-sd21", "unet-sdxl", "controlnet"]
-STAGES = {"plain": ["cleanup", "context-kv"], "packed": ["cleanup", "fuse-attention", "context-kv"]}
+STAGES = {  # stage -> (passes, fuse-attention's layout; None: not fused)
+    "plain": (["cleanup", "context-kv"], None),
+    "fused": (["cleanup", "fuse-attention", "context-kv"], "split"),
+    "packed": (["cleanup", "fuse-attention", "context-kv"], "packed"),
+}
 CONTEXT = "encoder_hidden_states"
 TS_DYNAMIC = ("torchscript", "dynamic", "sdpa")
-DEFAULT = {  # (family, variant, stage) run by default; every exporter form and both stages appear
-    ("unet-sd15", TS_DYNAMIC, "plain"), ("unet-sd15", TS_DYNAMIC, "packed"),
-    ("unet-sd15", ("torchscript", "static", "sdpa"), "packed"),
-    ("unet-sd15", ("dynamo", "dynamic", "sdpa"), "plain"), ("unet-sd15", ("dynamo", "dynamic", "sdpa"), "packed"),
-    ("unet-sd15", ("dynamo", "static", "sdpa"), "plain"),
+DEFAULT = {  # (family, variant, stage) run by default; every exporter form and every stage appear
+    ("unet-sd15", TS_DYNAMIC, "plain"), ("unet-sd15", TS_DYNAMIC, "fused"), ("unet-sd15", TS_DYNAMIC, "packed"),
+    ("unet-sd15", ("torchscript", "static", "sdpa"), "fused"),
+    ("unet-sd15", ("dynamo", "dynamic", "sdpa"), "plain"), ("unet-sd15", ("dynamo", "dynamic", "sdpa"), "fused"),
+    ("unet-sd15", ("dynamo", "static", "sdpa"), "packed"),
     ("unet-sd15", ("torchscript", "dynamic", "classic"), "plain"),
-    ("unet-sd21", TS_DYNAMIC, "plain"), ("unet-sdxl", TS_DYNAMIC, "packed"),
-    ("controlnet", TS_DYNAMIC, "plain"), ("controlnet", TS_DYNAMIC, "packed"),
+    ("unet-sd21", TS_DYNAMIC, "plain"), ("unet-sdxl", TS_DYNAMIC, "fused"),
+    ("controlnet", TS_DYNAMIC, "plain"), ("controlnet", TS_DYNAMIC, "fused"), ("controlnet", TS_DYNAMIC, "packed"),
 }
 SD15_TS_DYNAMIC = FIXTURES / "unet-sd15.tiny.torchscript.dynamic.sdpa.onnx"
 SD15_DYNAMO_DYNAMIC = FIXTURES / "unet-sd15.tiny.dynamo.dynamic.sdpa.onnx"
@@ -63,10 +67,12 @@ def context_kv_result(report):
     return next(step.result for step in report.passes if step.name == "context-kv" and step.companion is None)
 
 
-def assert_split(model, report, source_inputs: list[str], cross_modules: list[str], *, packed: bool):
+def assert_split(model, report, source_inputs: list[str], cross_modules: list[str], *, layout: str | None):
     """The split is complete and minimal: one layer per cross-attention module, the denoiser's
     inputs are the source's minus encoder_hidden_states plus one float K/V tensor per module
-    (packed) or two (plain), and the companion maps encoder_hidden_states to exactly those."""
+    (layout "packed") or two (K and V: fused with layout "split", or not fused: None), and the
+    companion maps encoder_hidden_states to exactly those."""
+    packed = layout == "packed"
     context, denoiser = context_and_denoiser(model)
     details = context_kv_result(report).details
     layers = details["layers"]
@@ -82,6 +88,9 @@ def assert_split(model, report, source_inputs: list[str], cross_modules: list[st
     if packed:
         assert all(ops == {"MultiHeadAttention"} for ops in readers.values())
         assert all(len(t.shape) == 5 and t.shape[3] == 2 for t in context.graph.outputs)  # (B, L, N, 2, H)
+    elif layout == "split":
+        assert all(ops == {"MultiHeadAttention"} for ops in readers.values())
+        assert all(len(t.shape) == 3 for t in context.graph.outputs)  # (B, L, N*H) each
     else:
         assert not any(n.domain == "com.microsoft" for n in denoiser.graph.nodes)
 
@@ -92,9 +101,10 @@ def assert_split(model, report, source_inputs: list[str], cross_modules: list[st
 @pytest.mark.parametrize("family, variant, stage", _cases())
 def test_context_graph_then_denoiser_equals_the_export_and_lists_the_torch_cross_attention_modules(export_tiny, family, variant, stage):
     exported = export_tiny(family, *variant)
-    model, report = optimize(exported.path, STAGES[stage])
+    passes, layout = STAGES[stage]
+    model, report = optimize(exported.path, passes, options={"fuse-attention": {"layout": layout}} if layout else None)
     source_inputs = exported.built.input_names
-    assert_split(model, report, source_inputs, exported.built.site_modules["attention_cross"], packed=stage == "packed")
+    assert_split(model, report, source_inputs, exported.built.site_modules["attention_cross"], layout=layout)
     assert len(context_kv_result(report).details["layers"]) == exported.sites["attention_cross"]
     # The chain (context graph, then the denoiser fed its outputs) against the export; packed KV
     # runs on onnxopt.reference (ORT's CPU build has no packed-KV MultiHeadAttention kernel).
@@ -108,7 +118,7 @@ def test_context_graph_then_denoiser_equals_the_export_and_lists_the_torch_cross
 def test_fp16_and_nhwc_compose_in_either_order_and_the_handed_over_kv_stays_fp16(passes):
     model, report = optimize(SD15_TS_DYNAMIC, passes.split(","))
     context, denoiser = context_and_denoiser(model)
-    assert_split(model, report, ["sample", "timestep", CONTEXT], TINY_SD15_CROSS, packed=True)
+    assert_split(model, report, ["sample", "timestep", CONTEXT], TINY_SD15_CROSS, layout="split")
     interface = {t.name for t in context.graph.outputs}
     assert {np.dtype(t.dtype) for t in context.graph.outputs} == {np.dtype(np.float16)}
     assert {np.dtype(t.dtype) for t in denoiser.graph.inputs if t.name in interface} == {np.dtype(np.float16)}
@@ -122,7 +132,7 @@ def test_fp16_and_nhwc_compose_in_either_order_and_the_handed_over_kv_stays_fp16
 
 def test_tensorrt_preset_then_context_kv_hands_over_plain_k_and_v():
     model, report = optimize(SD15_DYNAMO_DYNAMIC, ["tensorrt", "context-kv"])
-    assert_split(model, report, ["sample", "timestep", CONTEXT], TINY_SD15_CROSS, packed=False)
+    assert_split(model, report, ["sample", "timestep", CONTEXT], TINY_SD15_CROSS, layout=None)
     assert_same_computation(SD15_DYNAMO_DYNAMIC, model, atol=1e-5, rtol=1e-4)
 
 

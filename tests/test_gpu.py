@@ -54,6 +54,12 @@ def cases():
     yield "MHA packed QKV", one_node("MultiHeadAttention", {"query": rand(rng, n, s, heads, 3, dh)}, ["out"], num_heads=heads)
     yield "MHA packed KV", one_node("MultiHeadAttention", {"query": rand(rng, n, s, heads * dh), "key": rand(rng, n, kv, heads, 2, dh)},
                                     ["out"], num_heads=heads)
+    yield "MHA separate Q,K,V", one_node("MultiHeadAttention", {"query": rand(rng, n, s, heads * dh), "key": rand(rng, n, kv, heads * dh),
+                                                                "value": rand(rng, n, kv, heads * dh)}, ["out"], num_heads=heads)
+    d = 320
+    yield "SkipLayerNorm zero (1, D) skip", one_node(
+        "SkipLayerNormalization", {"input": rand(rng, n * s, 1, d), "skip": np.zeros((1, d), F16), "gamma": rand(rng, d),
+                                   "beta": rand(rng, d), "bias": rand(rng, d)}, ["output", "", "", "sum"], epsilon=1e-5)
 
 
 CASES = dict(cases())
