@@ -12,26 +12,26 @@ What it matches, after canonicalize-attention (which it requires)::
     more Reshape, [Cast] may sit on q and k (upcast_attention), K^T is Transpose(0,2,1), and the
     result is unfolded by Reshape(B,N,S,H) before the Transpose.
 
-What it writes (``layout="split"``, the default)::
+What it writes (``layout="packed"``, the default)::
 
     self-attention, no projection bias (UNet attn1):
-        x ─ MatMul([Wq|Wk|Wv]) ─ Split(-1) ─ q, k, v ─ MultiHeadAttention(q, k, v) ─ out
+        x ─ MatMul(W_qkv) ─ Reshape(0,0,N,3,H) ─ MultiHeadAttention(packed QKV) ─ out
     self-attention with projection biases (VAE mid-block, CLIP):
         x ─ Attention(weights [Wq|Wk|Wv], bias [bq|bk|bv]) ─ out
     cross-attention (UNet attn2):
-        q_proj ──────────────────────────────────────────────┐
-        ctx ─ MatMul([Wk|Wv]) [+ [bk|bv]] ─ Split(-1) ─ k, v ─ MultiHeadAttention(q, k, v) ─ out
+        q_proj ───────────────────────────────────────────────┐
+        ctx ─ MatMul(W_kv) [+ b_kv] ─ Reshape(0,0,N,2,H) ─ MultiHeadAttention(query, packed KV) ─ out
 
-    One GEMM projects all heads; the Split hands MHA (B, S, N*H) tensors, which ORT's cuDNN flash
-    kernel reads in place (on an H100, Split + MHA took 158 us where packed-QKV MHA took 174 us at
-    SD1.5's 4096 tokens, because MHA unpacks a packed input with a slower kernel of its own:
-    benchmarks/micro_gpu.py). ``layout="packed"`` writes ORT's packed forms instead:
-    MatMul(W_qkv) ─ Reshape(0,0,N,3,H) ─ MHA, and for cross-attention Reshape(0,0,N,2,H) packed KV;
     W_qkv is laid out so its output reshapes to (B, S, N, 3, H): column n*3H + t*H + h is column
-    n*H + h of W_t (t = q, k, v); W_kv likewise with 2. ``layout="separate"`` writes one MatMul
-    per projection. Attributes: num_heads=N, scale only when
-    it differs from 1/sqrt(H), unidirectional=1 only for a mask proven exactly causal; any other
-    mask goes, unchanged, to attention_bias (unsqueezed to 4-D).
+    n*H + h of W_t (t = q, k, v); W_kv likewise with 2. ``layout="split"`` keeps the one GEMM but
+    splits its output and hands MHA (B, S, N*H) q, k, v, which ORT's cuDNN kernel reads in place
+    (packed inputs are first unpacked by AddBiasUnpack). On an H100 that won in isolation (158 vs
+    174 us per 4096-token attention, benchmarks/micro_gpu.py) but lost in the full SD1.5 UNet
+    (6.55 vs 6.49 ms with CUDA graph: ORT's Split kernel took 0.21 ms where the unpacking took
+    0.16 ms), so packed stays the default. ``layout="separate"`` writes one MatMul per projection.
+    Attributes: num_heads=N, scale only when it differs from 1/sqrt(H), unidirectional=1 only for
+    a mask proven exactly causal; any other mask goes, unchanged, to attention_bias (unsqueezed
+    to 4-D).
 
 Conditions (a site that fits the diagram but fails one is refused, with the reason):
     * K and V project the same tensor; Q too for self-attention, another tensor for cross.
@@ -442,10 +442,9 @@ def _reads_shape_only(node: gs.Node, depth: int = 0) -> bool:
 def fused_nodes(m: Match, site: Site, layout: str = "packed") -> list[gs.Node]:
     """The nodes that compute ``m.output`` in place of the match.
 
-    ``layout="split"`` writes one projection MatMul for QKV (self) or KV (cross), splits its
-    output and hands MHA (B, S, N*H) query, key and value: the layout ORT's cuDNN/flash kernels
-    read in place, where a packed tensor is first unpacked by a slower kernel (AddBiasUnpack).
-    ``"packed"`` hands MHA the packed tensor; ``"separate"`` keeps one MatMul per projection.
+    ``layout="packed"`` writes one projection MatMul for QKV (self) or KV (cross) and hands MHA
+    the packed tensor; ``"split"`` splits that MatMul's output and hands MHA (B, S, N*H) query,
+    key and value; ``"separate"`` keeps one MatMul per projection.
     """
     n, h = site.heads, site.head_dim
     name = site.name
@@ -586,9 +585,9 @@ class FuseAttention(OrtFusion):
     name = "fuse-attention"
     description = "fuse attention (self, cross, VAE, causal CLIP) into com.microsoft MultiHeadAttention/Attention, packing Q/K/V weights and keeping biases"
     requires = frozenset({SHAPES_INFERRED, ATTENTION_CANONICAL})
-    LAYOUTS = ("split", "packed", "separate")
+    LAYOUTS = ("packed", "split", "separate")
 
-    def __init__(self, layout: str = "split"):
+    def __init__(self, layout: str = "packed"):
         if layout not in self.LAYOUTS:
             raise PassOptionError(f"fuse-attention: layout must be one of {', '.join(self.LAYOUTS)}, not '{layout}'")
         self.layout = layout

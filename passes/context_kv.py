@@ -6,20 +6,19 @@ the model in two at the edge of what depends on ``encoder_hidden_states`` alone:
 
     before (one model, run at every step):
 
-        encoder_hidden_states ─ MatMul([W_k|W_v]) [+ b] ─ Split ─ k, v ──┐
-        x ─ ... ─ MatMul(W_q) ─────────────────────────────────── MultiHeadAttention(q, k, v) ─ ...
+        encoder_hidden_states ─ MatMul(W_kv) [+ b_kv] ─ Reshape(0,0,N,2,H) ──┐ packed KV
+        x ─ ... ─ MatMul(W_q) ─────────────────────────────────────── MultiHeadAttention ─ ...
 
     after:
 
         context_kv (companion, once per prompt):
-            encoder_hidden_states ─ MatMul([W_k|W_v]) [+ b] ─ Split ─ <module>.k, <module>.v   (outputs per layer)
+            encoder_hidden_states ─ MatMul(W_kv) [+ b_kv] ─ Reshape(0,0,N,2,H) ─ <module>.kv   (an output per layer)
         denoiser (every step):
-            <module>.k, <module>.v (inputs) ──────────────────────────┐
-            x ─ ... ─ MatMul(W_q) ─────────────────────────── MultiHeadAttention(q, k, v) ─ ...
+            <module>.kv (input) ─────────────────────────────────────┐
+            x ─ ... ─ MatMul(W_q) ─────────────────────────── MultiHeadAttention ─ ...
 
-    with fuse-attention's ``layout=packed`` the cut is ORT's packed KV, one ``<module>.kv`` per
-    layer (Reshape(0,0,N,2,H) of the KV projection).
-
+    with fuse-attention's ``layout=split`` the cut is the Split's K and V, ``<module>.k`` and
+    ``<module>.v`` ((B, L, N*H) each).
     without fuse-attention (TensorRT target, or no fusion) the cut is the same rule on the
     exporter's graph, giving plain K and V (``<module>.k``, ``<module>.v``) in the layout the
     attention reads them: K^T and V after the head split (TorchScript; the split's shape comes from

@@ -463,23 +463,31 @@ def test_scale_computed_from_the_head_dim_at_run_time_becomes_one_constant_on_th
     assert_same_computation(model, fused, atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("layout", ["separate", "split"])
 @pytest.mark.parametrize("name", [
     "unet-sd15.tiny.torchscript.dynamic.sdpa.onnx", "unet-sd15.tiny.dynamo.static.sdpa.onnx",
     "unet-sd15.tiny.torchscript.dynamic.classic.onnx",
 ])
-def test_separate_layout_hands_mha_unpacked_q_k_v_and_computes_the_same(name):
+def test_unpacked_layouts_hand_mha_q_k_v_and_compute_the_same(name, layout):
     from tests.conftest import FIXTURES
 
     path = FIXTURES / name
-    model, report = optimize(path, ["cleanup", "fuse-attention"], options={"fuse-attention": {"layout": "separate"}})
+    model, report = optimize(path, ["cleanup", "fuse-attention"], options={"fuse-attention": {"layout": layout}})
     result = fusion_result(report)
     assert result.refused == [] and result.sites_rewritten == 8
     mha = [n for n in fused_nodes(model) if n.op == "MultiHeadAttention"]
     assert len(mha) == 8
-    for node in mha:  # query, key and value each a (B, S, N*H) projection: no packed tensor
+    for node in mha:  # query, key and value each a (B, S, N*H) tensor: no packed tensor
         assert len([t for t in node.inputs[:3] if t.name]) == 3
         assert all(t.shape is None or len(t.shape) == 3 for t in node.inputs[:3])
     assert not [n for n in model.graph.nodes if n.name.endswith(("qkv_packed", "kv_packed"))]
+    splits = [n for n in model.graph.nodes if n.op == "Split" and n.name.endswith("/split")]
+    if layout == "split":  # one projection GEMM per attention, its output split into K, V (and Q)
+        assert len(splits) == 8
+        assert sorted(len(n.outputs) for n in splits) == [2] * 4 + [3] * 4
+        assert all(n.inputs[0].inputs[0].op == "MatMul" for n in splits)
+    else:
+        assert splits == []
     assert_same_computation(path, model, atol=1e-4, rtol=1e-3)
 
 

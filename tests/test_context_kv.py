@@ -28,19 +28,19 @@ from tests.conftest import EXPORT_VARIANTS, FIXTURES
 FAMILIES = ["unet-sd15", "unet-sd21", "unet-sdxl", "controlnet"]
 STAGES = {  # stage -> (passes, fuse-attention's layout; None: not fused)
     "plain": (["cleanup", "context-kv"], None),
-    "fused": (["cleanup", "fuse-attention", "context-kv"], "split"),
     "packed": (["cleanup", "fuse-attention", "context-kv"], "packed"),
+    "split": (["cleanup", "fuse-attention", "context-kv"], "split"),
 }
 CONTEXT = "encoder_hidden_states"
 TS_DYNAMIC = ("torchscript", "dynamic", "sdpa")
 DEFAULT = {  # (family, variant, stage) run by default; every exporter form and every stage appear
-    ("unet-sd15", TS_DYNAMIC, "plain"), ("unet-sd15", TS_DYNAMIC, "fused"), ("unet-sd15", TS_DYNAMIC, "packed"),
-    ("unet-sd15", ("torchscript", "static", "sdpa"), "fused"),
-    ("unet-sd15", ("dynamo", "dynamic", "sdpa"), "plain"), ("unet-sd15", ("dynamo", "dynamic", "sdpa"), "fused"),
-    ("unet-sd15", ("dynamo", "static", "sdpa"), "packed"),
+    ("unet-sd15", TS_DYNAMIC, "plain"), ("unet-sd15", TS_DYNAMIC, "packed"), ("unet-sd15", TS_DYNAMIC, "split"),
+    ("unet-sd15", ("torchscript", "static", "sdpa"), "packed"),
+    ("unet-sd15", ("dynamo", "dynamic", "sdpa"), "plain"), ("unet-sd15", ("dynamo", "dynamic", "sdpa"), "packed"),
+    ("unet-sd15", ("dynamo", "static", "sdpa"), "split"),
     ("unet-sd15", ("torchscript", "dynamic", "classic"), "plain"),
-    ("unet-sd21", TS_DYNAMIC, "plain"), ("unet-sdxl", TS_DYNAMIC, "fused"),
-    ("controlnet", TS_DYNAMIC, "plain"), ("controlnet", TS_DYNAMIC, "fused"), ("controlnet", TS_DYNAMIC, "packed"),
+    ("unet-sd21", TS_DYNAMIC, "plain"), ("unet-sdxl", TS_DYNAMIC, "packed"),
+    ("controlnet", TS_DYNAMIC, "plain"), ("controlnet", TS_DYNAMIC, "packed"), ("controlnet", TS_DYNAMIC, "split"),
 }
 SD15_TS_DYNAMIC = FIXTURES / "unet-sd15.tiny.torchscript.dynamic.sdpa.onnx"
 SD15_DYNAMO_DYNAMIC = FIXTURES / "unet-sd15.tiny.dynamo.dynamic.sdpa.onnx"
@@ -118,7 +118,7 @@ def test_context_graph_then_denoiser_equals_the_export_and_lists_the_torch_cross
 def test_fp16_and_nhwc_compose_in_either_order_and_the_handed_over_kv_stays_fp16(passes):
     model, report = optimize(SD15_TS_DYNAMIC, passes.split(","))
     context, denoiser = context_and_denoiser(model)
-    assert_split(model, report, ["sample", "timestep", CONTEXT], TINY_SD15_CROSS, layout="split")
+    assert_split(model, report, ["sample", "timestep", CONTEXT], TINY_SD15_CROSS, layout="packed")
     interface = {t.name for t in context.graph.outputs}
     assert {np.dtype(t.dtype) for t in context.graph.outputs} == {np.dtype(np.float16)}
     assert {np.dtype(t.dtype) for t in denoiser.graph.inputs if t.name in interface} == {np.dtype(np.float16)}
