@@ -35,7 +35,7 @@ ablation() {  # $1: export variant
 case $step in
   fusion)
     python3 -m benchmarks.unet_gpu --work $work --variants ts-dynamic,ts-static,dynamo-dynamic --budget 520 \
-      --extra conv1x1:nhwc-conv.pointwise=conv --out "$out/fusion" 2>&1 | grep -v "^\[.*\] \.\.\.$" | tail -40 ;;
+      --extra without-new:-fuse-parallel-gemm,-fuse-bias-layer-norm --out "$out/fusion" 2>&1 | grep -v "^\[.*\] \.\.\.$" | tail -40 ;;
   ablation-ts) ablation ts-dynamic ;;
   ablation-dy) ablation dynamo-dynamic ;;
   context-kv)
