@@ -51,7 +51,7 @@ def _io(name, shape, dtype=F16):
     return helper.make_tensor_value_info(name, dtype, shape)
 
 
-def copies(build, x_shape, out_shape_of=None, extra_inputs=()):
+def copies(build, x_shape, extra_inputs=()):
     """A model with COPIES independent copies of ``build(i, x) -> (nodes, inits, out_name, out_shape)``."""
     nodes, inits, outputs = [], [], []
     for i in range(COPIES):

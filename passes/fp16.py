@@ -77,7 +77,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import onnx_graphsurgeon as gs
-from onnx_graphsurgeon.ir.tensor import LazyValues
 from onnx_graphsurgeon.logger import G_LOGGER
 
 from onnxopt import precision
@@ -95,7 +94,7 @@ from onnxopt.precision import (
     tensor_errors,
 )
 from onnxopt.registry import register_pass
-from onnxopt.weights import DerivedValues, constant_nbytes
+from onnxopt.weights import DerivedValues, constant_nbytes, read_uncached
 
 from .cast_chains import RemoveRedundantCasts
 from .fp16_hazards import (
@@ -622,7 +621,7 @@ class _Conversion:
             self.stats.casts_retargeted += 1
         else:
             value = constant_node_value(original)
-            array = _read(value._values) if isinstance(value, gs.Constant) else np.asarray(value)
+            array = read_uncached(value._values) if isinstance(value, gs.Constant) else np.asarray(value)
             for key in ("value_float", "value_floats"):
                 node.attrs.pop(key, None)
             node.attrs["value"] = gs.Constant(f"{label}__value", self.low.convert(array, mask=label in self.masks))
@@ -643,13 +642,13 @@ class _Conversion:
         if isinstance(where, gs.Constant):
             source = where._values
             if constant_nbytes(where) < SKELETON_THRESHOLD_BYTES:
-                where._values = clamp(_read(source))
+                where._values = clamp(read_uncached(source))
             else:
-                where._values = DerivedValues(where.shape, np.float32, lambda: clamp(_read(source)), name=where.name)
+                where._values = DerivedValues(where.shape, np.float32, lambda: clamp(read_uncached(source)), name=where.name)
             self.stats.masks_clamped.add(where.name)
         else:
             value = constant_node_value(where)
-            array = _read(value._values) if isinstance(value, gs.Constant) else np.asarray(value)
+            array = read_uncached(value._values) if isinstance(value, gs.Constant) else np.asarray(value)
             for key in ("value_float", "value_floats"):
                 where.attrs.pop(key, None)
             where.attrs["value"] = gs.Constant(f"{where.outputs[0].name}__value", clamp(array))
@@ -664,9 +663,9 @@ class _Conversion:
         # Small results are computed now: the saver writes tensors under the skeleton threshold
         # from the skeleton itself, where a DerivedValues would be exported without its data.
         if int(np.prod(constant.shape, dtype=np.int64)) * low.np_dtype.itemsize < SKELETON_THRESHOLD_BYTES:
-            return low.convert(_read(source), mask)
+            return low.convert(read_uncached(source), mask)
         with _graphsurgeon_quiet():  # graphsurgeon has no NumPy name for bfloat16 and says so per tensor
-            return DerivedValues(constant.shape, low.np_dtype, lambda: low.convert(_read(source), mask), name=name)
+            return DerivedValues(constant.shape, low.np_dtype, lambda: low.convert(read_uncached(source), mask), name=name)
 
 
 @contextlib.contextmanager
@@ -679,8 +678,3 @@ def _graphsurgeon_quiet():
         G_LOGGER.severity = severity
 
 
-def _read(values) -> np.ndarray:
-    """A constant's values without caching them on the constant (LazyValues stay lazy)."""
-    if isinstance(values, LazyValues):
-        return values.load()
-    return np.asarray(values)

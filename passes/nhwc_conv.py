@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import numpy as np
 import onnx_graphsurgeon as gs
-from onnx_graphsurgeon.ir.tensor import LazyValues
 
 from onnxopt.errors import PassOptionError
 from onnxopt.graph_edit import is_standard
@@ -32,7 +31,7 @@ from onnxopt.model import Model
 from onnxopt.pass_infra import Pass, PassResult
 from onnxopt.pattern import Const, Pattern, Var, op, replace
 from onnxopt.registry import register_pass
-from onnxopt.weights import DerivedValues
+from onnxopt.weights import DerivedValues, read_uncached
 
 from .sink_transposes import SinkTransposes
 
@@ -51,16 +50,10 @@ def conv_no_bias(x, w):
 CONV = Pattern(conv, conv_no_bias, name="conv2d")
 
 
-def _uncached(w: gs.Constant) -> np.ndarray:
-    """w's values without caching them on w: graphsurgeon's ``.values`` keeps a loaded weight in memory
-    (every conv weight of a full UNet, 2.7 GB peak while saving)."""
-    return w._values.load() if isinstance(w._values, LazyValues) else np.asarray(w._values)
-
-
 def transposed_weight(w: gs.Constant) -> DerivedValues:
     """The (M, C/g, kH, kW) weight as (M, kH, kW, C/g), transposed only when read or saved."""
     m, c, kh, kw = w.shape
-    return DerivedValues((m, kh, kw, c), w.dtype, lambda: _uncached(w).transpose(TO_NHWC), name=w.name)
+    return DerivedValues((m, kh, kw, c), w.dtype, lambda: read_uncached(w).transpose(TO_NHWC), name=w.name)
 
 
 @register_pass
@@ -155,7 +148,7 @@ def _rewrite_as_matmul(graph: gs.Graph, match) -> None:
     name = node.name or y.name
     m, c = w.shape[:2]
     w_matrix = gs.Constant(
-        f"{w.name}__cm", DerivedValues((c, m), w.dtype, lambda: _uncached(w)[:, :, 0, 0].T.copy(), name=w.name)
+        f"{w.name}__cm", DerivedValues((c, m), w.dtype, lambda: read_uncached(w)[:, :, 0, 0].T.copy(), name=w.name)
     )
     x_nhwc = gs.Variable(f"{name}__x_nhwc", dtype=x.dtype, shape=_permute(x.shape, TO_NHWC))
     y_nhwc = gs.Variable(f"{name}__y_nhwc", dtype=y.dtype, shape=_permute(y.shape, TO_NHWC))

@@ -56,7 +56,6 @@ from dataclasses import dataclass
 
 import numpy as np
 import onnx_graphsurgeon as gs
-from onnx_graphsurgeon.ir.tensor import LazyValues
 
 from onnxopt.graph_edit import detach
 from onnxopt.model import Model
@@ -64,7 +63,7 @@ from onnxopt.pass_infra import CONSTANTS_FOLDED, SHAPES_INFERRED, Pass, PassResu
 from onnxopt.pattern import Const, Pattern, Var, constant_shape, constant_value, is_constant, op
 from onnxopt.pattern.tensor_facts import rank_of, static_dim
 from onnxopt.registry import register_pass
-from onnxopt.weights import DerivedValues
+from onnxopt.weights import DerivedValues, read_uncached
 
 
 def _is_2d(tensor: gs.Tensor) -> bool:
@@ -279,12 +278,8 @@ def _concatenated_bias(group: list[Linear], dtype: np.dtype, name: str) -> Deriv
 
 
 def _read(tensor: gs.Tensor) -> np.ndarray:
-    """A constant's values without caching them on it (graphsurgeon's ``.values`` would keep every
-    member weight loaded); a Constant node's value is in memory anyway."""
-    if isinstance(tensor, gs.Constant):
-        values = tensor._values
-        return values.load() if isinstance(values, LazyValues) else np.asarray(values)
-    return constant_value(tensor)
+    """A constant's values without caching them on it; a Constant node's value is in memory anyway."""
+    return read_uncached(tensor) if isinstance(tensor, gs.Constant) else constant_value(tensor)
 
 
 def _dtype(tensor: gs.Tensor) -> np.dtype:
