@@ -8,6 +8,9 @@ small ones (shape constants, scales) kept with their values so data propagation 
 
 from __future__ import annotations
 
+import itertools
+import re
+
 import onnx
 import onnx_graphsurgeon as gs
 from onnx import shape_inference
@@ -30,11 +33,22 @@ def _dims(type_proto: onnx.TypeProto) -> list | None:
     return dims
 
 
+GENERATED_DIM = re.compile(r"unk__\d+")
+_RUNS = itertools.count(1)
+
+
 def infer_shapes(model: Model) -> int:
-    """Annotate the graph's tensors with inferred dtypes and shapes; returns how many tensors gained information."""
+    """Annotate the graph's tensors with inferred dtypes and shapes; returns how many tensors gained information.
+
+    ONNX names the dims it cannot resolve ``unk__0``, ``unk__1``, ... afresh in every run, and a
+    tensor keeps an earlier run's annotation unless the new one is more specific: the same name
+    could then stand for two different dims (SDXL: ``unk__284`` for 12 tokens on one tensor and 48
+    on another), and ONNX Runtime, which plans buffer reuse on declared shapes, fails at run time.
+    So each run's generated names get the run's number: ``unk__7_284``."""
     skeleton = model.skeleton()
     del skeleton.graph.value_info[:]  # infer from scratch: stale annotations from earlier rewrites must not win
     inferred = shape_inference.infer_shapes(skeleton, check_type=False, strict_mode=False, data_prop=True)
+    run = next(_RUNS)
     tensors = model.graph.tensors()
     gained = 0
     for info in list(inferred.graph.value_info) + list(inferred.graph.output):
@@ -42,7 +56,7 @@ def infer_shapes(model: Model) -> int:
         if not isinstance(tensor, gs.Variable) or not info.type.HasField("tensor_type"):
             continue
         elem_type = info.type.tensor_type.elem_type
-        dims = _dims(info.type)
+        dims = _run_unique(_dims(info.type), run)
         changed = False
         if elem_type and tensor.dtype is None:
             tensor.dtype = onnx.helper.tensor_dtype_to_np_dtype(elem_type)
@@ -52,6 +66,13 @@ def infer_shapes(model: Model) -> int:
             changed = True
         gained += changed
     return gained
+
+
+def _run_unique(dims: list | None, run: int) -> list | None:
+    """``unk__N`` -> ``unk__<run>_N``; every other dim as it is."""
+    if dims is None:
+        return None
+    return [f"unk__{run}_{d[5:]}" if isinstance(d, str) and GENERATED_DIM.fullmatch(d) else d for d in dims]
 
 
 def _more_specific(new: list, old) -> bool:

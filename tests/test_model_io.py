@@ -192,3 +192,39 @@ def test_optimize_and_save_stream_weights_instead_of_holding_them(tmp_path):
     assert all(isinstance(c._values, ExternalValues) for c in model.constants())
     assert peak < 0.6 * weights, f"peak {peak / 1e6:.0f} MB for {weights / 1e6:.0f} MB of weights"
     assert (tmp_path / "out.onnx.data").stat().st_size >= weights
+
+
+def test_dims_shape_inference_cannot_resolve_never_share_a_name_across_runs():
+    """ONNX names unresolved dims unk__0, unk__1, ... afresh in each run (reserving only the names
+    on graph inputs and outputs), and an intermediate tensor keeps an earlier run's annotation:
+    without run-unique names, a tensor typed in the second run (z) got the name a kept tensor (y)
+    had from the first, declaring two different dims equal (ORT plans buffer reuse on that and
+    failed on the TorchScript SDXL UNet)."""
+    import onnx_graphsurgeon as gs
+    from onnx import TensorProto, helper
+
+    from onnxopt.shapes import infer_shapes
+    from tests.graphs import make_model
+
+    def count_nonzero(x: str, tag: str) -> list:
+        """x -> NonZero -> (1, n) -> Cast -> ReduceSum -> scalar: n lives on an intermediate only."""
+        return [helper.make_node("NonZero", [x], [tag], name=f"nz_{tag}"),
+                helper.make_node("Cast", [tag], [f"{tag}_f"], to=TensorProto.FLOAT),
+                helper.make_node("ReduceSum", [f"{tag}_f"], [f"{tag}_sum"], keepdims=0)]
+
+    source = make_model(count_nonzero("x", "y"), [helper.make_tensor_value_info("x", TensorProto.FLOAT, [5])],
+                        [helper.make_tensor_value_info("y_sum", TensorProto.FLOAT, [])])
+    model = load_model(source)
+    infer_shapes(model)
+    graph = model.graph
+    y = graph.tensors()["y"]
+    assert y.shape[0] == 1 and isinstance(y.shape[1], str)  # (1, count of non-zeros): unresolved
+    # A rewrite adds the same computation on another input in front: the next run numbers its dim first.
+    second = gs.import_onnx(make_model(count_nonzero("x2", "z"), [helper.make_tensor_value_info("x2", TensorProto.FLOAT, [7])],
+                                       [helper.make_tensor_value_info("z_sum", TensorProto.FLOAT, [])]))
+    graph.inputs.insert(0, second.inputs[0])
+    graph.outputs.insert(0, second.outputs[0])
+    graph.nodes[:0] = second.nodes
+    infer_shapes(model)
+    z = graph.tensors()["z"]
+    assert isinstance(z.shape[1], str) and z.shape[1] != y.shape[1]
