@@ -34,8 +34,6 @@ import time
 from collections import Counter
 from pathlib import Path
 
-import numpy as np
-
 from models import EXPORT_VARIANTS as VARIANTS
 
 COLUMNS = [
@@ -155,10 +153,12 @@ def present_sites(built) -> dict[str, int]:
 
 def fused_sites(model, report) -> tuple[dict[str, int], dict[str, dict[str, int]]]:
     """(fused counts, refusals by pass: {reason: count}) from the optimized model and its report."""
+    from onnxopt.pattern import is_zero_constant
+
     ops = Counter(n.op for n in model.graph.nodes)
     # fuse-bias-layer-norm runs a plain LayerNorm on the SkipLayerNorm kernel with a zero skip:
     # a LayerNorm site, not a SkipLayerNorm one.
-    zero_skip = sum(1 for n in model.graph.nodes if n.op == "SkipLayerNormalization" and _is_zero_constant(n.inputs[1]))
+    zero_skip = sum(1 for n in model.graph.nodes if n.op == "SkipLayerNormalization" and is_zero_constant(n.inputs[1]))
     by_pass = {p.name: p.result for p in report.passes}
     attention = by_pass.get("fuse-attention")
     fused = {
@@ -179,12 +179,6 @@ def fused_sites(model, report) -> tuple[dict[str, int], dict[str, dict[str, int]
         if counts:
             refusals.setdefault(p.name, Counter()).update(counts)
     return fused, {k: dict(v) for k, v in refusals.items()}
-
-
-def _is_zero_constant(t) -> bool:
-    from onnxopt.pattern import constant_value, is_constant
-
-    return is_constant(t) and not np.any(constant_value(t))
 
 
 def kernel_refused(refusals: dict) -> int:

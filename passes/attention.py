@@ -60,7 +60,7 @@ import onnx_graphsurgeon as gs
 from onnxopt.errors import PassOptionError
 from onnxopt.model import Model
 from onnxopt.pass_infra import SHAPES_INFERRED, OrtFusion, PassResult
-from onnxopt.pattern import Const, Match, Maybe, OneOf, OpBuilder, Pattern, Var, constant_shape, constant_value, is_constant
+from onnxopt.pattern import Const, Match, Maybe, OneOf, OpBuilder, Pattern, Var, constant_shape, constant_value, is_constant, is_zero_constant
 from onnxopt.pattern import op as std_op
 from onnxopt.pattern import replace
 from onnxopt.pattern.dims import Dim, Dims, same, text
@@ -370,7 +370,7 @@ def _constant_mask_value(t: gs.Tensor, depth: int = 0) -> np.ndarray | None:
 
 def _trilu_mask_is_causal(m: Match, dims: Dims, seq: set) -> bool:
     trilu = m.node("trilu")
-    if len(trilu.inputs) > 1 and trilu.inputs[1].name and not _is_zero(trilu.inputs[1]):
+    if len(trilu.inputs) > 1 and trilu.inputs[1].name and not is_zero_constant(trilu.inputs[1]):
         return False  # a diagonal offset
     one, hidden = constant_value(m["one"]), constant_value(m["hidden"])
     if one.size != 1 or one.reshape(-1)[0] == 0 or np.any(hidden > HIDDEN):
@@ -459,13 +459,7 @@ def fused_nodes(m: Match, site: Site, layout: str = "packed") -> list[gs.Node]:
         attrs["scale"] = float(site.scale)
     if site.causal:
         attrs["unidirectional"] = 1
-    # The output's shape is the query's leading dims: the exporter's value_info can name a dim of
-    # it after an unrelated tensor (TorchScript SDXL: 'unk__284' for 12 and 48 tokens), and ORT
-    # plans buffer reuse on declared shapes.
-    query_source = m.node("q_split").inputs[0] if site.cross else x
-    out = gs.Variable(f"{name}/attention_out", dtype=m.output.dtype,
-                      shape=[*_leading(query_source), n * h] if query_source.shape is not None else None)
-    m.output.shape = out.shape  # replace() keeps the match's output tensor (its name, its readers)
+    out = gs.Variable(f"{name}/attention_out", dtype=m.output.dtype, shape=m.output.shape)
 
     if layout == "split" and (site.cross or all(b is None for b in biases.values())):
         roles = "kv" if site.cross else "qkv"
@@ -663,6 +657,3 @@ def _times(a: Dim | None, b: Dim | None) -> Dim | None:
     return None if a is None or b is None else a * b
 
 
-def _is_zero(t: gs.Tensor) -> bool:
-    value = constant_value(t) if is_constant(t) else None
-    return value is not None and not np.any(value)

@@ -621,7 +621,7 @@ class _Conversion:
             self.stats.casts_retargeted += 1
         else:
             value = constant_node_value(original)
-            array = read_uncached(value._values) if isinstance(value, gs.Constant) else np.asarray(value)
+            array = read_uncached(value)
             for key in ("value_float", "value_floats"):
                 node.attrs.pop(key, None)
             node.attrs["value"] = gs.Constant(f"{label}__value", self.low.convert(array, mask=label in self.masks))
@@ -648,7 +648,7 @@ class _Conversion:
             self.stats.masks_clamped.add(where.name)
         else:
             value = constant_node_value(where)
-            array = read_uncached(value._values) if isinstance(value, gs.Constant) else np.asarray(value)
+            array = read_uncached(value)
             for key in ("value_float", "value_floats"):
                 where.attrs.pop(key, None)
             where.attrs["value"] = gs.Constant(f"{where.outputs[0].name}__value", clamp(array))

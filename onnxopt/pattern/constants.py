@@ -53,6 +53,12 @@ def constant_shape(tensor: gs.Tensor) -> tuple[int, ...] | None:
     return np.shape(payload[1])
 
 
+def is_zero_constant(tensor: gs.Tensor | None) -> bool:
+    """True for a constant whose every value is zero (loads it)."""
+    value = constant_value(tensor) if is_constant(tensor) else None
+    return value is not None and not np.any(value)
+
+
 def constant_value(tensor: gs.Tensor) -> np.ndarray | None:
     """The numpy value of a constant tensor (loads it); None if the tensor is not constant."""
     if isinstance(tensor, gs.Constant):
