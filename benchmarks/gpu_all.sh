@@ -2,7 +2,9 @@
 # Every GPU measurement the open issues ask for, as resumable steps that each fit one 10-minute
 # call of the device machine (onnxruntime-gpu installed in /tmp/site, ORT's optimizer's numpy 1.26
 # in /tmp/np1; see DEVELOPERS notes in README). Usage: bash benchmarks/gpu_all.sh STEP [OUT]
-#   fusion      issue 3: raw fp16 / ORT optimizer / onnxopt on TS-dynamic, TS-static, dynamo exports
+#   fusion      issue 3: raw fp16 / ORT optimizer / onnxopt on TS-dynamic, TS-static, dynamo exports,
+#               and one more onnxopt variant ($FUSION_EXTRA, unet_gpu's --extra; default: session 3's
+#               packed-KV cross-attention)
 #   ablation-ts issue 6: onnxopt bench --ablation on the TS-dynamic export (+ ORT optimizer), and diff
 #   ablation-dy issue 6: the same on the dynamo export
 #   context-kv  issue 5: per-step latency with and without context-KV extraction
@@ -35,7 +37,8 @@ ablation() {  # $1: export variant
 case $step in
   fusion)
     python3 -m benchmarks.unet_gpu --work $work --variants ts-dynamic,ts-static,dynamo-dynamic --budget 520 \
-      --extra without-new:-fuse-parallel-gemm,-fuse-bias-layer-norm --out "$out/fusion" 2>&1 | grep -v "^\[.*\] \.\.\.$" | tail -40 ;;
+      --extra "${FUSION_EXTRA:-packed-kv:fuse-attention.cross_layout=packed}" --out "$out/fusion" 2>&1 \
+      | grep -v "^\[.*\] \.\.\.$" | tail -40 ;;
   ablation-ts) ablation ts-dynamic ;;
   ablation-dy) ablation dynamo-dynamic ;;
   context-kv)

@@ -12,7 +12,12 @@ something else shows at once.
 Cases: ``conv`` (every 3x3 conv shape of the UNet, with its achieved TFLOP/s), ``upsample``
 (nearest 2x Resize + 3x3 conv against the sub-pixel form), ``layernorm`` (proj_in bias + LayerNorm
 against SkipLayerNormalization with a zero skip), ``temb`` (the 22 time-embedding Gemms against one
-merged Gemm + Split), ``attention`` (MultiHeadAttention layouts and the sdpa_kernel backends).
+merged Gemm + Split), ``attention`` (MultiHeadAttention layouts and the sdpa_kernel backends),
+``cross`` (cross-attention: packed KV against K and V apart, per backend), ``crosskv`` (the 16
+cross-attention K/V projections against one MatMul + Split), ``im2col``, ``splitk`` and
+``tapgemm`` (3x3 convs rewritten as GEMMs), ``thin`` (conv_in/conv_out channel padding),
+``convopts`` (the conv shapes under CUDA EP settings: fuse_conv_bias, the algo search).
+Results: benchmarks/results/h100-2026-11-22-session3/micro.md and .../session4/micro.md.
 """
 
 from __future__ import annotations
@@ -126,6 +131,62 @@ def case_conv_im2col():
     return out
 
 
+def conv3x3_tap_gemm(cin, cout, h, w, stride, weights, taps_per_slice=1):
+    """The same conv as a split-K GEMM over the kernel taps: Pad, one Gather of the shifted images
+    (B, 9/t, OH*OW, t*C), a batched MatMul with the (9/t, t*C, Cout) weight, then ReduceSum over the
+    slices. Each slice is its own GEMM in one launch, so a small-grid conv fills every SM."""
+    oh, ow = (h + stride - 1) // stride, (w + stride - 1) // stride
+    slices = 9 // taps_per_slice
+    ky, kx = np.divmod(np.arange(9), 3)
+    pix_y = (np.arange(oh) * stride)[None, :, None] + ky[:, None, None]          # (9, oh, 1)
+    pix_x = (np.arange(ow) * stride)[None, None, :] + kx[:, None, None]          # (9, 1, ow)
+    index = (pix_y * (w + 2) + pix_x).reshape(9, oh * ow)                        # (9, oh*ow) into the padded grid
+    index = index.reshape(slices, taps_per_slice, oh * ow).transpose(0, 2, 1).astype(np.int64)  # (s, P, t)
+
+    def build(i, x):
+        wt, b = weights(i)
+        w_taps = wt.transpose(1, 2, 3, 0).reshape(slices, taps_per_slice * cin, cout)  # (s, t*C, Cout)
+        nodes = [helper.make_node("Pad", [x, "pads"], [f"p{i}"]),
+                 helper.make_node("Reshape", [f"p{i}", "flat"], [f"f{i}"]),
+                 helper.make_node("Gather", [f"f{i}", "taps"], [f"g{i}"], axis=1),       # (B, s, P, t, C)
+                 helper.make_node("Reshape", [f"g{i}", "slices"], [f"c{i}"]),            # (B, s, P, t*C)
+                 helper.make_node("MatMul", [f"c{i}", f"w{i}"], [f"m{i}"]),             # (B, s, P, Cout)
+                 helper.make_node("ReduceSum", [f"m{i}", "slice_axis"], [f"r{i}"], keepdims=0),
+                 helper.make_node("Add", [f"r{i}", f"b{i}"], [f"a{i}"]),
+                 helper.make_node("Reshape", [f"a{i}", "out"], [f"y{i}"])]
+        inits = [_const(f"w{i}", np.ascontiguousarray(w_taps)), _const(f"b{i}", b)]
+        if i == 0:
+            inits += [_const("pads", np.array([0, 1, 1, 0, 0, 1, 1, 0], np.int64)),
+                      _const("flat", np.array([2, (h + 2) * (w + 2), cin], np.int64)), _const("taps", index),
+                      _const("slices", np.array([2, slices, oh * ow, taps_per_slice * cin], np.int64)),
+                      _const("slice_axis", np.array([1], np.int64)),
+                      _const("out", np.array([2, oh, ow, cout], np.int64))]
+        return nodes, inits, f"y{i}", [2, oh, ow, cout]
+    return copies(build, [2, h, w, cin])
+
+
+TAP_GEMM_SHAPES = [(1280, 1280, 8, 8, 1, 11), (2560, 1280, 8, 8, 1, 3), (1280, 1280, 16, 16, 2, 1),
+                   (640, 640, 32, 32, 2, 1), (320, 320, 64, 64, 2, 1), (1280, 1280, 16, 16, 1, 6),
+                   (640, 1280, 16, 16, 1, 1), (2560, 1280, 16, 16, 1, 2), (640, 640, 32, 32, 1, 6)]
+
+
+def case_tap_gemm():
+    out = []
+    for cin, cout, h, w, s, count in TAP_GEMM_SHAPES:
+        state = RNG.bit_generator.state
+        direct = conv3x3(cin, cout, h, w, s)
+        RNG.bit_generator.state = state
+        weights = [(_weight((cout, 3, 3, cin), 9 * cin), _weight((cout,), 1)) for _ in range(COPIES)]
+        flops = 2 * 2 * (h // s) * (w // s) * cout * cin * 9
+        variants = {"NhwcConv": direct}
+        for t in (1, 3):
+            variants[f"tap GEMM split-K {9 // t}: Gather + MatMul + ReduceSum"] = conv3x3_tap_gemm(
+                cin, cout, h, w, s, lambda i: weights[i], taps_per_slice=t)
+        out.append({"name": f"conv3x3 {cin}->{cout} @{h}x{w} s{s} (x{count})", "flops": flops, "count": count,
+                    "variants": variants})
+    return out
+
+
 def case_thin_conv():
     """conv_in (4 channels in) and conv_out (4 out): cuDNN runs them at ~10 TFLOP/s; zero-padded channels?"""
     w_in, b_in = _weight((320, 3, 3, 4), 36), _weight((320,), 1)
@@ -201,6 +262,18 @@ def case_conv():
         flops = 2 * 2 * (h // s) * (w // s) * cout * cin * 9
         out.append({"name": f"conv3x3 {cin}->{cout} @{h}x{w} s{s} (x{count})", "flops": flops, "count": count,
                     "variants": {"NhwcConv": conv3x3(cin, cout, h, w, s)}})
+    return out
+
+
+def case_conv_options():
+    """The conv shapes under CUDA EP settings: fuse_conv_bias=1 builds each conv as a cuDNN frontend
+    graph (conv + bias), which has other engines than the legacy cudnnFind path; also the search modes."""
+    out = []
+    for cin, cout, h, w, s, count in CONV_SHAPES:
+        flops = 2 * 2 * (h // s) * (w // s) * cout * cin * 9
+        out.append({"name": f"conv3x3 {cin}->{cout} @{h}x{w} s{s} (x{count})", "flops": flops, "count": count,
+                    "variants": {"NhwcConv": conv3x3(cin, cout, h, w, s)}, "compare_within_variant": True,
+                    "option_sets": [{}, {"fuse_conv_bias": "1"}, {"cudnn_conv_algo_search": "HEURISTIC"}]})
     return out
 
 
@@ -343,6 +416,31 @@ def case_temb():
                           "1 Gemm transB + Split": merged_t, "1 MatMul + Add + Split": merged_m}}]
 
 
+CROSS_KV_WIDTHS = [320] * 5 + [640] * 5 + [1280] * 6  # the 16 cross-attentions of SD1.5, by level
+
+
+def case_cross_kv():
+    """The 16 cross-attention K/V projections all read encoder_hidden_states: 16 MatMuls against one
+    MatMul with the concatenated weights and a Split (packed KV per block, or K and V apart)."""
+    ws = [_weight((768, 2 * c), 768) for c in CROSS_KV_WIDTHS]
+    outs = [_io(f"y{i}", [2, 77, 2 * c]) for i, c in enumerate(CROSS_KV_WIDTHS)]
+    ctx = [_io("x", [2, 77, 768])]
+    separate = _model([helper.make_node("MatMul", ["x", f"w{i}"], [f"y{i}"]) for i in range(len(ws))], ctx, outs,
+                      [_const(f"w{i}", w) for i, w in enumerate(ws)])
+    merged = _model([helper.make_node("MatMul", ["x", "w"], ["all"]),
+                     helper.make_node("Split", ["all", "split"], [f"y{i}" for i in range(len(ws))], axis=2)], ctx, outs,
+                    [_const("w", np.concatenate(ws, axis=1)),
+                     _const("split", np.array([2 * c for c in CROSS_KV_WIDTHS], np.int64))])
+    kv_outs = [_io(f"{kv}{i}", [2, 77, c]) for i, c in enumerate(CROSS_KV_WIDTHS) for kv in "kv"]
+    apart = _model([helper.make_node("MatMul", ["x", "w"], ["all"]),
+                    helper.make_node("Split", ["all", "split"], [o.name for o in kv_outs], axis=2)], ctx, kv_outs,
+                   [_const("w", np.concatenate(ws, axis=1)),
+                    _const("split", np.array([c for c in CROSS_KV_WIDTHS for _ in "kv"], np.int64))])
+    return [{"name": "cross-attention K/V projections (16 blocks)", "count": 1, "per_model": True,
+             "variants": {"16 MatMul": separate, "1 MatMul + Split(16)": merged, "1 MatMul + Split(32, K and V apart)": apart},
+             "no_compare": True}]
+
+
 # ----------------------------------------------------------------------------------------- attention
 
 def case_attention():
@@ -384,12 +482,13 @@ def case_cross_attention():
                     [_const("two", np.array([c, c], np.int64))] if i == 0 else [], f"y{i}", [2, s, c])
 
         out.append({"name": f"cross-attention S={s} L=77 heads={heads} d={hd}", "count": 5, "compare_within_variant": True,
+                    "sdpa_kernels": ["", "1", "2", "16"],
                     "variants": {"packed KV": copies(packed, [2, s, c], extra_inputs=[ctx]),
                                  "Split + separate K,V": copies(split, [2, s, c], extra_inputs=[ctx])}})
     return out
 
 
-CASES = {"conv": case_conv, "thin": case_thin_conv, "splitk": case_split_k, "im2col": case_conv_im2col, "cross": case_cross_attention, "upsample": case_upsample, "layernorm": case_layernorm, "temb": case_temb,
+CASES = {"conv": case_conv, "thin": case_thin_conv, "splitk": case_split_k, "im2col": case_conv_im2col, "tapgemm": case_tap_gemm, "convopts": case_conv_options, "crosskv": case_cross_kv, "cross": case_cross_attention, "upsample": case_upsample, "layernorm": case_layernorm, "temb": case_temb,
          "attention": case_attention}
 
 
@@ -421,12 +520,12 @@ def main(argv=None) -> int:
                      for i in first.graph.input}
             row = {"case": case["name"], "variants": {}}
             references: dict = {}
-            for kernels in case.get("sdpa_kernels", [""]):
-                options = {"sdpa_kernel": kernels} if kernels else None
+            option_sets = case.get("option_sets") or [{"sdpa_kernel": k} if k else {} for k in case.get("sdpa_kernels", [""])]
+            for options in option_sets:
                 for label, model in case["variants"].items():
-                    key = label + (f" [sdpa_kernel={kernels}]" if kernels else "")
+                    key = label + (" [" + ",".join(f"{k}={v}" for k, v in options.items()) + "]" if options else "")
                     try:
-                        ms, outputs = time_model(model, feeds, options)
+                        ms, outputs = time_model(model, feeds, options or None)
                     except Exception as exc:  # one failing variant must not hide the others
                         row["variants"][key] = {"error": str(exc).splitlines()[0][:200]}
                         print(f"{case['name']:55s} {key:50s} failed: {str(exc).splitlines()[0][:120]}", flush=True)
@@ -434,7 +533,7 @@ def main(argv=None) -> int:
                     per = ms if case.get("per_model") else ms / COPIES
                     diff = None
                     reference = references.setdefault(label if case.get("compare_within_variant") else "", outputs)
-                    if reference is not outputs:
+                    if reference is not outputs and not case.get("no_compare"):
                         diff = max(float(np.max(np.abs(outputs[k].astype(np.float32) - reference[k].astype(np.float32)))) for k in reference)
                     entry = {"ms": per, "max_abs_vs_first": diff}
                     if case.get("flops"):

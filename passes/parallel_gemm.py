@@ -5,6 +5,7 @@
        └─ Add(MatMul(x, W3), b3) ─────── y3
                          ==>
     x ─ Gemm(x, W, b, transB=t) ─ Split(axis=-1, sizes=[N1, N2, N3]) ─ y1, y2, y3
+    (x N-D: MatMul(x, W) [+ Add(b)] in place of the Gemm, W (K, ΣN))
 
     W = [W1 | W2 | W3] along the output (N) axis, every member in one layout:
         t=1: W (ΣN, K), rows W1, W2ᵀ, W3ᵀ;   t=0: W (K, ΣN), columns W1ᵀ, W2, W3
@@ -27,8 +28,17 @@ Members (each a Linear reading x; a *site* is a Linear whose input another Linea
 * ``MatMul(x, W)``: the same without a bias (also where the Add's constant is not one value per
   output column: that Add then stays, after the Split).
 
-MatMuls of a 3-D (or unknown-rank) input are not sites: attention's Q/K/V and the
-cross-attentions' K/V share inputs, and packing those belongs to fuse-attention and context-kv.
+MatMuls of a 3-D (or unknown-rank) input are sites only when cross-attention alone reads their
+product, as MultiHeadAttention's key or value, with a query not projected from the same tensor:
+the K and V projections of the text context (``encoder_hidden_states``, 77 tokens), which every
+transformer block reads. fuse-attention writes them apart (its ``cross_layout="separate"``) and
+this pass computes all of them (32 in SD 1.5) with one MatMul and a Split, so MultiHeadAttention
+reads K and V in place, without unpacking: on an H100 the full SD 1.5 UNet went from 6.48 to
+6.41 ms (CUDA graph; benchmarks/probe_gpu.sh), the 16 MatMuls from 92 to 71 us
+(benchmarks/micro_gpu.py ``crosskv``). Other N-D MatMuls are not sites: self-attention's Q/K/V
+read thousands of image tokens, and a Split copying their product costs more than the launches
+it saves (fuse-attention ``layout="split"``: 6.55 against 6.49 ms); packing those is
+fuse-attention's job.
 
 Conditions: the members of a group read the same tensor x, with one dtype and one K; a member
 failing a condition above is refused with the reason and left as it was; a group left with one
@@ -66,22 +76,42 @@ from onnxopt.registry import register_pass
 from onnxopt.weights import DerivedValues, read_uncached
 
 
-def _is_2d(tensor: gs.Tensor) -> bool:
-    return rank_of(tensor) == 2
-
-
 def gemm(x, w, c=Var("c", optional=True)):
     return op.Gemm(x, w, c, alpha=Var("alpha"), beta=Var("beta"), transA=Var("transA"), transB=Var("transB"), _name="linear")
 
 
-def matmul_bias(x=Var("x", check=_is_2d), w=Var("w"), c=Const()):
+def matmul_bias(x, w, c=Const()):
     return op.Add(op.MatMul(x, w, _name="linear", _outputs=["product"]), c, _name="bias")
 
 
-def matmul(x=Var("x", check=_is_2d), w=Var("w")):
+def matmul(x, w):
     return op.MatMul(x, w, _name="linear")
 
 
+def _is_site_input(x: gs.Tensor, output: gs.Tensor) -> bool:
+    """A MatMul is a site for a 2-D input, or for an N-D one whose product only cross-attention
+    reads, as key or value: the K/V projections of a short text context."""
+    return rank_of(x) == 2 or _only_cross_attention_kv_reads(output, x)
+
+
+def _only_cross_attention_kv_reads(tensor: gs.Tensor, x: gs.Tensor) -> bool:
+    """Every reader is a MultiHeadAttention taking ``tensor`` as key or value, whose query is not
+    projected from ``x`` too (that would be self-attention over the image tokens: thousands of
+    rows, where the Split's copy costs more than the launches it saves)."""
+    readers = list(tensor.outputs)
+    return bool(readers) and all(
+        node.op in ATTENTION_OPS and node.domain == "com.microsoft"
+        and all(i in (1, 2) for i, t in enumerate(node.inputs) if t is tensor)
+        and not _projected_from(node.inputs[0], x)
+        for node in readers)
+
+
+def _projected_from(query: gs.Tensor, x: gs.Tensor) -> bool:
+    """The query is computed by a node reading x (self-attention's Q MatMul)."""
+    return any(t is x for producer in query.inputs for t in producer.inputs)
+
+
+ATTENTION_OPS = frozenset({"MultiHeadAttention"})
 LINEAR = Pattern(gemm, matmul_bias, name="linear")  # roots Gemm and Add
 BARE_MATMUL = Pattern(matmul, name="matmul")  # MatMuls no biased match took
 
@@ -115,7 +145,8 @@ class Linear:
 @register_pass
 class FuseParallelGemm(Pass):
     name = "fuse-parallel-gemm"
-    description = "Linears (Gemm, MatMul[+Add]) that read one 2-D tensor -> one Gemm with concatenated weights + Split"
+    description = ("Linears (Gemm, MatMul[+Add]) that read one 2-D tensor, or cross-attention K/V projections of one "
+                   "context -> one Gemm/MatMul with concatenated weights + Split")
     requires = frozenset({SHAPES_INFERRED})
     preserves = frozenset({SHAPES_INFERRED, CONSTANTS_FOLDED})
     is_fusion = True
@@ -157,7 +188,8 @@ class FuseParallelGemm(Pass):
         result.sites_rewritten = members
         result.details.update(groups=groups, members=members, from_matmul=from_matmul)
         if not result.sites_matched:
-            result.nothing_to_do = "no two Linears (Gemm, or MatMul of a 2-D input) read the same tensor"
+            result.nothing_to_do = ("no two Linears (Gemm, MatMul of a 2-D input, or a cross-attention K/V projection) "
+                                    "read the same tensor")
         result.modified = groups > 0
         if result.modified:
             graph.cleanup(remove_unused_graph_inputs=False).toposort()
@@ -170,17 +202,19 @@ def _linears(graph: gs.Graph) -> list[Linear]:
     taken: set[int] = set()
     for match in LINEAR.find(graph):
         node = match.node("linear")
-        taken.add(id(node))
         if node.op == "Gemm":
+            taken.add(id(node))
             linears.append(Linear(node, [node], match["x"], match["w"], match.get("c"), int(match.attrs["transB"]),
                                   match.output, dict(match.attrs)))
-        elif _per_column(match["c"], match["w"]):
+        elif _per_column(match["c"], match["w"]) and _is_site_input(match["x"], match.output):
+            taken.add(id(node))
             linears.append(Linear(node, [node, match.node("bias")], match["x"], match["w"], match["c"], 0, match.output, {}))
-        else:  # the Add's constant is not a bias: the MatMul alone is the member, the Add stays
+        elif _is_site_input(match["x"], match["product"]):  # the Add's constant is not a bias: the MatMul alone is the member
+            taken.add(id(node))
             linears.append(Linear(node, [node], match["x"], match["w"], None, 0, match["product"], {}))
     for match in BARE_MATMUL.find(graph):
         node = match.node("linear")
-        if id(node) not in taken:
+        if id(node) not in taken and _is_site_input(match["x"], match.output):
             linears.append(Linear(node, [node], match["x"], match["w"], None, 0, match.output, {}))
     return linears
 
@@ -219,21 +253,31 @@ def _refusal(linear: Linear) -> str | None:
 
 
 def _merge(graph: gs.Graph, group: list[Linear], name: str) -> None:
-    """One Gemm computes every member's columns; a Split hands each member its output tensor."""
+    """One Gemm (MatMul [+ Add] for an N-D input) computes every member's columns; a Split hands
+    each member its output tensor."""
     x = group[0].x
     sizes = [m.n for m in group]
-    trans_b = 1 if 2 * sum(m.trans_b for m in group) >= len(group) else 0
+    two_d = rank_of(x) == 2
+    trans_b = 1 if two_d and 2 * sum(m.trans_b for m in group) >= len(group) else 0  # MatMul: (K, N) only
     dtype = _dtype(group[0].w)
-    inputs = [x, gs.Constant(f"{name}.weight", _concatenated_weight(group, trans_b, f"{name}.weight"))]
+    weight = gs.Constant(f"{name}.weight", _concatenated_weight(group, trans_b, f"{name}.weight"))
+    bias = None
     if any(m.bias is not None for m in group):
-        inputs.append(gs.Constant(f"{name}.bias", _concatenated_bias(group, dtype, f"{name}.bias")))
-    rows = x.shape[0] if x.shape is not None and len(x.shape) == 2 else None
-    merged = gs.Variable(f"{name}.out", dtype=x.dtype, shape=[rows, sum(sizes)] if x.shape is not None else None)
+        bias = gs.Constant(f"{name}.bias", _concatenated_bias(group, dtype, f"{name}.bias"))
+    leading = list(x.shape[:-1]) if x.shape is not None else None
+    merged = gs.Variable(f"{name}.out", dtype=x.dtype, shape=[*leading, sum(sizes)] if leading is not None else None)
     outputs = [m.output for m in group]
     for member in group:
         for node in member.nodes:
             detach(node)  # its output is handed to the Split below; cleanup drops the node and its weight
-    graph.nodes.append(gs.Node("Gemm", name, attrs={"transB": trans_b}, inputs=inputs, outputs=[merged]))
+    if two_d:
+        graph.nodes.append(gs.Node("Gemm", name, attrs={"transB": trans_b}, inputs=[x, weight, *([bias] if bias else [])],
+                                   outputs=[merged]))
+    else:
+        product = gs.Variable(f"{name}.product", dtype=x.dtype, shape=merged.shape) if bias else merged
+        graph.nodes.append(gs.Node("MatMul", name, inputs=[x, weight], outputs=[product]))
+        if bias:
+            graph.nodes.append(gs.Node("Add", f"{name}__bias", inputs=[product, bias], outputs=[merged]))
     sizes_constant = gs.Constant(f"{name}.split_sizes", np.array(sizes, dtype=np.int64))
     graph.nodes.append(gs.Node("Split", f"{name}__split", attrs={"axis": -1}, inputs=[merged, sizes_constant], outputs=outputs))
 

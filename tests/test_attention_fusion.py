@@ -138,22 +138,37 @@ def test_vae_attention_keeps_its_q_k_v_biases(export_tiny):
 
 
 @pytest.mark.models
-def test_unet_self_attention_packs_qkv_and_cross_attention_packs_kv_per_torch_module(export_tiny):
+@pytest.mark.parametrize("cross_layout", ["separate", "packed"])
+def test_unet_self_attention_packs_qkv_and_cross_attention_reads_kv_per_torch_module(export_tiny, cross_layout):
+    """Self-attention: packed QKV (B, S, N, 3, H). Cross-attention: by default K and V each a
+    MatMul of encoder_hidden_states, (B, L, N*H) (fuse-parallel-gemm merges them across blocks);
+    with cross_layout="packed" one packed KV (B, L, N, 2, H)."""
     exported = export_tiny("unet-sd15", *DYNAMO_DYNAMIC)
-    model, _ = optimize(exported.path, ["cleanup", "fuse-attention"])
+    model, _ = optimize(exported.path, ["cleanup", "fuse-attention"], options={"fuse-attention": {"cross_layout": cross_layout}})
     found = []
     for node in fused_nodes(model):
-        inputs = [t for t in node.inputs if t.name]  # packed QKV: the query only; cross: query, packed KV
-        reshape = inputs[-1].inputs[0]
-        assert node.op == "MultiHeadAttention" and reshape.op == "Reshape"
+        assert node.op == "MultiHeadAttention"
         assert "scale" not in node.attrs  # diffusers' scale is MHA's default 1/sqrt(head_dim)
-        found.append([int(v) for v in reshape.inputs[1].values])
-        assert found[-1][2] == node.attrs["num_heads"]
+        inputs = [t for t in node.inputs if t.name]  # packed QKV: the query only; cross: query, K and V or packed KV
+        if len(inputs) == 3:  # cross-attention, K and V apart
+            k, v = inputs[1:]
+            assert [k.inputs[0].op, v.inputs[0].op] == ["MatMul", "MatMul"]
+            assert k.inputs[0].inputs[0].name == v.inputs[0].inputs[0].name == "encoder_hidden_states"
+            found.append([2, node.attrs["num_heads"], k.inputs[0].inputs[1].shape[-1] // node.attrs["num_heads"]])
+            continue
+        reshape = inputs[-1].inputs[0]
+        assert reshape.op == "Reshape"
+        shape = [int(v) for v in reshape.inputs[1].values]
+        assert shape[:3] == [0, 0, node.attrs["num_heads"]]
+        found.append([shape[3], shape[2], shape[4]])
     expected = [
-        [0, 0, attn.heads, 2 if attn.is_cross_attention else 3, attn.to_q.out_features // attn.heads]
+        [2 if attn.is_cross_attention else 3, attn.heads, attn.to_q.out_features // attn.heads]
         for attn in torch_attention_modules(exported.built.module)
     ]
     assert sorted(found) == sorted(expected)
+    cross = sum(attn.is_cross_attention for attn in torch_attention_modules(exported.built.module))
+    apart = sum(len([t for t in n.inputs if t.name]) == 3 for n in fused_nodes(model))
+    assert apart == (cross if cross_layout == "separate" else 0)
 
 
 def torch_attention_modules(module) -> list:
@@ -292,13 +307,20 @@ def test_self_attention_with_biases_becomes_attention_with_every_bias():
     assert_same_computation(model, fused, atol=1e-5, rtol=1e-4)
 
 
-def test_cross_attention_with_kv_biases_adds_them_to_the_packed_kv():
+@pytest.mark.parametrize("cross_layout", ["separate", "packed"])
+def test_cross_attention_keeps_its_kv_biases(cross_layout):
+    """K and V apart (the default): each projection keeps its bias Add; packed: one Add of the
+    packed bias before the (B, L, N, 2, H) Reshape."""
     model = attention_model(cross=True, biases=True)
-    fused, result = fuse(model)
-    assert result.details["cross"] == 1
+    fused, report = optimize(model, ["fuse-attention"], options={"fuse-attention": {"cross_layout": cross_layout}})
+    assert fusion_result(report).details["cross"] == 1
     (mha,) = fused_nodes(fused)
     assert mha.inputs[0].inputs[0].op == "Add"  # the query keeps its projection and bias
-    assert mha.inputs[1].inputs[0].op == "Reshape" and mha.inputs[1].inputs[0].inputs[0].inputs[0].op == "Add"
+    if cross_layout == "packed":
+        assert mha.inputs[1].inputs[0].op == "Reshape" and mha.inputs[1].inputs[0].inputs[0].inputs[0].op == "Add"
+    else:
+        assert [t.inputs[0].op for t in mha.inputs[1:3]] == ["Add", "Add"]
+        assert [t.inputs[0].inputs[0].inputs[0].op for t in mha.inputs[1:3]] == ["MatMul", "MatMul"]
     assert_same_computation(model, fused, atol=1e-5, rtol=1e-4)
 
 
@@ -472,7 +494,7 @@ def test_unpacked_layouts_hand_mha_q_k_v_and_compute_the_same(name, layout):
     from tests.conftest import FIXTURES
 
     path = FIXTURES / name
-    model, report = optimize(path, ["cleanup", "fuse-attention"], options={"fuse-attention": {"layout": layout}})
+    model, report = optimize(path, ["cleanup", "fuse-attention"], options={"fuse-attention": {"layout": layout, "cross_layout": layout}})
     result = fusion_result(report)
     assert result.refused == [] and result.sites_rewritten == 8
     mha = [n for n in fused_nodes(model) if n.op == "MultiHeadAttention"]

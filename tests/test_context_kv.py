@@ -2,7 +2,8 @@
 
 On real tiny exports (``@pytest.mark.models``): for every UNet family and ControlNet, every export
 variant, before fusion (plain K and V) and after fuse-attention (packed KV, run on onnxopt's
-reference kernels), running the context graph and then the denoiser computes what the export
+reference kernels; split K and V; and the ort-cuda default: separate K and V projections that
+fuse-parallel-gemm computes in one MatMul), running the context graph and then the denoiser computes what the export
 computes; the report lists exactly the torch model's cross-attention modules, each with the input
 it now reads. A default set covers every exporter form; the rest is marked ``slow``.
 
@@ -26,10 +27,11 @@ from onnxopt.verify import InputSpec, assert_same_computation, random_feeds
 from tests.conftest import EXPORT_VARIANTS, FIXTURES
 
 FAMILIES = ["unet-sd15", "unet-sd21", "unet-sdxl", "controlnet"]
-STAGES = {  # stage -> (passes, fuse-attention's layout; None: not fused)
+STAGES = {  # stage -> (passes, fuse-attention's cross-attention layout; None: not fused)
     "plain": (["cleanup", "context-kv"], None),
     "packed": (["cleanup", "fuse-attention", "context-kv"], "packed"),
     "split": (["cleanup", "fuse-attention", "context-kv"], "split"),
+    "separate": (["cleanup", "fuse-attention", "fuse-parallel-gemm", "context-kv"], "separate"),  # the ort-cuda default
 }
 CONTEXT = "encoder_hidden_states"
 TS_DYNAMIC = ("torchscript", "dynamic", "sdpa")
@@ -37,7 +39,8 @@ DEFAULT = {  # (family, variant, stage) run by default; every exporter form and 
     ("unet-sd15", TS_DYNAMIC, "plain"), ("unet-sd15", TS_DYNAMIC, "packed"), ("unet-sd15", TS_DYNAMIC, "split"),
     ("unet-sd15", ("torchscript", "static", "sdpa"), "packed"),
     ("unet-sd15", ("dynamo", "dynamic", "sdpa"), "plain"), ("unet-sd15", ("dynamo", "dynamic", "sdpa"), "packed"),
-    ("unet-sd15", ("dynamo", "static", "sdpa"), "split"),
+    ("unet-sd15", ("dynamo", "static", "sdpa"), "split"), ("unet-sd15", TS_DYNAMIC, "separate"),
+    ("unet-sd15", ("dynamo", "dynamic", "sdpa"), "separate"),
     ("unet-sd15", ("torchscript", "dynamic", "classic"), "plain"),
     ("unet-sd21", TS_DYNAMIC, "plain"), ("unet-sdxl", TS_DYNAMIC, "packed"),
     ("controlnet", TS_DYNAMIC, "plain"), ("controlnet", TS_DYNAMIC, "packed"), ("controlnet", TS_DYNAMIC, "split"),
@@ -70,8 +73,8 @@ def context_kv_result(report):
 def assert_split(model, report, source_inputs: list[str], cross_modules: list[str], *, layout: str | None):
     """The split is complete and minimal: one layer per cross-attention module, the denoiser's
     inputs are the source's minus encoder_hidden_states plus one float K/V tensor per module
-    (layout "packed") or two (K and V: fused with layout "split", or not fused: None), and the
-    companion maps encoder_hidden_states to exactly those."""
+    (layout "packed") or two (K and V: fused with layout "split" or "separate", or not fused:
+    None), and the companion maps encoder_hidden_states to exactly those."""
     packed = layout == "packed"
     context, denoiser = context_and_denoiser(model)
     details = context_kv_result(report).details
@@ -88,7 +91,7 @@ def assert_split(model, report, source_inputs: list[str], cross_modules: list[st
     if packed:
         assert all(ops == {"MultiHeadAttention"} for ops in readers.values())
         assert all(len(t.shape) == 5 and t.shape[3] == 2 for t in context.graph.outputs)  # (B, L, N, 2, H)
-    elif layout == "split":
+    elif layout in ("split", "separate"):
         assert all(ops == {"MultiHeadAttention"} for ops in readers.values())
         assert all(len(t.shape) == 3 for t in context.graph.outputs)  # (B, L, N*H) each
     else:
@@ -102,7 +105,7 @@ def assert_split(model, report, source_inputs: list[str], cross_modules: list[st
 def test_context_graph_then_denoiser_equals_the_export_and_lists_the_torch_cross_attention_modules(export_tiny, family, variant, stage):
     exported = export_tiny(family, *variant)
     passes, layout = STAGES[stage]
-    model, report = optimize(exported.path, passes, options={"fuse-attention": {"layout": layout}} if layout else None)
+    model, report = optimize(exported.path, passes, options={"fuse-attention": {"cross_layout": layout}} if layout else None)
     source_inputs = exported.built.input_names
     assert_split(model, report, source_inputs, exported.built.site_modules["attention_cross"], layout=layout)
     assert len(context_kv_result(report).details["layers"]) == exported.sites["attention_cross"]
@@ -118,7 +121,9 @@ def test_context_graph_then_denoiser_equals_the_export_and_lists_the_torch_cross
 def test_fp16_and_nhwc_compose_in_either_order_and_the_handed_over_kv_stays_fp16(passes):
     model, report = optimize(SD15_TS_DYNAMIC, passes.split(","))
     context, denoiser = context_and_denoiser(model)
-    assert_split(model, report, ["sample", "timestep", CONTEXT], TINY_SD15_CROSS, layout="packed")
+    assert_split(model, report, ["sample", "timestep", CONTEXT], TINY_SD15_CROSS, layout="separate")
+    # ort-cuda's fuse-parallel-gemm computes every K and V in one MatMul: it moved to the companion.
+    assert [n.op for n in context.graph.nodes if n.op in ("MatMul", "Split")] == ["MatMul", "Split"]
     interface = {t.name for t in context.graph.outputs}
     assert {np.dtype(t.dtype) for t in context.graph.outputs} == {np.dtype(np.float16)}
     assert {np.dtype(t.dtype) for t in denoiser.graph.inputs if t.name in interface} == {np.dtype(np.float16)}
@@ -141,7 +146,7 @@ def test_kv_weights_move_to_the_context_graph_and_are_not_copied():
     PassManager(registry.expand(["cleanup", "fuse-attention"])).run(model)
     reads_context = [n for n in model.graph.nodes if n.op == "MatMul" and n.inputs[0].name == CONTEXT]
     kv_values = {id(n.inputs[1]._values) for n in reads_context}
-    assert len(kv_values) == 4
+    assert len(kv_values) == 2 * len(TINY_SD15_CROSS)  # K and V apart (the default cross_layout), the exporter's weights
     before = {id(c._values): c for c in model.constants()}
     PassManager(["context-kv"]).run(model)
     context = model.companions["context_kv"]
@@ -252,6 +257,6 @@ def test_gpu_benchmark_builds_the_full_unet_and_the_split_pair_on_cpu(tmp_path, 
     assert "context_path" not in full and (tmp_path / "split_fp16.context_kv.onnx").exists()
     assert split["context_path"] == str(tmp_path / "split_fp16.context_kv.onnx")
     context = onnx.load(split["context_path"])
-    assert [i.name for i in context.graph.input] == [CONTEXT] and len(context.graph.output) == len(TINY_SD15_CROSS)
+    assert [i.name for i in context.graph.input] == [CONTEXT] and len(context.graph.output) == 2 * len(TINY_SD15_CROSS)  # K, V
     table = capsys.readouterr().out
     assert "| denoiser, ort-cuda+context-kv+fp16 | step | failed: not run" in table

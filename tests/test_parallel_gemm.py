@@ -10,8 +10,13 @@ On the tiny SD 1.5 UNet, exported by TorchScript and dynamo with static and dyna
 
 Hand-built graphs: transB=0 and 1 in one group (either majority), members without bias, the
 MatMul(+Add) form, lookalikes that must not merge (different inputs, alpha/beta/transA, a
-computed weight or bias, a C that is not per column, a 3-D MatMul), weights derived lazily and
-saved, and the order the pass manager enforces (after fuse-attention) with the reason for it.
+computed weight or bias, a C that is not per column, a 3-D MatMul), 3-D MatMuls that only
+cross-attention reads as key/value (they merge; self-attention's and a query's do not), weights
+derived lazily and saved, and the order the pass manager enforces (after fuse-attention) with
+the reason for it.
+
+After fuse-attention, on the same exports: every cross-attention's K and V projection of
+encoder_hidden_states comes from one MatMul + Split.
 """
 
 from __future__ import annotations
@@ -142,12 +147,39 @@ def test_running_before_fuse_attention_costs_attention_fusions_so_the_manager_re
 
     right, report = optimize(source, ["fuse-attention", PASS])
     assert step(report, "fuse-attention").sites_rewritten == attentions
-    assert step(report).details["members"] == len(time_emb_projections(exported.built))
+    cross_kv = 2 * exported.sites["attention_cross"]  # fuse-attention's default cross layout: K and V apart
+    assert step(report).details["members"] == len(time_emb_projections(exported.built)) + cross_kv
 
     merged_first, _ = optimize(source, [PASS])
     _, report = optimize(merged_first, ["fuse-attention"])
     assert step(report, "fuse-attention").sites_rewritten < attentions
     assert_same_computation(source, right, atol=1e-4, rtol=1e-3, inputs=exported.input_spec())
+
+
+@pytest.mark.models
+@pytest.mark.parametrize("variant", UNET_VARIANTS)
+def test_after_fuse_attention_every_cross_attention_k_and_v_comes_from_one_matmul(export_tiny, variant):
+    """fuse-attention writes each cross-attention's K and V projection of encoder_hidden_states
+    apart; all of them (2 per cross-attention of the torch model) become one MatMul and a Split
+    whose outputs MultiHeadAttention reads as key and value. Self-attention's packed QKV and the
+    image-token MatMuls stay as they were."""
+    exported, source, _, _ = merged_unet(export_tiny, variant)
+    fused, _ = optimize(source, ["fuse-attention"])
+    model, report = optimize(fused, [PASS])
+    cross, resnets = exported.sites["attention_cross"], exported.sites["resnet"]
+    result = step(report)
+    assert (result.sites_matched, result.sites_rewritten, result.refused) == (resnets + 2 * cross,) * 2 + ([],)
+    assert result.details == {"groups": 2, "members": resnets + 2 * cross, "from_matmul": 2 * cross}
+
+    [matmul] = [n for n in model.graph.nodes if n.op == "MatMul" and [c.op for c in n.outputs[0].outputs] == ["Split"]]
+    assert matmul.inputs[0].name == "encoder_hidden_states"
+    split = matmul.outputs[0].outputs[0]
+    assert len(split.outputs) == 2 * cross
+    readers = [(c.op, list(c.inputs).index(t)) for t in split.outputs for c in t.outputs]
+    assert readers == [("MultiHeadAttention", 1), ("MultiHeadAttention", 2)] * cross
+    assert op_counts(model)["MatMul"] == op_counts(fused)["MatMul"] - 2 * cross + 1
+    assert op_counts(model)["MultiHeadAttention"] == op_counts(fused)["MultiHeadAttention"] == exported.sites["attention"]
+    assert_same_computation(source, model, atol=1e-5, rtol=1e-4, inputs=exported.input_spec())
 
 
 def test_pass_is_registered_for_every_target():
@@ -297,6 +329,70 @@ def test_matmuls_of_a_3d_input_are_not_sites():
     assert (result.sites_matched, result.sites_rewritten) == (0, 0) and not result.modified
     assert "read the same tensor" in result.nothing_to_do
     assert op_counts(model) == Counter({"MatMul": 3})
+
+
+C, HEADS = 4, 2  # attention width and heads of the hand-built cross-attentions
+
+
+def attention_graph(blocks: int = 2, *, self_attention: bool = False, kv_bias: bool = False,
+                    context_as_query: bool = False) -> onnx.ModelProto:
+    """``blocks`` MultiHeadAttentions; each projects K and V of ``ctx`` (B, 5, K) by its own
+    MatMuls [+ bias Add]. The query is an input of its own (cross-attention), MatMul(ctx, Wq)
+    (``self_attention``), or MatMul(ctx, Wk) itself fed as query (``context_as_query``)."""
+    nodes, inits, outputs = [], [], []
+    inputs = [helper.make_tensor_value_info("ctx", F32, ["batch", 5, K])]
+
+    def const(name, value):
+        inits.append(numpy_helper.from_array(np.asarray(value, np.float32), name))
+        return name
+
+    for b in range(blocks):
+        kv = {}
+        for role in "kv":
+            name = f"b{b}.{role}"
+            nodes.append(helper.make_node("MatMul", ["ctx", const(f"{name}.w", weights(K, C))], [f"{name}.p" if kv_bias else name], name=name))
+            if kv_bias:
+                nodes.append(helper.make_node("Add", [f"{name}.p", const(f"{name}.b", weights(C))], [name], name=f"{name}.add"))
+            kv[role] = name
+        if self_attention:
+            query = f"b{b}.q"
+            nodes.append(helper.make_node("MatMul", ["ctx", const(f"{query}.w", weights(K, C))], [query], name=query))
+        elif context_as_query:
+            query = kv["k"]
+        else:
+            query = f"q{b}"
+            inputs.append(helper.make_tensor_value_info(query, F32, ["batch", 3, C]))
+        nodes.append(helper.make_node("MultiHeadAttention", [query, kv["k"], kv["v"]], [f"b{b}.out"], name=f"b{b}.mha",
+                                      domain="com.microsoft", num_heads=HEADS))
+        outputs.append(helper.make_tensor_value_info(f"b{b}.out", F32, None))
+    return make_model(nodes, inputs, outputs, inits)
+
+
+@pytest.mark.parametrize("kv_bias", [False, True], ids=["no-bias", "bias"])
+def test_cross_attention_k_and_v_projections_of_one_context_merge_into_one_matmul(kv_bias):
+    """3-D MatMuls are sites when only cross-attention reads them as key/value: a short text
+    context read by every block. The merged form is MatMul [+ Add] + Split (Gemm is 2-D only)."""
+    proto = attention_graph(3, kv_bias=kv_bias)
+    model, result = merge(proto)
+    assert (result.sites_matched, result.sites_rewritten, result.refused) == (6, 6, [])
+    assert result.details == {"groups": 1, "members": 6, "from_matmul": 6}
+    [matmul] = [n for n in model.graph.nodes if n.op == "MatMul"]
+    assert matmul.inputs[0].name == "ctx" and tuple(matmul.inputs[1].shape) == (K, 6 * C)
+    assert op_counts(model) == Counter({"MatMul": 1, "Split": 1, "MultiHeadAttention": 3, **({"Add": 1} if kv_bias else {})})
+    split = next(n for n in model.graph.nodes if n.op == "Split")
+    assert [t.name for t in split.outputs] == [f"b{b}.{r}" for b in range(3) for r in "kv"]
+    assert_same_computation(proto, model, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("form", ["self_attention", "context_as_query"])
+def test_3d_matmuls_that_self_attention_or_a_query_reads_are_not_sites(form):
+    """Self-attention's K/V (its query is projected from the same tensor: thousands of image tokens
+    in a UNet, where a Split copy costs more than the launches saved) and a product read as query
+    are left to fuse-attention's layout."""
+    proto = attention_graph(2, **{form: True})
+    model, result = merge(proto)
+    assert (result.sites_matched, result.sites_rewritten) == (0, 0) and not result.modified
+    assert op_counts(model)["Split"] == 0
 
 
 def test_gemms_reading_different_tensors_do_not_merge():
