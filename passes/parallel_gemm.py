@@ -51,7 +51,8 @@ twice; the members' initializers leave the graph with them (cleanup) unless some
 them. Each output column is the same dot product as before; only the order in which a GEMM kernel
 sums may differ.
 
-Order: after fuse-attention (``runs_after``, enforced by the pass manager). onnxopt's symbolic
+Order: after fuse-attention (``runs_after``, enforced by the pass manager), for two reasons. The
+cross-attention K/V members exist only once fuse-attention has written MultiHeadAttention. And onnxopt's symbolic
 dims (:mod:`onnxopt.pattern.dims`) follow a batch dim through a Gemm but not through a Split, and
 fuse-attention proves that a Q Reshape keeps the batch from dims that, in TorchScript exports with
 dynamic axes, come through the time embedding: run first, this pass left 4 of the 8 attentions of
@@ -150,7 +151,8 @@ class FuseParallelGemm(Pass):
     requires = frozenset({SHAPES_INFERRED})
     preserves = frozenset({SHAPES_INFERRED, CONSTANTS_FOLDED})
     is_fusion = True
-    runs_after = {"fuse-attention": "fuse-attention's batch-dim proofs follow the time embedding through a Gemm, not through the "
+    runs_after = {"fuse-attention": "the cross-attention K/V it merges are fuse-attention's MultiHeadAttention inputs, and "
+                                    "fuse-attention's batch-dim proofs follow the time embedding through a Gemm, not through the "
                                     "Split this pass writes (TorchScript dynamic-axes exports lose half their attention fusions)"}
 
     def run(self, model: Model) -> PassResult:
