@@ -5,8 +5,8 @@
 Builds from one export (same seeded random weights, models/):
   full       ``ort-cuda,fp16``: the UNet as a pipeline runs it today, K/V recomputed at every step;
   split      ``ort-cuda,context-kv,fp16``: the denoiser (``split_fp16.onnx``) and its context graph
-             (``split_fp16.context_kv.onnx``, encoder_hidden_states -> the packed KV of every
-             cross-attention, in fp16);
+             (``split_fp16.context_kv.onnx``, encoder_hidden_states -> the K and V of every
+             cross-attention, in fp16: one MatMul and a Split, fuse-parallel-gemm's merge);
 then, in the same run, times the full UNet and the denoiser per step (IO binding, CUDA graph off
 and on; onnxopt.runners.ort_cuda.OrtCudaSession), the context graph once per prompt (session
 creation, first run, steady run; no CUDA graph: it runs once), and checks both UNet outputs against
