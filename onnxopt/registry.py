@@ -51,7 +51,7 @@ PRESETS["ort-cuda"] = Preset(
         "fuse-layer-norm",  # before bias-add: BiasAdd leaves the Adds that feed a LayerNorm to SkipLayerNorm
         "fuse-bias-add",
         "fuse-skip-layer-norm",
-        "fuse-parallel-gemm",  # after fuse-attention (its batch-dim proofs do not see through Split): the time-embedding Linears as one Gemm
+        "fuse-parallel-gemm",  # after fuse-attention: the time-embedding Linears as one Gemm, every cross-attention K/V as one MatMul
         "nhwc-conv",  # last fusion: it wraps Convs (and finds GroupNorms) in Transposes and sinks them
         "fold-conv-bias",  # after nhwc-conv: conv biases move into the SkipGroupNorm / BiasAdd reading them
         "fuse-bias-layer-norm",  # the LayerNorms left (norm1 after proj_in) onto ORT's faster SkipLayerNorm kernel
