@@ -52,12 +52,13 @@ them. Each output column is the same dot product as before; only the order in wh
 sums may differ.
 
 Order: after fuse-attention (``runs_after``, enforced by the pass manager), for two reasons. The
-cross-attention K/V members exist only once fuse-attention has written MultiHeadAttention. And onnxopt's symbolic
-dims (:mod:`onnxopt.pattern.dims`) follow a batch dim through a Gemm but not through a Split, and
-fuse-attention proves that a Q Reshape keeps the batch from dims that, in TorchScript exports with
-dynamic axes, come through the time embedding: run first, this pass left 4 of the 8 attentions of
-the tiny SD 1.5 UNet unfused (ControlNet: 2 of 4). After it, or anywhere in the tensorrt preset,
-every other pass fused exactly what it fuses without this pass (tiny UNet and ControlNet fixtures).
+cross-attention K/V members exist only once fuse-attention has written MultiHeadAttention. And
+onnxopt's symbolic dims (:mod:`onnxopt.pattern.dims`) follow a batch dim through a Gemm but not
+through a Split, and fuse-attention proves that a Q Reshape keeps the batch from dims that, in
+TorchScript exports with dynamic axes, come through the time embedding: run first, this pass left
+4 of the 8 attentions of the tiny SD 1.5 UNet unfused (ControlNet: 2 of 4). After it, or anywhere
+in the tensorrt preset, every other pass fused exactly what it fuses without this pass (tiny UNet
+and ControlNet fixtures).
 """
 
 from __future__ import annotations
@@ -89,6 +90,9 @@ def matmul(x, w):
     return op.MatMul(x, w, _name="linear")
 
 
+ATTENTION_OPS = frozenset({"MultiHeadAttention"})  # com.microsoft ops whose key/value inputs may be merged
+
+
 def _is_site_input(x: gs.Tensor, output: gs.Tensor) -> bool:
     """A MatMul is a site for a 2-D input, or for an N-D one whose product only cross-attention
     reads, as key or value: the K/V projections of a short text context."""
@@ -112,7 +116,6 @@ def _projected_from(query: gs.Tensor, x: gs.Tensor) -> bool:
     return any(t is x for producer in query.inputs for t in producer.inputs)
 
 
-ATTENTION_OPS = frozenset({"MultiHeadAttention"})
 LINEAR = Pattern(gemm, matmul_bias, name="linear")  # roots Gemm and Add
 BARE_MATMUL = Pattern(matmul, name="matmul")  # MatMuls no biased match took
 
@@ -273,12 +276,12 @@ def _merge(graph: gs.Graph, group: list[Linear], name: str) -> None:
         for node in member.nodes:
             detach(node)  # its output is handed to the Split below; cleanup drops the node and its weight
     if two_d:
-        graph.nodes.append(gs.Node("Gemm", name, attrs={"transB": trans_b}, inputs=[x, weight, *([bias] if bias else [])],
-                                   outputs=[merged]))
+        inputs = [x, weight] if bias is None else [x, weight, bias]
+        graph.nodes.append(gs.Node("Gemm", name, attrs={"transB": trans_b}, inputs=inputs, outputs=[merged]))
     else:
-        product = gs.Variable(f"{name}.product", dtype=x.dtype, shape=merged.shape) if bias else merged
+        product = merged if bias is None else gs.Variable(f"{name}.product", dtype=x.dtype, shape=merged.shape)
         graph.nodes.append(gs.Node("MatMul", name, inputs=[x, weight], outputs=[product]))
-        if bias:
+        if bias is not None:
             graph.nodes.append(gs.Node("Add", f"{name}__bias", inputs=[product, bias], outputs=[merged]))
     sizes_constant = gs.Constant(f"{name}.split_sizes", np.array(sizes, dtype=np.int64))
     graph.nodes.append(gs.Node("Split", f"{name}__split", attrs={"axis": -1}, inputs=[merged, sizes_constant], outputs=outputs))
