@@ -134,7 +134,8 @@ def case_conv_im2col():
 def conv3x3_tap_gemm(cin, cout, h, w, stride, weights, taps_per_slice=1):
     """The same conv as a split-K GEMM over the kernel taps: Pad, one Gather of the shifted images
     (B, 9/t, OH*OW, t*C), a batched MatMul with the (9/t, t*C, Cout) weight, then ReduceSum over the
-    slices. Each slice is its own GEMM in one launch, so a small-grid conv fills every SM."""
+    slices. Each slice is its own GEMM in one launch, so a small-grid conv could fill every SM
+    (it does not pay: 2-7x slower than cuDNN, session4/micro.md)."""
     oh, ow = (h + stride - 1) // stride, (w + stride - 1) // stride
     slices = 9 // taps_per_slice
     ky, kx = np.divmod(np.arange(9), 3)
@@ -437,8 +438,7 @@ def case_cross_kv():
                    [_const("w", np.concatenate(ws, axis=1)),
                     _const("split", np.array([c for c in CROSS_KV_WIDTHS for _ in "kv"], np.int64))])
     return [{"name": "cross-attention K/V projections (16 blocks)", "count": 1, "per_model": True,
-             "variants": {"16 MatMul": separate, "1 MatMul + Split(16)": merged, "1 MatMul + Split(32, K and V apart)": apart},
-             "no_compare": True}]
+             "variants": {"16 MatMul": separate, "1 MatMul + Split(16)": merged, "1 MatMul + Split(32, K and V apart)": apart}}]
 
 
 # ----------------------------------------------------------------------------------------- attention
@@ -535,7 +535,7 @@ def main(argv=None) -> int:
                     per = ms if case.get("per_model") else ms / COPIES
                     diff = None
                     reference = references.setdefault(label if case.get("compare_within_variant") else "", outputs)
-                    if reference is not outputs and not case.get("no_compare"):
+                    if reference is not outputs and set(reference) == set(outputs):  # same outputs: same values?
                         diff = max(float(np.max(np.abs(outputs[k].astype(np.float32) - reference[k].astype(np.float32)))) for k in reference)
                     entry = {"ms": per, "max_abs_vs_first": diff}
                     if case.get("flops"):
