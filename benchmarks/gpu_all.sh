@@ -8,6 +8,9 @@
 #   ablation-ts issue 6: onnxopt bench --ablation on the TS-dynamic export (+ ORT optimizer), and diff
 #   ablation-dy issue 6: the same on the dynamo export
 #   context-kv  issue 5: per-step latency with and without context-KV extraction
+#   sdxl        issue 12: the full SDXL UNet (TorchScript dynamic export, 10 GB fp32) through
+#               ort-cuda,fp16, written with external data: loads, runs, latency with and without
+#               CUDA graph, accuracy against torch fp32 at 128x128 latents
 # Rerun a step until it prints its table: every step skips what it already did.
 set -uo pipefail
 step=$1
@@ -44,5 +47,8 @@ case $step in
   context-kv)
     python3 -m benchmarks.context_kv_gpu --work /tmp/ckv-bench --budget 520 --source $work/ts-dynamic/raw.onnx \
       --out "$out/context-kv" 2>&1 | tail -30 ;;
+  sdxl)
+    python3 -m benchmarks.unet_gpu --family unet-sdxl --work /tmp/sdxl-bench --variants ts-dynamic --skip raw,ort \
+      --budget 520 --out "$out/sdxl" 2>&1 | grep -v "^\[.*\] \.\.\.$" | tail -20 ;;
   *) echo "unknown step $step"; exit 2 ;;
 esac

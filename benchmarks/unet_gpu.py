@@ -31,6 +31,9 @@ import numpy as np
 
 VARIANTS = {"ts-dynamic": ("torchscript", "dynamic"), "ts-static": ("torchscript", "static"), "dynamo-dynamic": ("dynamo", "dynamic")}
 DIMS = dict(batch=2, height=64, width=64, sequence=77)
+# The latent size each family is run at (its native image size / 8), batch 2 for guidance.
+FAMILY_DIMS = {"unet-sd15": DIMS, "unet-sd21": dict(DIMS, height=96, width=96),
+               "unet-sdxl": dict(DIMS, height=128, width=128)}
 ORT_OPTIMIZE = r"""
 import sys, onnx
 from onnxruntime.transformers.optimizer import optimize_model
@@ -81,24 +84,24 @@ class Steps:
         return value
 
 
-def export_variant(work: Path, variant: str, size: str) -> dict:
+def export_variant(work: Path, variant: str, size: str, family: str = "unet-sd15") -> dict:
     from models import build
     from models.export import export
 
     exporter, shapes = VARIANTS[variant]
-    built = build("unet-sd15", size=size)
+    built = build(family, size=size)
     path = work / variant / "raw.onnx"
     result = export(built, path, exporter=exporter, shapes=shapes)
     return {"path": str(path), "seconds": result.seconds, "files": len(result.files), "bytes": result.total_bytes}
 
 
-def torch_reference(work: Path, size: str) -> dict:
+def torch_reference(work: Path, size: str, family: str = "unet-sd15") -> dict:
     import torch
 
     from models import build
 
-    built = build("unet-sd15", size=size)
-    feeds = built.make_feeds(DIMS if size == "full" else None)
+    built = build(family, size=size)
+    feeds = built.make_feeds(FAMILY_DIMS[family] if size == "full" else None)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     module = built.module.to(device).float().eval()
     with torch.no_grad():
@@ -212,6 +215,7 @@ def main(argv=None) -> int:
     ap.add_argument("--runs", type=int, default=40)
     ap.add_argument("--fp16-pass", default="fp16")
     ap.add_argument("--out", type=Path, help="copy results.json and the table here")
+    ap.add_argument("--family", default="unet-sd15", choices=sorted(FAMILY_DIMS), help="which UNet (SDXL runs at 128x128)")
     ap.add_argument("--size", default="full", choices=["full", "tiny"], help="tiny: a quick rehearsal of every step")
     ap.add_argument("--extra", action="append", default=[], metavar="LABEL:PASS.OPTION=VALUE,...",
                     help="another onnxopt build with pass options, e.g. sep:fuse-attention.layout=separate")
@@ -224,9 +228,9 @@ def main(argv=None) -> int:
     skip = set(filter(None, args.skip.split(",")))
     labels = [label for label in ("raw", "ort", "onnxopt", *extras) if label not in skip]
     try:
-        steps.run("reference", lambda: torch_reference(args.work, args.size))
+        steps.run("reference", lambda: torch_reference(args.work, args.size, args.family))
         for variant in variants:
-            raw = Path(steps.run(f"export:{variant}", lambda: export_variant(args.work, variant, args.size))["path"])
+            raw = Path(steps.run(f"export:{variant}", lambda: export_variant(args.work, variant, args.size, args.family))["path"])
             d = raw.parent
             if "raw" in labels:
                 steps.run(f"build:{variant}:raw", lambda: onnxopt_fp16(raw, d / "raw_fp16.onnx", ["cleanup", args.fp16_pass]))
