@@ -504,7 +504,7 @@ def resave_external(path, data_name: str) -> None:
     model = onnx.load(str(path), load_external_data=True)
     for f in old:
         f.unlink()
-    onnx.save(model, str(path), save_as_external_data=True, all_tensors_to_external_data=True,
+    onnx.save(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
               location=data_name, size_threshold=0)
 
 
