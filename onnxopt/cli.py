@@ -110,7 +110,60 @@ def build_parser() -> argparse.ArgumentParser:
                        help="value of a symbolic dim for inputs without --profile (default: batch 2, others 8)")
     build.add_argument("--timing-cache", type=Path, help="TensorRT timing cache: read if it exists, written after the build")
     build.add_argument("--workspace", type=int, metavar="MB", help="builder workspace limit in MiB")
+    _add_generate_parser(sub)
     return parser
+
+
+def _add_generate_parser(sub) -> None:
+    gen = sub.add_parser("generate", help="text to image from an ONNX pipeline folder (ORT CPU, CUDA or TensorRT)")
+    gen.add_argument("folder", help="a diffusers/optimum ONNX pipeline folder (model_index.json, unet/, ...)")
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--negative-prompt", default=None)
+    gen.add_argument("--steps", type=int, default=50)
+    gen.add_argument("--guidance", type=float, default=7.5)
+    gen.add_argument("--scheduler", default="ddim", help="ddim | euler | dpm++2m (diffusers' classes, from the folder's config)")
+    gen.add_argument("--seed", type=int, default=0, help="as diffusers: torch.Generator('cpu').manual_seed(SEED)")
+    gen.add_argument("--height", type=int, help="pixels (default: the UNet's sample_size times the VAE factor)")
+    gen.add_argument("--width", type=int)
+    gen.add_argument("--controlnet-image", type=Path, help="conditioning image (ControlNet folders only)")
+    gen.add_argument("--controlnet-scale", type=float, default=1.0)
+    gen.add_argument("--provider", choices=["cpu", "cuda", "tensorrt"], default="cpu")
+    gen.add_argument("--no-cuda-graph", dest="cuda_graph", action="store_false", help="cuda/tensorrt: do not capture the step")
+    gen.add_argument("--unfused", dest="fused_step", action="store_false", help="UNet + diffusers' scheduler.step (no fused step graph)")
+    gen.add_argument("-o", "--output", required=True, type=Path, help="the PNG to write (atomically)")
+    gen.add_argument("--json", type=Path, help="also write the per-stage timings as JSON")
+    gen.add_argument("-q", "--quiet", action="store_true", help="no progress bar, no timings table")
+
+
+def cmd_generate(args) -> int:
+    import json
+
+    from onnxopt.pipeline import PipelineFolder, images
+    from onnxopt.pipeline.runner import Pipeline, check_request
+
+    folder = PipelineFolder.open(args.folder)
+    check_request(folder, steps=args.steps, scheduler=args.scheduler, height=args.height, width=args.width,
+                  controlnet_image=args.controlnet_image)
+    images.check_writable(args.output)
+    if args.json:
+        images.check_writable(args.json)
+    pipe = Pipeline.load(folder, args.provider, fused_step=args.fused_step, cuda_graph=args.cuda_graph)
+    result = pipe(args.prompt, negative_prompt=args.negative_prompt, steps=args.steps, guidance=args.guidance,
+                  scheduler=args.scheduler, seed=args.seed, height=args.height, width=args.width,
+                  controlnet_image=args.controlnet_image, controlnet_scale=args.controlnet_scale, progress=not args.quiet)
+    images.write_png(result.image, args.output)
+    if args.json:
+        try:
+            args.json.write_text(json.dumps(result.timings, indent=2) + "\n")
+        except OSError as exc:
+            raise OnnxoptError(f"{args.json}: cannot write: {exc.strerror or exc}")
+    if not args.quiet:
+        t = result.timings
+        print(f"wrote {args.output} ({result.image.width}x{result.image.height}, {t['steps']} steps, {t['step']})")
+        print(f"  text encoder {t['text_encoder_s'] * 1e3:.1f} ms | step {t['step_mean_s'] * 1e3:.2f} ms mean, "
+              f"first {t['first_step_s'] * 1e3:.1f} ms | VAE decode {t['vae_decode_s'] * 1e3:.1f} ms | "
+              f"total {t['total_s']:.2f} s | sessions {t['session_creation_s']:.2f} s | cold start {t['cold_start_s']:.2f} s")
+    return EXIT_OK
 
 
 def _profile_arg(text: str):
@@ -270,6 +323,7 @@ def cmd_build(args) -> int:
 
 COMMANDS = {"optimize": cmd_optimize, "passes": cmd_passes, "info": cmd_info, "bench": cmd_bench, "diff": cmd_diff}
 COMMANDS["build"] = cmd_build
+COMMANDS["generate"] = cmd_generate
 
 
 def main(argv: list[str] | None = None) -> int:

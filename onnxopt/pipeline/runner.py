@@ -177,24 +177,15 @@ class Pipeline:
                  controlnet_image=None, controlnet_scale: float = 1.0, progress: bool = True) -> Result:
         from diffusers.utils.torch_utils import randn_tensor
 
-        from onnxopt.pipeline.schedulers import SCHEDULERS, make_scheduler, plan_steps
+        from onnxopt.pipeline.schedulers import make_scheduler, plan_steps
 
         torch = _torch()
         folder = self.folder
-        if scheduler not in SCHEDULERS:
-            raise GenerationError(f"unknown scheduler '{scheduler}' (choose from {', '.join(SCHEDULERS)})")
-        if not isinstance(steps, int) or steps < 1:
-            raise GenerationError(f"steps must be at least 1, got {steps}")
-        if folder.kind == "controlnet" and controlnet_image is None:
-            raise GenerationError(f"{folder.root} is a ControlNet pipeline: give a conditioning image (--controlnet-image)")
-        if folder.kind != "controlnet" and controlnet_image is not None:
-            raise GenerationError(f"{folder.root} has no controlnet/: a conditioning image cannot be used")
+        check_request(folder, steps=steps, scheduler=scheduler, height=height, width=width,
+                      controlnet_image=controlnet_image)
         factor = folder.vae_scale_factor
         control = None
         if controlnet_image is not None:
-            if folder.config("controlnet").get("global_pool_conditions"):
-                raise GenerationError("ControlNets with global_pool_conditions (guess mode) are not supported")
-            _check_size(height, width, factor, allow_none=True)
             control = images.preprocess_control_image(controlnet_image, height, width, factor)
             height, width = control.shape[-2:]  # as diffusers: the preprocessed image sets the size
         default_h, default_w = folder.default_size
@@ -294,6 +285,26 @@ class Pipeline:
             step_times.append(time.perf_counter() - t1)
             bar.update()
         return latents.numpy()
+
+
+def check_request(folder: PipelineFolder, *, steps: int = 50, scheduler: str = "ddim", height=None, width=None,
+                  controlnet_image=None) -> None:
+    """Refuse a bad request before any session exists (one-line :class:`GenerationError`)."""
+    from onnxopt.pipeline.schedulers import SCHEDULERS
+
+    if scheduler not in SCHEDULERS:
+        raise GenerationError(f"unknown scheduler '{scheduler}' (choose from {', '.join(SCHEDULERS)})")
+    if not isinstance(steps, int) or steps < 1:
+        raise GenerationError(f"steps must be at least 1, got {steps}")
+    if folder.kind == "controlnet" and controlnet_image is None:
+        raise GenerationError(f"{folder.root} is a ControlNet pipeline: give a conditioning image (--controlnet-image)")
+    if folder.kind != "controlnet" and controlnet_image is not None:
+        raise GenerationError(f"{folder.root} has no controlnet/: a conditioning image cannot be used")
+    if controlnet_image is not None and folder.config("controlnet").get("global_pool_conditions"):
+        raise GenerationError("ControlNets with global_pool_conditions (guess mode) are not supported")
+    if isinstance(controlnet_image, (str, Path)) and not Path(controlnet_image).is_file():
+        raise GenerationError(f"{controlnet_image}: no such image")
+    _check_size(height, width, folder.vae_scale_factor, allow_none=True)
 
 
 def _tokenizers_of(kind: str) -> tuple[str, ...]:
