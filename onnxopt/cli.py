@@ -39,9 +39,11 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     opt = sub.add_parser("optimize", help="run passes over a model")
-    opt.add_argument("-i", "--input", required=True, help="source .onnx (never modified)")
-    opt.add_argument("-o", "--output", required=True, help="where to write the result (atomically)")
-    opt.add_argument("--passes", default="cleanup", help="comma-separated passes and presets (default: cleanup)")
+    opt.add_argument("-i", "--input", required=True, help="source .onnx, or a diffusers/optimum ONNX pipeline folder (never modified)")
+    opt.add_argument("-o", "--output", required=True, help="where to write the result (atomically; for a folder: a new folder)")
+    opt.add_argument("--passes", default=None, help="comma-separated passes and presets (default: cleanup)")
+    opt.add_argument("--target", choices=["ort-cuda", "tensorrt"], help="the target's preset (a folder: each component's preset, default ort-cuda)")
+    opt.add_argument("--fp16", action="store_true", help="add the fp16 pass (a folder: the VAE guarded, see onnxopt/pipeline/optimize_folder.py)")
     opt.add_argument("--verify", action="store_true", help="compare with the source after every pass; name the first that breaks the tolerance")
     opt.add_argument("--atol", type=float, default=1e-4)
     opt.add_argument("--rtol", type=float, default=1e-3)
@@ -180,7 +182,14 @@ def cmd_optimize(args) -> int:
     from onnxopt.saving import check_destination, save_model
     from onnxopt.verify import InputSpec, Tolerance
 
-    passes = [p for p in args.passes.split(",") if p.strip()]
+    if Path(args.input).is_dir():  # a pipeline folder: each component with its preset
+        from onnxopt.pipeline.optimize_folder import cli_optimize_folder
+
+        return cli_optimize_folder(args)
+    if args.passes is not None and args.target:
+        raise OnnxoptError("give --passes or --target, not both")
+    passes = [p for p in (args.passes or args.target or "cleanup").split(",") if p.strip()]
+    passes += ["fp16"] if args.fp16 and "fp16" not in passes else []
     registry.expand(passes)  # unknown names and unwritable outputs fail before any work
     check_destination(args.output, args.input)
     inputs = InputSpec(shapes=dict(args.shape), dims=dict(args.dim))

@@ -13,9 +13,6 @@ from onnxopt.pipeline.runner import Pipeline, Result, generate
 
 __all__ = ["Pipeline", "PipelineFolder", "Result", "generate"]
 
-try:  # folder optimize (onnxopt.pipeline.optimize_folder), when that module is present
-    from onnxopt.pipeline.optimize_folder import optimize_folder  # noqa: F401
+from onnxopt.pipeline.optimize_folder import optimize_folder  # noqa: E402
 
-    __all__.append("optimize_folder")
-except ImportError:
-    pass
+__all__.append("optimize_folder")
