@@ -99,6 +99,7 @@ class Pipeline:
         self.folder, self.provider, self.sessions = folder, provider, sessions
         self.step_source, self.cuda_graph, self.device_id = step_source, cuda_graph, device_id
         self.creation_s = creation_s
+        self.threads = None
         self.calls = 0
         self.tokenizers = {name: folder.tokenizer(name) for name in ("tokenizer", "tokenizer_2")
                            if (folder.root / name).is_dir() and name in _tokenizers_of(folder.kind)}
@@ -137,8 +138,10 @@ class Pipeline:
                 controlnet_prepare_model(input_types(sessions["controlnet"])["sample"]), provider, name="controlnet input",
                 device_id=device_id)
         del ort
-        return cls(folder, provider, sessions, step_source, graph and "step" in sessions, device_id,
+        pipe = cls(folder, provider, sessions, step_source, graph and "step" in sessions, device_id,
                    time.perf_counter() - start)
+        pipe.threads = threads
+        return pipe
 
     # --- the text side, once per prompt ---------------------------------------------------------
 
@@ -177,7 +180,7 @@ class Pipeline:
                  controlnet_image=None, controlnet_scale: float = 1.0, progress: bool = True) -> Result:
         from diffusers.utils.torch_utils import randn_tensor
 
-        from onnxopt.pipeline.schedulers import make_scheduler, plan_steps
+        from onnxopt.pipeline.schedulers import SchedulerError, make_scheduler, plan_steps
 
         torch = _torch()
         folder = self.folder
@@ -215,8 +218,13 @@ class Pipeline:
 
         bar = _progress(steps, progress)
         step_times = []
+        plan = None
         if self.fused_step:
-            plan = plan_steps(sched, steps)
+            try:
+                plan = plan_steps(sched, steps)
+            except SchedulerError as exc:  # e.g. DDIM with clip_sample: not affine, diffusers' own step then
+                timings["step"] = f"unfused: {exc}"
+        if plan is not None:
             latents = (noise * plan.init_noise_sigma).numpy()
             loop = self._step_loop()
             loop.start(latents, cond, controlnet)
@@ -269,6 +277,10 @@ class Pipeline:
         if kind == "sdxl" and hasattr(sched, "set_begin_index"):
             sched.set_begin_index(0)
         latents = noise * sched.init_noise_sigma
+        if "unet" not in self.sessions:  # a fused pipeline meeting a scheduler the step graph cannot run
+            self.sessions["unet"] = create_session(self.folder.component("unet").model, self.provider,
+                                                   name=str(self.folder.root / "unet"), device_id=self.device_id,
+                                                   threads=self.threads)
         unet = self.sessions["unet"]
         for t in sched.timesteps:
             t1 = time.perf_counter()

@@ -86,7 +86,8 @@ def create_session(model: Path | bytes, provider: str, *, name: str, cuda_graph:
         return ort.InferenceSession(model if isinstance(model, bytes) else str(model), so, providers=providers)
     except Exception as exc:  # ORT raises its own exception types with long messages
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise OnnxoptError(f"{name}: ONNX Runtime cannot load the model: {first}") from exc
+        hint = " (a graph optimized for the CUDA EP: use --provider cuda)" if provider == "cpu" and "NOT_IMPLEMENTED" in first else ""
+        raise OnnxoptError(f"{name}: ONNX Runtime cannot load the model: {first}{hint}") from exc
 
 
 def input_types(session) -> dict[str, np.dtype]:
