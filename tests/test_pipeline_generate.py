@@ -46,6 +46,7 @@ STEPS = 4
 GUIDANCE = 7.5
 HEIGHT, WIDTH = 32, 48
 PROMPT, NEGATIVE = "a photo of a red cat", "blurry"
+THREADS = 1  # tiny graphs: one thread each side is fastest on a shared 2-core CI machine
 LATENT_RTOL = 1e-4  # of max |latent|
 PIXEL_ATOL = 1e-4
 
@@ -73,7 +74,7 @@ class Built:
 
     def onnx(self, fused: bool = True) -> Pipeline:
         if fused not in self.pipelines:
-            self.pipelines[fused] = Pipeline.load(self.folder, "cpu", fused_step=fused)
+            self.pipelines[fused] = Pipeline.load(self.folder, "cpu", fused_step=fused, threads=THREADS)
         return self.pipelines[fused]
 
     def request(self, **overrides) -> dict:
@@ -108,6 +109,9 @@ class Built:
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
+    """built(kind) -> Built, made once per module. Torch runs on THREADS threads meanwhile."""
+    import torch
+
     root = tmp_path_factory.mktemp("pipelines")
     cache: dict[str, Built] = {}
 
@@ -116,7 +120,10 @@ def built(tmp_path_factory):
             cache[kind] = Built(kind, root)
         return cache[kind]
 
-    return get
+    threads = torch.get_num_threads()
+    torch.set_num_threads(THREADS)
+    yield get
+    torch.set_num_threads(threads)
 
 
 def assert_same_image(latents, pixels, ref_latents, ref_pixels):
@@ -192,7 +199,7 @@ def test_generate_on_an_optimized_folder(built, tmp_path):
     assert (out / "unet" / "step.onnx").is_file()
     shutil.rmtree(out / "vae_decoder")
     shutil.copytree(b.folder / "vae_decoder", out / "vae_decoder")
-    optimized = Pipeline.load(out, "cpu")(scheduler="dpm++2m", progress=False, **b.request())
+    optimized = Pipeline.load(out, "cpu", threads=THREADS)(scheduler="dpm++2m", progress=False, **b.request())
     assert optimized.timings["step"] == "unet/step.onnx"
     source = b.onnx()(scheduler="dpm++2m", progress=False, **b.request())
     scale = float(np.abs(source.latents).max())

@@ -130,7 +130,14 @@ class Pipeline:
         if fused_step:
             step_model, step_source = _step_graph(folder)
             if step_model is not None:
-                sessions["step"] = make("unet", step_model, cuda_graph=graph)
+                try:
+                    sessions["step"] = make("unet", step_model, cuda_graph=graph)
+                except OnnxoptError as exc:  # ORT refuses capture when a node is not on the GPU EP
+                    if not graph:
+                        raise
+                    print(f"onnxopt: step graph without CUDA graph capture: {exc}", file=sys.stderr)
+                    graph = False
+                    sessions["step"] = make("unet", step_model)
         if "step" not in sessions:
             sessions["unet"] = make("unet")
         if provider != "cpu" and "controlnet" in sessions:

@@ -78,6 +78,8 @@ def create_session(model: Path | bytes, provider: str, *, name: str, cuda_graph:
     so.log_severity_level = 3
     if threads:
         so.intra_op_num_threads = threads
+    if provider == "cpu":  # idle worker threads must not spin between runs: the loop's host work shares the cores
+        so.add_session_config_entry("session.intra_op.allow_spinning", "0")
     trt_cache = None
     if provider == "tensorrt" and isinstance(model, Path):
         trt_cache = str(Path(os.environ.get("ONNXOPT_TRT_CACHE", model.parent / ".trt-cache")))
