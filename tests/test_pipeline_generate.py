@@ -174,6 +174,34 @@ def test_fused_step_graph_equals_the_unfused_loop(built, kind):
         np.testing.assert_allclose(fused.pixels, unfused.pixels, rtol=0, atol=PIXEL_ATOL)
 
 
+@pytest.mark.parametrize("kind", ["sd15-controlnet", "sdxl"])
+def test_bound_buffer_loop_equals_the_host_loop(built, kind):
+    """The CUDA EP's loop (IO binding, latents/state ping-pong between two bound buffer pairs, timestep
+    and coefficients updated in place, ControlNet input from the scaling graph into fixed residual
+    buffers) run on CPU buffers: the same latents as the numpy loop, for the multistep solver (state)."""
+    b = built(kind)
+    bound = Pipeline.load(b.folder, "cpu", io_binding=True, threads=THREADS)
+    result = bound(scheduler="dpm++2m", progress=False, **b.request())
+    host = b.onnx()(scheduler="dpm++2m", progress=False, **b.request())
+    np.testing.assert_allclose(result.latents, host.latents, rtol=0, atol=1e-6 * np.abs(host.latents).max())
+    again = bound(scheduler="euler", progress=False, **b.request())  # new buffers per call, other scheduler
+    euler = b.onnx()(scheduler="euler", progress=False, **b.request())
+    np.testing.assert_allclose(again.latents, euler.latents, rtol=0, atol=1e-6 * np.abs(euler.latents).max())
+
+
+def test_generate_writes_the_pipeline_image(tmp_path):
+    from PIL import Image
+
+    from onnxopt.pipeline import generate
+
+    out = tmp_path / "a.png"
+    result = generate(COMMITTED_SD15, PROMPT, output=out, steps=2, scheduler="euler", progress=False)
+    with Image.open(out) as image:
+        assert np.array_equal(np.asarray(image), np.asarray(result.image))
+    same = Pipeline.load(COMMITTED_SD15, "cpu", threads=THREADS)(PROMPT, steps=2, scheduler="euler", progress=False)
+    np.testing.assert_allclose(same.latents, result.latents, rtol=0, atol=1e-6 * np.abs(same.latents).max())
+
+
 def test_sdxl_without_negative_prompt_uses_zero_conditioning(built):
     """SDXL's force_zeros_for_empty_prompt: no negative prompt gives diffusers' image (zeros), and
     not the image of an explicit empty negative prompt."""

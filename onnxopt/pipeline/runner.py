@@ -99,7 +99,7 @@ class Pipeline:
         self.folder, self.provider, self.sessions = folder, provider, sessions
         self.step_source, self.cuda_graph, self.device_id = step_source, cuda_graph, device_id
         self.creation_s = creation_s
-        self.threads = None
+        self.threads, self.io_binding = None, provider != "cpu"
         self.calls = 0
         self.tokenizers = {name: folder.tokenizer(name) for name in ("tokenizer", "tokenizer_2")
                            if (folder.root / name).is_dir() and name in _tokenizers_of(folder.kind)}
@@ -110,11 +110,13 @@ class Pipeline:
 
     @classmethod
     def load(cls, folder, provider: str = "cpu", *, fused_step: bool = True, cuda_graph: bool = True, device_id: int = 0,
-             threads: int | None = None) -> "Pipeline":
+             threads: int | None = None, io_binding: bool | None = None) -> "Pipeline":
         """Open ``folder`` and create its sessions on ``provider`` (cpu | cuda | tensorrt).
 
         ``cuda_graph`` (cuda/tensorrt): capture the step graph as CUDA graphs. ``fused_step=False``
         runs the UNet and diffusers' ``scheduler.step`` separately (the reference loop).
+        ``io_binding``: the fused step on buffers bound once (default: on for cuda/tensorrt; on the
+        CPU EP it runs that same loop on CPU buffers).
         """
         start = time.perf_counter()
         folder = folder if isinstance(folder, PipelineFolder) else PipelineFolder.open(folder)
@@ -140,14 +142,15 @@ class Pipeline:
                     sessions["step"] = make("unet", step_model)
         if "step" not in sessions:
             sessions["unet"] = make("unet")
-        if provider != "cpu" and "controlnet" in sessions:
+        io_binding = provider != "cpu" if io_binding is None else io_binding
+        if io_binding and "controlnet" in sessions:
             sessions["controlnet_prepare"] = create_session(
                 controlnet_prepare_model(input_types(sessions["controlnet"])["sample"]), provider, name="controlnet input",
                 device_id=device_id)
         del ort
         pipe = cls(folder, provider, sessions, step_source, graph and "step" in sessions, device_id,
                    time.perf_counter() - start)
-        pipe.threads = threads
+        pipe.threads, pipe.io_binding = threads, io_binding
         return pipe
 
     # --- the text side, once per prompt ---------------------------------------------------------
@@ -272,10 +275,11 @@ class Pipeline:
 
     def _step_loop(self):
         step, controlnet = self.sessions["step"], self.sessions.get("controlnet")
-        if self.provider == "cpu":
+        if not self.io_binding:
             return HostStepLoop(step, controlnet)
         return DeviceStepLoop(require_provider(self.provider), step, controlnet, self.sessions.get("controlnet_prepare"),
-                              cuda_graph=self.cuda_graph, device_id=self.device_id)
+                              cuda_graph=self.cuda_graph, device_id=self.device_id,
+                              device="cpu" if self.provider == "cpu" else "cuda")
 
     def _unfused_loop(self, sched, steps, noise, cond, controlnet, guidance, step_times, bar, kind):
         """diffusers' loop: UNet session, guidance in numpy, diffusers' scale_model_input and step."""

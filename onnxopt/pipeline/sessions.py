@@ -2,7 +2,8 @@
 
 Providers:
 
-* ``cpu``: the ORT CPU EP, plain ``InferenceSession.run`` with numpy in and out.
+* ``cpu``: the ORT CPU EP, plain ``InferenceSession.run`` with numpy in and out (``io_binding=True``
+  runs the device loop below on CPU buffers instead: how the tests check that loop without a GPU).
 * ``cuda``: the ORT CUDA EP. The text encoders and the VAE run once per image (plain ``run``);
   the step graph (and the ControlNet) run with IO binding on device buffers allocated once for
   the whole run. Per step only the 1-element timestep and the 6 step coefficients change; they
@@ -165,20 +166,21 @@ class DeviceStepLoop:
     """
 
     def __init__(self, ort, step_session, controlnet_session=None, prepare_session=None, *, cuda_graph: bool = False,
-                 device_id: int = 0):
+                 device_id: int = 0, device: str = "cuda"):
         self.ort, self.step_session, self.cuda_graph, self.device_id = ort, step_session, cuda_graph, device_id
+        self.device = device  # "cpu" runs the same bindings on the CPU EP (how CI tests this loop)
         self.controlnet_session, self.prepare_session = controlnet_session, prepare_session
         self.types = input_types(step_session)
         self._keep: list = []
 
     def _device(self, array: np.ndarray, dtype=None):
         value = self.ort.OrtValue.ortvalue_from_numpy(
-            np.ascontiguousarray(array.astype(dtype or array.dtype, copy=False)), "cuda", self.device_id)
+            np.ascontiguousarray(array.astype(dtype or array.dtype, copy=False)), self.device, self.device_id)
         self._keep.append(value)
         return value
 
     def _empty(self, shape, dtype):
-        value = self.ort.OrtValue.ortvalue_from_shape_and_type(list(shape), dtype, "cuda", self.device_id)
+        value = self.ort.OrtValue.ortvalue_from_shape_and_type(list(shape), np.dtype(dtype).type, self.device, self.device_id)
         self._keep.append(value)
         return value
 
@@ -227,7 +229,7 @@ class DeviceStepLoop:
         binding.bind_ortvalue_input("timestep", self.controlnet_timestep)
         # One run with ORT-allocated outputs tells the residual shapes; then fixed buffers are bound.
         for output in self.controlnet_session.get_outputs():
-            binding.bind_output(output.name, "cuda", self.device_id)
+            binding.bind_output(output.name, self.device, self.device_id)
         self.prepare_session.run_with_iobinding(self.prepare_bindings[0])
         self.controlnet_session.run_with_iobinding(binding)
         residuals = {}
