@@ -33,7 +33,6 @@ This module needs CUDA (except --dry-run) and is never imported by the tests.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from pathlib import Path

@@ -269,7 +269,9 @@ def test_cli_writes_the_png_and_the_timings(tmp_path):
     (lambda d, o: [d, "--prompt", "a", "--scheduler", "pndm", "-o", o], "unknown scheduler"),
     (lambda d, o: [d, "--prompt", "a", "-o", Path("/no/such/dir/x.png")], "does not exist"),
     (lambda d, o: [d, "--prompt", "a", "--controlnet-image", o, "-o", o], "has no controlnet"),
-], ids=["missing-folder", "not-a-pipeline", "height", "steps", "scheduler", "unwritable-output", "controlnet-image"])
+    (lambda d, o: [d, "--prompt", "a", "--provider", "tensorrt", "-o", o], "needs TensorRT"),
+], ids=["missing-folder", "not-a-pipeline", "height", "steps", "scheduler", "unwritable-output", "controlnet-image",
+        "tensorrt-missing"])
 def test_cli_bad_input_exits_2_with_one_line(tmp_path, capsys, case, expected):
     from onnxopt.cli import main
 
@@ -321,9 +323,6 @@ def _cuda():
     from onnxopt.runners.ort_cuda import cuda_available
 
     return cuda_available()
-
-
-gpu = [pytest.mark.gpu, pytest.mark.skipif(not _cuda(), reason="needs onnxruntime-gpu and a CUDA device")]
 
 
 @pytest.mark.parametrize("kind", list(KINDS))

@@ -94,15 +94,14 @@ def _penultimate_name(session) -> str:
 class Pipeline:
     """An ONNX pipeline folder loaded into ORT sessions; call it to generate an image."""
 
-    def __init__(self, folder: PipelineFolder, provider: str, sessions: dict, step_source: str,
-                 cuda_graph: bool, device_id: int, creation_s: float):
+    def __init__(self, folder: PipelineFolder, provider: str, sessions: dict, *, step_source: str, cuda_graph: bool,
+                 io_binding: bool, device_id: int = 0, threads: int | None = None, creation_s: float = 0.0):
         self.folder, self.provider, self.sessions = folder, provider, sessions
-        self.step_source, self.cuda_graph, self.device_id = step_source, cuda_graph, device_id
-        self.creation_s = creation_s
-        self.threads, self.io_binding = None, provider != "cpu"
+        self.step_source, self.cuda_graph, self.io_binding = step_source, cuda_graph, io_binding
+        self.device_id, self.threads = device_id, threads
+        self.creation_s = creation_s  # Pipeline.load: opening the folder and creating every session
         self.calls = 0
-        self.tokenizers = {name: folder.tokenizer(name) for name in ("tokenizer", "tokenizer_2")
-                           if (folder.root / name).is_dir() and name in _tokenizers_of(folder.kind)}
+        self.tokenizers = {name: folder.tokenizer(name) for name in _tokenizers_of(folder.kind)}
 
     @property
     def fused_step(self) -> bool:
@@ -120,7 +119,7 @@ class Pipeline:
         """
         start = time.perf_counter()
         folder = folder if isinstance(folder, PipelineFolder) else PipelineFolder.open(folder)
-        ort = require_provider(provider)
+        require_provider(provider)
         _torch()
         graph = cuda_graph and provider != "cpu"
         make = lambda name, model=None, **kw: create_session(  # noqa: E731
@@ -147,11 +146,8 @@ class Pipeline:
             sessions["controlnet_prepare"] = create_session(
                 controlnet_prepare_model(input_types(sessions["controlnet"])["sample"]), provider, name="controlnet input",
                 device_id=device_id)
-        del ort
-        pipe = cls(folder, provider, sessions, step_source, graph and "step" in sessions, device_id,
-                   time.perf_counter() - start)
-        pipe.threads, pipe.io_binding = threads, io_binding
-        return pipe
+        return cls(folder, provider, sessions, step_source=step_source, cuda_graph=graph and "step" in sessions,
+                   io_binding=io_binding, device_id=device_id, threads=threads, creation_s=time.perf_counter() - start)
 
     # --- the text side, once per prompt ---------------------------------------------------------
 

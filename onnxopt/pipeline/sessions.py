@@ -97,10 +97,6 @@ def input_types(session) -> dict[str, np.dtype]:
     return {i.name: np.dtype(_ORT_TYPES.get(i.type, np.float32)) for i in session.get_inputs()}
 
 
-def input_ranks(session) -> dict[str, int]:
-    return {i.name: len(i.shape) for i in session.get_inputs()}
-
-
 def run_host(session, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """Run with numpy feeds cast to the session's input types; outputs by name."""
     types = input_types(session)
