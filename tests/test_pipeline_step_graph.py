@@ -284,3 +284,32 @@ def test_a_graph_that_is_not_a_unet_is_refused():
     model = load_model(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]))
     with pytest.raises(UnsupportedModelError, match="not a UNet graph: no input sample, timestep, encoder_hidden_states"):
         build_step_graph(model)
+
+
+@pytest.mark.gpu
+def test_step_graph_of_the_ort_cuda_fp16_unet_on_the_cuda_ep(export_tiny):
+    """On a GPU (``pytest -m gpu``): the step graph of the ``ort-cuda`` fp16 UNet runs wholly on the
+    CUDA EP and matches that UNet on the CUDA EP plus the numpy update, within fp16 ulps of the
+    model output (as the fp16 CPU test above: Casts meet differently at the step graph's edges)."""
+    from onnxopt.runners import cuda_available
+
+    if not cuda_available():
+        pytest.skip("needs onnxruntime-gpu and a CUDA device")
+    unet, _ = onnxopt.optimize(export_tiny("unet-sd15").path, ["ort-cuda", "fp16"])
+    step = build_step_graph(unet)
+
+    def cuda(model):
+        options = ort.SessionOptions()
+        options.log_severity_level = 3
+        session = ort.InferenceSession(model.to_onnx().SerializeToString(), options, providers=["CUDAExecutionProvider"])
+        assert session.get_providers()[0] == "CUDAExecutionProvider"
+        names = [o.name for o in session.get_outputs()]
+        return lambda feeds: dict(zip(names, session.run(names, feeds)))
+
+    run_unet, run_step = cuda(unet), cuda(step)
+    for b in (1, 2):
+        feeds = step_feeds(unet, b, b)
+        expected, _, eps2 = reference_step(run_unet, unet, feeds, with_model_output=True)
+        got = run_step(feeds)["latents_out"]
+        ulps = 4 * 2.0**-11 * np.abs(eps2).max() * (1 + 2 * feeds["guidance_scale"][0])
+        assert np.abs(got - expected).max() <= ulps * abs(feeds["step_coefficients"][2])
