@@ -221,6 +221,30 @@ def test_write_step_graph_of_an_inline_unet_is_inline(export_tiny, tmp_path):
     np.testing.assert_array_equal(runner(path)(feeds)["latents_out"], expected["latents_out"])
 
 
+def test_reference_external_copies_what_lies_outside_the_folder(export_tiny, tmp_path):
+    """save_model(reference_external=True) references only data files inside the destination
+    folder; a model saved elsewhere gets its own data file with the bytes, as without the option."""
+    source_dir, elsewhere = tmp_path / "unet", tmp_path / "elsewhere"
+    source_dir.mkdir(), elsewhere.mkdir()
+    save_model(load_model(export_tiny("unet-sd15").path), source_dir / "model.onnx", external_data=True)
+    unet = load_model(source_dir / "model.onnx")
+
+    beside = save_model(unet, source_dir / "again.onnx", external_data=True, reference_external=True)
+    away = save_model(unet, elsewhere / "again.onnx", external_data=True, reference_external=True)
+
+    assert beside.data_path.stat().st_size == 0  # nothing left to write: every weight referenced
+    assert away.data_path.stat().st_size >= unet.weights_nbytes() - 1024 * len(unet.constants())
+    locations = {e.value for t in onnx.load(str(beside.path), load_external_data=False).graph.initializer
+                 for e in t.external_data if e.key == "location"}
+    assert locations == {"model.onnx.data"}
+    feeds = step_feeds(unet, 1, 0)
+    feeds = {"sample": np.concatenate([feeds["latents"]] * 2), "timestep": np.repeat(feeds["timestep"], 2),
+             "encoder_hidden_states": feeds["encoder_hidden_states"]}
+    expected = runner(unet)(feeds)["out_sample"]
+    for info in (beside, away):
+        np.testing.assert_array_equal(runner(info.path)(feeds)["out_sample"], expected)
+
+
 def controlnet_unet() -> onnx.ModelProto:
     """A small UNet-shaped graph with ControlNet residual inputs (down_block_res_{0,1}, mid_block_res)
     and a rank-0 int64 timestep, every input reaching ``out_sample``."""
