@@ -63,7 +63,7 @@ class _Builder:
         return out[0] if outputs == 1 else out
 
     def into(self, op: str, name: str, inputs: list, output: gs.Variable, attrs=None) -> None:
-        """A node writing an existing tensor (one the UNet's nodes already read)."""
+        """A node writing a given tensor (one the UNet's nodes read, or a graph output)."""
         self.graph.nodes.append(gs.Node(op, f"{PREFIX}{name}", attrs=attrs or {}, inputs=inputs, outputs=[output]))
 
     def constant(self, name: str, values) -> gs.Constant:
@@ -132,11 +132,11 @@ def build_step_graph(unet: Model) -> Model:
     state_term = b.op("Mul", "c_state_state", [c_state, state], shape=latent_shape)
     partial = b.op("Add", "latents_partial", [x_term, eps_term], shape=latent_shape)
     latents_out = gs.Variable("latents_out", dtype=F32, shape=latent_shape)
-    graph.nodes.append(gs.Node("Add", f"{PREFIX}latents_out", inputs=[partial, state_term], outputs=[latents_out]))
+    b.into("Add", "latents_out", [partial, state_term], latents_out)
     dx_term = b.op("Mul", "d_x_latents", [d_x, latents], shape=latent_shape)
     deps_term = b.op("Mul", "d_eps_output", [d_eps, eps], shape=latent_shape)
     state_out = gs.Variable("state_out", dtype=F32, shape=latent_shape)
-    graph.nodes.append(gs.Node("Add", f"{PREFIX}state_out", inputs=[dx_term, deps_term], outputs=[state_out]))
+    b.into("Add", "state_out", [dx_term, deps_term], state_out)
 
     passed_through = [t for t in graph.inputs if t is not sample and t is not timestep]
     graph.inputs = [latents, step_timestep, *passed_through, guidance, coefficients, state]
