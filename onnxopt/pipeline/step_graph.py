@@ -110,7 +110,8 @@ def build_step_graph(unet: Model) -> Model:
         b.into("Cast", "model_input", [doubled], sample, attrs={"to": _onnx_type(sample_dtype)})
 
     if timestep.shape is not None and len(timestep.shape) == 0:
-        b.into("Reshape", "timestep_scalar", [step_timestep, b.constant("scalar_shape", np.zeros(0, np.int64))], timestep)
+        scalar_shape = b.constant("scalar_shape", np.zeros(0, np.int64))
+        b.into("Reshape", "timestep_scalar", [step_timestep, scalar_shape], timestep)
     else:
         batch2 = b.op("Shape", "model_input_shape", [sample], dtype=np.int64, shape=[4])
         batch2 = b.op("Slice", "model_input_batch", [batch2, b.constant("zero", np.array([0], np.int64)),
