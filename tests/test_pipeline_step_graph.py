@@ -70,7 +70,10 @@ def reference_step(run_unet, unet: onnxopt.Model, feeds: dict, *, with_model_out
     x, b = feeds["latents"], feeds["latents"].shape[0]
     sample = np.concatenate([x * c_in] * 2).astype(np.dtype(inputs["sample"].dtype))
     timestep = feeds["timestep"]
-    timestep = timestep.reshape(()) if len(inputs["timestep"].shape) == 0 else np.repeat(timestep, 2 * b)
+    if inputs["timestep"].shape == []:
+        timestep = timestep.reshape(())
+    elif inputs["timestep"].shape != [1]:  # [1]: one timestep the UNet broadcasts itself
+        timestep = np.repeat(timestep, 2 * b)
     conditioning = {n: v for n, v in feeds.items() if n in inputs and n not in ("sample", "timestep")}
     eps2 = next(iter(run_unet(dict(sample=sample, timestep=timestep, **conditioning)).values())).astype(np.float32)
     eps_u, eps_c = eps2[:b], eps2[b:]
@@ -79,9 +82,9 @@ def reference_step(run_unet, unet: onnxopt.Model, feeds: dict, *, with_model_out
     return (latents_out, state_out, eps2) if with_model_output else (latents_out, state_out)
 
 
-def assert_step_matches(unet: onnxopt.Model, step: onnxopt.Model, *, atol: float, seeds=(0, 1)):
+def assert_step_matches(unet: onnxopt.Model, step: onnxopt.Model, *, atol: float, seeds=(0, 1), batches=(1, 2)):
     run_unet, run_step = runner(unet), runner(step)
-    for b, seed in zip((1, 2), seeds):
+    for b, seed in zip(batches, seeds):
         feeds = step_feeds(unet, b, seed)
         expected_latents, expected_state = reference_step(run_unet, unet, feeds)
         got = run_step(feeds)
@@ -119,6 +122,16 @@ def test_step_graph_equals_unet_plus_numpy_update(export_tiny, family, exporter)
     assert len(step.graph.nodes) > len(unet.graph.nodes)
 
     assert_step_matches(unet, step, atol=1e-5)
+
+
+def test_step_graph_of_a_static_unet(fixtures_dir):
+    """A static export (dynamo, opset 20, batch 2): the step graph takes one image, statically."""
+    unet = load_model(fixtures_dir / "unet-sd15.tiny.dynamo.static.sdpa.onnx")
+    step = build_step_graph(unet)
+    shapes = {n: s for n, _, s in io(step)[0]}
+    assert shapes["latents"] == shapes["state"] == [1, 4, H, W]
+    assert [t.shape for t in step.graph.outputs] == [[1, 4, H, W]] * 2
+    assert_step_matches(unet, step, atol=1e-5, batches=(1,))
 
 
 def test_a_wrong_update_is_caught(export_tiny):
@@ -246,14 +259,14 @@ def test_reference_external_copies_what_lies_outside_the_folder(export_tiny, tmp
         np.testing.assert_array_equal(runner(info.path)(feeds)["out_sample"], expected)
 
 
-def controlnet_unet() -> onnx.ModelProto:
+def controlnet_unet(timestep_shape: list) -> onnx.ModelProto:
     """A small UNet-shaped graph with ControlNet residual inputs (down_block_res_{0,1}, mid_block_res)
-    and a rank-0 int64 timestep, every input reaching ``out_sample``."""
+    and an int64 timestep of ``timestep_shape``, every input reaching ``out_sample``."""
     rng = np.random.default_rng(0)
     f32 = TensorProto.FLOAT
     inputs = [
         helper.make_tensor_value_info("sample", f32, ["batch", 4, "height", "width"]),
-        helper.make_tensor_value_info("timestep", TensorProto.INT64, []),
+        helper.make_tensor_value_info("timestep", TensorProto.INT64, timestep_shape),
         helper.make_tensor_value_info("encoder_hidden_states", f32, ["batch", "sequence", 8]),
         helper.make_tensor_value_info("down_block_res_0", f32, ["batch", 4, "height", "width"]),
         helper.make_tensor_value_info("down_block_res_1", f32, ["batch", 8, "h2", "w2"]),
@@ -267,7 +280,10 @@ def controlnet_unet() -> onnx.ModelProto:
         helper.make_node("ReduceMean", ["mid_block_res"], ["mid"], axes=[1, 2, 3]),
         helper.make_node("ReduceMean", ["encoder_hidden_states"], ["context"], axes=[1, 2], keepdims=0),
         helper.make_node("Unsqueeze", ["context", "three_axes"], ["context4"]),
-        helper.make_node("Cast", ["timestep"], ["t"], to=f32),
+        # a [B] or [1] timestep broadcasts as [B, 1, 1, 1]; a scalar as it is
+        helper.make_node("Unsqueeze", ["timestep", "three_axes"], ["t4"]) if timestep_shape
+        else helper.make_node("Identity", ["timestep"], ["t4"]),
+        helper.make_node("Cast", ["t4"], ["t"], to=f32),
         helper.make_node("Mul", ["t", "t_scale"], ["t_scaled"]),
         helper.make_node("Add", ["with_res0", "res1"], ["a"]),
         helper.make_node("Add", ["a", "mid"], ["b"]),
@@ -281,13 +297,15 @@ def controlnet_unet() -> onnx.ModelProto:
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
 
 
-def test_controlnet_residuals_pass_through():
-    unet = load_model(controlnet_unet())
+@pytest.mark.parametrize("timestep_shape, timestep_op", [([], "Reshape"), ([1], "Identity"), (["batch"], "Expand")])
+def test_controlnet_residuals_pass_through(timestep_shape, timestep_op):
+    unet = load_model(controlnet_unet(timestep_shape))
     step = build_step_graph(unet)
     inputs = {n: (d, s) for n, d, s in io(step)[0]}
     assert list(inputs) == ["latents", "timestep", "encoder_hidden_states", "down_block_res_0", "down_block_res_1",
                             "mid_block_res", "guidance_scale", "step_coefficients", "state"]
-    assert inputs["timestep"] == (np.int64, [1])  # a [1] input, reshaped to the UNet's scalar inside
+    assert inputs["timestep"] == (np.int64, [1])  # always [1]; made what the UNet takes inside
+    assert next(n for n in step.graph.nodes if n.outputs[0].name == f"{PREFIX}unet_timestep").op == timestep_op
     rng = np.random.default_rng(5)
     for b in (1, 2):
         feeds = step_feeds(unet, b, b)

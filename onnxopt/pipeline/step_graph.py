@@ -1,7 +1,7 @@
 """The fused denoising step: classifier-free guidance and the scheduler update appended to the UNet.
 
     latents [b,4,h,w] f32 ─ Mul(c_in) ─ Concat(axis 0, twice) ─ [Cast f16] ─┐
-    timestep [1] ─ Expand([2b]) (or Reshape to [] for a rank-0 UNet input) ─┤
+    timestep [1] ─ Expand([2b]) (Reshape to [] for a rank-0 UNet input) ────┤
     encoder_hidden_states [2b,S,D], text_embeds, time_ids,                   ├─ UNet ─ out_sample [2b,4,h,w]
     down_block_res_{i}, mid_block_res (passed through as they are) ──────────┘          │
                                                                  [Cast f32] ─ Split(axis 0) ─ eps_u, eps_c
@@ -112,6 +112,8 @@ def build_step_graph(unet: Model) -> Model:
     if timestep.shape is not None and len(timestep.shape) == 0:
         scalar_shape = b.constant("scalar_shape", np.zeros(0, np.int64))
         b.into("Reshape", "timestep_scalar", [step_timestep, scalar_shape], timestep)
+    elif timestep.shape == [1]:  # exported for one timestep broadcast over the batch: keep it so
+        b.into("Identity", "timestep_batch", [step_timestep], timestep)
     else:
         batch2 = b.op("Shape", "model_input_shape", [sample], dtype=np.int64, shape=[4])
         batch2 = b.op("Slice", "model_input_batch", [batch2, b.constant("zero", np.array([0], np.int64)),
