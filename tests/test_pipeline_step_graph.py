@@ -297,7 +297,8 @@ def controlnet_unet(timestep_shape: list) -> onnx.ModelProto:
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
 
 
-@pytest.mark.parametrize("timestep_shape, timestep_op", [([], "Reshape"), ([1], "Identity"), (["batch"], "Expand")])
+@pytest.mark.parametrize("timestep_shape, timestep_op", [([], "Reshape"), ([1], "Identity"), (["batch"], "Expand")],
+                         ids=["scalar", "one", "batch"])
 def test_controlnet_residuals_pass_through(timestep_shape, timestep_op):
     unet = load_model(controlnet_unet(timestep_shape))
     step = build_step_graph(unet)
