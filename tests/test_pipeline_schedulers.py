@@ -37,11 +37,14 @@ SDXL = {
 CONFIGS = {"sd15": SD15, "sd21-v": SD21, "sdxl": SDXL, "sdxl-v": dict(SDXL, prediction_type="v_prediction")}
 
 
-def run_both(name: str, config: dict, steps: int, seed: int = 0) -> list[float]:
-    """Drive a fresh diffusers scheduler and the plan on the same random inputs; per-step relative errors."""
+def run_both(name: str, config: dict, steps: int, seed: int = 0, begin_index: bool = False) -> list[float]:
+    """Drive a fresh diffusers scheduler and the plan on the same random inputs; per-step relative errors.
+    ``begin_index``: the reference is driven as StableDiffusionXLPipeline drives it (set_begin_index(0))."""
     plan = plan_steps(make_scheduler(name, config), steps)
     reference = make_scheduler(name, config)
     reference.set_timesteps(steps)
+    if begin_index and hasattr(reference, "set_begin_index"):
+        reference.set_begin_index(0)
     assert plan.timesteps == [t.item() for t in reference.timesteps]
     assert plan.init_noise_sigma == pytest.approx(float(reference.init_noise_sigma))
     assert plan.coefficients.shape == (len(plan.timesteps), 6) and plan.coefficients.dtype == np.float32
@@ -69,6 +72,13 @@ def run_both(name: str, config: dict, steps: int, seed: int = 0) -> list[float]:
 def test_coefficients_reproduce_diffusers_step(name, config, steps):
     errors = run_both(name, CONFIGS[config], steps)
     assert max(errors) < 1e-6, errors  # fp32 rounding of a sum of three terms
+
+
+@pytest.mark.parametrize("name", SCHEDULERS)
+def test_driven_as_the_sdxl_pipeline_drives_it(name):
+    """StableDiffusionXLPipeline calls set_begin_index(0) before its loop; SD 1.5's lets the scheduler
+    find its index from the first timestep. The plan fits both."""
+    assert max(run_both(name, SDXL, 30, begin_index=True)) < 1e-6
 
 
 def test_multistep_state_matters():

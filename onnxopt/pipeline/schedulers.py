@@ -188,7 +188,8 @@ def _refuse_non_affine(scheduler, step_kwargs: dict) -> None:
         if config.get("algorithm_type") != "dpmsolver++":
             reasons.append(f"algorithm_type={config.get('algorithm_type')!r} (only 'dpmsolver++')")
         if config.get("solver_order") not in (1, 2):
-            reasons.append(f"solver_order={config.get('solver_order')} (the step graph carries one previous prediction)")
+            reasons.append(f"solver_order={config.get('solver_order')} "
+                           "(the step graph carries one previous prediction)")
     if reasons:
         raise SchedulerError(f"{name} with {', '.join(reasons)} is not affine; the fused step graph cannot run it")
 

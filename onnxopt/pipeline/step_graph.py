@@ -1,7 +1,7 @@
 """The fused denoising step: classifier-free guidance and the scheduler update appended to the UNet.
 
     latents [b,4,h,w] f32 ─ Mul(c_in) ─ Concat(axis 0, twice) ─ [Cast f16] ─┐
-    timestep [1] ─ Expand([2b]) (or Reshape to [] for a rank-0 UNet input) ─┤
+    timestep [1] ─ Expand([2b]) (Reshape to [] for a rank-0 UNet input) ────┤
     encoder_hidden_states [2b,S,D], text_embeds, time_ids,                   ├─ UNet ─ out_sample [2b,4,h,w]
     down_block_res_{i}, mid_block_res (passed through as they are) ──────────┘          │
                                                                  [Cast f32] ─ Split(axis 0) ─ eps_u, eps_c
@@ -63,7 +63,7 @@ class _Builder:
         return out[0] if outputs == 1 else out
 
     def into(self, op: str, name: str, inputs: list, output: gs.Variable, attrs=None) -> None:
-        """A node writing an existing tensor (one the UNet's nodes already read)."""
+        """A node writing a given tensor (one the UNet's nodes read, or a graph output)."""
         self.graph.nodes.append(gs.Node(op, f"{PREFIX}{name}", attrs=attrs or {}, inputs=inputs, outputs=[output]))
 
     def constant(self, name: str, values) -> gs.Constant:
@@ -110,7 +110,10 @@ def build_step_graph(unet: Model) -> Model:
         b.into("Cast", "model_input", [doubled], sample, attrs={"to": _onnx_type(sample_dtype)})
 
     if timestep.shape is not None and len(timestep.shape) == 0:
-        b.into("Reshape", "timestep_scalar", [step_timestep, b.constant("scalar_shape", np.zeros(0, np.int64))], timestep)
+        scalar_shape = b.constant("scalar_shape", np.zeros(0, np.int64))
+        b.into("Reshape", "timestep_scalar", [step_timestep, scalar_shape], timestep)
+    elif timestep.shape == [1]:  # exported for one timestep broadcast over the batch: keep it so
+        b.into("Identity", "timestep_batch", [step_timestep], timestep)
     else:
         batch2 = b.op("Shape", "model_input_shape", [sample], dtype=np.int64, shape=[4])
         batch2 = b.op("Slice", "model_input_batch", [batch2, b.constant("zero", np.array([0], np.int64)),
@@ -132,11 +135,11 @@ def build_step_graph(unet: Model) -> Model:
     state_term = b.op("Mul", "c_state_state", [c_state, state], shape=latent_shape)
     partial = b.op("Add", "latents_partial", [x_term, eps_term], shape=latent_shape)
     latents_out = gs.Variable("latents_out", dtype=F32, shape=latent_shape)
-    graph.nodes.append(gs.Node("Add", f"{PREFIX}latents_out", inputs=[partial, state_term], outputs=[latents_out]))
+    b.into("Add", "latents_out", [partial, state_term], latents_out)
     dx_term = b.op("Mul", "d_x_latents", [d_x, latents], shape=latent_shape)
     deps_term = b.op("Mul", "d_eps_output", [d_eps, eps], shape=latent_shape)
     state_out = gs.Variable("state_out", dtype=F32, shape=latent_shape)
-    graph.nodes.append(gs.Node("Add", f"{PREFIX}state_out", inputs=[dx_term, deps_term], outputs=[state_out]))
+    b.into("Add", "state_out", [dx_term, deps_term], state_out)
 
     passed_through = [t for t in graph.inputs if t is not sample and t is not timestep]
     graph.inputs = [latents, step_timestep, *passed_through, guidance, coefficients, state]
