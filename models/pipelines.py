@@ -504,8 +504,10 @@ def resave_external(path, data_name: str) -> None:
     model = onnx.load(str(path), load_external_data=True)
     for f in old:
         f.unlink()
+    # Tensors under 1 KB stay inline (onnx's default): ORT's shape inference reads small
+    # initializers (Unsqueeze axes, Reshape shapes) only from inline data.
     onnx.save(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
-              location=data_name, size_threshold=0)
+              location=data_name)
 
 
 def write_onnx_folder(kind: str, out_dir, size: str = "tiny", exporter: str = "torchscript", seed: int = 0,

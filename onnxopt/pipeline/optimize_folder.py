@@ -233,7 +233,9 @@ def _run_once(model, feed: dict) -> dict[str, np.ndarray]:
     """Run ``model`` on ORT CPU, or on onnxopt's reference kernels when ORT's CPU build lacks one."""
     from onnxopt.verify import runner_for
 
-    with tempfile.TemporaryDirectory(prefix="onnxopt-vae-check-") as work:
+    from onnxopt.verify import _quiet
+
+    with tempfile.TemporaryDirectory(prefix="onnxopt-vae-check-") as work, _quiet():
         runner = runner_for(model, "check", Path(work))
         with runner:
             out = runner.infer({k: v.astype(_input_dtype(model, k)) for k, v in feed.items()})
