@@ -205,12 +205,27 @@ def test_optimize_tensorrt_unet_runs_on_ort_cpu(folders, tmp_path):
     assert report.component("text_encoder").passes == ["ort-cuda"]
 
 
-def _vae_only_folder(src: Path, dst: Path) -> Path:
-    """A pipeline folder with only what the VAE needs (model_index, unet config, vae_decoder)."""
+def _vae_only_folder(src: Path, dst: Path, conv_gain: float = 1.0) -> Path:
+    """A pipeline folder with only what the VAE needs (model_index, unet config, vae_decoder).
+
+    ``conv_gain`` scales the first two convolutions' weights and biases (post_quant_conv, conv_in):
+    the activations after them then leave the fp16 range, as the real SD VAE decoder's do, while
+    the GroupNorm that follows keeps the fp32 output sane.
+    """
+    from onnx import numpy_helper
+
     (dst / "unet").mkdir(parents=True)
+    (dst / "vae_decoder").mkdir()
     shutil.copy(src / "model_index.json", dst)
     shutil.copy(src / "unet" / "config.json", dst / "unet")
-    shutil.copytree(src / "vae_decoder", dst / "vae_decoder")
+    shutil.copy(src / "vae_decoder" / "config.json", dst / "vae_decoder")
+    model = onnx.load(str(src / "vae_decoder" / "model.onnx"))
+    initializers = {t.name: t for t in model.graph.initializer}
+    for conv in [n for n in model.graph.node if n.op_type == "Conv"][:2]:
+        for name in conv.input[1:]:
+            scaled = numpy_helper.to_array(initializers[name]) * np.float32(conv_gain)
+            initializers[name].CopyFrom(numpy_helper.from_array(scaled, name))
+    onnx.save(model, str(dst / "vae_decoder" / "model.onnx"))
     return dst
 
 
@@ -219,12 +234,14 @@ def _has_fp16(path: Path) -> bool:
     return any(t.data_type == onnx.TensorProto.FLOAT16 for t in model.graph.initializer)
 
 
-def test_fp16_vae_decoder_is_finite_and_close_to_fp32(tmp_path):
-    """fp32_auto calibration at the folder's size (latent 16x16 from unet sample_size, N(0,1)/0.18215)."""
+def test_fp16_vae_decoder_is_finite_and_close_to_fp32_where_plain_fp16_overflows(tmp_path):
+    """fp32_auto calibration at the folder's size (latent 16x16 from unet sample_size, N(0,1)/0.18215)
+    keeps the overflowing region in fp32; the plain fp16 conversion of the same graph gives inf/NaN."""
+    from onnxopt import optimize
     from onnxopt.loading import load_model
     from onnxopt.pipeline.optimize_folder import fp16_vae_error, vae_calibration_feed
 
-    src = _vae_only_folder(COMMITTED_SD15, tmp_path / "src")
+    src = _vae_only_folder(COMMITTED_SD15, tmp_path / "src", conv_gain=3000.0)
     report = optimize_folder(src, tmp_path / "fp16", fp16=True)
     vae = report.component("vae_decoder")
     assert vae.precision == "float16" and vae.passes == ["ort-cuda", "fp16"]
@@ -235,6 +252,10 @@ def test_fp16_vae_decoder_is_finite_and_close_to_fp32(tmp_path):
     assert feed["latent_sample"].shape == (1, 4, 16, 16)
     error, finite = fp16_vae_error(source, load_model(out), feed)
     assert finite and error < 1e-2
+    plain, _ = optimize(source, ["ort-cuda", "fp16"])
+    with np.errstate(all="ignore"):
+        _, plain_finite = fp16_vae_error(source, plain, feed)
+    assert not plain_finite
 
 
 def test_fp16_vae_falls_back_to_fp32_when_the_check_fails(tmp_path):
