@@ -354,3 +354,24 @@ def test_file_input_with_target_and_passes_exits_2(tmp_path, capsys):
     assert onnxopt_main(args + ["--target", "tensorrt", "-q"]) == 0          # --target alone: its preset
     graph = onnx.load(str(tmp_path / "t.onnx")).graph
     assert not any(n.domain == "com.microsoft" for n in graph.node)
+
+
+# ----------------------------------------------------------------------------------- GPU
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp16", [False, True], ids=["fp32", "fp16"])
+def test_optimized_folder_runs_on_the_cuda_ep(tmp_path, fp16):
+    """On a GPU (``pytest -m gpu``): every component of the committed folder, optimized for ort-cuda,
+    runs on ORT's CUDA EP and computes what its source computes (fp16: the fp16 pass's tolerance)."""
+    from onnxopt.passes.fp16 import Fp16Pass
+    from onnxopt.runners import cuda_available
+
+    if not cuda_available():
+        pytest.skip("needs onnxruntime-gpu and a CUDA device")
+    dst = tmp_path / "out"
+    optimize_folder(COMMITTED_SD15, dst, fp16=fp16)
+    tolerance = Tolerance(*Fp16Pass.verify_tolerance) if fp16 else TOLERANCE
+    for component in onnx_components(COMMITTED_SD15):
+        report = diff(COMMITTED_SD15 / component / "model.onnx", dst / component / "model.onnx", runtime="cuda",
+                      tolerance=tolerance, inputs=InputSpec(dims=DIMS))
+        assert report.ok, f"{component}:\n{report.table()}"
