@@ -277,9 +277,10 @@ def _optimize_component(component: PipelineComponent, out_dir: Path, src: Path, 
     passes = component_passes(name, target, fp16)
     notes = []
     options = {"fp16": dict(fp16_options)} if fp16 else {}
-    source = load_model(component.model_path)
-    feed = None
+    # Optimize from the path (weights stay lazy, as for one model); only the VAE's fp16 check keeps the source.
+    source, feed = component.model_path, None
     if fp16 and name in VAES:
+        source = load_model(component.model_path)
         feed = vae_calibration_feed(source, name, src)
         options["fp16"].update(fp32_auto=True, calibration=feed)
     model, report = optimize(source, passes, verify=verify, tolerance=tolerance, options=options)
