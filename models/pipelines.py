@@ -312,7 +312,8 @@ def _make_wrappers():
     torch = _torch()
 
     class TextEncoder(torch.nn.Module):
-        """(input_ids int32,) -> (last_hidden_state, pooler_output[, hidden_states.0 .. L])"""
+        """(input_ids int32,) -> CLIPTextModel: (last_hidden_state, pooler_output[, hidden_states.0 .. L]);
+        CLIPTextModelWithProjection: (text_embeds, last_hidden_state[, hidden_states.0 .. L])"""
 
         def __init__(self, model, hidden_states: bool):
             super().__init__()
@@ -320,11 +321,10 @@ def _make_wrappers():
 
         def forward(self, input_ids):
             out = self.model(input_ids=input_ids.long(), output_hidden_states=self.hidden_states, return_dict=True)
-            first = out.text_embeds if hasattr(out, "text_embeds") else out.pooler_output
             if hasattr(out, "text_embeds"):
-                head = (first, out.last_hidden_state)
+                head = (out.text_embeds, out.last_hidden_state)
             else:
-                head = (out.last_hidden_state, first)
+                head = (out.last_hidden_state, out.pooler_output)
             return (*head, *out.hidden_states) if self.hidden_states else head
 
     class UNet(torch.nn.Module):
@@ -504,8 +504,10 @@ def resave_external(path, data_name: str) -> None:
     model = onnx.load(str(path), load_external_data=True)
     for f in old:
         f.unlink()
+    # Tensors under 1 KB stay inline (onnx's default): ORT's shape inference reads small
+    # initializers (Unsqueeze axes, Reshape shapes) only from inline data.
     onnx.save(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
-              location=data_name, size_threshold=0)
+              location=data_name)
 
 
 def write_onnx_folder(kind: str, out_dir, size: str = "tiny", exporter: str = "torchscript", seed: int = 0,

@@ -233,7 +233,9 @@ def _run_once(model, feed: dict) -> dict[str, np.ndarray]:
     """Run ``model`` on ORT CPU, or on onnxopt's reference kernels when ORT's CPU build lacks one."""
     from onnxopt.verify import runner_for
 
-    with tempfile.TemporaryDirectory(prefix="onnxopt-vae-check-") as work:
+    from onnxopt.verify import _quiet
+
+    with tempfile.TemporaryDirectory(prefix="onnxopt-vae-check-") as work, _quiet():
         runner = runner_for(model, "check", Path(work))
         with runner:
             out = runner.infer({k: v.astype(_input_dtype(model, k)) for k, v in feed.items()})
@@ -275,9 +277,10 @@ def _optimize_component(component: PipelineComponent, out_dir: Path, src: Path, 
     passes = component_passes(name, target, fp16)
     notes = []
     options = {"fp16": dict(fp16_options)} if fp16 else {}
-    source = load_model(component.model_path)
-    feed = None
+    # Optimize from the path (weights stay lazy, as for one model); only the VAE's fp16 check keeps the source.
+    source, feed = component.model_path, None
     if fp16 and name in VAES:
+        source = load_model(component.model_path)
         feed = vae_calibration_feed(source, name, src)
         options["fp16"].update(fp32_auto=True, calibration=feed)
     model, report = optimize(source, passes, verify=verify, tolerance=tolerance, options=options)
