@@ -6,6 +6,7 @@
     python -m models list
     python -m models sites unet-sdxl --size full
     python -m models coverage [--families ...] [--variants ...] [--json out.json]   # see models/coverage.py
+    python -m models pipeline sd15 --size tiny -o /tmp/sd15-tiny [--exporter dynamo] [--data-name weights.pb]
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ def _parser() -> argparse.ArgumentParser:
     from . import FAMILIES
     from .base import ATTENTIONS, SIZES
     from .export import EXPORTERS, SHAPES
+    from .pipelines import DATA_NAMES, PIPELINE_KINDS
 
     p = argparse.ArgumentParser(prog="python -m models", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -56,6 +58,16 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--size", choices=SIZES, default="tiny")
     s.add_argument("--attention", choices=ATTENTIONS, default="sdpa")
 
+    pl = sub.add_parser("pipeline", help="write a diffusers/optimum-style ONNX pipeline folder (models/pipelines.py)")
+    pl.add_argument("kind", choices=PIPELINE_KINDS)
+    pl.add_argument("--size", choices=SIZES, default="tiny")
+    pl.add_argument("--exporter", choices=EXPORTERS, default="torchscript")
+    pl.add_argument("--seed", type=int, default=0)
+    pl.add_argument("--data-name", choices=DATA_NAMES, default=None,
+                    help="put each component's tensors in this external data file (default: inline for tiny)")
+    pl.add_argument("--no-check", action="store_true", help="skip the ONNX Runtime vs torch check")
+    pl.add_argument("-o", "--output", required=True, help="output folder (must not exist or be empty)")
+
     sub.add_parser("coverage", help="fusion coverage table of the ort-cuda preset (python -m models coverage --help)")
     return p
 
@@ -88,6 +100,9 @@ def main(argv=None) -> int:
 
         make_all(args.out, args.only)
         return 0
+
+    if args.cmd == "pipeline":
+        return _pipeline(args)
 
     # build
     from . import build
@@ -125,6 +140,27 @@ def main(argv=None) -> int:
         if not ok:
             return 1
     return 0
+
+
+def _pipeline(args) -> int:
+    from .export import check_export
+    from .pipelines import folder_bytes, write_onnx_folder
+
+    out = Path(args.output)
+    if out.exists() and any(out.iterdir()):
+        print(f"{out} exists and is not empty", file=sys.stderr)
+        return 2
+    t0 = time.perf_counter()
+    comps = write_onnx_folder(args.kind, out, args.size, args.exporter, args.seed, args.data_name)
+    print(f"wrote {args.kind} ({args.size}, {args.exporter}) in {time.perf_counter() - t0:.1f}s: "
+          f"{', '.join(comps)}; {folder_bytes(out) / 1e6:.2f} MB -> {out}")
+    ok = True
+    if not args.no_check:
+        for name, bm in comps.items():
+            c = check_export(bm, out / name / "model.onnx")
+            print(f"  {name:15s} {c}")
+            ok = ok and c.ok
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

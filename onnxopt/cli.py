@@ -39,9 +39,11 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     opt = sub.add_parser("optimize", help="run passes over a model")
-    opt.add_argument("-i", "--input", required=True, help="source .onnx (never modified)")
-    opt.add_argument("-o", "--output", required=True, help="where to write the result (atomically)")
-    opt.add_argument("--passes", default="cleanup", help="comma-separated passes and presets (default: cleanup)")
+    opt.add_argument("-i", "--input", required=True, help="source .onnx, or a diffusers/optimum ONNX pipeline folder (never modified)")
+    opt.add_argument("-o", "--output", required=True, help="where to write the result (atomically; for a folder: a new folder)")
+    opt.add_argument("--passes", default=None, help="comma-separated passes and presets (default: cleanup)")
+    opt.add_argument("--target", choices=["ort-cuda", "tensorrt"], help="the target's preset (a folder: each component's preset, default ort-cuda)")
+    opt.add_argument("--fp16", action="store_true", help="add the fp16 pass (a folder: the VAE guarded, see onnxopt/pipeline/optimize_folder.py)")
     opt.add_argument("--verify", action="store_true", help="compare with the source after every pass; name the first that breaks the tolerance")
     opt.add_argument("--atol", type=float, default=1e-4)
     opt.add_argument("--rtol", type=float, default=1e-3)
@@ -110,7 +112,60 @@ def build_parser() -> argparse.ArgumentParser:
                        help="value of a symbolic dim for inputs without --profile (default: batch 2, others 8)")
     build.add_argument("--timing-cache", type=Path, help="TensorRT timing cache: read if it exists, written after the build")
     build.add_argument("--workspace", type=int, metavar="MB", help="builder workspace limit in MiB")
+    _add_generate_parser(sub)
     return parser
+
+
+def _add_generate_parser(sub) -> None:
+    gen = sub.add_parser("generate", help="text to image from an ONNX pipeline folder (ORT CPU, CUDA or TensorRT)")
+    gen.add_argument("folder", help="a diffusers/optimum ONNX pipeline folder (model_index.json, unet/, ...)")
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--negative-prompt", default=None)
+    gen.add_argument("--steps", type=int, default=50)
+    gen.add_argument("--guidance", type=float, default=7.5)
+    gen.add_argument("--scheduler", default="ddim", help="ddim | euler | dpm++2m (diffusers' classes, from the folder's config)")
+    gen.add_argument("--seed", type=int, default=0, help="as diffusers: torch.Generator('cpu').manual_seed(SEED)")
+    gen.add_argument("--height", type=int, help="pixels (default: the UNet's sample_size times the VAE factor)")
+    gen.add_argument("--width", type=int)
+    gen.add_argument("--controlnet-image", type=Path, help="conditioning image (ControlNet folders only)")
+    gen.add_argument("--controlnet-scale", type=float, default=1.0)
+    gen.add_argument("--provider", choices=["cpu", "cuda", "tensorrt"], default="cpu")
+    gen.add_argument("--no-cuda-graph", dest="cuda_graph", action="store_false", help="cuda/tensorrt: do not capture the step")
+    gen.add_argument("--unfused", dest="fused_step", action="store_false", help="UNet + diffusers' scheduler.step (no fused step graph)")
+    gen.add_argument("-o", "--output", required=True, type=Path, help="the PNG to write (atomically)")
+    gen.add_argument("--json", type=Path, help="also write the per-stage timings as JSON")
+    gen.add_argument("-q", "--quiet", action="store_true", help="no progress bar, no timings table")
+
+
+def cmd_generate(args) -> int:
+    import json
+
+    from onnxopt.pipeline import PipelineFolder, images
+    from onnxopt.pipeline.runner import Pipeline, check_request
+
+    folder = PipelineFolder.open(args.folder)
+    check_request(folder, steps=args.steps, scheduler=args.scheduler, height=args.height, width=args.width,
+                  controlnet_image=args.controlnet_image)
+    images.check_writable(args.output)
+    if args.json:
+        images.check_writable(args.json)
+    pipe = Pipeline.load(folder, args.provider, fused_step=args.fused_step, cuda_graph=args.cuda_graph)
+    result = pipe(args.prompt, negative_prompt=args.negative_prompt, steps=args.steps, guidance=args.guidance,
+                  scheduler=args.scheduler, seed=args.seed, height=args.height, width=args.width,
+                  controlnet_image=args.controlnet_image, controlnet_scale=args.controlnet_scale, progress=not args.quiet)
+    images.write_png(result.image, args.output)
+    if args.json:
+        try:
+            args.json.write_text(json.dumps(result.timings, indent=2) + "\n")
+        except OSError as exc:
+            raise OnnxoptError(f"{args.json}: cannot write: {exc.strerror or exc}")
+    if not args.quiet:
+        t = result.timings
+        print(f"wrote {args.output} ({result.image.width}x{result.image.height}, {t['steps']} steps, {t['step']})")
+        print(f"  text encoder {t['text_encoder_s'] * 1e3:.1f} ms | step {t['step_mean_s'] * 1e3:.2f} ms mean, "
+              f"first {t['first_step_s'] * 1e3:.1f} ms | VAE decode {t['vae_decode_s'] * 1e3:.1f} ms | "
+              f"total {t['total_s']:.2f} s | sessions {t['session_creation_s']:.2f} s | cold start {t['cold_start_s']:.2f} s")
+    return EXIT_OK
 
 
 def _profile_arg(text: str):
@@ -127,7 +182,14 @@ def cmd_optimize(args) -> int:
     from onnxopt.saving import check_destination, save_model
     from onnxopt.verify import InputSpec, Tolerance
 
-    passes = [p for p in args.passes.split(",") if p.strip()]
+    if Path(args.input).is_dir():  # a pipeline folder: each component with its preset
+        from onnxopt.pipeline.optimize_folder import cli_optimize_folder
+
+        return cli_optimize_folder(args)
+    if args.passes is not None and args.target:
+        raise OnnxoptError("give --passes or --target, not both")
+    passes = [p for p in (args.passes or args.target or "cleanup").split(",") if p.strip()]
+    passes += ["fp16"] if args.fp16 and "fp16" not in passes else []
     registry.expand(passes)  # unknown names and unwritable outputs fail before any work
     check_destination(args.output, args.input)
     inputs = InputSpec(shapes=dict(args.shape), dims=dict(args.dim))
@@ -270,6 +332,7 @@ def cmd_build(args) -> int:
 
 COMMANDS = {"optimize": cmd_optimize, "passes": cmd_passes, "info": cmd_info, "bench": cmd_bench, "diff": cmd_diff}
 COMMANDS["build"] = cmd_build
+COMMANDS["generate"] = cmd_generate
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -91,6 +91,7 @@ def save_model(
     *,
     external_data: bool | None = None,
     data_location: str | None = None,
+    reference_external: bool = False,
 ) -> SaveInfo:
     """Save ``model`` to ``path``, and each companion beside it (``<stem>.<name>.onnx``).
 
@@ -98,6 +99,9 @@ def save_model(
     None (default) goes external only when the weights exceed ~1.8 GB (decided per file).
     ``data_location``: the main model's data file name, next to it (default ``<name>.data``);
     a companion's is always ``<its file name>.data``.
+    ``reference_external``: a weight whose bytes already lie in an external data file inside the
+    destination folder is written as a reference to them (same file, offset and length), not
+    copied (see :func:`_external_reference`); the files written then depend on that file.
     All files are complete before any is renamed into place: a failure leaves none of them.
     """
     from onnxopt.companions import companion_path
@@ -111,7 +115,8 @@ def save_model(
     written: list[tuple[str | None, Path, Path | None, SaveInfo]] = []
     try:
         for name, part, destination, location in parts:
-            written.append((name, *_write_beside(part, destination, external_data, location, tmp_files)))
+            written.append((name, *_write_beside(part, destination, external_data, location, tmp_files,
+                                                 reference_external)))
         for _, model_tmp, data_tmp, info in written:
             if data_tmp:
                 os.replace(data_tmp, info.data_path)
@@ -128,10 +133,12 @@ def save_model(
 
 
 def _write_beside(model: Model, path: Path, external_data: bool | None, data_location: str | None,
-                  tmp_files: list[Path]) -> tuple[Path, Path | None, SaveInfo]:
+                  tmp_files: list[Path], reference_external: bool = False) -> tuple[Path, Path | None, SaveInfo]:
     """Write ``model`` to temporary files beside ``path``; return them and where they will go."""
     folder = path.parent if str(path.parent) else Path(".")
-    weights = model.weights_nbytes()
+    referenced = folder.resolve() if reference_external else None
+    weights = model.weights_nbytes() - sum(
+        constant_nbytes(c) for c in model.constants() if _external_reference(c, referenced) is not None)
     external = weights > AUTO_EXTERNAL_BYTES if external_data is None else external_data
     if not external and weights > AUTO_EXTERNAL_BYTES:
         raise ModelSaveError(f"{path}: {weights / 1e9:.1f} GB of weights cannot be stored inline (protobuf 2 GB limit)")
@@ -143,7 +150,7 @@ def _write_beside(model: Model, path: Path, external_data: bool | None, data_loc
         with open(model_tmp, "wb") as model_file:
             data_file = open(data_tmp, "wb") if data_tmp else None
             try:
-                _write(model, model_file, data_file, data_name)
+                _write(model, model_file, data_file, data_name, referenced)
             finally:
                 if data_file:
                     data_file.close()
@@ -166,7 +173,7 @@ def check_destination(path: str | os.PathLike, source: str | os.PathLike | None 
         raise ModelSaveError(f"{path}: folder {folder} is not writable")
 
 
-def _write(model: Model, out: BinaryIO, data: BinaryIO | None, data_name: str) -> None:
+def _write(model: Model, out: BinaryIO, data: BinaryIO | None, data_name: str, referenced: Path | None = None) -> None:
     skeleton = model.skeleton(threshold=SKELETON_THRESHOLD_BYTES)
     stubbed = {t.name for t in skeleton.graph.initializer if onnx.external_data_helper.uses_external_data(t)}
     # Small initializers stay in the skeleton as they are; the stubs are replaced by streamed tensors.
@@ -175,7 +182,8 @@ def _write(model: Model, out: BinaryIO, data: BinaryIO | None, data_name: str) -
     skeleton.graph.initializer.extend(kept)
 
     by_name = {c.name: c for c in model.constants()}
-    initializers = [_plan(c, data, data_name) for name, c in by_name.items() if name in stubbed]
+    initializers = [_external_reference(c, referenced) or _plan(c, data, data_name)
+                    for name, c in by_name.items() if name in stubbed]
 
     graph_bytes = skeleton.graph.SerializeToString()
     skeleton.ClearField("graph")
@@ -206,6 +214,27 @@ def _plan(constant, data: BinaryIO | None, data_name: str) -> _Initializer:
     _copy(iter_constant_bytes(constant), data, nbytes, constant.name)
     header.data_location = onnx.TensorProto.EXTERNAL
     for key, value in (("location", data_name), ("offset", str(offset)), ("length", str(nbytes))):
+        header.external_data.add(key=key, value=value)
+    return _Initializer(header.SerializeToString(), constant, 0)
+
+
+def _external_reference(constant, folder: Path | None) -> _Initializer | None:
+    """For ``reference_external``: the header of a constant whose bytes lie in an external data file
+    inside ``folder`` (the destination's, resolved), pointing at them; None for any other constant."""
+    from onnxopt.weights import ExternalValues
+
+    values = constant._values
+    if folder is None or not isinstance(values, ExternalValues):
+        return None
+    try:
+        location = values.location.path.resolve().relative_to(folder)
+    except ValueError:
+        return None
+    header = onnx.TensorProto(name=constant.name, data_type=constant_data_type(constant))
+    header.dims.extend(constant_dims(constant))
+    header.data_location = onnx.TensorProto.EXTERNAL
+    for key, value in (("location", location.as_posix()), ("offset", str(values.location.offset)),
+                       ("length", str(values.location.length))):
         header.external_data.add(key=key, value=value)
     return _Initializer(header.SerializeToString(), constant, 0)
 

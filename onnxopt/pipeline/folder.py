@@ -1,0 +1,181 @@
+"""A diffusers/optimum ONNX pipeline folder, read without running anything.
+
+    folder = PipelineFolder.open("sd15-tiny")
+    folder.kind                      # "sd" | "sdxl" | "controlnet"
+    folder.component("unet").model   # Path to unet/model.onnx
+    folder.tokenizer("tokenizer_2")  # transformers.CLIPTokenizer
+    folder.config("vae_decoder")     # the component's config.json (empty dict when absent)
+
+The layout (what optimum-cli and ``models/pipelines.py`` write)::
+
+    model_index.json        _class_name: StableDiffusionPipeline | StableDiffusionXLPipeline |
+                            StableDiffusionControlNetPipeline (+ pipeline config such as
+                            force_zeros_for_empty_prompt)
+    scheduler/scheduler_config.json
+    tokenizer/  tokenizer_2/ (SDXL)
+    text_encoder/  text_encoder_2/ (SDXL)  unet/  vae_decoder/  [vae_encoder/]  [controlnet/]
+                            each a model.onnx, external data in model.onnx_data | model.onnx.data |
+                            weights.pb, and optionally config.json
+
+Every problem with the folder (missing, not a pipeline, a required component absent) raises
+:class:`PipelineFolderError`, a one-line :class:`~onnxopt.errors.OnnxoptError` (exit code 2).
+Nothing here writes to the folder.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from onnxopt.errors import MissingDependencyError, OnnxoptError
+
+KINDS = ("sd", "sdxl", "controlnet")
+EXTERNAL_DATA_NAMES = ("model.onnx_data", "model.onnx.data", "weights.pb")
+MODEL_FILE = "model.onnx"
+STEP_FILE = "step.onnx"  # the fused step graph (onnxopt.pipeline.step_graph.write_step_graph)
+
+# What each kind needs to generate an image; vae_encoder is optional everywhere.
+REQUIRED_MODELS = {
+    "sd": ("text_encoder", "unet", "vae_decoder"),
+    "sdxl": ("text_encoder", "text_encoder_2", "unet", "vae_decoder"),
+    "controlnet": ("text_encoder", "unet", "vae_decoder", "controlnet"),
+}
+REQUIRED_TOKENIZERS = {"sd": ("tokenizer",), "sdxl": ("tokenizer", "tokenizer_2"), "controlnet": ("tokenizer",)}
+MODEL_COMPONENTS = ("text_encoder", "text_encoder_2", "unet", "vae_decoder", "vae_encoder", "controlnet")
+
+
+class PipelineFolderError(OnnxoptError):
+    """The folder is not a pipeline folder onnxopt can run (one line, exit code 2)."""
+
+
+@dataclass
+class Component:
+    """One ONNX component: ``<folder>/<name>/model.onnx`` and what lies beside it."""
+
+    name: str
+    folder: Path
+    model: Path
+    external_data: list[Path]
+    config: dict = field(default_factory=dict)
+
+    @property
+    def step_model(self) -> Path | None:
+        """unet/step.onnx when the folder ships the fused step graph, else None."""
+        path = self.folder / STEP_FILE
+        return path if path.is_file() else None
+
+    def nbytes(self) -> int:
+        """Size on disk of the graph and its external data."""
+        return self.model.stat().st_size + sum(p.stat().st_size for p in self.external_data)
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        value = json.loads(path.read_text())
+    except OSError as exc:
+        raise PipelineFolderError(f"{path}: cannot read: {exc.strerror or exc}")
+    except ValueError as exc:
+        raise PipelineFolderError(f"{path}: not valid JSON: {exc}")
+    if not isinstance(value, dict):
+        raise PipelineFolderError(f"{path}: expected a JSON object")
+    return value
+
+
+def kind_of(index: dict, root: Path) -> str:
+    """sd / sdxl / controlnet, from model_index.json's class name (and the folders as a fallback)."""
+    name = str(index.get("_class_name", ""))
+    if "ControlNet" in name or "controlnet" in index or (root / "controlnet").is_dir():
+        if "XL" in name:
+            raise PipelineFolderError(f"{root}: {name} (SDXL + ControlNet) is not supported yet")
+        return "controlnet"
+    if "XL" in name or "text_encoder_2" in index or (root / "text_encoder_2").is_dir():
+        return "sdxl"
+    return "sd"
+
+
+@dataclass
+class PipelineFolder:
+    root: Path
+    index: dict
+    kind: str
+    components: dict[str, Component]
+
+    @classmethod
+    def open(cls, path) -> "PipelineFolder":
+        root = Path(path)
+        if not root.exists():
+            raise PipelineFolderError(f"{root}: no such folder")
+        if not root.is_dir():
+            raise PipelineFolderError(f"{root}: not a folder (expected a pipeline folder with model_index.json)")
+        index_path = root / "model_index.json"
+        if not index_path.is_file():
+            raise PipelineFolderError(f"{root}: not a pipeline folder (no model_index.json)")
+        index = _read_json(index_path)
+        kind = kind_of(index, root)
+        components = {}
+        for name in MODEL_COMPONENTS:
+            model = root / name / MODEL_FILE
+            if model.is_file():
+                data = [root / name / n for n in EXTERNAL_DATA_NAMES if (root / name / n).is_file()]
+                config_path = root / name / "config.json"
+                config = _read_json(config_path) if config_path.is_file() else {}
+                components[name] = Component(name, root / name, model, data, config)
+        folder = cls(root, index, kind, components)
+        folder._check_complete()
+        return folder
+
+    def _check_complete(self) -> None:
+        for name in REQUIRED_MODELS[self.kind]:
+            if name not in self.components:
+                raise PipelineFolderError(f"{self.root}: missing component {name}/{MODEL_FILE} ({self.kind} pipeline)")
+        for name in REQUIRED_TOKENIZERS[self.kind]:
+            if not (self.root / name).is_dir():
+                raise PipelineFolderError(f"{self.root}: missing {name}/ ({self.kind} pipeline)")
+        if not (self.root / "scheduler" / "scheduler_config.json").is_file():
+            raise PipelineFolderError(f"{self.root}: missing scheduler/scheduler_config.json")
+
+    def has(self, name: str) -> bool:
+        return name in self.components
+
+    def component(self, name: str) -> Component:
+        if name not in self.components:
+            raise PipelineFolderError(f"{self.root}: no component {name}/{MODEL_FILE}")
+        return self.components[name]
+
+    def config(self, name: str) -> dict:
+        """The component's config.json (unet, vae_decoder, text_encoder_2...), {} when absent."""
+        return self.components[name].config if name in self.components else {}
+
+    def scheduler_config(self) -> dict:
+        return _read_json(self.root / "scheduler" / "scheduler_config.json")
+
+    def tokenizer(self, name: str = "tokenizer"):
+        """transformers' CLIPTokenizer from ``<folder>/<name>/`` (the real tokenizer code)."""
+        try:
+            from transformers import CLIPTokenizer
+        except ImportError as exc:
+            raise MissingDependencyError("generating images needs transformers: pip install 'onnxopt[pipeline]'") from exc
+        try:
+            return CLIPTokenizer.from_pretrained(str(self.root / name))
+        except (OSError, ValueError) as exc:
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise PipelineFolderError(f"{self.root / name}: cannot load the tokenizer: {first}")
+
+    @property
+    def vae_scale_factor(self) -> int:
+        """2 ** (number of VAE blocks - 1), as diffusers computes it; 8 without a VAE config."""
+        channels = self.config("vae_decoder").get("block_out_channels")
+        return 2 ** (len(channels) - 1) if channels else 8
+
+    @property
+    def default_size(self) -> tuple[int, int]:
+        """(height, width) in pixels when none is asked: the UNet's sample_size times the VAE factor."""
+        sample = self.config("unet").get("sample_size", 64 if self.kind != "sdxl" else 128)
+        h, w = (sample, sample) if isinstance(sample, int) else sample
+        return h * self.vae_scale_factor, w * self.vae_scale_factor
+
+    @property
+    def force_zeros_for_empty_prompt(self) -> bool:
+        """SDXL: the negative conditioning is zeros (not the encoded "") when no negative prompt is given."""
+        return bool(self.index.get("force_zeros_for_empty_prompt", True)) if self.kind == "sdxl" else False

@@ -1,0 +1,95 @@
+"""Images in and out of a pipeline, the way diffusers does it, and PNGs written atomically.
+
+Pre- and postprocessing are diffusers' own :class:`~diffusers.image_processor.VaeImageProcessor`
+(not re-implemented), so the pixels are the torch pipeline's:
+
+* the VAE's output [-1, 1] NCHW -> denormalize to [0, 1] -> NHWC float (``postprocess``), and to
+  uint8 as ``numpy_to_pil`` rounds: ``(x * 255).round()``;
+* a ControlNet image -> RGB -> resized (lanczos) to the requested size, rounded down to a multiple
+  of the VAE factor -> [0, 1] NCHW float32, *not* normalized to [-1, 1] (``do_normalize=False``).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from onnxopt.errors import MissingDependencyError, OnnxoptError
+
+
+def _processor(vae_scale_factor: int, **options):
+    try:
+        from diffusers.image_processor import VaeImageProcessor
+    except ImportError as exc:
+        raise MissingDependencyError("generating images needs diffusers: pip install 'onnxopt[pipeline]'") from exc
+    return VaeImageProcessor(vae_scale_factor=vae_scale_factor, **options)
+
+
+def postprocess(decoded: np.ndarray, vae_scale_factor: int = 8) -> np.ndarray:
+    """VAE output [B, 3, H, W] in [-1, 1] -> [B, H, W, 3] float32 in [0, 1] (diffusers' output_type="np")."""
+    import torch
+
+    return _processor(vae_scale_factor).postprocess(torch.from_numpy(np.ascontiguousarray(decoded, np.float32)), output_type="np")
+
+
+def to_pil(pixels: np.ndarray):
+    """[H, W, 3] float in [0, 1] -> a PIL image, rounded as diffusers' numpy_to_pil rounds."""
+    from PIL import Image
+
+    return Image.fromarray((pixels * 255).round().astype("uint8"))
+
+
+def load_image(path):
+    """A PIL image from a file, as RGB; a one-line error when it is not a readable image."""
+    try:
+        from PIL import Image, UnidentifiedImageError
+    except ImportError as exc:
+        raise MissingDependencyError("generating images needs Pillow: pip install 'onnxopt[pipeline]'") from exc
+    try:
+        with Image.open(path) as image:
+            return image.convert("RGB")
+    except FileNotFoundError:
+        raise OnnxoptError(f"{path}: no such image")
+    except (OSError, UnidentifiedImageError) as exc:
+        raise OnnxoptError(f"{path}: not a readable image: {exc}")
+
+
+def preprocess_control_image(image, height: int | None, width: int | None, vae_scale_factor: int = 8) -> np.ndarray:
+    """A ControlNet conditioning image -> [1, 3, H, W] float32 in [0, 1], as StableDiffusionControlNetPipeline does."""
+    if isinstance(image, (str, os.PathLike)):
+        image = load_image(image)
+    processor = _processor(vae_scale_factor, do_convert_rgb=True, do_normalize=False)
+    return processor.preprocess(image, height=height, width=width).to(dtype=__import__("torch").float32).numpy()
+
+
+def check_writable(path) -> None:
+    """Fail before any work when the image cannot be written there."""
+    path = Path(path)
+    folder = path.parent if str(path.parent) else Path(".")
+    if path.is_dir():
+        raise OnnxoptError(f"{path}: is a folder")
+    if not folder.is_dir():
+        raise OnnxoptError(f"{path}: folder {folder} does not exist")
+    if not os.access(folder, os.W_OK):
+        raise OnnxoptError(f"{path}: folder {folder} is not writable")
+
+
+def write_png(image, path) -> Path:
+    """Write a PIL image as PNG, atomically: a temporary file beside ``path``, renamed into place."""
+    path = Path(path)
+    check_writable(path)
+    folder = path.parent if str(path.parent) else Path(".")
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=folder)
+    try:
+        with os.fdopen(fd, "wb") as out:
+            image.save(out, format="PNG")
+        os.replace(tmp, path)
+    except OSError as exc:
+        raise OnnxoptError(f"{path}: cannot write: {exc.strerror or exc}") from exc
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return path

@@ -1,0 +1,408 @@
+"""Optimize a whole diffusers/optimum ONNX pipeline folder: each component with the preset that fits it.
+
+    FOLDER/                                   OUT/  (appears whole, or not at all)
+      model_index.json, scheduler/, tokenizer*/  ─ copied byte for byte ─►  same
+      <component>/config.json, other files        ─ copied byte for byte ─►  same
+      text_encoder[_2]/model.onnx   ─ ort-cuda [+ fp16]                  ─►  model.onnx [+ data]
+      unet/, controlnet/model.onnx  ─ ort-cuda | tensorrt [+ fp16]       ─►  model.onnx [+ data]
+      vae_decoder/, vae_encoder/    ─ ort-cuda [+ fp16, guarded: below]  ─►  model.onnx [+ data]
+
+Presets per component (``target``):
+  unet, controlnet    ``ort-cuda`` or ``tensorrt``; ``fp16`` adds the fp16 pass (for TensorRT a strongly
+                      typed fp16 graph, as passes/fp16.py recommends).
+  text encoders       ``ort-cuda`` for both targets (the runner runs them on ORT's CUDA EP); ``fp16`` adds
+                      the fp16 pass.
+  VAE                 ``ort-cuda``; with ``fp16`` the fp16 pass runs with ``fp32_auto``, calibrated on a
+                      latent (decoder) or image (encoder) at the folder's size (unet/config.json
+                      ``sample_size``, batch 1; a decoder latent is N(0, 1) / ``scaling_factor``, what the
+                      pipeline feeds it). The VAE fp16 rule: the fp16 graph is then run on that input next
+                      to the fp32 graph; if its output has a NaN/inf, or its relative L2 to fp32 exceeds
+                      :data:`VAE_FP16_MAX_REL_L2` (a black or washed-out image is ~1), the VAE is written in
+                      fp32 (ort-cuda only) and the report says why.
+  anything else       other subfolders holding a ``model.onnx`` are copied unchanged (noted).
+
+Weights keep the source's layout: inline when the source was inline, else one external file with
+the source's data name (``model.onnx_data``, ``model.onnx.data``, ``weights.pb``; a source with one
+file per tensor gets ``model.onnx_data``); above ~1.8 GB they always go external.
+
+Safety: the output is built in a temporary sibling folder (``.OUT.tmp-XXXX``) and renamed into place
+at the end; any error removes it. OUT must not exist, or be an empty folder; it may not be inside
+FOLDER nor FOLDER inside it. The input folder is only read (files outside it are never read: a
+symbolic link leaving it is refused).
+
+Hook for the step graph: after the UNet is written, :func:`onnxopt.pipeline.step_graph.write_step_graph`
+(pipe-step's module) is called on the output's ``unet/`` folder when that module exists.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from onnxopt.errors import ModelSaveError, OnnxoptError, VerificationError
+from onnxopt.report import OptimizationReport
+
+TARGETS = ("ort-cuda", "tensorrt")
+MODEL_FILE = "model.onnx"
+TEXT_ENCODERS = ("text_encoder", "text_encoder_2")
+DENOISERS = ("unet", "controlnet")
+VAES = ("vae_decoder", "vae_encoder")
+COMPONENTS = TEXT_ENCODERS + DENOISERS + VAES
+DEFAULT_DATA_NAME = "model.onnx_data"   # optimum's name
+VAE_FP16_MAX_REL_L2 = 1e-2              # fp16 VAE vs fp32 on the calibration input; above: keep fp32
+DEFAULT_LATENT_SIZE = 64                # when unet/config.json has no sample_size
+
+
+@dataclass
+class ComponentReport:
+    name: str
+    passes: list[str]
+    precision: str                      # "float32" | "float16"
+    report: OptimizationReport | None   # None: copied unchanged
+    weights_bytes: int = 0
+    seconds: float = 0.0
+    data_name: str | None = None        # external data file written beside model.onnx, if any
+    notes: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict:
+        return {"component": self.name, "passes": self.passes, "precision": self.precision,
+                "weights_mb": round(self.weights_bytes / 1e6, 3), "seconds": round(self.seconds, 3),
+                "data_name": self.data_name, "notes": self.notes,
+                "report": self.report.as_dict() if self.report else None}
+
+
+@dataclass
+class FolderReport:
+    source: str
+    destination: str
+    target: str
+    fp16: bool
+    components: list[ComponentReport] = field(default_factory=list)
+    copied_files: int = 0
+    seconds: float = 0.0
+
+    @property
+    def nodes_before(self) -> int:
+        return sum(c.report.nodes_before for c in self.components if c.report)
+
+    @property
+    def nodes_after(self) -> int:
+        return sum(c.report.nodes_after for c in self.components if c.report)
+
+    @property
+    def weights_bytes(self) -> int:
+        return sum(c.weights_bytes for c in self.components)
+
+    def component(self, name: str) -> ComponentReport:
+        return next(c for c in self.components if c.name == name)
+
+    def as_dict(self) -> dict:
+        return {"source": self.source, "destination": self.destination, "target": self.target, "fp16": self.fp16,
+                "components": [c.as_dict() for c in self.components],
+                "total": {"components": len(self.components), "nodes_before": self.nodes_before,
+                          "nodes_after": self.nodes_after, "seconds": round(self.seconds, 3),
+                          "weights_mb": round(self.weights_bytes / 1e6, 3), "copied_files": self.copied_files}}
+
+    def to_json(self) -> str:
+        return json.dumps(self.as_dict(), indent=2, default=str)
+
+    def table(self) -> str:
+        header = ["component", "passes", "precision", "nodes", "weights MB", "s"]
+        rows = []
+        for c in self.components:
+            nodes = f"{c.report.nodes_before} -> {c.report.nodes_after}" if c.report else "copied"
+            rows.append([c.name, ",".join(c.passes) or "-", c.precision, nodes, f"{c.weights_bytes / 1e6:.1f}",
+                         f"{c.seconds:.1f}"])
+        total = ["total", f"{len(self.components)} components", "", f"{self.nodes_before} -> {self.nodes_after}",
+                 f"{self.weights_bytes / 1e6:.1f}", f"{self.seconds:.1f}"]
+        widths = [max(len(h), *(len(r[i]) for r in rows + [total])) for i, h in enumerate(header)]
+
+        def fmt(r):
+            return "  ".join(c.ljust(w) if i < 3 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip()
+
+        rule = "  ".join("-" * w for w in widths)
+        lines = [fmt(header), rule, *map(fmt, rows), rule, fmt(total)]
+        lines += [f"  {c.name}: {n}" for c in self.components for n in c.notes]
+        lines.append(f"  {self.copied_files} other files copied unchanged")
+        return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------- the folder
+
+@dataclass
+class PipelineComponent:
+    name: str
+    model_path: Path
+    data_files: list[str]               # external data file names (relative to the component folder)
+
+
+def read_components(folder: Path) -> list[PipelineComponent]:
+    """The ONNX components of a pipeline folder (subfolders holding ``model.onnx``), in folder order."""
+    import onnx
+    from onnx import external_data_helper
+
+    if not folder.is_dir():
+        raise OnnxoptError(f"{folder}: not a folder")
+    if not (folder / "model_index.json").is_file():
+        raise OnnxoptError(f"{folder}: no model_index.json: not a diffusers/optimum pipeline folder")
+    out = []
+    for sub in sorted(p for p in folder.iterdir() if p.is_dir()):
+        path = sub / MODEL_FILE
+        if not path.exists():
+            continue
+        try:
+            proto = onnx.load(str(path), load_external_data=False)
+        except Exception:               # not ONNX: load_model reports it with the reason, later
+            out.append(PipelineComponent(sub.name, path, []))
+            continue
+        names = []
+        for t in external_data_helper._get_all_tensors(proto):
+            for kv in t.external_data:
+                if kv.key == "location" and kv.value not in names:
+                    names.append(kv.value)
+        out.append(PipelineComponent(sub.name, path, names))
+    if not any(c.name in COMPONENTS for c in out):
+        raise OnnxoptError(f"{folder}: no component folder ({', '.join(COMPONENTS)}) holds a {MODEL_FILE}")
+    return out
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _check_paths(src: Path, dst: Path) -> None:
+    s, d = src.resolve(), dst.resolve()
+    if d == s or s in d.parents:
+        raise OnnxoptError(f"{dst}: the output folder may not be the input folder or inside it")
+    if d in s.parents:
+        raise OnnxoptError(f"{dst}: the output folder may not contain the input folder")
+    if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
+        raise OnnxoptError(f"{dst}: exists and is not an empty folder; onnxopt does not overwrite pipeline folders")
+    if not dst.parent.is_dir():
+        raise ModelSaveError(f"{dst}: folder {dst.parent} does not exist")
+    if not os.access(dst.parent, os.W_OK):
+        raise ModelSaveError(f"{dst}: folder {dst.parent} is not writable")
+    for root, dirs, files in os.walk(src):
+        for name in dirs + files:
+            p = Path(root) / name
+            if p.is_symlink() and s not in p.resolve().parents:
+                raise OnnxoptError(f"{p}: a symbolic link out of the input folder; onnxopt reads only inside it")
+
+
+# ----------------------------------------------------------------------------------- presets
+
+def component_passes(name: str, target: str, fp16: bool) -> list[str]:
+    """Passes and presets for one component (see the module docstring)."""
+    if target not in TARGETS:
+        raise OnnxoptError(f"unknown target '{target}'; choose one of {', '.join(TARGETS)}")
+    base = target if name in DENOISERS else "ort-cuda"
+    return [base, "fp16"] if fp16 else [base]
+
+
+def vae_calibration_feed(model, name: str, folder: Path, seed: int = 0) -> dict[str, np.ndarray]:
+    """One input for the VAE at the folder's size: latent N(0,1)/scaling_factor (decoder), or an
+    image uniform in [-1, 1] (encoder); batch 1, latent side = unet sample_size."""
+    unet_cfg = _read_json(folder / "unet" / "config.json")
+    vae_cfg = _read_json(folder / name / "config.json")
+    side = int(unet_cfg.get("sample_size") or DEFAULT_LATENT_SIZE)
+    factor = 2 ** (len(vae_cfg.get("block_out_channels", (0, 0, 0, 0))) - 1)
+    scaling = float(vae_cfg.get("scaling_factor", 0.18215))
+    rng = np.random.default_rng(seed)
+    (inp,) = model.graph.inputs
+    channels = inp.shape[1] if isinstance(inp.shape[1], int) else (4 if name == "vae_decoder" else 3)
+    if name == "vae_decoder":
+        x = rng.standard_normal((1, channels, side, side)).astype(np.float32) / scaling
+    else:
+        x = rng.uniform(-1, 1, (1, channels, side * factor, side * factor)).astype(np.float32)
+    return {inp.name: x}
+
+
+def _run_once(model, feed: dict) -> dict[str, np.ndarray]:
+    """Run ``model`` on ORT CPU, or on onnxopt's reference kernels when ORT's CPU build lacks one."""
+    from onnxopt.verify import runner_for
+
+    from onnxopt.verify import _quiet
+
+    with tempfile.TemporaryDirectory(prefix="onnxopt-vae-check-") as work, _quiet():
+        runner = runner_for(model, "check", Path(work))
+        with runner:
+            out = runner.infer({k: v.astype(_input_dtype(model, k)) for k, v in feed.items()})
+    return {k: np.asarray(v, dtype=np.float64) for k, v in out.items()}
+
+
+def _input_dtype(model, name):
+    return next(np.dtype(t.dtype) for t in model.graph.inputs if t.name == name)
+
+
+def fp16_vae_error(fp32_model, fp16_model, feed) -> tuple[float, bool]:
+    """(relative L2 of the fp16 output to fp32, finite) on ``feed``."""
+    ref, got = _run_once(fp32_model, feed), _run_once(fp16_model, feed)
+    worst, finite = 0.0, True
+    for k, r in ref.items():
+        g = got[k]
+        finite = finite and bool(np.isfinite(g).all())
+        denom = float(np.linalg.norm(r)) or 1.0
+        worst = max(worst, float(np.linalg.norm(np.nan_to_num(g - r, nan=np.inf, posinf=np.inf)) / denom))
+    return worst, finite
+
+
+# ----------------------------------------------------------------------------------- optimize
+
+def _data_name(component: PipelineComponent) -> str | None:
+    if not component.data_files:
+        return None
+    return component.data_files[0] if len(component.data_files) == 1 else DEFAULT_DATA_NAME
+
+
+def _optimize_component(component: PipelineComponent, out_dir: Path, src: Path, target: str, fp16: bool,
+                        verify: bool, tolerance, fp16_options: dict, vae_max_rel_l2: float) -> ComponentReport:
+    from onnxopt.api import optimize
+    from onnxopt.loading import load_model
+    from onnxopt.saving import save_model
+
+    start = time.perf_counter()
+    name = component.name
+    passes = component_passes(name, target, fp16)
+    notes = []
+    options = {"fp16": dict(fp16_options)} if fp16 else {}
+    # Optimize from the path (weights stay lazy, as for one model); only the VAE's fp16 check keeps the source.
+    source, feed = component.model_path, None
+    if fp16 and name in VAES:
+        source = load_model(component.model_path)
+        feed = vae_calibration_feed(source, name, src)
+        options["fp16"].update(fp32_auto=True, calibration=feed)
+    model, report = optimize(source, passes, verify=verify, tolerance=tolerance, options=options)
+    if report.first_broken_pass:
+        raise VerificationError(f"{name}: verification failed at pass '{report.first_broken_pass}'; nothing written")
+    precision = "float16" if fp16 else "float32"
+    if feed is not None:
+        error, finite = fp16_vae_error(source, model, feed)
+        if not finite or error > vae_max_rel_l2:
+            why = "non-finite output" if not finite else f"relative L2 {error:.2e} > {vae_max_rel_l2:.0e}"
+            notes.append(f"kept float32: fp16 with fp32_auto gave {why} on a calibration input at the folder's size")
+            passes = passes[:-1]
+            model, report = optimize(source, passes, verify=verify, tolerance=tolerance)
+            precision = "float32"
+        else:
+            notes.append(f"fp16 with fp32_auto: relative L2 {error:.2e} to fp32 on a calibration input at the "
+                         f"folder's size")
+    data_name = _data_name(component)
+    info = save_model(model, out_dir / MODEL_FILE, external_data=True if data_name else None,
+                      data_location=data_name)
+    written = info.data_path.name if info.data_path else None
+    return ComponentReport(name, passes, precision, report, info.weights_nbytes, time.perf_counter() - start,
+                           written, notes)
+
+
+def _copy_unchanged(src: Path, tmp: Path, skip: set[Path]) -> int:
+    """Copy every file of ``src`` not in ``skip`` into ``tmp`` (same relative paths), byte for byte."""
+    n = 0
+    for root, dirs, files in os.walk(src):
+        dirs.sort()
+        rel = Path(root).relative_to(src)
+        (tmp / rel).mkdir(parents=True, exist_ok=True)
+        for f in sorted(files):
+            p = Path(root) / f
+            if p in skip:
+                continue
+            shutil.copyfile(p, tmp / rel / f)
+            n += 1
+    return n
+
+
+def write_step_graph_hook(unet_dir: Path) -> bool:
+    """LEAD: the step graph. Calls ``onnxopt.pipeline.step_graph.write_step_graph(unet_dir)`` when pipe-step's
+    module is present (merged); returns whether it ran. Absence is not an error."""
+    if importlib.util.find_spec("onnxopt.pipeline.step_graph") is None:
+        return False
+    module = importlib.import_module("onnxopt.pipeline.step_graph")
+    writer = getattr(module, "write_step_graph", None)
+    if writer is None:
+        return False
+    writer(unet_dir)
+    return True
+
+
+def optimize_folder(src, dst, target: str = "ort-cuda", fp16: bool = False, verify: bool = False, *,
+                    tolerance=None, fp16_options: dict | None = None,
+                    vae_max_rel_l2: float = VAE_FP16_MAX_REL_L2, step_graph: bool = True) -> FolderReport:
+    """Optimize every ONNX component of the pipeline folder ``src`` into the new folder ``dst``.
+
+    ``target``: "ort-cuda" or "tensorrt" (the UNet's and ControlNet's preset). ``fp16``: add the fp16
+    pass (VAE guarded, see the module docstring). ``verify``: compare after every pass (raises
+    VerificationError, exit 1, and writes nothing when a pass breaks the tolerance).
+    ``fp16_options``: extra options of the fp16 pass for every component.
+    Raises OnnxoptError (exit 2) for a bad folder or destination; ``dst`` then does not exist.
+    """
+    src, dst = Path(src), Path(dst)
+    start = time.perf_counter()
+    if target not in TARGETS:
+        raise OnnxoptError(f"unknown target '{target}'; choose one of {', '.join(TARGETS)}")
+    components = read_components(src)
+    _check_paths(src, dst)
+    report = FolderReport(str(src), str(dst), target, fp16)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.tmp-", dir=dst.parent))
+    try:
+        optimized = [c for c in components if c.name in COMPONENTS]
+        skip = {c.model_path for c in optimized}
+        skip |= {c.model_path.parent / f for c in optimized for f in c.data_files}
+        report.copied_files = _copy_unchanged(src, tmp, skip)
+        for c in components:
+            if c.name not in COMPONENTS:
+                report.components.append(ComponentReport(c.name, [], "unchanged", None, notes=[
+                    "not a known pipeline component: copied unchanged"]))
+                continue
+            report.components.append(_optimize_component(
+                c, tmp / c.name, src, target, fp16, verify, tolerance, fp16_options or {}, vae_max_rel_l2))
+            if c.name == "unet" and step_graph and write_step_graph_hook(tmp / "unet"):
+                report.components[-1].notes.append("step graph written (onnxopt.pipeline.step_graph)")
+        if dst.exists():
+            dst.rmdir()                 # empty (checked); rename cannot replace a folder on every OS
+        os.replace(tmp, dst)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    report.seconds = time.perf_counter() - start
+    return report
+
+
+# ----------------------------------------------------------------------------------- CLI
+
+def cli_optimize_folder(args) -> int:
+    """``onnxopt optimize -i FOLDER -o OUT --target ...``: called by onnxopt.cli for a folder input."""
+    from onnxopt.verify import Tolerance
+
+    if args.passes is not None:
+        raise OnnxoptError("a pipeline folder takes --target (each component gets its preset), not --passes")
+    if getattr(args, "calibration", None):
+        raise OnnxoptError("--calibration is for one model; a folder's VAE is calibrated at the folder's size")
+    if args.shape or args.dim or args.external_data is not None or args.strict:
+        raise OnnxoptError("--shape/--dim/--external-data/--strict are for one model file, not a pipeline folder")
+    from onnxopt.cli import _fp16_options
+
+    fp16_options = _fp16_options(args)
+    if fp16_options and not args.fp16:
+        raise OnnxoptError("fp16 options need --fp16")
+    report = optimize_folder(args.input, args.output, target=args.target or "ort-cuda", fp16=args.fp16,
+                             verify=args.verify, tolerance=Tolerance(args.atol, args.rtol), fp16_options=fp16_options)
+    if args.report_json:
+        try:
+            args.report_json.write_text(report.to_json())
+        except OSError as exc:
+            raise OnnxoptError(f"{args.report_json}: cannot write report: {exc.strerror or exc}")
+    if not args.quiet:
+        print(report.table())
+        print(f"wrote {args.output}: {report.weights_bytes / 1e6:.1f} MB of weights, {report.seconds:.1f} s in all")
+    return 0

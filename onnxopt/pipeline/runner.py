@@ -1,0 +1,401 @@
+"""Text to image from an ONNX pipeline folder: diffusers' generation loop on ONNX Runtime.
+
+    pipe = Pipeline.load("sd15-tiny", provider="cpu")
+    result = pipe("a photo of a cat", steps=20, scheduler="ddim", seed=0)
+    result.image.save("cat.png"); result.timings["step_mean_s"]
+
+What one call does (following diffusers' ``StableDiffusionPipeline.__call__``,
+``StableDiffusionXLPipeline.__call__`` and ``StableDiffusionControlNetPipeline.__call__``)::
+
+    prompt, negative ─ CLIPTokenizer(s), padded to model_max_length ─ text encoder(s), once ─┐
+         SD: last_hidden_state          SDXL: concat(penultimate hidden states of both encoders),
+                                              pooled = text_encoder_2.text_embeds, time ids
+                                              [h, w, 0, 0, h, w]; no negative prompt -> zeros
+    conditioning [negative; prompt] (batch 2: classifier-free guidance as one call) ───────────┤
+    latents = randn_tensor([1, C, H/f, W/f], torch.Generator("cpu").manual_seed(seed))        │
+              * init_noise_sigma                                                              │
+    for each timestep:                                                                       ─┤
+        [ControlNet: residuals = controlnet(concat([latents * c_in] * 2), t, cond, image, scale)]
+        fused:    latents, state = step_graph(latents, t, cond, [residuals], g, coefficients, state)
+        unfused:  eps2 = unet(scheduler.scale_model_input(concat([latents] * 2), t), t, cond, ...)
+                  latents = scheduler.step(eps_u + g * (eps_c - eps_u), t, latents)
+    image = VaeImageProcessor.postprocess(vae_decoder(latents / scaling_factor))
+
+The scheduler is diffusers' own class (``onnxopt.pipeline.schedulers.make_scheduler``), built
+from the folder's scheduler_config.json; the fused step graph takes its per-step coefficients
+from ``plan_steps``, which reads them from that scheduler. Same folder, prompt, seed, scheduler,
+steps, guidance and size as the torch pipeline built from the same weights: the same image
+(``tests/test_pipeline_generate.py`` checks it for every kind and scheduler).
+
+Where the step graph comes from (``fused_step=True``, the default): ``unet/step.onnx`` when the
+folder has it; else built in memory from ``unet/model.onnx`` by
+``onnxopt.pipeline.step_graph.build_step_graph`` when the UNet is under 1.8 GB (run from its
+serialized bytes, weights inline); else the unfused loop, which is also what ``fused_step=False``
+runs (the reference for the fused path, and an ablation).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from onnxopt.errors import MissingDependencyError, OnnxoptError
+from onnxopt.pipeline import images
+from onnxopt.pipeline.folder import PipelineFolder
+from onnxopt.pipeline.sessions import (
+    DeviceStepLoop,
+    HostStepLoop,
+    controlnet_prepare_model,
+    create_session,
+    input_types,
+    require_provider,
+    run_host,
+    timestep_feed,
+)
+
+INMEMORY_STEP_GRAPH_MAX_BYTES = 1_800_000_000  # serialized bytes with the weights inline stay under protobuf's 2 GB
+
+
+class GenerationError(OnnxoptError):
+    """A bad generation request (size, steps, ControlNet image...): one line, exit code 2."""
+
+
+@dataclass
+class Result:
+    image: object  # PIL.Image.Image
+    latents: np.ndarray  # final latents [1, C, H/f, W/f], before the VAE (not divided by the scaling factor)
+    timings: dict = field(default_factory=dict)
+    pixels: np.ndarray | None = None  # [H, W, 3] float32 in [0, 1]: diffusers' output_type="np"
+
+
+def _torch():
+    try:
+        import torch
+    except ImportError as exc:
+        raise MissingDependencyError("generating images needs torch and diffusers: pip install 'onnxopt[pipeline]'") from exc
+    return torch
+
+
+def _penultimate_name(session) -> str:
+    """The encoder's hidden_states[-2] output: ``hidden_states.{L-1}`` of 0..L (optimum's names)."""
+    names = [o.name for o in session.get_outputs()]
+    layers = sorted(int(n.split(".")[1]) for n in names if n.startswith("hidden_states.") and n.split(".")[1].isdigit())
+    if layers:
+        return f"hidden_states.{layers[-1] - 1}"
+    if "penultimate_hidden_state" in names:
+        return "penultimate_hidden_state"
+    raise OnnxoptError("SDXL text encoder has no hidden_states.{i} outputs (export it with output_hidden_states)")
+
+
+class Pipeline:
+    """An ONNX pipeline folder loaded into ORT sessions; call it to generate an image."""
+
+    def __init__(self, folder: PipelineFolder, provider: str, sessions: dict, *, step_source: str, cuda_graph: bool,
+                 io_binding: bool, device_id: int = 0, threads: int | None = None, creation_s: float = 0.0):
+        self.folder, self.provider, self.sessions = folder, provider, sessions
+        self.step_source, self.cuda_graph, self.io_binding = step_source, cuda_graph, io_binding
+        self.device_id, self.threads = device_id, threads
+        self.creation_s = creation_s  # Pipeline.load: opening the folder and creating every session
+        self.calls = 0
+        self.tokenizers = {name: folder.tokenizer(name) for name in _tokenizers_of(folder.kind)}
+
+    @property
+    def fused_step(self) -> bool:
+        return "step" in self.sessions
+
+    @classmethod
+    def load(cls, folder, provider: str = "cpu", *, fused_step: bool = True, cuda_graph: bool = True, device_id: int = 0,
+             threads: int | None = None, io_binding: bool | None = None) -> "Pipeline":
+        """Open ``folder`` and create its sessions on ``provider`` (cpu | cuda | tensorrt).
+
+        ``cuda_graph`` (cuda/tensorrt): capture the step graph as CUDA graphs. ``fused_step=False``
+        runs the UNet and diffusers' ``scheduler.step`` separately (the reference loop).
+        ``io_binding``: the fused step on buffers bound once (default: on for cuda/tensorrt; on the
+        CPU EP it runs that same loop on CPU buffers).
+        """
+        start = time.perf_counter()
+        folder = folder if isinstance(folder, PipelineFolder) else PipelineFolder.open(folder)
+        require_provider(provider)
+        _torch()
+        graph = cuda_graph and provider != "cpu"
+        make = lambda name, model=None, **kw: create_session(  # noqa: E731
+            model or folder.component(name).model, provider, name=f"{folder.root / name}", device_id=device_id,
+            threads=threads, **kw)
+        sessions = {name: make(name) for name in ("text_encoder", "text_encoder_2", "vae_decoder", "controlnet")
+                    if folder.has(name)}
+        step_source = "unfused"
+        if fused_step:
+            step_model, step_source = _step_graph(folder)
+            if step_model is not None:
+                try:
+                    sessions["step"] = make("unet", step_model, cuda_graph=graph)
+                except OnnxoptError as exc:  # ORT refuses capture when a node is not on the GPU EP
+                    if not graph:
+                        raise
+                    print(f"onnxopt: step graph without CUDA graph capture: {exc}", file=sys.stderr)
+                    graph = False
+                    sessions["step"] = make("unet", step_model)
+        if "step" not in sessions:
+            sessions["unet"] = make("unet")
+        io_binding = provider != "cpu" if io_binding is None else io_binding
+        if io_binding and "controlnet" in sessions:
+            sessions["controlnet_prepare"] = create_session(
+                controlnet_prepare_model(input_types(sessions["controlnet"])["sample"]), provider, name="controlnet input",
+                device_id=device_id)
+        return cls(folder, provider, sessions, step_source=step_source, cuda_graph=graph and "step" in sessions,
+                   io_binding=io_binding, device_id=device_id, threads=threads, creation_s=time.perf_counter() - start)
+
+    # --- the text side, once per prompt ---------------------------------------------------------
+
+    def _token_ids(self, name: str, texts: list[str]) -> np.ndarray:
+        tokenizer = self.tokenizers[name]
+        return tokenizer(texts, padding="max_length", max_length=tokenizer.model_max_length, truncation=True,
+                         return_tensors="np").input_ids
+
+    def encode_prompt(self, prompt: str, negative_prompt: str | None) -> dict[str, np.ndarray]:
+        """The step's conditioning inputs, negative first (batch 2): encoder_hidden_states
+        [+ text_embeds, time_ids are added by the caller for SDXL]."""
+        if self.folder.kind != "sdxl":
+            ids = self._token_ids("tokenizer", [negative_prompt or "", prompt])
+            hidden = run_host(self.sessions["text_encoder"], {"input_ids": ids})["last_hidden_state"]
+            return {"encoder_hidden_states": hidden.astype(np.float32)}
+        zeros = negative_prompt is None and self.folder.force_zeros_for_empty_prompt
+        texts = [prompt] if zeros else [negative_prompt or "", prompt]
+        parts, pooled = [], None
+        for encoder, tokenizer in (("text_encoder", "tokenizer"), ("text_encoder_2", "tokenizer_2")):
+            session = self.sessions[encoder]
+            out = run_host(session, {"input_ids": self._token_ids(tokenizer, texts)})
+            parts.append(out[_penultimate_name(session)])
+            if encoder == "text_encoder_2":
+                pooled = out["text_embeds"]
+        hidden = np.concatenate(parts, axis=-1).astype(np.float32)
+        pooled = pooled.astype(np.float32)
+        if zeros:  # diffusers: force_zeros_for_empty_prompt -> the negative conditioning is zeros
+            hidden = np.concatenate([np.zeros_like(hidden), hidden])
+            pooled = np.concatenate([np.zeros_like(pooled), pooled])
+        return {"encoder_hidden_states": hidden, "text_embeds": pooled}
+
+    # --- one image -----------------------------------------------------------------------------
+
+    def __call__(self, prompt: str, negative_prompt: str | None = None, steps: int = 50, guidance: float = 7.5,
+                 scheduler: str = "ddim", seed: int = 0, height: int | None = None, width: int | None = None,
+                 controlnet_image=None, controlnet_scale: float = 1.0, progress: bool = True) -> Result:
+        from diffusers.utils.torch_utils import randn_tensor
+
+        from onnxopt.pipeline.schedulers import SchedulerError, make_scheduler, plan_steps
+
+        torch = _torch()
+        folder = self.folder
+        check_request(folder, steps=steps, scheduler=scheduler, height=height, width=width,
+                      controlnet_image=controlnet_image)
+        factor = folder.vae_scale_factor
+        control = None
+        if controlnet_image is not None:
+            control = images.preprocess_control_image(controlnet_image, height, width, factor)
+            height, width = control.shape[-2:]  # as diffusers: the preprocessed image sets the size
+        default_h, default_w = folder.default_size
+        height, width = height or default_h, width or default_w
+        _check_size(height, width, factor)
+
+        timings: dict = {"provider": self.provider, "step": self.step_source, "cuda_graph": self.cuda_graph}
+        start = time.perf_counter()
+        t0 = time.perf_counter()
+        cond = self.encode_prompt(prompt, negative_prompt)
+        if folder.kind == "sdxl":
+            time_ids = np.asarray([[height, width, 0, 0, height, width]], np.float32)  # original, crop (0,0), target
+            cond["time_ids"] = np.concatenate([time_ids, time_ids])
+        timings["text_encoder_s"] = time.perf_counter() - t0
+
+        sched = make_scheduler(scheduler, folder.scheduler_config())
+        channels = folder.config("unet").get("in_channels", 4)
+        generator = torch.Generator("cpu").manual_seed(seed)
+        noise = randn_tensor((1, channels, height // factor, width // factor), generator=generator,
+                             device=torch.device("cpu"), dtype=torch.float32)
+        controlnet = None
+        if control is not None:
+            controlnet = {"encoder_hidden_states": cond["encoder_hidden_states"],
+                          "controlnet_cond": np.concatenate([control, control]),
+                          "conditioning_scale": np.asarray([controlnet_scale], np.float32)}
+            controlnet = {k: v for k, v in controlnet.items() if k in input_types(self.sessions["controlnet"])}
+
+        bar = _progress(steps, progress)
+        step_times = []
+        plan = None
+        if self.fused_step:
+            try:
+                plan = plan_steps(sched, steps)
+            except SchedulerError as exc:  # e.g. DDIM with clip_sample: not affine, diffusers' own step then
+                timings["step"] = f"unfused: {exc}"
+        if plan is not None:
+            latents = (noise * plan.init_noise_sigma).numpy()
+            loop = self._step_loop()
+            loop.start(latents, cond, controlnet)
+            for t, coefficients in zip(plan.timesteps, plan.coefficients):
+                t1 = time.perf_counter()
+                loop.step(t, coefficients, guidance)
+                step_times.append(time.perf_counter() - t1)
+                bar.update()
+            latents = loop.latents().astype(np.float32)
+        else:
+            latents = self._unfused_loop(sched, steps, noise, cond, controlnet, guidance, step_times, bar, folder.kind)
+        bar.close()
+        timings["first_step_s"] = step_times[0]
+        timings["step_mean_s"] = float(np.mean(step_times[1:] if len(step_times) > 1 else step_times))
+        timings["steps"] = len(step_times)
+
+        t0 = time.perf_counter()
+        decoded = run_host(self.sessions["vae_decoder"], {"latent_sample": self._unscale(latents)})["sample"]
+        pixels = images.postprocess(decoded.astype(np.float32), factor)[0]
+        timings["vae_decode_s"] = time.perf_counter() - t0
+        image = images.to_pil(pixels)
+        timings["total_s"] = time.perf_counter() - start
+        timings["session_creation_s"] = self.creation_s
+        if self.calls == 0:  # loading + session creation + the first image (with its graph capture)
+            timings["cold_start_s"] = self.creation_s + timings["total_s"]
+        self.calls += 1
+        return Result(image=image, latents=latents, timings=timings, pixels=pixels)
+
+    def _unscale(self, latents: np.ndarray) -> np.ndarray:
+        config = self.folder.config("vae_decoder")
+        scaling = config.get("scaling_factor", 0.18215)
+        mean, std = config.get("latents_mean"), config.get("latents_std")
+        if mean is not None and std is not None:
+            mean = np.asarray(mean, np.float32).reshape(1, -1, 1, 1)
+            std = np.asarray(std, np.float32).reshape(1, -1, 1, 1)
+            return latents * std / np.float32(scaling) + mean
+        return latents / np.float32(scaling)
+
+    def _step_loop(self):
+        step, controlnet = self.sessions["step"], self.sessions.get("controlnet")
+        if not self.io_binding:
+            return HostStepLoop(step, controlnet)
+        return DeviceStepLoop(require_provider(self.provider), step, controlnet, self.sessions.get("controlnet_prepare"),
+                              cuda_graph=self.cuda_graph, device_id=self.device_id,
+                              device="cpu" if self.provider == "cpu" else "cuda")
+
+    def _unfused_loop(self, sched, steps, noise, cond, controlnet, guidance, step_times, bar, kind):
+        """diffusers' loop: UNet session, guidance in numpy, diffusers' scale_model_input and step."""
+        torch = _torch()
+        sched.set_timesteps(steps)
+        if kind == "sdxl" and hasattr(sched, "set_begin_index"):
+            sched.set_begin_index(0)
+        latents = noise * sched.init_noise_sigma
+        if "unet" not in self.sessions:  # a fused pipeline meeting a scheduler the step graph cannot run
+            self.sessions["unet"] = create_session(self.folder.component("unet").model, self.provider,
+                                                   name=str(self.folder.root / "unet"), device_id=self.device_id,
+                                                   threads=self.threads)
+        unet = self.sessions["unet"]
+        for t in sched.timesteps:
+            t1 = time.perf_counter()
+            model_in = sched.scale_model_input(torch.cat([latents] * 2), t).numpy()
+            feeds = dict(cond, sample=model_in, timestep=timestep_feed(unet, t.item(), model_in.shape[0]))
+            if controlnet is not None:
+                cn = self.sessions["controlnet"]
+                feeds.update(run_host(cn, dict(controlnet, sample=model_in,
+                                               timestep=timestep_feed(cn, t.item(), model_in.shape[0]))))
+            eps2 = run_host(unet, feeds)["out_sample"].astype(np.float32)
+            eps_u, eps_c = eps2[: len(eps2) // 2], eps2[len(eps2) // 2:]
+            eps = eps_u + np.float32(guidance) * (eps_c - eps_u)
+            latents = sched.step(torch.from_numpy(eps), t, latents, return_dict=False)[0]
+            step_times.append(time.perf_counter() - t1)
+            bar.update()
+        return latents.numpy()
+
+
+def check_request(folder: PipelineFolder, *, steps: int = 50, scheduler: str = "ddim", height=None, width=None,
+                  controlnet_image=None) -> None:
+    """Refuse a bad request before any session exists (one-line :class:`GenerationError`)."""
+    from onnxopt.pipeline.schedulers import SCHEDULERS
+
+    if scheduler not in SCHEDULERS:
+        raise GenerationError(f"unknown scheduler '{scheduler}' (choose from {', '.join(SCHEDULERS)})")
+    if not isinstance(steps, int) or steps < 1:
+        raise GenerationError(f"steps must be at least 1, got {steps}")
+    if folder.kind == "controlnet" and controlnet_image is None:
+        raise GenerationError(f"{folder.root} is a ControlNet pipeline: give a conditioning image (--controlnet-image)")
+    if folder.kind != "controlnet" and controlnet_image is not None:
+        raise GenerationError(f"{folder.root} has no controlnet/: a conditioning image cannot be used")
+    if controlnet_image is not None and folder.config("controlnet").get("global_pool_conditions"):
+        raise GenerationError("ControlNets with global_pool_conditions (guess mode) are not supported")
+    if isinstance(controlnet_image, (str, Path)) and not Path(controlnet_image).is_file():
+        raise GenerationError(f"{controlnet_image}: no such image")
+    _check_size(height, width, folder.vae_scale_factor, allow_none=True)
+
+
+def _tokenizers_of(kind: str) -> tuple[str, ...]:
+    return ("tokenizer", "tokenizer_2") if kind == "sdxl" else ("tokenizer",)
+
+
+def _check_size(height, width, factor: int, allow_none: bool = False) -> None:
+    multiple = max(8, factor)
+    for name, value in (("height", height), ("width", width)):
+        if value is None and allow_none:
+            continue
+        if not isinstance(value, int) or value < multiple or value % multiple:
+            raise GenerationError(f"{name} must be a positive multiple of {multiple}, got {value}")
+
+
+def _step_graph(folder: PipelineFolder):
+    """(model path or serialized bytes, where it came from), or (None, why not) -> unfused loop."""
+    unet = folder.component("unet")
+    if unet.step_model is not None:
+        return unet.step_model, "unet/step.onnx"
+    try:
+        from onnxopt.pipeline.step_graph import build_step_graph
+    except ImportError:
+        return None, "unfused (onnxopt.pipeline.step_graph is not available)"
+    if unet.nbytes() >= INMEMORY_STEP_GRAPH_MAX_BYTES:
+        print(f"onnxopt: {unet.folder} has no step.onnx and its UNet is over 1.8 GB: running the unfused step "
+              "(write the fused one once with onnxopt.pipeline.step_graph.write_step_graph)", file=sys.stderr)
+        return None, "unfused (UNet over 1.8 GB without unet/step.onnx)"
+    from onnxopt.loading import load_model
+
+    return build_step_graph(load_model(unet.model)).to_onnx().SerializeToString(), "built in memory from unet/model.onnx"
+
+
+class _SimpleBar:
+    def __init__(self, total: int):
+        self.total, self.done = total, 0
+
+    def update(self):
+        self.done += 1
+        sys.stderr.write(f"\rsteps {self.done}/{self.total}")
+        sys.stderr.flush()
+
+    def close(self):
+        sys.stderr.write("\n")
+
+
+class _NoBar:
+    def update(self):
+        pass
+
+    def close(self):
+        pass
+
+
+def _progress(total: int, enabled: bool):
+    if not enabled:
+        return _NoBar()
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:
+        return _SimpleBar(total)
+    return tqdm(total=total, desc="denoising", unit="step", file=sys.stderr, leave=False)
+
+
+def generate(folder, prompt: str, *, output=None, provider: str = "cpu", fused_step: bool = True, cuda_graph: bool = True,
+             **options) -> Result:
+    """Load ``folder``, generate one image (``options`` as :meth:`Pipeline.__call__`), write it to
+    ``output`` (PNG, atomically) when given."""
+    if output is not None:
+        images.check_writable(output)
+    pipe = Pipeline.load(folder, provider, fused_step=fused_step, cuda_graph=cuda_graph)
+    result = pipe(prompt, **options)
+    if output is not None:
+        images.write_png(result.image, output)
+    return result

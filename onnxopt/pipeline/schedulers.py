@@ -1,0 +1,210 @@
+"""Schedulers for the fused step graph: diffusers' own classes, their update read as coefficients.
+
+The step graph (:mod:`onnxopt.pipeline.step_graph`) computes, per denoising step,
+
+    model_in    = c_in * x                                   (scale_model_input)
+    x_next      = c_x * x + c_eps * eps + c_state * state    (step(...).prev_sample)
+    state_next  = d_x * x + d_eps * eps                      (the solver's stored data prediction)
+
+where ``eps`` is the guided model output (epsilon or v, whatever the config predicts) and
+``state`` the previous step's stored data prediction (DPM-Solver++ 2M; zero elsewhere). For DDIM
+(eta=0), Euler (s_churn=0) and DPM-Solver++ 2M, diffusers' ``scale_model_input`` and ``step`` are
+linear and elementwise in (x, eps, state). So the coefficients are not re-derived here: they are
+*read* by running diffusers' own methods on basis vectors, on a deep copy of the scheduler:
+
+    step(model_output=[0, 1, 0], t, sample=[1, 0, 0]) with model_outputs[-1] = [0, 0, 1]
+        prev_sample          = [c_x, c_eps, c_state]
+        new model_outputs[-1] = [d_x, d_eps, 0]
+
+The copy is then advanced (step index, lower-order counters) exactly as a real run advances it, so
+first steps (no history: c_state = 0), ``lower_order_final`` steps, ``timestep_spacing`` and
+``steps_offset`` come out of diffusers as they are. Each step is then checked: a random
+(x, eps, state) must give diffusers' result within fp32 rounding. A configuration that is not
+affine (DDIM ``clip_sample`` or ``thresholding``, ``eta > 0``, Euler ``s_churn > 0``, an SDE or
+other multistep variant) is refused with a one-line error rather than planned wrongly.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import numpy as np
+
+from onnxopt.errors import MissingDependencyError, OnnxoptError
+
+SCHEDULERS = ("ddim", "euler", "dpm++2m")
+COEFFICIENTS = ("c_in", "c_x", "c_eps", "c_state", "d_x", "d_eps")
+
+# Relative tolerance of the affine check, against the magnitude of the terms summed: fp32 rounding
+# of a few operations is ~1e-7; clipping, thresholding or noise are off by orders of magnitude more.
+AFFINE_RTOL = 2e-5
+
+
+class SchedulerError(OnnxoptError):
+    """A scheduler name or configuration the fused step graph cannot run."""
+
+
+@dataclass
+class StepPlan:
+    """Everything the step loop needs from the scheduler, for ``len(timesteps)`` steps.
+
+    ``coefficients[k]`` are step k's (c_in, c_x, c_eps, c_state, d_x, d_eps), float32.
+    ``timesteps[k]`` is the value diffusers feeds the UNet at step k (int for DDIM and DPM-Solver,
+    float for Euler). Initial latents are scaled by ``init_noise_sigma``.
+    """
+
+    timesteps: list
+    coefficients: np.ndarray
+    init_noise_sigma: float
+
+    def __len__(self) -> int:
+        return len(self.timesteps)
+
+
+def make_scheduler(name: str, config: dict):
+    """diffusers' scheduler ``name`` (one of :data:`SCHEDULERS`) configured from ``config``
+    (a ``scheduler_config.json``, any scheduler class: its common keys carry over, as with
+    diffusers' ``from_config``)."""
+    classes = _diffusers_classes()
+    if name == "ddim":
+        return classes.DDIMScheduler.from_config(config)
+    if name == "euler":
+        return classes.EulerDiscreteScheduler.from_config(config)
+    if name == "dpm++2m":
+        return classes.DPMSolverMultistepScheduler.from_config(config, algorithm_type="dpmsolver++", solver_order=2)
+    raise SchedulerError(f"unknown scheduler '{name}'; choose one of {', '.join(SCHEDULERS)}")
+
+
+def plan_steps(scheduler, num_inference_steps: int, *, step_kwargs: dict | None = None) -> StepPlan:
+    """Timesteps and per-step coefficients of ``scheduler`` for ``num_inference_steps`` steps.
+
+    ``scheduler`` is not modified (a deep copy is probed). ``step_kwargs`` go to every ``step``
+    call as the pipeline would pass them (DDIM ``eta``, Euler ``s_churn``...); values that make
+    the update non-affine are refused. Raises :class:`SchedulerError` for a configuration whose
+    update is not affine in (x, eps, state).
+    """
+    torch = _torch()
+    if not isinstance(num_inference_steps, int) or num_inference_steps < 1:
+        raise SchedulerError(f"number of inference steps must be a positive integer, got {num_inference_steps!r}")
+    _refuse_non_affine(scheduler, step_kwargs or {})
+    running = copy.deepcopy(scheduler)
+    running.set_timesteps(num_inference_steps)
+    timesteps = running.timesteps
+    rng = np.random.default_rng(0)
+    rows = []
+    for k in range(len(timesteps)):
+        t = timesteps[k]
+        before = copy.deepcopy(running)
+        row = _probe(running, t, step_kwargs or {}, torch)
+        _check_affine(before, t, row, step_kwargs or {}, rng, torch, k)
+        rows.append(row)
+    return StepPlan(
+        timesteps=[t.item() for t in timesteps],
+        coefficients=np.asarray(rows, dtype=np.float32).reshape(len(rows), len(COEFFICIENTS)),
+        init_noise_sigma=float(running.init_noise_sigma),
+    )
+
+
+def _probe(scheduler, t, step_kwargs: dict, torch) -> list[float]:
+    """One step of ``scheduler`` on basis vectors (advances it); returns the step's coefficients."""
+    def basis(i: int):  # latent-shaped (some scheduler code reads batch and channel dims)
+        return torch.eye(3)[i].reshape(1, 3, 1, 1)
+
+    c_in = scheduler.scale_model_input(torch.ones(1, 1, 1, 1), t).item()
+    has_state = _set_state(scheduler, basis(2))
+    prev = scheduler.step(basis(1), t, basis(0), **step_kwargs).prev_sample
+    c_x, c_eps, c_state = prev.double().flatten().tolist()
+    d_x = d_eps = 0.0
+    stored = _state(scheduler)
+    if stored is not None:
+        d_x, d_eps = stored.double().flatten()[:2].tolist()
+    if not has_state:
+        c_state = 0.0
+    return [c_in, c_x, c_eps, c_state, d_x, d_eps]
+
+
+def _check_affine(scheduler, t, row: list[float], step_kwargs: dict, rng, torch, k: int) -> None:
+    """Run ``scheduler`` (a copy from before step k) on random inputs; refuse if the coefficients miss it."""
+    c_in, c_x, c_eps, c_state, d_x, d_eps = row
+    shape = (2, 4, 4, 4)
+    # Large values on purpose: clipping and thresholding act beyond |x0| = 1.
+    x, eps, state = (torch.from_numpy(rng.standard_normal(shape).astype(np.float32) * 10) for _ in range(3))
+    has_state = _set_state(scheduler, state)
+    if not has_state:
+        state = torch.zeros(shape)
+    scaled = scheduler.scale_model_input(x, t)
+    prev = scheduler.step(eps, t, x, **step_kwargs).prev_sample
+    checks = [("scale_model_input", scaled, [(c_in, x)]),
+              ("step", prev, [(c_x, x), (c_eps, eps), (c_state, state)])]
+    stored = _state(scheduler)
+    if stored is not None:
+        checks.append(("stored data prediction", stored, [(d_x, x), (d_eps, eps)]))
+    for what, actual, terms in checks:
+        expected = sum(c * v.double() for c, v in terms)
+        scale = sum(abs(c) * v.double().abs() for c, v in terms) + 1e-30
+        error = ((actual.double() - expected).abs() / scale).max().item()
+        if not error <= AFFINE_RTOL:
+            raise SchedulerError(
+                f"{type(scheduler).__name__}: {what} at step {k} (timestep {t.item():g}) is not affine in the sample, "
+                f"model output and state (relative error {error:.1e}); the fused step graph cannot run this "
+                "configuration (noise, clipping or thresholding?)"
+            )
+
+
+def _set_state(scheduler, value) -> bool:
+    """Put ``value`` where a multistep solver keeps its previous data prediction; False if it has none yet."""
+    outputs = getattr(scheduler, "model_outputs", None)
+    if not outputs or outputs[-1] is None:
+        return False
+    outputs[-1] = value
+    return True
+
+
+def _state(scheduler):
+    outputs = getattr(scheduler, "model_outputs", None)
+    return outputs[-1] if outputs else None
+
+
+def _refuse_non_affine(scheduler, step_kwargs: dict) -> None:
+    """One-line reasons for the configurations known not to be affine (the numeric check catches the rest)."""
+    classes = _diffusers_classes()
+    name = type(scheduler).__name__
+    config = scheduler.config
+    supported = (classes.DDIMScheduler, classes.EulerDiscreteScheduler, classes.DPMSolverMultistepScheduler)
+    if not isinstance(scheduler, supported):
+        raise SchedulerError(f"{name} is not supported by the fused step graph; use one of {', '.join(SCHEDULERS)}")
+    reasons = []
+    if config.get("thresholding"):
+        reasons.append("thresholding=True")
+    if isinstance(scheduler, classes.DDIMScheduler):
+        if config.get("clip_sample"):
+            reasons.append("clip_sample=True")
+        if step_kwargs.get("eta", 0.0):
+            reasons.append(f"eta={step_kwargs['eta']} (adds noise)")
+    if isinstance(scheduler, classes.EulerDiscreteScheduler) and step_kwargs.get("s_churn", 0.0):
+        reasons.append(f"s_churn={step_kwargs['s_churn']} (adds noise)")
+    if isinstance(scheduler, classes.DPMSolverMultistepScheduler):
+        if config.get("algorithm_type") != "dpmsolver++":
+            reasons.append(f"algorithm_type={config.get('algorithm_type')!r} (only 'dpmsolver++')")
+        if config.get("solver_order") not in (1, 2):
+            reasons.append(f"solver_order={config.get('solver_order')} "
+                           "(the step graph carries one previous prediction)")
+    if reasons:
+        raise SchedulerError(f"{name} with {', '.join(reasons)} is not affine; the fused step graph cannot run it")
+
+
+def _torch():
+    try:
+        import torch
+    except ImportError as exc:
+        raise MissingDependencyError("schedulers need torch and diffusers (pip install 'onnxopt[pipeline]')") from exc
+    return torch
+
+
+def _diffusers_classes():
+    try:
+        import diffusers
+    except ImportError as exc:
+        raise MissingDependencyError("schedulers need diffusers (pip install 'onnxopt[pipeline]')") from exc
+    return diffusers

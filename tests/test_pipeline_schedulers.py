@@ -1,0 +1,160 @@
+"""Scheduler coefficients for the fused step graph reproduce diffusers' own schedulers step by step.
+
+Claim: for DDIM, Euler and DPM-Solver++ 2M, configured from the scheduler configs of SD 1.5 (its
+PNDM config re-created as the requested class), SD 2.1 (v-prediction) and SDXL (Euler, "leading"
+spacing, steps_offset 1), the plan's ``c_x*x + c_eps*eps + c_state*state`` equals a fresh diffusers
+scheduler's ``step(eps, t, x).prev_sample`` at every step of a whole schedule on random tensors
+(within fp32 rounding), with the state carried only through ``d_x*x + d_eps*eps``; and
+``c_in*x`` equals ``scale_model_input(x, t)``. Configurations that are not affine are refused.
+"""
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("diffusers")
+
+from onnxopt.pipeline import schedulers  # noqa: E402
+from onnxopt.pipeline.schedulers import SCHEDULERS, SchedulerError, make_scheduler, plan_steps  # noqa: E402
+
+# The scheduler_config.json files of the public checkpoints (values as published).
+SD15 = {
+    "_class_name": "PNDMScheduler", "beta_end": 0.012, "beta_schedule": "scaled_linear", "beta_start": 0.00085,
+    "num_train_timesteps": 1000, "set_alpha_to_one": False, "skip_prk_steps": True, "steps_offset": 1,
+    "trained_betas": None, "clip_sample": False,
+}
+SD21 = {
+    "_class_name": "DDIMScheduler", "beta_end": 0.012, "beta_schedule": "scaled_linear", "beta_start": 0.00085,
+    "clip_sample": False, "num_train_timesteps": 1000, "prediction_type": "v_prediction", "set_alpha_to_one": False,
+    "skip_prk_steps": True, "steps_offset": 1, "trained_betas": None,
+}
+SDXL = {
+    "_class_name": "EulerDiscreteScheduler", "beta_end": 0.012, "beta_schedule": "scaled_linear",
+    "beta_start": 0.00085, "clip_sample": False, "interpolation_type": "linear", "num_train_timesteps": 1000,
+    "prediction_type": "epsilon", "sample_max_value": 1.0, "set_alpha_to_one": False, "skip_prk_steps": True,
+    "steps_offset": 1, "timestep_spacing": "leading", "trained_betas": None, "use_karras_sigmas": False,
+}
+CONFIGS = {"sd15": SD15, "sd21-v": SD21, "sdxl": SDXL, "sdxl-v": dict(SDXL, prediction_type="v_prediction")}
+
+
+def run_both(name: str, config: dict, steps: int, seed: int = 0, begin_index: bool = False) -> list[float]:
+    """Drive a fresh diffusers scheduler and the plan on the same random inputs; per-step relative errors.
+    ``begin_index``: the reference is driven as StableDiffusionXLPipeline drives it (set_begin_index(0))."""
+    plan = plan_steps(make_scheduler(name, config), steps)
+    reference = make_scheduler(name, config)
+    reference.set_timesteps(steps)
+    if begin_index and hasattr(reference, "set_begin_index"):
+        reference.set_begin_index(0)
+    assert plan.timesteps == [t.item() for t in reference.timesteps]
+    assert plan.init_noise_sigma == pytest.approx(float(reference.init_noise_sigma))
+    assert plan.coefficients.shape == (len(plan.timesteps), 6) and plan.coefficients.dtype == np.float32
+
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(2, 4, 8, 8, generator=generator) * reference.init_noise_sigma
+    state = torch.zeros_like(x)
+    errors = []
+    for (c_in, c_x, c_eps, c_state, d_x, d_eps), t in zip(plan.coefficients.tolist(), reference.timesteps):
+        scaled = reference.scale_model_input(x, t)
+        torch.testing.assert_close(c_in * x, scaled, rtol=1e-6, atol=1e-6)
+        eps = torch.randn(x.shape, generator=generator)
+        expected = reference.step(eps, t, x).prev_sample
+        ours = c_x * x + c_eps * eps + c_state * state
+        magnitude = (abs(c_x) * x.abs() + abs(c_eps) * eps.abs() + abs(c_state) * state.abs()).max()
+        errors.append(((ours - expected).abs().max() / magnitude).item())
+        state = d_x * x + d_eps * eps
+        x = expected
+    return errors
+
+
+@pytest.mark.parametrize("config", list(CONFIGS))
+@pytest.mark.parametrize("name", SCHEDULERS)
+@pytest.mark.parametrize("steps", [10, 50])
+def test_coefficients_reproduce_diffusers_step(name, config, steps):
+    errors = run_both(name, CONFIGS[config], steps)
+    assert max(errors) < 1e-6, errors  # fp32 rounding of a sum of three terms
+
+
+@pytest.mark.parametrize("name", SCHEDULERS)
+def test_driven_as_the_sdxl_pipeline_drives_it(name):
+    """StableDiffusionXLPipeline calls set_begin_index(0) before its loop; SD 1.5's lets the scheduler
+    find its index from the first timestep. The plan fits both."""
+    assert max(run_both(name, SDXL, 30, begin_index=True)) < 1e-6
+
+
+def test_multistep_state_matters():
+    """DPM-Solver++ 2M: the state term is used after the first step and not on the first or the final
+    (lower_order_final) step; Euler and DDIM carry no state."""
+    plan = plan_steps(make_scheduler("dpm++2m", SD15), 10)
+    c_state = plan.coefficients[:, 3]
+    assert c_state[0] == 0 and c_state[-1] == 0 and np.all(c_state[1:-1] != 0)
+    assert np.all(plan.coefficients[:, 4] != 0)  # every step stores its data prediction
+    for name in ("ddim", "euler"):
+        coefficients = plan_steps(make_scheduler(name, SD15), 10).coefficients
+        assert not coefficients[:, 3:].any()
+
+
+def test_dropping_the_state_breaks_the_match():
+    """The comparison above can fail: without the carried state, DPM-Solver++ 2M no longer matches."""
+    plan = plan_steps(make_scheduler("dpm++2m", SD15), 10)
+    reference = make_scheduler("dpm++2m", SD15)
+    reference.set_timesteps(10)
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(1, 4, 8, 8, generator=generator)
+    worst = 0.0
+    for (_, c_x, c_eps, _, _, _), t in zip(plan.coefficients.tolist(), reference.timesteps):
+        eps = torch.randn(x.shape, generator=generator)
+        expected = reference.step(eps, t, x).prev_sample
+        worst = max(worst, (c_x * x + c_eps * eps - expected).abs().max().item())
+        x = expected
+    assert worst > 1e-2
+
+
+def test_plan_leaves_the_scheduler_alone():
+    scheduler = make_scheduler("euler", SDXL)
+    plan_steps(scheduler, 5)
+    assert scheduler.num_inference_steps is None and scheduler.step_index is None
+
+
+def test_make_scheduler_classes_and_solver_options():
+    assert type(make_scheduler("ddim", SD15)).__name__ == "DDIMScheduler"
+    assert type(make_scheduler("euler", SD15)).__name__ == "EulerDiscreteScheduler"
+    dpm = make_scheduler("dpm++2m", dict(SD15, algorithm_type="sde-dpmsolver++", solver_order=3))
+    assert type(dpm).__name__ == "DPMSolverMultistepScheduler"
+    assert dpm.config.algorithm_type == "dpmsolver++" and dpm.config.solver_order == 2
+    assert make_scheduler("ddim", SD21).config.prediction_type == "v_prediction"
+    with pytest.raises(SchedulerError, match="unknown scheduler 'pndm'"):
+        make_scheduler("pndm", SD15)
+
+
+@pytest.mark.parametrize("name, config, step_kwargs, reason", [
+    ("ddim", dict(SD15, clip_sample=True), {}, "clip_sample=True"),
+    ("ddim", dict(SD15, thresholding=True), {}, "thresholding=True"),
+    ("dpm++2m", dict(SD15, thresholding=True), {}, "thresholding=True"),
+    ("ddim", SD15, {"eta": 0.5}, "eta=0.5"),
+    ("euler", SD15, {"s_churn": 1.0}, "s_churn=1.0"),
+])
+def test_non_affine_configurations_are_refused(name, config, step_kwargs, reason):
+    with pytest.raises(SchedulerError, match=reason):
+        plan_steps(make_scheduler(name, config), 10, step_kwargs=step_kwargs)
+
+
+@pytest.mark.parametrize("name, config, step_kwargs", [
+    ("ddim", dict(SD15, clip_sample=True), {}),
+    ("ddim", SD15, {"eta": 0.5}),
+    ("euler", SD15, {"s_churn": 1.0}),
+    ("dpm++2m", dict(SD15, thresholding=True), {}),
+])
+def test_numeric_check_catches_what_the_config_check_would_miss(monkeypatch, name, config, step_kwargs):
+    """With the named refusals switched off, the random-input check still refuses the plan."""
+    monkeypatch.setattr(schedulers, "_refuse_non_affine", lambda scheduler, kwargs: None)
+    with pytest.raises(SchedulerError, match="not affine"):
+        plan_steps(make_scheduler(name, config), 10, step_kwargs=step_kwargs)
+
+
+def test_other_scheduler_classes_and_bad_step_counts_are_refused():
+    from diffusers import PNDMScheduler
+
+    with pytest.raises(SchedulerError, match="PNDMScheduler is not supported"):
+        plan_steps(PNDMScheduler.from_config(SD15), 10)
+    with pytest.raises(SchedulerError, match="positive integer"):
+        plan_steps(make_scheduler("ddim", SD15), 0)
