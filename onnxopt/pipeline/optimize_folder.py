@@ -3,22 +3,21 @@
     FOLDER/                                   OUT/  (appears whole, or not at all)
       model_index.json, scheduler/, tokenizer*/  ─ copied byte for byte ─►  same
       <component>/config.json, other files        ─ copied byte for byte ─►  same
-      text_encoder[_2]/model.onnx   ─ ort-cuda [+ fp16]                  ─►  model.onnx [+ data]
-      unet/, controlnet/model.onnx  ─ ort-cuda | tensorrt [+ fp16]       ─►  model.onnx [+ data]
-      vae_decoder/, vae_encoder/    ─ ort-cuda [+ fp16, guarded: below]  ─►  model.onnx [+ data]
+      text_encoder[_2]/model.onnx   ─ ort-cuda | tensorrt [+ fp16]                  ─►  model.onnx [+ data]
+      unet/, controlnet/model.onnx  ─ ort-cuda | tensorrt [+ fp16]                  ─►  model.onnx [+ data]
+      vae_decoder/, vae_encoder/    ─ ort-cuda | tensorrt [+ fp16, guarded: below]  ─►  model.onnx [+ data]
 
 Presets per component (``target``):
   unet, controlnet    ``ort-cuda`` or ``tensorrt``; ``fp16`` adds the fp16 pass (for TensorRT a strongly
                       typed fp16 graph, as passes/fp16.py recommends).
-  text encoders       ``ort-cuda`` for both targets (the runner runs them on ORT's CUDA EP); ``fp16`` adds
-                      the fp16 pass.
-  VAE                 ``ort-cuda``; with ``fp16`` the fp16 pass runs with ``fp32_auto``, calibrated on a
+  text encoders       the target's preset; ``fp16`` adds the fp16 pass.
+  VAE                 the target's preset; with ``fp16`` the fp16 pass runs with ``fp32_auto``, calibrated on a
                       latent (decoder) or image (encoder) at the folder's size (unet/config.json
                       ``sample_size``, batch 1; a decoder latent is N(0, 1) / ``scaling_factor``, what the
                       pipeline feeds it). The VAE fp16 rule: the fp16 graph is then run on that input next
                       to the fp32 graph; if its output has a NaN/inf, or its relative L2 to fp32 exceeds
                       :data:`VAE_FP16_MAX_REL_L2` (a black or washed-out image is ~1), the VAE is written in
-                      fp32 (ort-cuda only) and the report says why.
+                      fp32 and the report says why.
   anything else       other subfolders holding a ``model.onnx`` are copied unchanged (noted).
 
 Weights keep the source's layout: inline when the source was inline, else one external file with
@@ -207,8 +206,9 @@ def component_passes(name: str, target: str, fp16: bool) -> list[str]:
     """Passes and presets for one component (see the module docstring)."""
     if target not in TARGETS:
         raise OnnxoptError(f"unknown target '{target}'; choose one of {', '.join(TARGETS)}")
-    base = target if name in DENOISERS else "ort-cuda"
-    return [base, "fp16"] if fp16 else [base]
+    # One target for the whole folder: a ``tensorrt`` folder is standard ONNX throughout, so it also
+    # runs on any ONNX Runtime EP (the CPU one included), which an ort-cuda VAE's NhwcConv does not.
+    return [target, "fp16"] if fp16 else [target]
 
 
 def vae_calibration_feed(model, name: str, folder: Path, seed: int = 0) -> dict[str, np.ndarray]:
@@ -340,7 +340,7 @@ def optimize_folder(src, dst, target: str = "ort-cuda", fp16: bool = False, veri
                     vae_max_rel_l2: float = VAE_FP16_MAX_REL_L2, step_graph: bool = True) -> FolderReport:
     """Optimize every ONNX component of the pipeline folder ``src`` into the new folder ``dst``.
 
-    ``target``: "ort-cuda" or "tensorrt" (the UNet's and ControlNet's preset). ``fp16``: add the fp16
+    ``target``: "ort-cuda" or "tensorrt", the preset of every component. ``fp16``: add the fp16
     pass (VAE guarded, see the module docstring). ``verify``: compare after every pass (raises
     VerificationError, exit 1, and writes nothing when a pass breaks the tolerance).
     ``fp16_options``: extra options of the fp16 pass for every component.
