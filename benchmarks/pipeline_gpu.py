@@ -112,9 +112,14 @@ class Bench:
             return kwargs
 
         s = self.settings
+        # The initial noise is drawn in float32, as the fp32 pipeline and onnxopt draw it, then cast: an fp16
+        # pipeline left to draw its own would sample float16 noise, another image altogether.
+        factor = pipe.vae_scale_factor
+        noise = torch.randn((1, pipe.unet.config.in_channels, s["height"] // factor, s["width"] // factor),
+                            generator=torch.Generator("cpu").manual_seed(SEED), dtype=torch.float32)
         with torch.no_grad():
             image = pipe(PROMPT, negative_prompt=NEGATIVE, num_inference_steps=s["steps"], guidance_scale=GUIDANCE,
-                         height=s["height"], width=s["width"], generator=torch.Generator("cpu").manual_seed(SEED),
+                         height=s["height"], width=s["width"], latents=noise.to(self.device, pipe.unet.dtype),
                          output_type=output_type, callback_on_step_end=keep).images[0]
         self.sync()
         return final["latents"].float().cpu().numpy(), np.asarray(image, np.float32)

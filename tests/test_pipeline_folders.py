@@ -373,7 +373,10 @@ def test_optimized_folder_runs_on_the_cuda_ep(tmp_path, fp16):
         pytest.skip("needs onnxruntime-gpu and a CUDA device")
     dst = tmp_path / "out"
     optimize_folder(COMMITTED_SD15, dst, fp16=fp16)
-    tolerance = Tolerance(*Fp16Pass.verify_tolerance) if fp16 else TOLERANCE
+    # fp32 on the GPU: the fused kernels (MultiHeadAttention, SkipLayerNorm) and cuBLAS order their sums
+    # otherwise than the CPU and may use TF32 for fp32 products: 2.6e-3 seen on the text encoder
+    # (rel L2 6e-4), within the 5e-3 the fused-op GPU proof (tests/test_gpu.py) allows.
+    tolerance = Tolerance(*Fp16Pass.verify_tolerance) if fp16 else Tolerance(5e-3, 5e-3)
     for component in onnx_components(COMMITTED_SD15):
         report = diff(COMMITTED_SD15 / component / "model.onnx", dst / component / "model.onnx", runtime="cuda",
                       tolerance=tolerance, inputs=InputSpec(dims=DIMS))
