@@ -247,12 +247,14 @@ def test_output_data_file_that_is_a_folder_is_refused(tmp_path, capsys):
     assert_refused(capsys, tmp_path, optimize(src, tmp_path / "out.onnx", "--external-data"), "is a folder")
 
 
-@pytest.mark.skipif(ROOT_IS_ROOT, reason="root writes into read-only folders")
-def test_read_only_output_folder_is_refused(tmp_path, capsys):
+def test_read_only_output_folder_is_refused(tmp_path, capsys, monkeypatch):
     src = write_source(tmp_path)
     locked = tmp_path / "locked"
     locked.mkdir()
     locked.chmod(0o555)
+    if ROOT_IS_ROOT:  # root may write anywhere: stand in for an unprivileged user's view of the folder
+        access = os.access
+        monkeypatch.setattr(os, "access", lambda p, mode: False if Path(p) == locked and mode & os.W_OK else access(p, mode))
     try:
         assert_refused(capsys, tmp_path, optimize(src, locked / "out.onnx"), "not writable")
     finally:
@@ -271,3 +273,14 @@ def test_output_over_an_existing_unrelated_file_replaces_it_whole(tmp_path, caps
     x = np.ones((1, 64), np.float32)
     out = ort.InferenceSession(str(tmp_path / "out.onnx"), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
     np.testing.assert_allclose(out, expected_output(x), rtol=1e-5, atol=1e-5)
+
+
+def test_disk_full_while_writing_leaves_the_old_output_and_no_temporary_file(tmp_path, capsys, monkeypatch):
+    src = write_source(tmp_path)
+    (tmp_path / "out.onnx").write_bytes(b"previous")
+
+    def disk_full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr("onnxopt.saving._copy", disk_full)
+    assert_refused(capsys, tmp_path, optimize(src, tmp_path / "out.onnx", "--external-data"), "No space left on device")

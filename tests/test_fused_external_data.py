@@ -26,6 +26,8 @@ from models import FAMILIES
 from onnxopt import optimize, reference, save_model
 from onnxopt.verify import random_feeds
 
+pytestmark = pytest.mark.models
+
 PASSES = ["ort-cuda", "ort-cuda,fp16", "tensorrt"]
 CPU = ["CPUExecutionProvider"]
 NO_CPU_KERNEL = ("GroupNorm", "SkipGroupNorm", "BiasSplitGelu", "BiasAdd", "NhwcConv")  # ORT CUDA/ROCm only
