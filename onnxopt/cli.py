@@ -179,7 +179,8 @@ def _profile_arg(text: str):
 
 def cmd_optimize(args) -> int:
     from onnxopt.api import optimize
-    from onnxopt.saving import check_destination, save_model
+    from onnxopt.loading import load_model
+    from onnxopt.saving import check_destination, check_writes, planned_writes, save_model
     from onnxopt.verify import InputSpec, Tolerance
 
     if Path(args.input).is_dir():  # a pipeline folder: each component with its preset
@@ -192,10 +193,12 @@ def cmd_optimize(args) -> int:
     passes += ["fp16"] if args.fp16 and "fp16" not in passes else []
     registry.expand(passes)  # unknown names and unwritable outputs fail before any work
     check_destination(args.output, args.input)
+    source = load_model(args.input)  # lazy: weights stay on disk; optimize() works on a copy
+    check_writes(planned_writes(source, args.output, external_data=args.external_data) + [p for p in [args.report_json] if p], source)
     inputs = InputSpec(shapes=dict(args.shape), dims=dict(args.dim))
     start = time.perf_counter()
     model, report = optimize(
-        args.input, passes, verify=args.verify, tolerance=Tolerance(args.atol, args.rtol), inputs=inputs, strict=args.strict,
+        source, passes, verify=args.verify, tolerance=Tolerance(args.atol, args.rtol), inputs=inputs, strict=args.strict,
         options={"fp16": _fp16_options(args)},
     )
     if args.report_json:

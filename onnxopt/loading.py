@@ -13,10 +13,11 @@ import onnx
 import onnx_graphsurgeon as gs
 from google.protobuf.message import DecodeError
 from onnx import external_data_helper
+from onnx_graphsurgeon.ir.tensor import Constant, LazyValues
 
 from onnxopt.errors import ModelLoadError, UnsupportedModelError
-from onnxopt.model import Model
-from onnxopt.weights import attach_external_values, external_location, file_size
+from onnxopt.model import Model, all_nodes
+from onnxopt.weights import ExternalValues, attach_external_values, external_location, file_size
 
 MIN_OPSET = 13  # LayerNormalization-era exports; older graphs should be re-exported or converted
 MAX_OPSET = onnx.defs.onnx_opset_version()
@@ -62,7 +63,7 @@ def _read_proto(path: Path) -> onnx.ModelProto:
 def _from_proto(proto: onnx.ModelProto, base_dir: Path, origin: Path | None) -> Model:
     where = str(origin) if origin else "model"
     _check_opset(proto, where)
-    _check_external_data(proto, base_dir, where)
+    data_files = _check_external_data(proto, base_dir, where)
     try:
         graph = gs.import_onnx(proto)
     except Exception as exc:  # graphsurgeon raises assorted errors on malformed graphs
@@ -75,9 +76,25 @@ def _from_proto(proto: onnx.ModelProto, base_dir: Path, origin: Path | None) -> 
         doc_string=proto.doc_string,
         domain=proto.domain,
         node_scopes=_node_scopes(proto.graph),
+        source_files=tuple(dict.fromkeys([Path(os.path.realpath(origin))] if origin else []) | dict.fromkeys(data_files)),
     )
-    attach_external_values(model.constants(), base_dir)
+    attach_external_values(model.constants() + model.subgraph_constants(), base_dir)
+    _load_external_attributes(model, base_dir)
     return model
+
+
+def _load_external_attributes(model: Model, base_dir: Path) -> None:
+    """Read into memory the tensor attributes (a Constant node's ``value``) kept in external data.
+
+    onnx allows them; graphsurgeon would export them with their old location. They are values of
+    single nodes, written inline on save like any attribute (their location was checked on load).
+    """
+    for node in all_nodes(model.graph):
+        for value in node.attrs.values():
+            if isinstance(value, Constant) and isinstance(value._values, LazyValues) \
+                    and external_data_helper.uses_external_data(value._values.tensor):
+                value._values = ExternalValues(value._values.tensor, base_dir).load()
+                value.data_location = None  # else graphsurgeon stamps EXTERNAL on the inline tensor
 
 
 TORCH_NAME_SCOPES = "pkg.torch.onnx.name_scopes"  # the dynamo exporter's module path of a node
@@ -117,8 +134,10 @@ def _check_opset(proto: onnx.ModelProto, where: str) -> None:
         )
 
 
-def _check_external_data(proto: onnx.ModelProto, base_dir: Path, where: str) -> None:
+def _check_external_data(proto: onnx.ModelProto, base_dir: Path, where: str) -> list[Path]:
+    """Check every external data entry (location, length, file size); return the files they name."""
     missing: dict[Path, str] = {}
+    files: dict[Path, None] = {}
     for tensor in external_data_helper._get_all_tensors(proto):
         if not external_data_helper.uses_external_data(tensor):
             continue
@@ -126,6 +145,9 @@ def _check_external_data(proto: onnx.ModelProto, base_dir: Path, where: str) -> 
             loc = external_location(tensor, base_dir)
         except ValueError as exc:
             raise ModelLoadError(f"{where}: {exc}") from exc
+        files[loc.path] = None
+        if loc.path.is_dir():
+            raise ModelLoadError(f"{where}: external data {loc.path.name} of tensor '{tensor.name}' is a folder, not a file")
         size = file_size(loc.path)
         if size < 0:
             missing.setdefault(loc.path, tensor.name)
@@ -140,6 +162,7 @@ def _check_external_data(proto: onnx.ModelProto, base_dir: Path, where: str) -> 
         raise ModelLoadError(
             f"{where}: missing external data: {path.name} (tensor '{tensor}') not found in {base_dir}{more}"
         )
+    return list(files)
 
 
 def _first_line(exc: BaseException) -> str:

@@ -46,6 +46,9 @@ class Model:
     # the dynamo exporter's node metadata, which graphsurgeon does not keep. TorchScript exports
     # carry the module path in the node names themselves ("/unet/down_blocks.0/.../attn2/MatMul").
     node_scopes: dict[str, str] = field(default_factory=dict)
+    # Every file the source was read from: the .onnx and its external data files (resolved paths).
+    # Nothing onnxopt writes may land on one (see onnxopt.saving.check_writes).
+    source_files: tuple[Path, ...] = ()
 
     @property
     def opset(self) -> int:
@@ -59,8 +62,24 @@ class Model:
             if isinstance(t, Constant) and not isinstance(t._values, SparseValues)
         ]
 
+    def subgraph_constants(self) -> list[Constant]:
+        """Constants of the subgraphs (If/Loop/Scan bodies, at any depth) that are not top-level ones.
+
+        graphsurgeon exports them as the subgraph's initializers; they are few and small in the
+        models onnxopt meets, so :func:`onnxopt.saving.save_model` places each one whole (inline, or
+        its bytes into the data file) instead of streaming them like top-level initializers.
+        """
+        seen = {id(c) for c in self.constants()}
+        found: list[Constant] = []
+        for subgraph in subgraphs(self.graph):
+            for tensor in subgraph.tensors().values():
+                if isinstance(tensor, Constant) and not isinstance(tensor._values, SparseValues) and id(tensor) not in seen:
+                    seen.add(id(tensor))
+                    found.append(tensor)
+        return found
+
     def weights_nbytes(self) -> int:
-        return sum(constant_nbytes(c) for c in self.constants())
+        return sum(constant_nbytes(c) for c in self.constants() + self.subgraph_constants())
 
     def copy(self) -> "Model":
         """A structural copy: new nodes and tensors, constant values shared (never mutated in place)."""
@@ -73,6 +92,7 @@ class Model:
             domain=self.domain,
             companions={name: c.copy() for name, c in self.companions.items()},
             node_scopes=dict(self.node_scopes),
+            source_files=self.source_files,
         )
 
     def alone(self) -> "Model":
@@ -80,7 +100,7 @@ class Model:
         if not self.companions:
             return self
         return Model(self.graph, self.source, self.metadata_props, self.model_version, self.doc_string, self.domain,
-                     node_scopes=self.node_scopes)
+                     node_scopes=self.node_scopes, source_files=self.source_files)
 
     def skeleton(self, threshold: int = SKELETON_THRESHOLD_BYTES) -> onnx.ModelProto:
         """Export the graph with every initializer of ``threshold`` bytes or more reduced to a stub.
@@ -95,7 +115,8 @@ class Model:
 
     def to_onnx(self) -> onnx.ModelProto:
         """A full in-memory ModelProto (weights loaded). For small models and tests only."""
-        proto = gs.export_onnx(self.graph, do_type_check=False)
+        with _materialised(self.subgraph_constants()):
+            proto = gs.export_onnx(self.graph, do_type_check=False)
         tensors = self.graph.tensors()
         for tensor in proto.graph.initializer:
             if needs_materialising(tensors[tensor.name]):
@@ -112,12 +133,42 @@ class Model:
             proto.metadata_props.add(key=key, value=value)
 
 
+def subgraphs(graph: gs.Graph) -> Iterator[gs.Graph]:
+    """Every graph held in a node attribute of ``graph`` (If branches, Loop/Scan bodies), nested ones too."""
+    for node in graph.nodes:
+        for value in node.attrs.values():
+            for sub in value if isinstance(value, (list, tuple)) else [value]:
+                if isinstance(sub, gs.Graph):
+                    yield sub
+                    yield from subgraphs(sub)
+
+
+def all_nodes(graph: gs.Graph) -> Iterator[gs.Node]:
+    """The nodes of ``graph`` and of every subgraph in it."""
+    yield from graph.nodes
+    for sub in subgraphs(graph):
+        yield from sub.nodes
+
+
 def stub_tensor(constant: Constant) -> onnx.TensorProto:
     stub = onnx.TensorProto(name=constant.name, data_type=constant_data_type(constant))
     stub.dims.extend(constant_dims(constant))
     stub.data_location = onnx.TensorProto.EXTERNAL
     stub.external_data.add(key="location", value=STUB_LOCATION)
     return stub
+
+
+@contextlib.contextmanager
+def _materialised(constants: list[Constant]) -> Iterator[None]:
+    """Temporarily give external or derived constants their values in memory (for a full export)."""
+    swapped = [(c, c._values) for c in constants if needs_materialising(c)]
+    try:
+        for constant, values in swapped:
+            constant._values = values.load()
+        yield
+    finally:
+        for constant, values in swapped:
+            constant._values = values
 
 
 @contextlib.contextmanager

@@ -13,6 +13,7 @@ into place only when both are complete; on any error they are removed.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 from dataclasses import dataclass, field
@@ -20,6 +21,7 @@ from pathlib import Path
 from typing import BinaryIO, Iterable
 
 import onnx
+from onnx_graphsurgeon.ir.tensor import Constant, LazyValues
 
 from onnxopt.errors import ModelSaveError
 from onnxopt.model import Model, SKELETON_THRESHOLD_BYTES
@@ -35,6 +37,20 @@ from onnxopt.weights import (
 # the graph structure itself still fits beside the weights.
 AUTO_EXTERNAL_BYTES = 1_800_000_000
 EXTERNAL_MIN_BYTES = 1024  # smaller tensors stay inline, as onnx's own converter does
+INLINE_INTEGER_MAX_BYTES = 64 << 10  # int32/int64 tensors up to this size stay inline (see must_stay_inline)
+
+# Inputs that ONNX shape inference reads as data (shapes, sizes, axes, counts, scales), by op and
+# input index. ONNX Runtime runs shape inference when it loads a model, before it loads external
+# data, and fails on an external tensor here ("Cannot parse data from external tensors").
+SHAPE_INPUTS: dict[str, tuple[int, ...]] = {
+    "Reshape": (1,), "Split": (1,), "Slice": (1, 2, 3, 4), "Resize": (1, 2, 3), "Upsample": (1,),
+    "Pad": (1, 2, 3), "Expand": (1,), "Tile": (1,), "TopK": (1,), "ConstantOfShape": (0,), "Range": (0, 1, 2),
+    "Unsqueeze": (1,), "Squeeze": (1,), "OneHot": (1,), "CenterCropPad": (1,), "Col2Im": (1, 2), "Trilu": (1,),
+    "CumSum": (1,), "DFT": (1, 2), "STFT": (1, 3), "AffineGrid": (1,),
+    **{f"Reduce{kind}": (1,) for kind in ("Sum", "Mean", "Max", "Min", "Prod", "L1", "L2", "LogSum", "LogSumExp",
+                                           "SumSquare")},
+}
+_INTEGER_TYPES = (onnx.TensorProto.INT64, onnx.TensorProto.INT32)
 ALIGN_LARGE = 4096  # page-align big tensors so runtimes can mmap them
 ALIGN_LARGE_FROM = 1 << 20
 
@@ -111,6 +127,7 @@ def save_model(
     parts += [(name, c.alone(), companion_path(path, name), None) for name, c in model.companions.items()]
     for _, _, destination, _ in parts:
         check_destination(destination, model.source)
+    check_writes(planned_writes(model, path, external_data=external_data, data_location=data_location), model)
     tmp_files: list[Path] = []
     written: list[tuple[str | None, Path, Path | None, SaveInfo]] = []
     try:
@@ -173,16 +190,88 @@ def check_destination(path: str | os.PathLike, source: str | os.PathLike | None 
         raise ModelSaveError(f"{path}: folder {folder} is not writable")
 
 
+def must_stay_inline(model: Model) -> set[str]:
+    """Names of the constants that stay inline when weights go to external data, whatever their size.
+
+    The rule: a constant stays inline when
+      * a node (of the graph or of a subgraph) reads it at an input that shape inference reads as
+        data (:data:`SHAPE_INPUTS`: Split sizes, Reshape shape, Slice starts/ends/axes/steps,
+        Resize roi/scales/sizes, Pad pads/value/axes, Expand/Tile shape/repeats, TopK k,
+        ConstantOfShape, Range, Squeeze/Unsqueeze/Reduce* axes...); or
+      * it is an int32/int64 tensor of at most :data:`INLINE_INTEGER_MAX_BYTES`, because shape
+        inference also reads integer constants through the ops that compute shapes (Concat,
+        Gather, Mul... feeding a Reshape).
+    ONNX Runtime runs shape inference at load, before reading external data, and refuses a model
+    whose such tensor is external. Weights are float (or low-bit integer) tensors: unaffected.
+    """
+    from onnxopt.model import all_nodes
+
+    names: set[str] = set()
+    for node in all_nodes(model.graph):
+        if node.domain in ("", "ai.onnx", None):
+            for index in SHAPE_INPUTS.get(node.op, ()):
+                if index < len(node.inputs) and isinstance(node.inputs[index], Constant):
+                    names.add(node.inputs[index].name)
+    for constant in model.constants() + model.subgraph_constants():
+        if constant_data_type(constant) in _INTEGER_TYPES and constant_nbytes(constant) <= INLINE_INTEGER_MAX_BYTES:
+            names.add(constant.name)
+    return names
+
+
+def planned_writes(model: Model, path: str | os.PathLike, *, external_data: bool | None = None,
+                   data_location: str | None = None) -> list[Path]:
+    """Every file :func:`save_model` would write for these arguments: the model, its data file
+    when it goes external (by the same rule as the save), and the same for each companion."""
+    from onnxopt.companions import companion_path
+
+    path = Path(path)
+    parts = [(model.alone(), path, data_location)]
+    parts += [(c, companion_path(path, name), None) for name, c in model.companions.items()]
+    writes = []
+    for part, destination, location in parts:
+        writes.append(destination)
+        if part.weights_nbytes() > AUTO_EXTERNAL_BYTES if external_data is None else external_data:
+            writes.append(destination.with_name(location or f"{destination.name}.data"))
+    return writes
+
+
+def check_writes(writes: Iterable[str | os.PathLike], source: Model) -> None:
+    """Refuse, before anything is written, a file to write that is a file the input reads.
+
+    The input is every file of ``source.source_files`` (the .onnx and each external data file it
+    names; a companion's too). A path to write is compared after resolving symbolic links, and with
+    ``os.path.samefile`` (a hard link is the same file under another name). Two writes to one file
+    (``--report-json out.onnx.data`` beside ``--external-data``) are refused as well.
+    """
+    reads = {Path(os.path.realpath(p)) for m in [source, *source.companions.values()] for p in m.source_files}
+    seen: dict[Path, Path] = {}
+    for write in map(Path, writes):
+        real = Path(os.path.realpath(write))
+        if write.is_dir():
+            raise ModelSaveError(f"{write}: is a folder")
+        for read in reads:
+            if real == read or _same_file(write, read):
+                raise ModelSaveError(f"{write}: is {read}, a file the input reads; onnxopt never modifies its input")
+        if real in seen:
+            raise ModelSaveError(f"{write}: would be written twice (also as {seen[real]})")
+        seen[real] = write
+
+
 def _write(model: Model, out: BinaryIO, data: BinaryIO | None, data_name: str, referenced: Path | None = None) -> None:
-    skeleton = model.skeleton(threshold=SKELETON_THRESHOLD_BYTES)
+    # Shape-read tensors stay inline, in a file of our own or referenced from another one.
+    inline = must_stay_inline(model) if data is not None or referenced is not None else set()
+    with _placed(model.subgraph_constants(), data, data_name, inline):
+        skeleton = model.skeleton(threshold=SKELETON_THRESHOLD_BYTES)
     stubbed = {t.name for t in skeleton.graph.initializer if onnx.external_data_helper.uses_external_data(t)}
     # Small initializers stay in the skeleton as they are; the stubs are replaced by streamed tensors.
     kept = [t for t in skeleton.graph.initializer if t.name not in stubbed]
     del skeleton.graph.initializer[:]
     skeleton.graph.initializer.extend(kept)
+    _drop_outer_copies(skeleton.graph, {t.name for t in skeleton.graph.initializer} | stubbed)
 
     by_name = {c.name: c for c in model.constants()}
-    initializers = [_external_reference(c, referenced) or _plan(c, data, data_name)
+    initializers = [(None if name in inline else _external_reference(c, referenced))
+                    or _plan(c, data if name not in inline else None, data_name)
                     for name, c in by_name.items() if name in stubbed]
 
     graph_bytes = skeleton.graph.SerializeToString()
@@ -210,12 +299,57 @@ def _plan(constant, data: BinaryIO | None, data_name: str) -> _Initializer:
     header.dims.extend(constant_dims(constant))
     if data is None or nbytes < EXTERNAL_MIN_BYTES:
         return _Initializer(header.SerializeToString(), constant, nbytes)
+    _write_external(header, constant, data, data_name, nbytes)
+    return _Initializer(header.SerializeToString(), constant, 0)
+
+
+@contextlib.contextmanager
+def _placed(constants: list[Constant], data: BinaryIO | None, data_name: str, inline: set[str]):
+    """Give each subgraph constant, for the time of an export, its TensorProto as written.
+
+    Inline: the whole tensor; external (``data`` given, by the same rule as top-level
+    initializers): its bytes go into ``data`` now and the TensorProto points there. The skeleton
+    then carries them as they are, neither stubbed nor with the source's old location.
+    """
+    swapped = []
+    try:
+        for constant in constants:
+            if not is_raw_encodable(constant):
+                continue
+            header = onnx.TensorProto(name=constant.name, data_type=constant_data_type(constant))
+            header.dims.extend(constant_dims(constant))
+            nbytes = constant_nbytes(constant)
+            if data is None or nbytes < EXTERNAL_MIN_BYTES or constant.name in inline:
+                header.raw_data = b"".join(bytes(chunk) for chunk in iter_constant_bytes(constant))
+            else:
+                _write_external(header, constant, data, data_name, nbytes)
+            swapped.append((constant, constant._values))
+            constant._values = LazyValues(header)
+        yield
+    finally:
+        for constant, values in swapped:
+            constant._values = values
+
+
+def _drop_outer_copies(graph: onnx.GraphProto, outer: set[str]) -> None:
+    """Remove from subgraphs the initializers that repeat an outer-scope one (graphsurgeon exports
+    a constant a branch reads from the enclosing graph as the branch's own initializer too)."""
+    for node in graph.node:
+        for attribute in node.attribute:
+            for sub in [attribute.g] if attribute.HasField("g") else list(attribute.graphs):
+                kept = [t for t in sub.initializer if t.name not in outer]
+                if len(kept) != len(sub.initializer):
+                    del sub.initializer[:]
+                    sub.initializer.extend(kept)
+                _drop_outer_copies(sub, outer | {t.name for t in sub.initializer})
+
+
+def _write_external(header: onnx.TensorProto, constant, data: BinaryIO, data_name: str, nbytes: int) -> None:
     offset = _align(data, ALIGN_LARGE if nbytes >= ALIGN_LARGE_FROM else 64)
     _copy(iter_constant_bytes(constant), data, nbytes, constant.name)
     header.data_location = onnx.TensorProto.EXTERNAL
     for key, value in (("location", data_name), ("offset", str(offset)), ("length", str(nbytes))):
         header.external_data.add(key=key, value=value)
-    return _Initializer(header.SerializeToString(), constant, 0)
 
 
 def _external_reference(constant, folder: Path | None) -> _Initializer | None:

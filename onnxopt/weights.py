@@ -39,15 +39,30 @@ class ExternalLocation:
 
 
 def external_location(tensor: onnx.TensorProto, base_dir: Path) -> ExternalLocation:
-    """Resolve a tensor's external-data entry against the model's folder."""
+    """Resolve a tensor's external-data entry against the model's folder.
+
+    Raises ValueError (the caller words it for the user) when the location is not inside
+    ``base_dir`` once resolved: an absolute or ``../`` path, or a symbolic link (the data file
+    itself or a folder on its way) that leads outside, as onnx and ONNX Runtime refuse it; or when
+    the entry's length is not the tensor's size (dtype x shape). The path returned is the
+    resolved one, so what is read is what was checked.
+    """
     info = external_data_helper.ExternalDataInfo(tensor)
     location = Path(info.location)
     if location.is_absolute() or ".." in location.parts:
         # The ONNX spec requires locations relative to the model; anything else is a path escape.
         raise ValueError(f"external data location '{info.location}' of tensor '{tensor.name}' is not a relative path")
+    folder = Path(os.path.realpath(base_dir))
+    path = Path(os.path.realpath(folder / location))
+    if not path.is_relative_to(folder):
+        raise ValueError(f"external data location '{info.location}' of tensor '{tensor.name}' leads outside the "
+                         f"model's folder through a symbolic link (to {path}); onnxopt reads only inside it")
     nbytes = int(np.prod(tensor.dims, dtype=np.int64)) * onnx_dtype_to_numpy(tensor.data_type).itemsize
     length = info.length if info.length is not None and info.length > 0 else nbytes
-    return ExternalLocation(base_dir / location, info.offset or 0, length)
+    if length != nbytes:
+        raise ValueError(f"external data of tensor '{tensor.name}' is {length} bytes long, but its type and shape "
+                         f"({onnx.TensorProto.DataType.Name(tensor.data_type).lower()} {list(tensor.dims)}) need {nbytes}")
+    return ExternalLocation(path, info.offset or 0, length)
 
 
 class ExternalValues(LazyValues):
