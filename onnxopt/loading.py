@@ -16,6 +16,7 @@ from onnx import external_data_helper
 
 from onnxopt.errors import ModelLoadError, UnsupportedModelError
 from onnxopt.model import Model
+from onnxopt.validity import check_model_structure
 from onnxopt.weights import attach_external_values, external_location, file_size
 
 MIN_OPSET = 13  # LayerNormalization-era exports; older graphs should be re-exported or converted
@@ -62,7 +63,9 @@ def _read_proto(path: Path) -> onnx.ModelProto:
 def _from_proto(proto: onnx.ModelProto, base_dir: Path, origin: Path | None) -> Model:
     where = str(origin) if origin else "model"
     _check_opset(proto, where)
+    check_model_structure(proto, where)
     _check_external_data(proto, base_dir, where)
+    proto, input_defaults = _split_input_defaults(proto)
     try:
         graph = gs.import_onnx(proto)
     except Exception as exc:  # graphsurgeon raises assorted errors on malformed graphs
@@ -75,9 +78,28 @@ def _from_proto(proto: onnx.ModelProto, base_dir: Path, origin: Path | None) -> 
         doc_string=proto.doc_string,
         domain=proto.domain,
         node_scopes=_node_scopes(proto.graph),
+        input_defaults=input_defaults,
     )
     attach_external_values(model.constants(), base_dir)
     return model
+
+
+def _split_input_defaults(proto: onnx.ModelProto) -> tuple[onnx.ModelProto, dict]:
+    """Take out the initializers that share a name with a graph input: defaults the caller may
+    override. graphsurgeon would import such an input as a Constant (and drop it from the inputs),
+    so passes would fold it; kept aside, the input stays a Variable. ``proto`` is not modified."""
+    from onnx_graphsurgeon.importers.onnx_importer import OnnxImporter
+
+    inputs = {i.name for i in proto.graph.input}
+    if not any(t.name in inputs for t in proto.graph.initializer):
+        return proto, {}
+    defaults = {t.name: OnnxImporter.import_tensor(t) for t in proto.graph.initializer if t.name in inputs}
+    stripped = onnx.ModelProto()
+    stripped.CopyFrom(proto)
+    kept = [t for t in stripped.graph.initializer if t.name not in inputs]
+    del stripped.graph.initializer[:]
+    stripped.graph.initializer.extend(kept)
+    return stripped, defaults
 
 
 TORCH_NAME_SCOPES = "pkg.torch.onnx.name_scopes"  # the dynamo exporter's module path of a node

@@ -46,18 +46,26 @@ class Model:
     # the dynamo exporter's node metadata, which graphsurgeon does not keep. TorchScript exports
     # carry the module path in the node names themselves ("/unet/down_blocks.0/.../attn2/MatMul").
     node_scopes: dict[str, str] = field(default_factory=dict)
+    # Graph input name -> its default value (an initializer of the same name in the file). The
+    # input stays a Variable in ``graph``, so no pass treats it as a constant; the default is
+    # written back beside it on export, for as long as the input exists.
+    input_defaults: dict[str, Constant] = field(default_factory=dict)
 
     @property
     def opset(self) -> int:
         return int(self.graph.opset)
 
     def constants(self) -> list[Constant]:
-        """Constants used by the top-level graph (the ones exported as initializers)."""
+        """Constants used by the top-level graph (the ones exported as initializers), input defaults included."""
         return [
             t
             for t in self.graph.tensors().values()
             if isinstance(t, Constant) and not isinstance(t._values, SparseValues)
-        ]
+        ] + self._live_defaults()
+
+    def _live_defaults(self) -> list[Constant]:
+        inputs = {t.name for t in self.graph.inputs}
+        return [c for name, c in self.input_defaults.items() if name in inputs]
 
     def weights_nbytes(self) -> int:
         return sum(constant_nbytes(c) for c in self.constants())
@@ -73,6 +81,7 @@ class Model:
             domain=self.domain,
             companions={name: c.copy() for name, c in self.companions.items()},
             node_scopes=dict(self.node_scopes),
+            input_defaults=dict(self.input_defaults),
         )
 
     def alone(self) -> "Model":
@@ -80,7 +89,7 @@ class Model:
         if not self.companions:
             return self
         return Model(self.graph, self.source, self.metadata_props, self.model_version, self.doc_string, self.domain,
-                     node_scopes=self.node_scopes)
+                     node_scopes=self.node_scopes, input_defaults=self.input_defaults)
 
     def skeleton(self, threshold: int = SKELETON_THRESHOLD_BYTES) -> onnx.ModelProto:
         """Export the graph with every initializer of ``threshold`` bytes or more reduced to a stub.
@@ -90,18 +99,25 @@ class Model:
         """
         with stubbed_constants(self.constants(), threshold):
             proto = gs.export_onnx(self.graph, do_type_check=False)
+            self._export_defaults(proto)
         self._apply_metadata(proto)
         return proto
 
     def to_onnx(self) -> onnx.ModelProto:
         """A full in-memory ModelProto (weights loaded). For small models and tests only."""
         proto = gs.export_onnx(self.graph, do_type_check=False)
-        tensors = self.graph.tensors()
+        self._export_defaults(proto)
+        tensors = {**self.graph.tensors(), **{c.name: c for c in self._live_defaults()}}
         for tensor in proto.graph.initializer:
             if needs_materialising(tensors[tensor.name]):
                 tensor.CopyFrom(onnx.numpy_helper.from_array(tensors[tensor.name].values, tensor.name))
         self._apply_metadata(proto)
         return proto
+
+    def _export_defaults(self, proto: onnx.ModelProto) -> None:
+        from onnx_graphsurgeon.exporters.onnx_exporter import OnnxExporter
+
+        proto.graph.initializer.extend(OnnxExporter.export_tensor_proto(c) for c in self._live_defaults())
 
     def _apply_metadata(self, proto: onnx.ModelProto) -> None:
         proto.model_version = self.model_version

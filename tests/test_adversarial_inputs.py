@@ -1,0 +1,173 @@
+"""The CLI against odd graphs and misused flags: every case gets its documented exit code (never 3),
+one line on stderr and no traceback, leaves the input's bytes and the folder as they were, and
+writes nothing after a failure.
+
+Hostile *files* (symlinks, external data, collisions) are tests/test_adversarial_files.py.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto as T
+from onnx import helper, numpy_helper
+
+from onnxopt.cli import main
+from tests.graphs import make_model
+
+
+def tensor(name, shape, dtype=T.FLOAT):
+    return helper.make_tensor_value_info(name, dtype, shape)
+
+
+def relu_model(shape=(2, 3), dtype=T.FLOAT):
+    return make_model([helper.make_node("Relu", ["x"], ["out"], name="relu")], [tensor("x", list(shape), dtype)],
+                      [tensor("out", list(shape), dtype)])
+
+
+def snapshot(folder):
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.is_file()}
+
+
+def run_cli(capsys, args):
+    code = main(args)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def assert_refused(code, out, err, *, exit_code, message, before, folder):
+    """The contract for a refused run: the exit code, one line, no traceback, nothing written."""
+    assert code == exit_code, f"exit {code}, stderr: {err}"
+    assert "Traceback" not in out + err and "internal error" not in err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("onnxopt"), f"expected one line on stderr, got: {err!r}"
+    for fragment in (message,) if isinstance(message, str) else message:
+        assert fragment in lines[0], lines[0]
+    assert snapshot(folder) == before, "a file in the folder changed, appeared or disappeared"
+
+
+def optimize_refused(tmp_path, capsys, proto_or_bytes, extra, *, exit_code=2, message=""):
+    src = tmp_path / "in.onnx"
+    if isinstance(proto_or_bytes, bytes):
+        src.write_bytes(proto_or_bytes)
+    else:
+        onnx.save(proto_or_bytes, src)
+    before = snapshot(tmp_path)
+    code, out, err = run_cli(capsys, ["optimize", "-q", "-i", str(src), "-o", str(tmp_path / "out.onnx"), *extra])
+    assert_refused(code, out, err, exit_code=exit_code, message=message, before=before, folder=tmp_path)
+
+
+# ------------------------------------------------------------------------ invalid graphs
+
+
+def _duplicate_producer():
+    return make_model([helper.make_node("Relu", ["x"], ["y"]), helper.make_node("Neg", ["x"], ["y"]),
+                       helper.make_node("Identity", ["y"], ["out"])], [tensor("x", [2])], [tensor("out", [2])])
+
+
+def _dangling_input():
+    return make_model([helper.make_node("Add", ["x", "ghost"], ["out"], name="add")], [tensor("x", [2])], [tensor("out", [2])])
+
+
+def _duplicate_output():
+    return make_model([helper.make_node("Relu", ["x"], ["out"])], [tensor("x", [2])], [tensor("out", [2]), tensor("out", [2])])
+
+
+def _unproduced_output():
+    return make_model([helper.make_node("Relu", ["x"], ["y"])], [tensor("x", [2])], [tensor("out", [2])])
+
+
+def _cycle():
+    return make_model([helper.make_node("Add", ["x", "b"], ["a"], name="n1"), helper.make_node("Relu", ["a"], ["b"], name="n2"),
+                       helper.make_node("Identity", ["a"], ["out"])], [tensor("x", [2])], [tensor("out", [2])])
+
+
+def _node_output_shadows_input():
+    return make_model([helper.make_node("Relu", ["x"], ["x"]), helper.make_node("Identity", ["x"], ["out"])],
+                      [tensor("x", [2])], [tensor("out", [2])])
+
+
+def _subgraph_reads_nothing():
+    branch = helper.make_graph([helper.make_node("Relu", ["nowhere"], ["o"])], "then", [], [tensor("o", [2])])
+    return make_model([helper.make_node("If", ["c"], ["out"], then_branch=branch, else_branch=branch)],
+                      [tensor("c", [], T.BOOL)], [tensor("out", [2])])
+
+
+def _non_utf8(marker: bytes):
+    proto = make_model([helper.make_node("Relu", ["xQQQ"], ["out"], name="NAMEX")], [tensor("xQQQ", [2])], [tensor("out", [2])])
+    return proto.SerializeToString().replace(marker, marker[:-2] + b"\xff\xfe")
+
+
+@pytest.mark.parametrize("build, message", [
+    (_duplicate_producer, "tensor 'y' has two producers"),
+    (_dangling_input, "node 'add' (Add) reads 'ghost', which no node, initializer or graph input produces"),
+    (_duplicate_output, "graph output 'out' is listed twice"),
+    (_unproduced_output, "graph output 'out' is produced by nothing"),
+    (_cycle, "the graph has a cycle"),
+    (_node_output_shadows_input, "tensor 'x' has two producers: graph input and"),
+    (_subgraph_reads_nothing, "reads 'nowhere'"),
+    (lambda: _non_utf8(b"NAMEX"), "NodeProto.name b'NAM\\xff\\xfe' is not UTF-8"),
+    (lambda: _non_utf8(b"xQQQ"), "is not UTF-8"),
+], ids=["two-producers", "dangling-input", "duplicate-output", "unproduced-output", "cycle", "output-shadows-input",
+        "subgraph-dangling", "non-utf8-node-name", "non-utf8-tensor-name"])
+def test_an_invalid_graph_is_refused_as_invalid(tmp_path, capsys, build, message):
+    optimize_refused(tmp_path, capsys, build(), ["--passes", "cleanup"], message=("invalid model", message))
+
+
+def test_a_valid_graph_listed_out_of_order_is_accepted(tmp_path, capsys):
+    """Order is not validity: graphsurgeon sorts the nodes (only a cycle is refused)."""
+    proto = make_model([helper.make_node("Identity", ["y"], ["out"]), helper.make_node("Relu", ["x"], ["y"])],
+                       [tensor("x", [2])], [tensor("out", [2])])
+    onnx.save(proto, tmp_path / "in.onnx")
+    assert main(["optimize", "-q", "-i", str(tmp_path / "in.onnx"), "-o", str(tmp_path / "out.onnx"), "--verify"]) == 0
+
+
+@pytest.mark.parametrize("where", ["input", "output"])
+@pytest.mark.parametrize("kind", ["optional", "sequence"])
+def test_non_tensor_graph_inputs_and_outputs_are_refused_without_verify(tmp_path, capsys, kind, where):
+    elem = helper.make_tensor_type_proto(T.FLOAT, [2, 3])
+    odd = helper.make_optional_type_proto(elem) if kind == "optional" else helper.make_sequence_type_proto(elem)
+    if where == "input":
+        op = "OptionalHasElement" if kind == "optional" else "SequenceLength"
+        proto = make_model([helper.make_node(op, ["x"], ["out"])], [helper.make_value_info("x", odd)], [tensor("out", [], T.BOOL)])
+    else:
+        op = "Optional" if kind == "optional" else "SequenceConstruct"
+        proto = make_model([helper.make_node(op, ["x"], ["out"])], [tensor("x", [2, 3])], [helper.make_value_info("out", odd)])
+    optimize_refused(tmp_path, capsys, proto, [], message=f"graph {where} '{'x' if where == 'input' else 'out'}' is not a tensor ({kind} type)")
+
+
+def test_a_sequence_inside_the_graph_verifies(tmp_path, capsys):
+    proto = make_model([helper.make_node("SequenceConstruct", ["x", "x"], ["s"]),
+                        helper.make_node("ConcatFromSequence", ["s"], ["c"], axis=0), helper.make_node("Identity", ["c"], ["out"])],
+                       [tensor("x", [2, 3])], [tensor("out", [4, 3])])
+    onnx.save(proto, tmp_path / "in.onnx")
+    assert main(["optimize", "-q", "-i", str(tmp_path / "in.onnx"), "-o", str(tmp_path / "out.onnx"), "--verify"]) == 0
+
+
+# ------------------------------------------------------------------------ input defaults
+
+
+def _input_with_default(fold_chain: bool):
+    """out = x + (b * 2 if fold_chain else b); b is a graph input whose initializer is its default."""
+    nodes = [helper.make_node("Mul", ["b", "two"], ["c"]), helper.make_node("Add", ["x", "c"], ["out"])] if fold_chain else \
+        [helper.make_node("Add", ["x", "b"], ["out"])]
+    inits = [numpy_helper.from_array(np.ones((2, 3), np.float32), "b"), numpy_helper.from_array(np.array(2, np.float32), "two")]
+    return make_model(nodes, [tensor("x", [2, 3]), tensor("b", [2, 3])], [tensor("out", [2, 3])], inits[: 2 if fold_chain else 1])
+
+
+@pytest.mark.parametrize("fold_chain", [False, True], ids=["add", "mul-add"])
+@pytest.mark.parametrize("passes", ["cleanup", "ort-cuda"])
+def test_an_input_with_a_default_stays_an_input_the_caller_may_override(tmp_path, capsys, fold_chain, passes):
+    import onnxruntime as ort
+
+    src, out = tmp_path / "in.onnx", tmp_path / "out.onnx"
+    onnx.save(_input_with_default(fold_chain), src)
+    assert main(["optimize", "-q", "-i", str(src), "-o", str(out), "--passes", passes, "--verify"]) == 0
+    result = onnx.load(out)
+    assert [i.name for i in result.graph.input] == ["x", "b"]
+    assert "b" in {t.name for t in result.graph.initializer}
+    x = np.random.default_rng(0).standard_normal((2, 3)).astype(np.float32)
+    for feeds in ({"x": x}, {"x": x, "b": 3 * x}):  # the default, then an override
+        expected = ort.InferenceSession(str(src)).run(None, feeds)[0]
+        np.testing.assert_allclose(ort.InferenceSession(str(out)).run(None, feeds)[0], expected, rtol=1e-6)
