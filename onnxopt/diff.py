@@ -55,7 +55,7 @@ from onnxopt.loading import load_model
 from onnxopt.model import Model
 from onnxopt.report import OptimizationReport
 from onnxopt.runtime import import_onnxruntime
-from onnxopt.verify import InputSpec, ReferenceRunner, Tolerance, Verifier, _quiet, random_feeds, runner_for
+from onnxopt.verify import InputSpec, ReferenceRunner, Tolerance, Verifier, _quiet, load_feeds, random_feeds, runner_for
 
 RUNTIMES = ("cuda", "trt", "cpu", "reference")
 RUNTIME_NAMES = {"cuda": "ORT CUDA EP", "trt": "TensorRT", "cpu": "ORT CPU EP", "reference": "onnx.reference"}
@@ -289,19 +289,6 @@ def source_runner(path: str | Path, model: Model) -> BaseRunner:
 
 
 # ----------------------------------------------------------------------------------- inputs
-
-
-def load_feeds(path: str | Path, model: Model) -> list[dict[str, np.ndarray]]:
-    """Inputs from an .npz keyed by input name (cast to the source's input types)."""
-    try:
-        data = np.load(path)
-    except (OSError, ValueError) as exc:
-        raise OnnxoptError(f"{path}: cannot read inputs: {exc}")
-    names = [t.name for t in model.graph.inputs]
-    missing = [n for n in names if n not in data.files]
-    if missing:
-        raise OnnxoptError(f"{path}: no array for input(s) {', '.join(missing)} (it holds: {', '.join(data.files) or 'nothing'})")
-    return [{t.name: np.asarray(data[t.name]).astype(np.dtype(t.dtype)) for t in model.graph.inputs}]
 
 
 # ----------------------------------------------------------------------------------- report

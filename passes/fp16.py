@@ -675,7 +675,7 @@ class _Conversion:
 @contextlib.contextmanager
 def _graphsurgeon_quiet():
     severity = G_LOGGER.severity
-    G_LOGGER.severity = G_LOGGER.ERROR
+    G_LOGGER.severity = max(severity, G_LOGGER.ERROR)  # never louder than the caller asked
     try:
         yield
     finally:

@@ -171,3 +171,151 @@ def test_an_input_with_a_default_stays_an_input_the_caller_may_override(tmp_path
     for feeds in ({"x": x}, {"x": x, "b": 3 * x}):  # the default, then an override
         expected = ort.InferenceSession(str(src)).run(None, feeds)[0]
         np.testing.assert_allclose(ort.InferenceSession(str(out)).run(None, feeds)[0], expected, rtol=1e-6)
+
+
+# ------------------------------------------------------------------------ misused flags
+
+
+def _linear(tmp_path):
+    """out = x @ W, x: [batch, 16]."""
+    proto = make_model([helper.make_node("MatMul", ["x", "W"], ["out"])], [tensor("x", ["batch", 16])], [tensor("out", ["batch", 4])],
+                       [numpy_helper.from_array(np.ones((16, 4), np.float32), "W")])
+    return proto
+
+
+def _write_npz(tmp_path, kind):
+    path = tmp_path / f"calib-{kind}.npz"
+    if kind == "wrong-keys":
+        np.savez(path, y=np.zeros((2, 16), np.float32))
+    elif kind == "not-npz":
+        path.write_text("hello\n")
+    elif kind == "npy":
+        np.save(tmp_path / "calib.npy", np.zeros(3))
+        (tmp_path / "calib.npy").rename(path)
+    return path
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--verify", "--atol", "nan"], "argument --atol: expected a finite number of 0 or more, got 'nan'"),
+    (["--verify", "--atol", "-1e-3"], "argument --atol"),
+    (["--verify", "--rtol", "inf"], "argument --rtol"),
+    (["--verify", "--shape", "x=2,3,16"], "input 'x' has rank 2"),
+    (["--verify", "--shape", "x=-3,16"], "dims of 0 or more, got 'x=-3,16'"),
+    (["--verify", "--shape", "x=2,15"], "dim 1 of input 'x' is fixed at 16"),
+    (["--verify", "--shape", "y=2,16"], "the model has no input 'y' (its inputs: x)"),
+    (["--verify", "--shape", "=2,16"], "argument --shape"),
+    (["--verify", "--dim", "batch=-1"], "argument --dim"),
+    (["--low-precision", "bfloat16"], "--low-precision is an option of the fp16 pass, which --passes does not run"),
+    (["--passes", "cleanup", "--fp32-ops", "Resize", "--fp32-auto"], "--fp32-ops, --fp32-auto are options of the fp16 pass"),
+    (["--passes", "fp16", "--calibration", "CALIB:missing"], "--calibration goes with --fp32-auto"),
+    (["--passes", "fp16", "--fp32-auto", "--calibration", "CALIB:missing"], "cannot read inputs: No such file or directory"),
+    (["--passes", "fp16", "--fp32-auto", "--calibration", "CALIB:not-npz"], "not an .npz of arrays keyed by input name"),
+    (["--passes", "fp16", "--fp32-auto", "--calibration", "CALIB:npy"], "not an .npz of arrays keyed by input name"),
+    (["--passes", "fp16", "--fp32-auto", "--calibration", "CALIB:wrong-keys"], "no array for input(s) x (it holds: y)"),
+    (["--low-precision", "float8"], "argument --low-precision: invalid choice"),
+    (["--external-data", "--no-external-data"], "not allowed with argument"),
+    (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+], ids=lambda v: v if isinstance(v, str) else None)
+def test_a_misused_flag_is_a_one_line_usage_error(tmp_path, capsys, flags, message):
+    flags = [str(_write_npz(tmp_path, f[6:])) if f.startswith("CALIB:") else f for f in flags]
+    optimize_refused(tmp_path, capsys, _linear(tmp_path), flags, message=message)
+
+
+def test_diff_refuses_a_nan_tolerance(tmp_path, capsys):
+    onnx.save(_linear(tmp_path), tmp_path / "a.onnx")
+    before = snapshot(tmp_path)
+    code, out, err = run_cli(capsys, ["diff", str(tmp_path / "a.onnx"), str(tmp_path / "a.onnx"), "--atol", "nan"])
+    assert_refused(code, out, err, exit_code=2, message="argument --atol", before=before, folder=tmp_path)
+
+
+def test_a_valid_calibration_file_still_calibrates(tmp_path, capsys):
+    onnx.save(_linear(tmp_path), tmp_path / "in.onnx")
+    np.savez(tmp_path / "calib.npz", x=np.ones((2, 16), np.float64))  # cast to the input's float32
+    args = ["optimize", "-q", "-i", str(tmp_path / "in.onnx"), "-o", str(tmp_path / "out.onnx"), "--passes", "fp16",
+            "--fp32-auto", "--calibration", str(tmp_path / "calib.npz"), "--verify"]
+    assert main(args) == 0
+
+
+# ------------------------------------------------------------------------ what --verify cannot run
+
+
+def _unknown_domain_op():
+    proto = make_model([helper.make_node("Frobnicate", ["x"], ["out"], domain="example.custom")], [tensor("x", [2, 3])], [tensor("out", [2, 3])])
+    proto.opset_import.append(helper.make_opsetid("example.custom", 1))
+    return proto
+
+
+def _rank16_symbolic():
+    dims = [f"d{i}" for i in range(16)]
+    return make_model([helper.make_node("Relu", ["x"], ["out"])], [tensor("x", dims)], [tensor("out", dims)])
+
+
+@pytest.mark.parametrize("build, message", [
+    (_unknown_domain_op, "cannot verify: the source model does not run"),
+    (lambda: relu_model(dtype=T.STRING), "input 'x' of type string"),
+    (lambda: make_model([helper.make_node("Add", ["x", "x"], ["out"])], [tensor("x", [2, 3], T.BFLOAT16)], [tensor("out", [2, 3], T.BFLOAT16)]),
+     "input 'x' of type bfloat16"),
+    (_rank16_symbolic, "over the 1.0 GiB limit (dims set by default: d0=8, d1=8"),
+], ids=["unknown-domain", "string", "bfloat16-input", "rank16-symbolic"])
+def test_verify_says_what_it_cannot_run(tmp_path, capsys, build, message):
+    optimize_refused(tmp_path, capsys, build(), ["--verify"], message=message)
+
+
+def test_the_feed_limit_names_the_dims_to_set_and_setting_them_works(tmp_path, capsys):
+    onnx.save(_rank16_symbolic(), tmp_path / "in.onnx")
+    dims = [a for i in range(16) for a in ("--dim", f"d{i}=2")]
+    assert main(["optimize", "-q", "-i", str(tmp_path / "in.onnx"), "-o", str(tmp_path / "out.onnx"), "--verify", *dims]) == 0
+
+
+def test_unknown_domain_ops_pass_through_without_verify(tmp_path, capsys):
+    onnx.save(_unknown_domain_op(), tmp_path / "in.onnx")
+    assert main(["optimize", "-q", "-i", str(tmp_path / "in.onnx"), "-o", str(tmp_path / "out.onnx")]) == 0
+    assert onnx.load(tmp_path / "out.onnx").graph.node[0].op_type == "Frobnicate"
+
+
+# ------------------------------------------------------------------------ non-finite sources
+
+
+def _sqrt_model(abs_first: bool):
+    nodes = [helper.make_node("Abs", ["x"], ["a"]), helper.make_node("Sqrt", ["a"], ["out"])] if abs_first else \
+        [helper.make_node("Sqrt", ["x"], ["s"]), helper.make_node("Identity", ["s"], ["out"])]
+    return make_model(nodes, [tensor("x", [4, 8])], [tensor("out", [4, 8])])
+
+
+def test_verify_says_when_the_source_itself_is_not_finite(tmp_path, capsys):
+    """sqrt of random inputs in [-1, 1] is NaN for half of them in the source: the same NaN in the
+    candidate is the same computation (exit 0), and the report says the source is non-finite."""
+    onnx.save(_sqrt_model(abs_first=False), tmp_path / "in.onnx")
+    code, out, err = run_cli(capsys, ["optimize", "-i", str(tmp_path / "in.onnx"), "-o", str(tmp_path / "out.onnx"), "--verify"])
+    assert code == 0, err
+    assert "the source itself computes NaN or inf on these inputs: 'out'" in out
+    assert "final model equal to the source" in out and "DIFFERS" not in out
+
+
+def test_a_candidate_that_differs_where_the_source_is_nan_fails():
+    from onnxopt.loading import load_model
+    from onnxopt.verify import Verifier
+
+    verifier = Verifier(load_model(_sqrt_model(abs_first=False)))
+    try:
+        assert verifier(load_model(_sqrt_model(abs_first=False))).ok
+        assert not verifier(load_model(_sqrt_model(abs_first=True))).ok  # finite where the source is NaN
+    finally:
+        verifier.close()
+    assert any("NaN or inf" in note for note in verifier.notes)
+
+
+# ------------------------------------------------------------------------ library log lines
+
+
+def test_no_library_log_lines_reach_the_user(tmp_path, capsys):
+    """Polygraphy's and graphsurgeon's [W]/[E]/[C] lines stayed on screen above onnxopt's own line."""
+    from tests.test_fp16 import _overflowing_model
+
+    onnx.save(_overflowing_model("matmul"), tmp_path / "in.onnx")
+    code, out, err = run_cli(capsys, ["optimize", "-q", "-i", str(tmp_path / "in.onnx"), "-o", str(tmp_path / "out.onnx"),
+                                      "--passes", "fp16", "--verify"])
+    assert code == 1
+    for line in (out + err).splitlines():
+        assert not line.lstrip().startswith(("[W]", "[E]", "[C]", "[I]")), line
+    assert err.strip().count("\n") == 0 and "verification failed at pass 'fp16'" in err
