@@ -413,16 +413,22 @@ def _first_line(exc: BaseException) -> str:
 
 
 def _summarise(accuracy) -> Verification:
-    worst_abs, worst_rel, worst_name = 0.0, 0.0, ""
+    worst_abs, worst_rel, worst_name, reshaped = 0.0, 0.0, "", ""
     ok = all(bool(per_func) for per_func in accuracy)
     for iterations in (it for per_func in accuracy for it in per_func.values()):
         for per_output in iterations:
             for name, result in per_output.items():
+                if not hasattr(result, "max_absdiff"):  # Polygraphy's bare False: the shapes differ
+                    worst_abs, worst_rel, worst_name, reshaped = float("inf"), float("inf"), name, name
+                    continue
                 abs_err = float(result.max_absdiff) if result.max_absdiff is not None else float("inf")
                 if abs_err >= worst_abs:
                     worst_abs, worst_name = abs_err, name
                 worst_rel = max(worst_rel, float(result.max_reldiff or 0.0))
-    message = "" if ok else f"output '{worst_name}' differs by up to {worst_abs:.3g} (abs)"
+    if reshaped:
+        message = f"output '{reshaped}' has another shape than the source's"
+    else:
+        message = "" if ok else f"output '{worst_name}' differs by up to {worst_abs:.3g} (abs)"
     return Verification(ok=ok, max_abs_error=worst_abs, max_rel_error=worst_rel, worst_output=worst_name, message=message)
 
 

@@ -319,3 +319,18 @@ def test_no_library_log_lines_reach_the_user(tmp_path, capsys):
     for line in (out + err).splitlines():
         assert not line.lstrip().startswith(("[W]", "[E]", "[C]", "[I]")), line
     assert err.strip().count("\n") == 0 and "verification failed at pass 'fp16'" in err
+
+
+def test_a_candidate_whose_output_changed_shape_fails_verification():
+    """Polygraphy answers a shape mismatch with a bare False: the summary crashed on it (exit 3)."""
+    from onnxopt.loading import load_model
+    from onnxopt.verify import Verifier
+
+    source = make_model([helper.make_node("Identity", ["x"], ["out"])], [tensor("x", [2, 3])], [tensor("out", [2, 3])])
+    doubled = make_model([helper.make_node("Concat", ["x", "x"], ["out"], axis=0)], [tensor("x", [2, 3])], [tensor("out", [4, 3])])
+    verifier = Verifier(load_model(source))
+    try:
+        outcome = verifier(load_model(doubled))
+    finally:
+        verifier.close()
+    assert not outcome.ok and "output 'out' has another shape than the source's" in outcome.message
