@@ -87,11 +87,14 @@ def _from_proto(proto: onnx.ModelProto, base_dir: Path, origin: Path | None) -> 
 def _split_input_defaults(proto: onnx.ModelProto) -> tuple[onnx.ModelProto, dict]:
     """Take out the initializers that share a name with a graph input: defaults the caller may
     override. graphsurgeon would import such an input as a Constant (and drop it from the inputs),
-    so passes would fold it; kept aside, the input stays a Variable. ``proto`` is not modified."""
+    so passes would fold it; kept aside, the input stays a Variable. Also drop the value_info
+    annotations of non-tensor values (optional, sequence), which graphsurgeon cannot export
+    (shape inference derives them again). ``proto`` is not modified."""
     from onnx_graphsurgeon.importers.onnx_importer import OnnxImporter
 
     inputs = {i.name for i in proto.graph.input}
-    if not any(t.name in inputs for t in proto.graph.initializer):
+    odd_annotations = any(vi.type.WhichOneof("value") != "tensor_type" for vi in proto.graph.value_info)
+    if not odd_annotations and not any(t.name in inputs for t in proto.graph.initializer):
         return proto, {}
     defaults = {t.name: OnnxImporter.import_tensor(t) for t in proto.graph.initializer if t.name in inputs}
     stripped = onnx.ModelProto()
@@ -99,6 +102,9 @@ def _split_input_defaults(proto: onnx.ModelProto) -> tuple[onnx.ModelProto, dict
     kept = [t for t in stripped.graph.initializer if t.name not in inputs]
     del stripped.graph.initializer[:]
     stripped.graph.initializer.extend(kept)
+    tensors = [vi for vi in stripped.graph.value_info if vi.type.WhichOneof("value") == "tensor_type"]
+    del stripped.graph.value_info[:]
+    stripped.graph.value_info.extend(tensors)
     return stripped, defaults
 
 

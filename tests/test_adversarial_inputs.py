@@ -137,6 +137,16 @@ def test_non_tensor_graph_inputs_and_outputs_are_refused_without_verify(tmp_path
     optimize_refused(tmp_path, capsys, proto, [], message=f"graph {where} '{'x' if where == 'input' else 'out'}' is not a tensor ({kind} type)")
 
 
+@pytest.mark.parametrize("passes", ["cleanup", "ort-cuda"])
+def test_an_optional_value_inside_the_graph_goes_through(tmp_path, capsys, passes):
+    """Its value_info annotation (an optional type) crashed graphsurgeon's export (exit 3)."""
+    proto = make_model([helper.make_node("Optional", ["x"], ["o"]), helper.make_node("OptionalGetElement", ["o"], ["out"])],
+                       [tensor("x", [2, 3])], [tensor("out", [2, 3])])
+    proto.graph.value_info.append(helper.make_value_info("o", helper.make_optional_type_proto(helper.make_tensor_type_proto(T.FLOAT, [2, 3]))))
+    onnx.save(proto, tmp_path / "in.onnx")
+    assert main(["optimize", "-q", "-i", str(tmp_path / "in.onnx"), "-o", str(tmp_path / "out.onnx"), "--passes", passes, "--verify"]) == 0
+
+
 def test_a_sequence_inside_the_graph_verifies(tmp_path, capsys):
     proto = make_model([helper.make_node("SequenceConstruct", ["x", "x"], ["s"]),
                         helper.make_node("ConcatFromSequence", ["s"], ["c"], axis=0), helper.make_node("Identity", ["c"], ["out"])],
