@@ -271,7 +271,8 @@ def model_runner(runtime: str, *, prefer_nhwc: bool = False, precision: str | No
         written.extend([path, path.with_name(path.name + ".data")])
         if runtime in ("cpu", "reference"):
             check_runtime(runtime, model)
-            return runner_for(model, name, workdir)  # ORT CPU, in memory below 1.8 GB, else saved as ``path``
+            # ORT CPU, in memory below 1.8 GB, else saved as ``path``; --runtime cpu keeps float16 models there too
+            return runner_for(model, name, workdir, low_precision_on_reference=runtime == "reference")
         save_model(model, path, external_data=True if model.weights_nbytes() > LARGE_MODEL_BYTES else None)
         return runner_for_path(runtime, path, model, name=name, prefer_nhwc=prefer_nhwc, precision=precision, shapes=shapes)
 

@@ -224,7 +224,7 @@ def computes_in_low_precision(proto: onnx.ModelProto) -> bool:
     return False
 
 
-def runner_for(model: Model, name: str, workdir: Path) -> BaseRunner:
+def runner_for(model: Model, name: str, workdir: Path, *, low_precision_on_reference: bool = True) -> BaseRunner:
     """ORT CPU where it has every kernel and the model computes in float32, else the reference evaluator.
 
     A model with float16/bfloat16 values runs on the reference evaluator, whose NumPy kernels
@@ -232,7 +232,8 @@ def runner_for(model: Model, name: str, workdir: Path) -> BaseRunner:
     inserts Casts around ops without a float16 kernel), so an overflow to inf that the GPU would
     produce stays finite there and verification could not see it. Past 1.8 GB of weights the
     model runs on ORT CPU from a file (the NumPy kernels would take hours): its half-precision
-    arithmetic is then not reproduced, and the :class:`Verifier` says so in its ``notes``."""
+    arithmetic is then not reproduced, and the :class:`Verifier` says so in its ``notes``.
+    ``low_precision_on_reference=False`` keeps them on ORT CPU (``onnxopt diff --runtime cpu``)."""
     from onnxopt import reference
 
     import_onnxruntime()
@@ -241,7 +242,7 @@ def runner_for(model: Model, name: str, workdir: Path) -> BaseRunner:
         save_model(model, path, external_data=True)
         return OnnxrtRunner(SessionFromOnnx(str(path), providers=["CPUExecutionProvider"]), name=name)
     proto = model.to_onnx()
-    if reference.unsupported_on_ort_cpu(proto) or computes_in_low_precision(proto):
+    if reference.unsupported_on_ort_cpu(proto) or (low_precision_on_reference and computes_in_low_precision(proto)):
         return ReferenceRunner(proto, name=name)
     return OnnxrtRunner(SessionFromOnnx(proto.SerializeToString(), providers=["CPUExecutionProvider"]), name=name)
 

@@ -344,3 +344,16 @@ def test_a_candidate_whose_output_changed_shape_fails_verification():
     finally:
         verifier.close()
     assert not outcome.ok and "output 'out' has another shape than the source's" in outcome.message
+
+
+@pytest.mark.parametrize("low", [T.BFLOAT16, T.FLOAT16], ids=["bfloat16", "float16"])
+@pytest.mark.parametrize("passes", ["cleanup", "ort-cuda"])
+def test_low_precision_arithmetic_inside_a_float32_graph_verifies(tmp_path, capsys, low, passes):
+    """ORT CPU has no bfloat16 Add: the source crashed verification (exit 3); both now run on the reference kernels."""
+    proto = make_model([helper.make_node("Cast", ["x"], ["low"], to=low), helper.make_node("Add", ["low", "low"], ["sum"]),
+                        helper.make_node("Cast", ["sum"], ["wide"], to=T.FLOAT), helper.make_node("Identity", ["wide"], ["out"])],
+                       [tensor("x", [2, 3])], [tensor("out", [2, 3])])
+    onnx.save(proto, tmp_path / "in.onnx")
+    code, out, err = run_cli(capsys, ["optimize", "-q", "-i", str(tmp_path / "in.onnx"), "-o", str(tmp_path / "out.onnx"),
+                                      "--passes", passes, "--verify"])
+    assert code == 0, err
