@@ -14,7 +14,8 @@ from onnx import TensorProto as T
 from onnx import helper, numpy_helper
 
 from onnxopt.cli import main
-from tests.graphs import make_model
+from tests.graphs import linear_model, make_model
+from tests.test_pass_manager import plugins  # noqa: F401  (fixture)
 
 
 def tensor(name, shape, dtype=T.FLOAT):
@@ -318,17 +319,22 @@ def test_a_candidate_that_differs_where_the_source_is_nan_fails():
 # ------------------------------------------------------------------------ library log lines
 
 
-def test_no_library_log_lines_reach_the_user(tmp_path, capsys):
-    """Polygraphy's and graphsurgeon's [W]/[E]/[C] lines stayed on screen above onnxopt's own line."""
-    from tests.test_fp16 import _overflowing_model
-
-    onnx.save(_overflowing_model("matmul"), tmp_path / "in.onnx")
+def test_no_library_log_lines_reach_the_user(tmp_path, capsys, plugins):  # noqa: F811
+    """Polygraphy's [E] lines (and graphsurgeon's [W]/[C]) stayed on screen above onnxopt's own line."""
+    onnx.save(linear_model()[0], tmp_path / "in.onnx")  # test-add-to-sub: its Add becomes a Sub
     code, out, err = run_cli(capsys, ["optimize", "-q", "-i", str(tmp_path / "in.onnx"), "-o", str(tmp_path / "out.onnx"),
-                                      "--passes", "fp16", "--verify"])
+                                      "--passes", "test-add-to-sub", "--verify"])
     assert code == 1
     for line in (out + err).splitlines():
         assert not line.lstrip().startswith(("[W]", "[E]", "[C]", "[I]")), line
-    assert err.strip().count("\n") == 0 and "verification failed at pass 'fp16'" in err
+    assert err.strip().count("\n") == 0 and "verification failed at pass 'test-add-to-sub'" in err
+
+
+def test_debug_still_shows_the_library_lines(tmp_path, capsys, plugins):  # noqa: F811
+    onnx.save(linear_model()[0], tmp_path / "in.onnx")
+    code, out, err = run_cli(capsys, ["--debug", "optimize", "-q", "-i", str(tmp_path / "in.onnx"), "-o", str(tmp_path / "out.onnx"),
+                                      "--passes", "test-add-to-sub", "--verify"])
+    assert code == 1 and "[E]" in out + err
 
 
 def test_a_candidate_whose_output_changed_shape_fails_verification():
