@@ -226,7 +226,7 @@ def _write_npz(tmp_path, kind):
     (["--low-precision", "float8"], "argument --low-precision: invalid choice"),
     (["--external-data", "--no-external-data"], "not allowed with argument"),
     (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
-], ids=lambda v: v if isinstance(v, str) else None)
+], ids=lambda v: " ".join(a.split("/")[-1] for a in v) if isinstance(v, list) else "")
 def test_a_misused_flag_is_a_one_line_usage_error(tmp_path, capsys, flags, message):
     flags = [str(_write_npz(tmp_path, f[6:])) if f.startswith("CALIB:") else f for f in flags]
     optimize_refused(tmp_path, capsys, _linear(tmp_path), flags, message=message)
