@@ -209,7 +209,7 @@ def check_optimize(spec, passes: str, tmp_path_factory):
         assert_same_computation(src, out, atol=1e-3, rtol=1e-3, inputs=InputSpec(dims=dims))
 
 
-PROPERTY_SETTINGS = settings(max_examples=40, deadline=None, derandomize=True, database=None,
+PROPERTY_SETTINGS = settings(max_examples=100, deadline=None, derandomize=True, database=None,
                              suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 
 
