@@ -45,6 +45,8 @@ def optimize(
     verifier = Verifier(model, tolerance=tolerance, inputs=inputs) if verify else None
     try:
         report = PassManager(steps, verifier=verifier, strict=strict, requested=requested).run(model)
+        if verifier is not None:
+            report.notes.extend(verifier.notes)
     finally:
         if verifier is not None:
             verifier.close()

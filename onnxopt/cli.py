@@ -8,6 +8,8 @@ nothing to fuse under --strict.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import math
 import sys
 import time
 from pathlib import Path
@@ -18,12 +20,32 @@ from onnxopt.errors import OnnxoptError
 EXIT_OK, EXIT_VERIFY_FAILED, EXIT_BAD_INPUT, EXIT_INTERNAL = 0, 1, 2, 3
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """Usage errors as one line (``onnxopt: error: ...``) and exit 2, like every other bad input."""
+
+    def error(self, message):
+        self.exit(EXIT_BAD_INPUT, f"onnxopt: error: {self.prog}: {message} (see {self.prog} --help)\n")
+
+
 def _shape_arg(text: str) -> tuple[str, tuple[int, ...]]:
     name, _, dims = text.rpartition("=")
     try:
-        return name, tuple(int(d) for d in dims.replace("x", ",").split(",") if d)
+        shape = tuple(int(d) for d in dims.replace("x", ",").split(",") if d)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected NAME=D1,D2,..., got '{text}'")
+    if not name or any(d < 0 for d in shape):
+        raise argparse.ArgumentTypeError(f"expected NAME=D1,D2,... with dims of 0 or more, got '{text}'")
+    return name, shape
+
+
+def _tolerance_arg(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"expected a finite number of 0 or more, got '{text}'")
+    return value
 
 
 def _dim_arg(text: str) -> tuple[str, int]:
@@ -34,7 +56,7 @@ def _dim_arg(text: str) -> tuple[str, int]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="onnxopt", description="Optimize diffusion-model ONNX graphs for ORT CUDA and TensorRT.")
+    parser = OneLineParser(prog="onnxopt", description="Optimize diffusion-model ONNX graphs for ORT CUDA and TensorRT.")
     parser.add_argument("--debug", action="store_true", help="show tracebacks")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -45,8 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
     opt.add_argument("--target", choices=["ort-cuda", "tensorrt"], help="the target's preset (a folder: each component's preset, default ort-cuda)")
     opt.add_argument("--fp16", action="store_true", help="add the fp16 pass (a folder: the VAE guarded, see onnxopt/pipeline/optimize_folder.py)")
     opt.add_argument("--verify", action="store_true", help="compare with the source after every pass; name the first that breaks the tolerance")
-    opt.add_argument("--atol", type=float, default=1e-4)
-    opt.add_argument("--rtol", type=float, default=1e-3)
+    opt.add_argument("--atol", type=_tolerance_arg, default=1e-4)
+    opt.add_argument("--rtol", type=_tolerance_arg, default=1e-3)
     opt.add_argument("--shape", type=_shape_arg, action="append", default=[], metavar="INPUT=D1,D2,..", help="input shape for --verify")
     opt.add_argument("--dim", type=_dim_arg, action="append", default=[], metavar="DIM=N", help="value of a symbolic dim for --verify")
     ext = opt.add_mutually_exclusive_group()
@@ -84,8 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
     diff.add_argument("optimized", nargs="?", help="the optimized model (optional with --bisect)")
     diff.add_argument("--runtime", choices=["cuda", "trt", "cpu", "reference"],
                       help="where the optimized model runs (default: cuda if available, else cpu if ORT CPU has every kernel, else reference)")
-    diff.add_argument("--atol", type=float, default=1e-4)
-    diff.add_argument("--rtol", type=float, default=1e-3)
+    diff.add_argument("--atol", type=_tolerance_arg, default=1e-4)
+    diff.add_argument("--rtol", type=_tolerance_arg, default=1e-3)
     diff.add_argument("--shape", type=_shape_arg, action="append", default=[], metavar="INPUT=D1,D2,..")
     diff.add_argument("--dim", type=_dim_arg, action="append", default=[], metavar="DIM=N")
     diff.add_argument("--inputs", type=Path, help=".npz of inputs, keyed by input name (default: random)")
@@ -191,7 +213,8 @@ def cmd_optimize(args) -> int:
         raise OnnxoptError("give --passes or --target, not both")
     passes = [p for p in (args.passes or args.target or "cleanup").split(",") if p.strip()]
     passes += ["fp16"] if args.fp16 and "fp16" not in passes else []
-    registry.expand(passes)  # unknown names and unwritable outputs fail before any work
+    expanded = registry.expand(passes)  # unknown names and unwritable outputs fail before any work
+    _check_fp16_flags(args, expanded)
     check_destination(args.output, args.input)
     source = load_model(args.input)  # lazy: weights stay on disk; optimize() works on a copy
     check_writes(planned_writes(source, args.output, external_data=args.external_data) + [p for p in [args.report_json] if p], source)
@@ -218,6 +241,19 @@ def cmd_optimize(args) -> int:
         for name, part in info.companions.items():  # context-kv: the graph run once per prompt, beside it
             print(f"wrote {part.path}" + (f" (+ {part.data_path.name})" if part.data_path else "") + f": companion '{name}'")
     return EXIT_OK
+
+
+def _check_fp16_flags(args, passes: list) -> None:
+    """The fp16 pass's flags without the fp16 pass, or --calibration without --fp32-auto, would be ignored."""
+    given = [flag for flag, value in (("--low-precision", args.low_precision), ("--fp32-ops", args.fp32_ops),
+                                      ("--fp32-nodes", args.fp32_nodes), ("--keep-io-types/--no-keep-io-types", args.keep_io_types),
+                                      ("--fp32-auto", args.fp32_auto or None), ("--calibration", args.calibration)) if value is not None]
+    names = {getattr(p, "name", p) for p in passes}
+    if given and "fp16" not in names:
+        what = f"{given[0]} is an option" if len(given) == 1 else f"{', '.join(given)} are options"
+        raise OnnxoptError(f"{what} of the fp16 pass, which --passes does not run (e.g. --passes ort-cuda,fp16)")
+    if args.calibration and not args.fp32_auto:
+        raise OnnxoptError("--calibration goes with --fp32-auto (the inputs it calibrates on)")
 
 
 def _fp16_options(args) -> dict:
@@ -339,9 +375,13 @@ COMMANDS["generate"] = cmd_generate
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
     try:
-        return COMMANDS[args.command](args)
+        args = build_parser().parse_args(argv)
+    except SystemExit as exc:  # --help (0) or a usage error (2, its one line printed)
+        return exc.code if isinstance(exc.code, int) else EXIT_BAD_INPUT
+    try:
+        with _quiet_libraries(not args.debug):
+            return COMMANDS[args.command](args)
     except OnnxoptError as exc:
         if args.debug:
             raise
@@ -355,6 +395,33 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"onnxopt: internal error: {type(exc).__name__}: {exc} (rerun with --debug for the traceback)", file=sys.stderr)
         return EXIT_INTERNAL
+
+
+@contextlib.contextmanager
+def _quiet_libraries(quiet: bool):
+    """Polygraphy's and graphsurgeon's log lines ([W] ..., [E] ...) and ONNX Runtime's warnings are
+    not for onnxopt's users: what went wrong reaches them as onnxopt's own one line (the libraries
+    raise as well as log). --debug shows them."""
+    if not quiet:
+        yield
+        return
+    from onnx_graphsurgeon.logger import G_LOGGER as GS_LOGGER
+    from polygraphy.logger import G_LOGGER
+
+    silent = max(G_LOGGER.CRITICAL, GS_LOGGER.CRITICAL) + 1
+    previous = GS_LOGGER.severity
+    GS_LOGGER.severity = silent
+    try:
+        import onnxruntime
+
+        onnxruntime.set_default_logger_severity(3)  # errors only: they come back as exceptions too
+    except ImportError:
+        pass
+    try:
+        with G_LOGGER.verbosity(silent):
+            yield
+    finally:
+        GS_LOGGER.severity = previous
 
 
 if __name__ == "__main__":

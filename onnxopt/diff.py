@@ -55,7 +55,7 @@ from onnxopt.loading import load_model
 from onnxopt.model import Model
 from onnxopt.report import OptimizationReport
 from onnxopt.runtime import import_onnxruntime
-from onnxopt.verify import InputSpec, ReferenceRunner, Tolerance, Verifier, _quiet, random_feeds, runner_for
+from onnxopt.verify import InputSpec, ReferenceRunner, Tolerance, Verifier, _quiet, load_feeds, random_feeds, runner_for
 
 RUNTIMES = ("cuda", "trt", "cpu", "reference")
 RUNTIME_NAMES = {"cuda": "ORT CUDA EP", "trt": "TensorRT", "cpu": "ORT CPU EP", "reference": "onnx.reference"}
@@ -271,7 +271,8 @@ def model_runner(runtime: str, *, prefer_nhwc: bool = False, precision: str | No
         written.extend([path, path.with_name(path.name + ".data")])
         if runtime in ("cpu", "reference"):
             check_runtime(runtime, model)
-            return runner_for(model, name, workdir)  # ORT CPU, in memory below 1.8 GB, else saved as ``path``
+            # ORT CPU, in memory below 1.8 GB, else saved as ``path``; --runtime cpu keeps float16 models there too
+            return runner_for(model, name, workdir, low_precision_on_reference=runtime == "reference")
         save_model(model, path, external_data=True if model.weights_nbytes() > LARGE_MODEL_BYTES else None)
         return runner_for_path(runtime, path, model, name=name, prefer_nhwc=prefer_nhwc, precision=precision, shapes=shapes)
 
@@ -289,19 +290,6 @@ def source_runner(path: str | Path, model: Model) -> BaseRunner:
 
 
 # ----------------------------------------------------------------------------------- inputs
-
-
-def load_feeds(path: str | Path, model: Model) -> list[dict[str, np.ndarray]]:
-    """Inputs from an .npz keyed by input name (cast to the source's input types)."""
-    try:
-        data = np.load(path)
-    except (OSError, ValueError) as exc:
-        raise OnnxoptError(f"{path}: cannot read inputs: {exc}")
-    names = [t.name for t in model.graph.inputs]
-    missing = [n for n in names if n not in data.files]
-    if missing:
-        raise OnnxoptError(f"{path}: no array for input(s) {', '.join(missing)} (it holds: {', '.join(data.files) or 'nothing'})")
-    return [{t.name: np.asarray(data[t.name]).astype(np.dtype(t.dtype)) for t in model.graph.inputs}]
 
 
 # ----------------------------------------------------------------------------------- report

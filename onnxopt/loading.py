@@ -17,6 +17,7 @@ from onnx_graphsurgeon.ir.tensor import Constant, LazyValues
 
 from onnxopt.errors import ModelLoadError, UnsupportedModelError
 from onnxopt.model import Model, all_nodes
+from onnxopt.validity import check_model_structure
 from onnxopt.weights import ExternalValues, attach_external_values, external_location, file_size
 
 MIN_OPSET = 13  # LayerNormalization-era exports; older graphs should be re-exported or converted
@@ -63,7 +64,9 @@ def _read_proto(path: Path) -> onnx.ModelProto:
 def _from_proto(proto: onnx.ModelProto, base_dir: Path, origin: Path | None) -> Model:
     where = str(origin) if origin else "model"
     _check_opset(proto, where)
+    check_model_structure(proto, where)
     data_files = _check_external_data(proto, base_dir, where)
+    proto, input_defaults = _split_input_defaults(proto)
     try:
         graph = gs.import_onnx(proto)
     except Exception as exc:  # graphsurgeon raises assorted errors on malformed graphs
@@ -77,6 +80,7 @@ def _from_proto(proto: onnx.ModelProto, base_dir: Path, origin: Path | None) -> 
         domain=proto.domain,
         node_scopes=_node_scopes(proto.graph),
         source_files=tuple(dict.fromkeys([Path(os.path.realpath(origin))] if origin else []) | dict.fromkeys(data_files)),
+        input_defaults=input_defaults,
     )
     attach_external_values(model.constants() + model.subgraph_constants(), base_dir)
     _load_external_attributes(model, base_dir)
@@ -95,6 +99,30 @@ def _load_external_attributes(model: Model, base_dir: Path) -> None:
                     and external_data_helper.uses_external_data(value._values.tensor):
                 value._values = ExternalValues(value._values.tensor, base_dir).load()
                 value.data_location = None  # else graphsurgeon stamps EXTERNAL on the inline tensor
+
+
+def _split_input_defaults(proto: onnx.ModelProto) -> tuple[onnx.ModelProto, dict]:
+    """Take out the initializers that share a name with a graph input: defaults the caller may
+    override. graphsurgeon would import such an input as a Constant (and drop it from the inputs),
+    so passes would fold it; kept aside, the input stays a Variable. Also drop the value_info
+    annotations of non-tensor values (optional, sequence), which graphsurgeon cannot export
+    (shape inference derives them again). ``proto`` is not modified."""
+    from onnx_graphsurgeon.importers.onnx_importer import OnnxImporter
+
+    inputs = {i.name for i in proto.graph.input}
+    odd_annotations = any(vi.type.WhichOneof("value") != "tensor_type" for vi in proto.graph.value_info)
+    if not odd_annotations and not any(t.name in inputs for t in proto.graph.initializer):
+        return proto, {}
+    defaults = {t.name: OnnxImporter.import_tensor(t) for t in proto.graph.initializer if t.name in inputs}
+    stripped = onnx.ModelProto()
+    stripped.CopyFrom(proto)
+    kept = [t for t in stripped.graph.initializer if t.name not in inputs]
+    del stripped.graph.initializer[:]
+    stripped.graph.initializer.extend(kept)
+    tensors = [vi for vi in stripped.graph.value_info if vi.type.WhichOneof("value") == "tensor_type"]
+    del stripped.graph.value_info[:]
+    stripped.graph.value_info.extend(tensors)
+    return stripped, defaults
 
 
 TORCH_NAME_SCOPES = "pkg.torch.onnx.name_scopes"  # the dynamo exporter's module path of a node

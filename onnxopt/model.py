@@ -49,18 +49,26 @@ class Model:
     # Every file the source was read from: the .onnx and its external data files (resolved paths).
     # Nothing onnxopt writes may land on one (see onnxopt.saving.check_writes).
     source_files: tuple[Path, ...] = ()
+    # Graph input name -> its default value (an initializer of the same name in the file). The
+    # input stays a Variable in ``graph``, so no pass treats it as a constant; the default is
+    # written back beside it on export, for as long as the input exists.
+    input_defaults: dict[str, Constant] = field(default_factory=dict)
 
     @property
     def opset(self) -> int:
         return int(self.graph.opset)
 
     def constants(self) -> list[Constant]:
-        """Constants used by the top-level graph (the ones exported as initializers)."""
+        """Constants used by the top-level graph (the ones exported as initializers), input defaults included."""
         return [
             t
             for t in self.graph.tensors().values()
             if isinstance(t, Constant) and not isinstance(t._values, SparseValues)
-        ]
+        ] + self._live_defaults()
+
+    def _live_defaults(self) -> list[Constant]:
+        inputs = {t.name for t in self.graph.inputs}
+        return [c for name, c in self.input_defaults.items() if name in inputs]
 
     def subgraph_constants(self) -> list[Constant]:
         """Constants of the subgraphs (If/Loop/Scan bodies, at any depth) that are not top-level ones.
@@ -93,6 +101,7 @@ class Model:
             companions={name: c.copy() for name, c in self.companions.items()},
             node_scopes=dict(self.node_scopes),
             source_files=self.source_files,
+            input_defaults=dict(self.input_defaults),
         )
 
     def alone(self) -> "Model":
@@ -100,7 +109,8 @@ class Model:
         if not self.companions:
             return self
         return Model(self.graph, self.source, self.metadata_props, self.model_version, self.doc_string, self.domain,
-                     node_scopes=self.node_scopes, source_files=self.source_files)
+                     node_scopes=self.node_scopes, source_files=self.source_files,
+                     input_defaults=self.input_defaults)
 
     def skeleton(self, threshold: int = SKELETON_THRESHOLD_BYTES) -> onnx.ModelProto:
         """Export the graph with every initializer of ``threshold`` bytes or more reduced to a stub.
@@ -110,6 +120,7 @@ class Model:
         """
         with stubbed_constants(self.constants(), threshold):
             proto = gs.export_onnx(self.graph, do_type_check=False)
+            self._export_defaults(proto)
         self._apply_metadata(proto)
         return proto
 
@@ -117,12 +128,18 @@ class Model:
         """A full in-memory ModelProto (weights loaded). For small models and tests only."""
         with _materialised(self.subgraph_constants()):
             proto = gs.export_onnx(self.graph, do_type_check=False)
-        tensors = self.graph.tensors()
+        self._export_defaults(proto)
+        tensors = {**self.graph.tensors(), **{c.name: c for c in self._live_defaults()}}
         for tensor in proto.graph.initializer:
             if needs_materialising(tensors[tensor.name]):
                 tensor.CopyFrom(onnx.numpy_helper.from_array(tensors[tensor.name].values, tensor.name))
         self._apply_metadata(proto)
         return proto
+
+    def _export_defaults(self, proto: onnx.ModelProto) -> None:
+        from onnx_graphsurgeon.exporters.onnx_exporter import OnnxExporter
+
+        proto.graph.initializer.extend(OnnxExporter.export_tensor_proto(c) for c in self._live_defaults())
 
     def _apply_metadata(self, proto: onnx.ModelProto) -> None:
         proto.model_version = self.model_version

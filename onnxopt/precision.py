@@ -439,13 +439,12 @@ class Calibration:
 
 def calibration_feeds(model: Model, calibration=None, *, inputs=None, seed: int = 0) -> list[dict[str, np.ndarray]]:
     """Feeds to calibrate on: random (``None``), a .npz file of inputs, or a list of feed dicts."""
-    from onnxopt.verify import random_feeds
+    from onnxopt.verify import load_feeds, random_feeds
 
     if calibration is None:
         return random_feeds(model, inputs, seed=seed)
     if isinstance(calibration, (str, Path)):
-        with np.load(calibration) as npz:
-            return [{name: npz[name] for name in npz.files}]
+        return load_feeds(calibration, model)
     if isinstance(calibration, dict):
         return [calibration]
     return list(calibration)

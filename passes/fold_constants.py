@@ -49,7 +49,7 @@ class FoldConstants(Pass):
         load_small_external_constants(model)
         before = len(graph.nodes)
         severity = G_LOGGER.severity
-        G_LOGGER.severity = G_LOGGER.ERROR  # graphsurgeon logs every partition it tries
+        G_LOGGER.severity = max(severity, G_LOGGER.ERROR)  # graphsurgeon logs every partition it tries
         quiet_onnxruntime()  # and the sessions it folds with warn about their own graph optimizations
         try:
             graph.fold_constants(

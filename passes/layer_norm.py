@@ -33,8 +33,17 @@ fuse-skip-layer-norm (ort-cuda):
     shape) is chosen. A skip that would broadcast anywhere else (a 1-D bias, (B, 1, D) against
     (B, S, D), ...) is refused. Dims that shape inference left symbolic are taken as equal unless
     a static 1 shows broadcasting (details["dims_assumed_equal"] counts those sites); a run-time
-    mismatch there makes ORT's kernel fail rather than compute something else, except an input
-    whose batch is 1 against a larger batch of skip.
+    mismatch of S or D makes ORT's kernel fail rather than compute something else. The batch dim
+    is the exception: ORT computes an input of batch 1 against a skip of batch 2 without a word,
+    at the input's shape ((1, S, D) where the Add gave (2, S, D)). So where the two batch dims are
+    not proven equal (the same static value or the same symbol), the broadcast is kept:
+
+        input' = Expand(input, Shape(skip))      the Add's own broadcast shape, (B, S, D)
+        y, _, _, s = SkipLayerNormalization(input', skip, ...)
+
+    (details["batch_broadcast_kept"] counts those sites; the Expand is a copy of the input where the
+    batches turn out equal, as they do on TorchScript dynamic exports whose batch symbols shape
+    inference loses).
 
 fuse-bias-layer-norm (ort-cuda; after fuse-skip-layer-norm and nhwc-conv): the LayerNorms left
 without a residual Add. ORT's CUDA LayerNormalization kernel is about twice as slow as its
@@ -210,7 +219,7 @@ class FuseSkipLayerNorm(OrtFusion):
     def run(self, model: Model) -> PassResult:
         graph = model.graph
         result = PassResult(modified=False)
-        assumed = biased = 0
+        assumed = biased = broadcast = 0
         graph_outputs = {id(t) for t in graph.outputs}
         for match in SKIP_LAYER_NORM.find(graph):
             result.sites_matched += 1
@@ -221,9 +230,12 @@ class FuseSkipLayerNorm(OrtFusion):
             input_, skip, proven = verdict
             assumed += not proven
             biased += "bias" in match
+            if not _batch_proven(input_, skip):
+                input_ = _broadcast_batch(graph, input_, skip)
+                broadcast += 1
             _rewrite_skip_layer_norm(graph, match, input_, skip, graph_outputs)
             result.sites_rewritten += 1
-        result.details.update(dims_assumed_equal=assumed, bias_folded=biased)
+        result.details.update(dims_assumed_equal=assumed, bias_folded=biased, batch_broadcast_kept=broadcast)
         result.modified = result.sites_rewritten > 0
         if result.modified:
             graph.cleanup(remove_unused_graph_inputs=False).toposort()
@@ -306,6 +318,22 @@ def _dims_proven(input_: gs.Tensor, skip: gs.Tensor) -> bool:
     if len(ss) == 3 and static_dim(skip, 0) == 1:
         aligned = aligned[1:]
     return all(dims_agree(a, b) for a, b in aligned)
+
+
+def _batch_proven(input_: gs.Tensor, skip: gs.Tensor) -> bool:
+    """The kernel's output has the Add's batch: skip has no batch, a batch of 1, or input's batch proven."""
+    if rank_of(input_) != 3 or rank_of(skip) != 3 or static_dim(skip, 0) == 1:
+        return True
+    return dims_agree(shape_of(input_)[0], shape_of(skip)[0])
+
+
+def _broadcast_batch(graph: gs.Graph, input_: gs.Tensor, skip: gs.Tensor) -> gs.Variable:
+    """Expand(input, Shape(skip)): input at the shape the Add broadcast to."""
+    shape = gs.Variable(f"{skip.name}__skip_ln_shape", dtype=np.int64, shape=[3])
+    expanded = gs.Variable(f"{input_.name}__skip_ln_expanded", dtype=input_.dtype, shape=None)
+    graph.nodes.append(gs.Node("Shape", f"{skip.name}__skip_ln_shape", inputs=[skip], outputs=[shape]))
+    graph.nodes.append(gs.Node("Expand", f"{input_.name}__skip_ln_expand", inputs=[input_, shape], outputs=[expanded]))
+    return expanded
 
 
 def _rewrite_skip_layer_norm(graph: gs.Graph, match, input_, skip, graph_outputs: set[int]) -> None:

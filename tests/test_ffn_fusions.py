@@ -419,6 +419,32 @@ def test_a_batch_one_operand_becomes_the_skip_whichever_side_of_the_add_it_is_on
     assert_same_computation(proto, model, atol=1e-4, rtol=1e-3)
 
 
+@pytest.mark.parametrize("batches", [(1, 2), (2, 1), (2, 2)])
+def test_batch_dims_not_proven_equal_keep_the_add_broadcast(batches):
+    """a: (ba, 4, 16) + b: (bb, 4, 16), two symbols: ORT's kernel computed batch 1 + batch 2 at
+    the input's shape (1, 4, 16) where the Add gives (2, 4, 16). The fused graph broadcasts first."""
+    import onnxruntime as ort
+
+    proto = residual_layer_norm_net(["ba", 4, 16], ["bb", 4, 16])
+    model, by_pass = fuse(proto, "fuse-skip-layer-norm")
+    assert op_counts(model)["SkipLayerNormalization"] == 1
+    assert by_pass["fuse-skip-layer-norm"].details["batch_broadcast_kept"] == 1
+    rng = np.random.default_rng(0)
+    feeds = {"a": rng.standard_normal((batches[0], 4, 16)).astype(np.float32),
+             "b": rng.standard_normal((batches[1], 4, 16)).astype(np.float32)}
+    (expected,) = ort.InferenceSession(proto.SerializeToString()).run(None, feeds)
+    (actual,) = ort.InferenceSession(model.to_onnx().SerializeToString()).run(None, feeds)
+    assert actual.shape == expected.shape == (2, 4, 16)
+    np.testing.assert_allclose(actual, expected, atol=1e-5, rtol=1e-4)
+
+
+def test_batch_dims_of_one_symbol_need_no_broadcast():
+    proto = residual_layer_norm_net(["batch", 4, 16], ["batch", 4, 16])
+    model, by_pass = fuse(proto, "fuse-skip-layer-norm")
+    assert op_counts(model) == Counter({"SkipLayerNormalization": 1})
+    assert by_pass["fuse-skip-layer-norm"].details["batch_broadcast_kept"] == 0
+
+
 @pytest.mark.parametrize(
     "a_shape, b_shape, reason",
     [

@@ -675,3 +675,49 @@ def test_other_exports_convert_to_valid_float16(export_tiny, family, exporter, s
     assert_within_bound(errors(expected, run(proto, feeds, session)))
     if family == "unet-sdxl":  # add_time_ids go through their own sin/cos embedding: float32
         assert any("add_time_proj/Sin" in n for n in result.details["fp32_nodes"])
+
+
+# ------------------------------------------------------------------ --verify computes in float16
+
+
+def _overflowing_model(kind: str) -> onnx.ModelProto:
+    """float32 graphs whose intermediate exceeds 65504 and is scaled back down: finite in float32,
+    inf in float16 arithmetic (which ORT's CPU EP does not do: it runs Mul and MatMul in float32)."""
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 128])
+    out = helper.make_tensor_value_info("out", TensorProto.FLOAT, ["batch", 16])
+    if kind == "matmul":  # |x| @ 2000: row sums near 128000
+        nodes = [helper.make_node("Abs", ["x"], ["a"]), helper.make_node("MatMul", ["a", "W"], ["y"]),
+                 helper.make_node("Mul", ["y", "s"], ["out"])]
+        inits = [numpy_helper.from_array(np.full((128, 16), 2000.0, np.float32), "W"), numpy_helper.from_array(np.array(1e-3, np.float32), "s")]
+    else:  # x * 1000 * 1000 / 1000 / 1000, on the first 16 features
+        nodes = [helper.make_node("Slice", ["x", "zero", "sixteen", "one"], ["x16"]),
+                 helper.make_node("Mul", ["x16", "k"], ["y1"]), helper.make_node("Mul", ["y1", "k"], ["y2"]),
+                 helper.make_node("Div", ["y2", "k"], ["y3"]), helper.make_node("Div", ["y3", "k"], ["out"])]
+        inits = [numpy_helper.from_array(np.array(v, np.int64), n) for n, v in (("zero", [0]), ("sixteen", [16]), ("one", [1]))]
+        inits.append(numpy_helper.from_array(np.array(1000.0, np.float32), "k"))
+    model = helper.make_model(helper.make_graph(nodes, "overflow", [x], [out], inits), opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    return model
+
+
+@pytest.mark.parametrize("kind", ["matmul", "mul-chain"])
+def test_verify_sees_a_float16_overflow_that_ort_cpu_computes_in_float32(tmp_path, capsys, kind):
+    from onnxopt.cli import main
+
+    src, out = tmp_path / "in.onnx", tmp_path / "out.onnx"
+    onnx.save(_overflowing_model(kind), src)
+    assert main(["optimize", "-i", str(src), "-o", str(out), "--passes", "fp16", "--verify"]) == 1
+    captured = capsys.readouterr()
+    assert "verification failed at pass 'fp16'" in captured.err and not out.exists()
+    assert "FAIL inf" in captured.out  # the fp16 row: the overflow, not "ok 0.00e+00"
+
+
+def test_bfloat16_verify_runs_on_the_reference_evaluator(tmp_path, capsys):
+    """ORT's CPU EP has no bfloat16 MatMul: the verifier runs bfloat16 models on the reference
+    evaluator, at a tolerance looser than float16's (8 mantissa bits to 11)."""
+    from onnxopt.cli import main
+
+    path = FIXTURES / "unet-sd15.tiny.torchscript.static.sdpa.onnx"
+    args = ["optimize", "-i", str(path), "-o", str(tmp_path / "o.onnx"), "--passes", "fp16", "--low-precision", "bfloat16", "--verify"]
+    assert main(args) == 0
+    assert "final model equal to the source" in capsys.readouterr().out

@@ -486,9 +486,8 @@ def test_build_refuses_ort_fused_graphs_pointing_at_the_tensorrt_preset(no_tenso
 
 
 def test_build_rejects_a_malformed_profile_as_usage(trt_graph, tmp_path, capsys):
-    with pytest.raises(SystemExit) as exit_info:
-        build_cli(trt_graph, tmp_path, "--profile", "sample=1x4x8x8:2x4x8x8")
-    assert exit_info.value.code == 2 and "min:opt:max" in capsys.readouterr().err
+    assert build_cli(trt_graph, tmp_path, "--profile", "sample=1x4x8x8:2x4x8x8") == 2  # a usage error: one line, exit 2
+    assert "min:opt:max" in capsys.readouterr().err
 
 
 def test_build_never_overwrites_its_input(no_tensorrt, trt_graph, capsys):
