@@ -22,10 +22,11 @@ rewrite exact::
 The onnx-attention rule lowers ONNX's own op (the dynamo exporter writes SDPA as ``Attention`` from
 opset 23) into the same form, so the exporters' older forms and the new op fuse through one matcher
 (q, k, v are the head-split projections, and the transpose-pair rule then merges K's two Transposes).
-It respects ``scale`` (default 1/sqrt(H), H proven constant) and ``softmax_precision`` (a Cast around
-the Softmax), and refuses, with the reason: 3-D inputs, ``is_causal``, ``softcap``, a KV cache
+It respects ``scale`` (default 1/sqrt(H), H proven constant), ``softmax_precision`` (a Cast around
+the Softmax) and a boolean mask proven causal (CLIP's ``kv_idx <= q_idx``: ``Where(mask, 0, -inf)``,
+no row fully masked), and refuses, with the reason: 3-D inputs, ``is_causal``, ``softcap``, a KV cache
 (past_key / past_value / nonpad_kv_seqlen), sliding windows, a read of the extra outputs, heads of Q
-and K/V not proven equal (GQA), a boolean mask, a mask whose last dim is not proven to be the key
+and K/V not proven equal (GQA), any other boolean mask, a mask whose last dim is not proven to be the key
 length (Attention pads a shorter one with -inf), and a mask that may hold -inf (Attention zeroes a
 fully masked row; the lowered Softmax would give NaN).
 
@@ -178,11 +179,12 @@ def rewrite_onnx_attention(graph: gs.Graph, m: Match, dims: Dims) -> str | None:
     mask = node.inputs[3] if len(node.inputs) > 3 and node.inputs[3].name else None
     if mask is not None:
         mask_shape = dims.shape(mask)
-        if mask.dtype is not None and np.dtype(mask.dtype) == np.bool_:
-            return f"attn_mask '{mask.name}' is boolean (not lowered: a fully masked row is 0 in Attention, NaN in Softmax)"
+        boolean = mask.dtype is not None and np.dtype(mask.dtype) == np.bool_
+        if boolean and not _keeps_causal(graph, mask, dims, {q_shape[2], k_shape[2]}):
+            return f"attn_mask '{mask.name}' is boolean and not proven causal (a fully masked row is 0 in Attention, NaN in Softmax)"
         if mask_shape is None or not mask_shape or not same(mask_shape[-1], k_shape[2]):
             return f"attn_mask {text(mask_shape)}: its last dim is not proven to be the key length {text([k_shape[2]])} (Attention pads a shorter mask with -inf)"
-        if not provably_finite(mask):
+        if not boolean and not provably_finite(mask):
             return f"attn_mask '{mask.name}' may hold -inf (Attention zeroes a fully masked row; the lowered Softmax would give NaN)"
 
     name = node.name or m.output.name
@@ -192,6 +194,8 @@ def rewrite_onnx_attention(graph: gs.Graph, m: Match, dims: Dims) -> str | None:
     scores = lowered.node("MatMul", [q, kt], scores_shape)
     scores = lowered.node("Mul", [scores, _constant(f"{name}/scale", np.array([scale], dtype))], scores_shape)
     if mask is not None:
+        if boolean:  # True: attend. Every row keeps key 0 (proven causal), so -inf never fills a row.
+            mask = _additive_mask(mask, dtype, lowered)
         scores = lowered.node("Add", [scores, mask], scores_shape)
     precision = node.attrs.get("softmax_precision")
     upcast = precision is not None and onnx.helper.tensor_dtype_to_np_dtype(int(precision)) != dtype
@@ -224,6 +228,25 @@ def _unsupported_attention_form(graph: gs.Graph, node: gs.Node, dims: Dims) -> s
         if node.attrs.get(window, -1) != -1:
             return f"{window}={node.attrs[window]} (a sliding window: not lowered)"
     return None
+
+
+def _additive_mask(mask: gs.Tensor, dtype: np.dtype, lowered: "_AttentionLowering") -> gs.Tensor:
+    """Where(mask, 0, -inf), one per boolean mask: the layers that share the mask share it, as
+    fuse-attention's causal-mask proof needs (a value read outside its match is not matched)."""
+    name = f"{mask.name}__additive"
+    for consumer in mask.outputs:
+        if consumer.op == "Where" and consumer.name == name:
+            return consumer.outputs[0]
+    values = [_constant(f"{name}/{v}", np.array(v, dtype)) for v in (0.0, -np.inf)]
+    out = gs.Variable(f"{name}_out", dtype=dtype, shape=mask.shape)
+    lowered.nodes.append(gs.Node("Where", name, inputs=[mask, *values], outputs=[out]))
+    return out
+
+
+def _keeps_causal(graph: gs.Graph, mask: gs.Tensor, dims: Dims, seq: set) -> bool:
+    from onnxopt.passes.attention import keeps_causal  # fuse-attention's proof; that module imports this one
+
+    return keeps_causal(graph, mask, dims, seq)
 
 
 def _float_dtype(t: gs.Tensor) -> np.dtype | None:
@@ -353,7 +376,7 @@ def nan_free_scores(scores: gs.Tensor) -> str | None:
         core, mask = (a, b) if _is_scores(a) else (b, a)
         if not _is_scores(core):
             return f"'{scores.name}' is not attention scores plus a mask"
-        if not provably_finite(mask):
+        if not boolean and not provably_finite(mask):
             return f"mask '{mask.name}' may hold -inf: a fully masked row would make Softmax NaN"
         return None
     return None if _is_scores(scores) else f"'{scores.name}' is not attention scores"
