@@ -376,7 +376,7 @@ def nan_free_scores(scores: gs.Tensor) -> str | None:
         core, mask = (a, b) if _is_scores(a) else (b, a)
         if not _is_scores(core):
             return f"'{scores.name}' is not attention scores plus a mask"
-        if not boolean and not provably_finite(mask):
+        if not provably_finite(mask):
             return f"mask '{mask.name}' may hold -inf: a fully masked row would make Softmax NaN"
         return None
     return None if _is_scores(scores) else f"'{scores.name}' is not attention scores"
