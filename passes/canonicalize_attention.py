@@ -67,7 +67,8 @@ HIDDEN = -1e30
 
 def onnx_attention(q, k, v):
     """ONNX's Attention op (opset 23+): softmax(q kᵀ · scale [+ mask]) v in one node."""
-    return op.Attention(q, k, v, _name="attention", _extra_inputs=True)
+    # its other outputs (present key/value, QK scores) may be read: the rewrite refuses those sites
+    return op.Attention(q, k, v, _name="attention", _extra_inputs=True, _external_uses=True)
 
 
 def reshape_of_scores_product(p, v, shape):
