@@ -49,7 +49,7 @@ EXPORT_VARIANTS = [
 # 18: GELU as an Erf chain, GroupNorm as Reshape-InstanceNormalization-Reshape (as at its default, 20,
 # but for GELU); 21: GroupNormalization-21 (per-channel) and the Gelu op; 23: SDPA as ONNX Attention;
 # 24: the same ops as 23 (Attention-24). Kept out of EXPORT_VARIANTS, over which seven test files
-# parametrize: tests/test_new_opsets.py covers these (every family at 21 and 23), models/coverage.py all.
+# parametrize: tests/test_new_opsets.py covers these (every family at 23), models/coverage.py all.
 OPSET_VARIANTS = [
     ("dynamo", "dynamic", "sdpa", 18),
     ("dynamo", "dynamic", "sdpa", 21),
