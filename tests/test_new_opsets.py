@@ -41,7 +41,8 @@ from onnxopt.verify import InputSpec, assert_same_computation
 # Every family at 23 (ONNX Attention) and 21 (GroupNormalization-21, Gelu; the SDXL UNet, the slowest
 # export, only at 23: at 21 it has the SD UNets' forms). Opset 18 differs from the exporter's default
 # (20, every family in EXPORT_VARIANTS) only by GELU as an Erf chain, and 24 from 23 only by
-# Attention's version: each on the UNet and a text encoder. Exports are most of the time;
+# Attention's version: each on the UNet and a text encoder. Exports are most of the time (the 54
+# tests: 197 s on a shared 2-core machine, 183 s of it exporting);
 # `python -m models coverage --variants dynamo-dynamic-sdpa-18 ...` covers every family at every
 # opset (benchmarks/results/coverage-tiny.md).
 CASES = ([(family, 23) for family in FAMILIES] + [(family, 21) for family in FAMILIES if family != "unet-sdxl"]
