@@ -16,7 +16,10 @@ merged Gemm + Split), ``attention`` (MultiHeadAttention layouts and the sdpa_ker
 ``cross`` (cross-attention: packed KV against K and V apart, per backend), ``crosskv`` (the 16
 cross-attention K/V projections against one MatMul + Split), ``im2col``, ``splitk`` and
 ``tapgemm`` (3x3 convs rewritten as GEMMs), ``thin`` (conv_in/conv_out channel padding),
-``convopts`` (the conv shapes under CUDA EP settings: fuse_conv_bias, the algo search).
+``convopts`` (the conv shapes under CUDA EP settings: fuse_conv_bias, the algo search),
+``onnxattention`` (ORT's native ONNX Attention-23 kernel, in the exporter's 4-D form and the 3-D
+form, against MultiHeadAttention with packed and split inputs, at SD 1.5 and SDXL shapes, self and
+cross).
 Results: benchmarks/results/h100-2026-11-22-session3/micro.md and .../session4/micro.md.
 """
 
@@ -45,10 +48,10 @@ def _weight(shape, fan_in) -> np.ndarray:
     return (RNG.standard_normal(shape, dtype=np.float32) / np.float32(np.sqrt(fan_in))).astype(np.float16)
 
 
-def _model(nodes, inputs, outputs, inits) -> onnx.ModelProto:
+def _model(nodes, inputs, outputs, inits, opset: int = 17) -> onnx.ModelProto:
     graph = helper.make_graph(nodes, "micro", inputs, outputs, inits)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
-    model.ir_version = 8
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset), helper.make_opsetid("com.microsoft", 1)])
+    model.ir_version = 8 if opset <= 17 else 11  # opset 23 (Attention) needs IR version 11
     return model
 
 
@@ -56,7 +59,7 @@ def _io(name, shape, dtype=F16):
     return helper.make_tensor_value_info(name, dtype, shape)
 
 
-def copies(build, x_shape, extra_inputs=()):
+def copies(build, x_shape, extra_inputs=(), opset: int = 17):
     """A model with COPIES independent copies of ``build(i, x) -> (nodes, inits, out_name, out_shape)``."""
     nodes, inits, outputs = [], [], []
     for i in range(COPIES):
@@ -64,7 +67,7 @@ def copies(build, x_shape, extra_inputs=()):
         nodes += n
         inits += w
         outputs.append(_io(out, shape))
-    return _model(nodes, [_io("x", x_shape), *extra_inputs], outputs, inits)
+    return _model(nodes, [_io("x", x_shape), *extra_inputs], outputs, inits, opset=opset)
 
 
 # ---------------------------------------------------------------------------------------------- conv
@@ -490,8 +493,107 @@ def case_cross_attention():
     return out
 
 
+# SD 1.5 (64x64 latent: 4096 tokens, 8 heads of 40) and SDXL (128x128 latent: 4096 tokens, 10 heads of
+# 64, then 1024 tokens, 20 heads of 64); the issue's 1024-token, 10x64 point too. Batch 2, 77 text tokens.
+ONNX_ATTENTION_SHAPES = [(4096, 8, 40), (4096, 10, 64), (1024, 10, 64), (1024, 20, 64)]
+
+
+def _heads_4d(nodes, inits, i, name, source, tokens, heads, hd):
+    """(2, tokens, heads*hd) -> (2, heads, tokens, hd), as the dynamo exporter feeds ONNX Attention."""
+    if i == 0 and not any(t.name == f"split4d_{tokens}" for t in inits):  # shared by the copies
+        inits.append(_const(f"split4d_{tokens}", np.array([2, tokens, heads, hd], np.int64)))
+    nodes += [helper.make_node("Reshape", [source, f"split4d_{tokens}"], [f"{name}{i}_r"]),
+              helper.make_node("Transpose", [f"{name}{i}_r"], [f"{name}{i}_4d"], perm=[0, 2, 1, 3])]
+    return f"{name}{i}_4d"
+
+
+def _onnx_attention(i, q, k, v, s, l, heads, hd, form, nodes, inits):
+    """ONNX Attention-23 on (B, S, N*H) q and (B, L, N*H) k, v; returns the (B, S, N*H) output name."""
+    c = heads * hd
+    if form == "3d":  # q_num_heads/kv_num_heads: the kernel reads (B, S, N*H) in place, no transposes
+        nodes.append(helper.make_node("Attention", [q, k, v], [f"y{i}"], q_num_heads=heads, kv_num_heads=heads))
+        return f"y{i}"
+    q4, k4, v4 = (_heads_4d(nodes, inits, i, t, src, n, heads, hd) for t, src, n in (("q", q, s), ("k", k, l), ("v", v, l)))
+    if i == 0 and not any(t.name == "merge" for t in inits):
+        inits.append(_const("merge", np.array([2, s, c], np.int64)))
+    nodes += [helper.make_node("Attention", [q4, k4, v4], [f"o{i}"]),  # what the exporter writes at opset 23
+              helper.make_node("Transpose", [f"o{i}"], [f"o{i}_t"], perm=[0, 2, 1, 3]),
+              helper.make_node("Reshape", [f"o{i}_t", "merge"], [f"y{i}"])]
+    return f"y{i}"
+
+
+def case_onnx_attention():
+    """ORT's native ONNX Attention (opset 23) against com.microsoft MultiHeadAttention, self and cross.
+
+    Each variant takes the same inputs (Q|K|V, or the query and K|V of the text); all but packed MHA
+    (which reads them as (.., N, 3|2, H)) compute the same outputs, checked against MHA Split +
+    separate (max abs difference; packed MHA against its own first run). The 4-D
+    Attention form is the dynamo exporter's (Reshape + Transpose per head tensor, one back); the
+    3-D form (q_num_heads/kv_num_heads) is what a pass could write without any Transpose.
+    """
+    out = []
+    for s, heads, hd in ONNX_ATTENTION_SHAPES:
+        c = heads * hd
+        split3 = _const("three", np.array([c, c, c], np.int64))
+        split2 = _const("two", np.array([c, c], np.int64))
+
+        def self_mha_packed(i, x, c=c, s=s, heads=heads, hd=hd):
+            return ([helper.make_node("Reshape", [x, "shape5"], [f"p{i}"]),
+                     helper.make_node("MultiHeadAttention", [f"p{i}"], [f"y{i}"], domain="com.microsoft", num_heads=heads)],
+                    [_const("shape5", np.array([2, s, heads, 3, hd], np.int64))] if i == 0 else [], f"y{i}", [2, s, c])
+
+        def self_mha_split(i, x, c=c, s=s, heads=heads, split3=split3):
+            return ([helper.make_node("Split", [x, "three"], [f"q{i}", f"k{i}", f"v{i}"], axis=2),
+                     helper.make_node("MultiHeadAttention", [f"q{i}", f"k{i}", f"v{i}"], [f"y{i}"], domain="com.microsoft", num_heads=heads)],
+                    [split3] if i == 0 else [], f"y{i}", [2, s, c])
+
+        def self_onnx(form, c=c, s=s, heads=heads, hd=hd, split3=split3):
+            def build(i, x):
+                nodes = [helper.make_node("Split", [x, "three"], [f"q{i}", f"k{i}", f"v{i}"], axis=2)]
+                inits = [split3] if i == 0 else []
+                return nodes, inits, _onnx_attention(i, f"q{i}", f"k{i}", f"v{i}", s, s, heads, hd, form, nodes, inits), [2, s, c]
+            return build
+
+        def cross_mha_packed(i, x, c=c, heads=heads, hd=hd):
+            return ([helper.make_node("Reshape", ["kv", "shape5"], [f"p{i}"]),
+                     helper.make_node("MultiHeadAttention", [x, f"p{i}"], [f"y{i}"], domain="com.microsoft", num_heads=heads)],
+                    [_const("shape5", np.array([2, 77, heads, 2, hd], np.int64))] if i == 0 else [], f"y{i}", [2, s, c])
+
+        def cross_mha_split(i, x, c=c, heads=heads, split2=split2):
+            return ([helper.make_node("Split", ["kv", "two"], [f"k{i}", f"v{i}"], axis=2),
+                     helper.make_node("MultiHeadAttention", [x, f"k{i}", f"v{i}"], [f"y{i}"], domain="com.microsoft", num_heads=heads)],
+                    [split2] if i == 0 else [], f"y{i}", [2, s, c])
+
+        def cross_onnx(form, c=c, s=s, heads=heads, hd=hd, split2=split2):
+            def build(i, x):
+                nodes = [helper.make_node("Split", ["kv", "two"], [f"k{i}", f"v{i}"], axis=2)]
+                inits = [split2] if i == 0 else []
+                return nodes, inits, _onnx_attention(i, x, f"k{i}", f"v{i}", s, 77, heads, hd, form, nodes, inits), [2, s, c]
+            return build
+
+        ctx = _io("kv", [2, 77, 2 * c])
+        flops = 4 * 2 * heads * s * s * hd
+        # Packed MHA reads the input as (.., N, 3|2, H), the others as [Q|K|V]: each is checked against
+        # its own first run; the Attention variants against MHA Split + separate.
+        same_layout = {label: "split" for label in ("MHA Split + separate Q,K,V", "MHA Split + separate K,V",
+                                                    "ONNX Attention-23, 4-D (exporter form)", "ONNX Attention-23, 3-D (q_num_heads)")}
+        out.append({"name": f"self-attention S={s} heads={heads} d={hd}", "flops": flops, "count": 1,
+                    "sdpa_kernels": ["", "1", "2"], "compare_with": same_layout,
+                    "variants": {"MHA packed QKV": copies(self_mha_packed, [2, s, 3 * c], opset=23),
+                                 "MHA Split + separate Q,K,V": copies(self_mha_split, [2, s, 3 * c], opset=23),
+                                 "ONNX Attention-23, 4-D (exporter form)": copies(self_onnx("4d"), [2, s, 3 * c], opset=23),
+                                 "ONNX Attention-23, 3-D (q_num_heads)": copies(self_onnx("3d"), [2, s, 3 * c], opset=23)}})
+        out.append({"name": f"cross-attention S={s} L=77 heads={heads} d={hd}", "count": 1,
+                    "sdpa_kernels": ["", "1", "2"], "compare_with": same_layout,
+                    "variants": {"MHA packed KV": copies(cross_mha_packed, [2, s, c], extra_inputs=[ctx], opset=23),
+                                 "MHA Split + separate K,V": copies(cross_mha_split, [2, s, c], extra_inputs=[ctx], opset=23),
+                                 "ONNX Attention-23, 4-D (exporter form)": copies(cross_onnx("4d"), [2, s, c], extra_inputs=[ctx], opset=23),
+                                 "ONNX Attention-23, 3-D (q_num_heads)": copies(cross_onnx("3d"), [2, s, c], extra_inputs=[ctx], opset=23)}})
+    return out
+
+
 CASES = {"conv": case_conv, "thin": case_thin_conv, "splitk": case_split_k, "im2col": case_conv_im2col, "tapgemm": case_tap_gemm, "convopts": case_conv_options, "crosskv": case_cross_kv, "cross": case_cross_attention, "upsample": case_upsample, "layernorm": case_layernorm, "temb": case_temb,
-         "attention": case_attention}
+         "attention": case_attention, "onnxattention": case_onnx_attention}
 
 
 def time_model(model: onnx.ModelProto, feeds: dict, provider_options=None):
@@ -534,7 +636,8 @@ def main(argv=None) -> int:
                         continue
                     per = ms if case.get("per_model") else ms / COPIES
                     diff = None
-                    reference = references.setdefault(label if case.get("compare_within_variant") else "", outputs)
+                    group = case.get("compare_with", {}).get(label, label if case.get("compare_within_variant") else "")
+                    reference = references.setdefault(group, outputs)
                     if reference is not outputs and set(reference) == set(outputs):  # same outputs: same values?
                         diff = max(float(np.max(np.abs(outputs[k].astype(np.float32) - reference[k].astype(np.float32)))) for k in reference)
                     entry = {"ms": per, "max_abs_vs_first": diff}

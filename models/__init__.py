@@ -45,6 +45,18 @@ EXPORT_VARIANTS = [
     ("dynamo", "dynamic", "classic"),
 ]
 
+# (exporter, shapes, attention, opset): the dynamo exporter at the opsets that change what it writes.
+# 18: GELU as an Erf chain, GroupNorm as Reshape-InstanceNormalization-Reshape (as at its default, 20,
+# but for GELU); 21: GroupNormalization-21 (per-channel) and the Gelu op; 23: SDPA as ONNX Attention;
+# 24: the same ops as 23 (Attention-24). Kept out of EXPORT_VARIANTS, over which seven test files
+# parametrize: tests/test_new_opsets.py covers these (every family at 23), models/coverage.py all.
+OPSET_VARIANTS = [
+    ("dynamo", "dynamic", "sdpa", 18),
+    ("dynamo", "dynamic", "sdpa", 21),
+    ("dynamo", "dynamic", "sdpa", 23),
+    ("dynamo", "dynamic", "sdpa", 24),
+]
+
 
 def build(family: str, size: str = "tiny", attention: str = "sdpa", seed: int = 0) -> BuiltModel:
     """Build ``family`` at ``size`` with ``attention`` ("sdpa" or "classic"), seeded."""

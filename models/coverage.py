@@ -34,7 +34,9 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from models import EXPORT_VARIANTS as VARIANTS
+from models import EXPORT_VARIANTS, OPSET_VARIANTS
+
+VARIANTS = EXPORT_VARIANTS + OPSET_VARIANTS
 
 COLUMNS = [
     ("attn_self", "attention self"),
@@ -51,7 +53,13 @@ KERNEL_REFUSAL = "is not one ORT's CUDA kernel implements"
 
 
 def variant_id(variant) -> str:
-    return "-".join(variant)
+    """torchscript-dynamic-sdpa; an opset variant ends in its opset: dynamo-dynamic-sdpa-23."""
+    return "-".join(str(part) for part in variant)
+
+
+def parse_variant(text: str) -> tuple:
+    parts = text.split("-")
+    return tuple(parts[:3]) + tuple(int(p) for p in parts[3:])
 
 
 # ---------------------------------------------------------------- torch side
@@ -192,13 +200,13 @@ def measure(family: str, variant: tuple, workdir: Path) -> dict:
     from . import build
     from .export import export
 
-    exporter, shapes, attention = variant
+    exporter, shapes, attention, *opset = variant
     row = {"family": family, "variant": variant_id(variant)}
     t0 = time.perf_counter()
     built = build(family, size="tiny", attention=attention)
     row["present"] = present_sites(built)
     path = workdir / family / variant_id(variant) / f"{family}.onnx"
-    export(built, path, exporter=exporter, shapes=shapes)
+    export(built, path, exporter=exporter, shapes=shapes, opset=opset[0] if opset else None)
     t1 = time.perf_counter()
     spec = InputSpec(shapes={k: tuple(v) for k, v in built.input_shapes().items()})
     model, report = optimize(path, ["ort-cuda"], verify=True, inputs=spec)
@@ -290,7 +298,7 @@ def main(argv=None) -> int:
     p.add_argument("--markdown", help="also write the table to this file")
     p.add_argument("--workdir", help="where to export (default: a temporary directory)")
     args = p.parse_args(argv)
-    variants = [tuple(v.split("-")) for v in args.variants]
+    variants = [parse_variant(v) for v in args.variants]
     rows = []
     with tempfile.TemporaryDirectory(prefix="onnxopt-coverage-") as tmp:
         workdir = Path(args.workdir or tmp)

@@ -67,7 +67,9 @@ PRESETS["tensorrt"] = Preset(
     # exporters) and GELU (Erf chain or Gelu op) are left as written: TensorRT fuses them itself.
     PRESETS["cleanup"].passes
     + (
-        "canonicalize-attention",  # one attention form: constant scale, K^T one Transpose, no NaN guard
+        # one attention form: constant scale, K^T one Transpose, no NaN guard; ONNX Attention (opset 23+)
+        # lowered to MatMul-Softmax-MatMul, which every TensorRT 10 parser reads and its MHA fusion fuses
+        "canonicalize-attention",
         "trt-attention-scale",  # the scale onto Q, before the first MatMul (TensorRT's MHA fusion)
         "trt-group-norm",  # Reshape-InstanceNorm-Reshape -> GroupNormalization (the model moves to opset 21)
         "eliminate-dead-nodes",

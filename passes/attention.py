@@ -157,14 +157,26 @@ def causal_mask_from_trilu(shape, one=Const(), hidden=Const()):
     return std_op.Where(std_op.Equal(lower, 0.0), hidden, 0.0)
 
 
+def causal_keep_from_ranges(key_index, query_index, shape):
+    """transformers' boolean causal mask (True: attend): kv_idx <= q_idx, broadcast to (B, 1, S, L)"""
+    keep = OneOf(std_op.LessOrEqual(key_index, query_index), std_op.GreaterOrEqual(query_index, key_index))
+    return OneOf(std_op.Expand(keep, shape), keep)
+
+
 def causal_mask_from_ranges(key_index, query_index, shape, hidden=Const()):
     """transformers' causal mask: where(kv_idx <= q_idx, 0, min), broadcast to (B, 1, S, L)"""
-    keep = OneOf(std_op.LessOrEqual(key_index, query_index), std_op.GreaterOrEqual(query_index, key_index))
-    return std_op.Where(OneOf(std_op.Expand(keep, shape), keep), 0.0, hidden)
+    return std_op.Where(causal_keep_from_ranges(key_index, query_index, shape), 0.0, hidden)
 
 
 CAUSAL_MASK = Pattern(causal_mask_from_trilu, name="causal-mask-trilu")
 CAUSAL_MASK_RANGES = Pattern(causal_mask_from_ranges, name="causal-mask-ranges")
+CAUSAL_KEEP_RANGES = Pattern(
+    lambda key_index, query_index, shape: std_op.Expand(std_op.LessOrEqual(key_index, query_index), shape),
+    lambda key_index, query_index, shape: std_op.Expand(std_op.GreaterOrEqual(query_index, key_index), shape),
+    lambda key_index, query_index: std_op.LessOrEqual(key_index, query_index),
+    lambda key_index, query_index: std_op.GreaterOrEqual(query_index, key_index),
+    name="causal-keep-ranges",
+)
 
 
 # ---------------------------------------------------------------- what a site needs
@@ -387,9 +399,21 @@ def _trilu_mask_is_causal(m: Match, dims: Dims, seq: set) -> bool:
     return shape is not None and len(shape) == 2 and all(_any_same(d, seq) for d in shape)
 
 
+def keeps_causal(graph: gs.Graph, keep: gs.Tensor, dims: Dims, seq: set) -> bool:
+    """The boolean mask ``keep`` (True: attend) is True exactly where key j <= query i, its lengths
+    among ``seq``: ONNX Attention's causal attn_mask as the dynamo exporter writes CLIP's."""
+    producer = keep.inputs[0] if len(keep.inputs) == 1 else None
+    found = CAUSAL_KEEP_RANGES.match(graph, producer) if producer is not None else None
+    return found is not None and _ranges_are_causal(found, dims, seq)
+
+
 def _range_mask_is_causal(m: Match, dims: Dims, seq: set) -> bool:
     if np.any(constant_value(m["hidden"]) > HIDDEN):
         return False
+    return _ranges_are_causal(m, dims, seq)
+
+
+def _ranges_are_causal(m: Match, dims: Dims, seq: set) -> bool:
     key, query = _arange_axis(m["key_index"], dims), _arange_axis(m["query_index"], dims)
     if key is None or query is None:
         return False

@@ -5,6 +5,8 @@ The TorchScript and dynamo exporters write the same scaled-dot-product attention
 rewrite exact::
 
     rule                   before                                           after
+    onnx-attention         Attention(q, k, v [, mask])  (ONNX, opset 23+;  Softmax(MatMul(q, Transpose(k, (0,1,3,2)))
+                           4-D q, k, v)                                     * scale [+ mask]) @ v
     identity-reshape       Reshape(x, shape)  with shape provably x's       x
     sdpa-scale-from-shape  Div(1, Sqrt(Cast(Slice(Shape(q), -1:))))         1/sqrt(H)   H = q's last dim, proven
     scalar-arithmetic      Sqrt(c), Cast(c), Mul(c1, c2) ... of 1-element   the constant
@@ -16,6 +18,17 @@ rewrite exact::
     zero-score-bias        Add(s, Mul(ConstantOfShape|Expand(c, shape), 0)) s   c finite; shape broadcasts into s
                            Add(s, zeros)
     softmax-nan-guard      Where(IsNaN(p), 0, p),  p = Softmax(s [+ mask])  p   s and mask finite: no row is all -inf
+
+The onnx-attention rule lowers ONNX's own op (the dynamo exporter writes SDPA as ``Attention`` from
+opset 23) into the same form, so the exporters' older forms and the new op fuse through one matcher
+(q, k, v are the head-split projections, and the transpose-pair rule then merges K's two Transposes).
+It respects ``scale`` (default 1/sqrt(H), H proven constant), ``softmax_precision`` (a Cast around
+the Softmax) and a boolean mask proven causal (CLIP's ``kv_idx <= q_idx``: ``Where(mask, 0, -inf)``,
+no row fully masked), and refuses, with the reason: 3-D inputs, ``is_causal``, ``softcap``, a KV cache
+(past_key / past_value / nonpad_kv_seqlen), sliding windows, a read of the extra outputs, heads of Q
+and K/V not proven equal (GQA), any other boolean mask, a mask whose last dim is not proven to be the key
+length (Attention pads a shorter one with -inf), and a mask that may hold -inf (Attention zeroes a
+fully masked row; the lowered Softmax would give NaN).
 
 After it, attention reads: ``Softmax([Add(] [Mul(] MatMul(Transpose(Reshape(q)), Transpose(Reshape(k)))
 [, scale)] [, mask)])`` with K^T one ``Transpose(perm=(0, 2, 3, 1))`` (or ``(0, 2, 1)`` in the
@@ -50,6 +63,12 @@ HIDDEN = -1e30
 
 
 # ---------------------------------------------------------------- patterns
+
+
+def onnx_attention(q, k, v):
+    """ONNX's Attention op (opset 23+): softmax(q kᵀ · scale [+ mask]) v in one node."""
+    # its other outputs (present key/value, QK scores) may be read: the rewrite refuses those sites
+    return op.Attention(q, k, v, _name="attention", _extra_inputs=True, _external_uses=True)
 
 
 def reshape_of_scores_product(p, v, shape):
@@ -117,6 +136,7 @@ def _adds_zero(m: Match) -> str | None:
     return None if not np.any(value) else "added tensor is not zero"
 
 
+ONNX_ATTENTION = Pattern(onnx_attention, name="onnx-attention")
 IDENTITY_RESHAPE = Pattern(reshape_of_scores_product, name="identity-reshape")
 SDPA_SCALE = Pattern(sdpa_default_scale, name="sdpa-scale-from-shape")
 K_TRANSPOSE_CHAIN = Pattern(k_transpose_via_reshapes, name="k-transpose-chain")
@@ -133,6 +153,125 @@ SOFTMAX_NAN_GUARD = Pattern(nan_guarded_softmax, name="softmax-nan-guard")
 # from the live node, not from the match: an earlier bypass in the same sweep may have moved it.
 
 NOT_A_SITE = "not a site"
+
+
+# Attention inputs after (q, k, v, attn_mask) and its attributes that the lowering cannot express.
+_KV_CACHE_INPUTS = ("past_key", "past_value", "nonpad_kv_seqlen")
+
+
+def rewrite_onnx_attention(graph: gs.Graph, m: Match, dims: Dims) -> str | None:
+    node = m.node("attention")
+    q, k, v = m["q"], m["k"], m["v"]
+    reason = _unsupported_attention_form(graph, node, dims)
+    if reason is not None:
+        return reason
+    q_shape, k_shape, v_shape = dims.shape(q), dims.shape(k), dims.shape(v)
+    if not (same(q_shape[1], k_shape[1]) and same(k_shape[1], v_shape[1])):
+        return f"heads of Q {text(q_shape)}, K {text(k_shape)}, V {text(v_shape)} are not proven equal (grouped-query attention is not lowered)"
+    dtype = _float_dtype(q)
+    if dtype is None:
+        return f"the type of '{q.name}' is not a known float type"
+    scale = node.attrs.get("scale")
+    if scale is None:
+        head_dim = q_shape[3]
+        if head_dim is None or not head_dim.is_int or head_dim.value <= 0:
+            return f"the head size of '{q.name}' {text(q_shape)} is not a proven constant (the default scale is 1/sqrt of it)"
+        scale = 1.0 / np.sqrt(head_dim.value)
+    mask = node.inputs[3] if len(node.inputs) > 3 and node.inputs[3].name else None
+    if mask is not None:
+        mask_shape = dims.shape(mask)
+        boolean = mask.dtype is not None and np.dtype(mask.dtype) == np.bool_
+        if boolean and not _keeps_causal(graph, mask, dims, {q_shape[2], k_shape[2]}):
+            return f"attn_mask '{mask.name}' is boolean and not proven causal (a fully masked row is 0 in Attention, NaN in Softmax)"
+        if mask_shape is None or not mask_shape or not same(mask_shape[-1], k_shape[2]):
+            return f"attn_mask {text(mask_shape)}: its last dim is not proven to be the key length {text([k_shape[2]])} (Attention pads a shorter mask with -inf)"
+        if not boolean and not provably_finite(mask):
+            return f"attn_mask '{mask.name}' may hold -inf (Attention zeroes a fully masked row; the lowered Softmax would give NaN)"
+
+    name = node.name or m.output.name
+    lowered = _AttentionLowering(name, dtype)
+    kt = lowered.node("Transpose", [k], _permuted(k.shape, [0, 1, 3, 2]), perm=[0, 1, 3, 2])
+    scores_shape = None if q.shape is None or k.shape is None else [*q.shape[:3], k.shape[2]]
+    scores = lowered.node("MatMul", [q, kt], scores_shape)
+    scores = lowered.node("Mul", [scores, _constant(f"{name}/scale", np.array([scale], dtype))], scores_shape)
+    if mask is not None:
+        if boolean:  # True: attend. Every row keeps key 0 (proven causal), so -inf never fills a row.
+            mask = _additive_mask(mask, dtype, lowered)
+        scores = lowered.node("Add", [scores, mask], scores_shape)
+    precision = node.attrs.get("softmax_precision")
+    upcast = precision is not None and onnx.helper.tensor_dtype_to_np_dtype(int(precision)) != dtype
+    if upcast:
+        scores = lowered.node("Cast", [scores], scores_shape, to=int(precision), dtype=onnx.helper.tensor_dtype_to_np_dtype(int(precision)))
+    probs = lowered.node("Softmax", [scores], scores_shape, axis=-1, dtype=scores.dtype)
+    if upcast:
+        probs = lowered.node("Cast", [probs], scores_shape, to=onnx.helper.np_dtype_to_tensor_dtype(dtype))
+    lowered.nodes.append(gs.Node("MatMul", f"{name}/MatMul_pv", inputs=[probs, v], outputs=[gs.Variable(f"{m.output.name}__lowered", dtype=m.output.dtype, shape=m.output.shape)]))
+    replace(graph, m, lowered.nodes)
+    return None
+
+
+def _unsupported_attention_form(graph: gs.Graph, node: gs.Node, dims: Dims) -> str | None:
+    """Why this Attention node is not plain 4-D scaled-dot-product attention, or None."""
+    ranks = [dims.rank(t) for t in node.inputs[:3]]
+    if ranks != [4, 4, 4]:
+        return f"Q, K, V of rank {ranks}: only 4-D (B, N, S, H) inputs are lowered"
+    for name, t in zip(_KV_CACHE_INPUTS, node.inputs[4:]):
+        if t.name:
+            return f"input {name} is given (a KV cache: not lowered)"
+    for i, out in enumerate(node.outputs[1:], start=1):
+        if out.name and (out.outputs or any(o is out for o in graph.outputs)):
+            return f"output {i} ('{out.name}': present key/value or QK scores) is read"
+    if node.attrs.get("is_causal", 0):
+        return "is_causal=1 (not lowered)"
+    if node.attrs.get("softcap", 0.0):
+        return f"softcap={node.attrs['softcap']} (not lowered)"
+    for window in ("left_window_size", "right_window_size"):
+        if node.attrs.get(window, -1) != -1:
+            return f"{window}={node.attrs[window]} (a sliding window: not lowered)"
+    return None
+
+
+def _additive_mask(mask: gs.Tensor, dtype: np.dtype, lowered: "_AttentionLowering") -> gs.Tensor:
+    """Where(mask, 0, -inf), one per boolean mask: the layers that share the mask share it, as
+    fuse-attention's causal-mask proof needs (a value read outside its match is not matched)."""
+    name = f"{mask.name}__additive"
+    for consumer in mask.outputs:
+        if consumer.op == "Where" and consumer.name == name:
+            return consumer.outputs[0]
+    values = [_constant(f"{name}/{v}", np.array(v, dtype)) for v in (0.0, -np.inf)]
+    out = gs.Variable(f"{name}_out", dtype=dtype, shape=mask.shape)
+    lowered.nodes.append(gs.Node("Where", name, inputs=[mask, *values], outputs=[out]))
+    return out
+
+
+def _keeps_causal(graph: gs.Graph, mask: gs.Tensor, dims: Dims, seq: set) -> bool:
+    from onnxopt.passes.attention import keeps_causal  # fuse-attention's proof; that module imports this one
+
+    return keeps_causal(graph, mask, dims, seq)
+
+
+def _float_dtype(t: gs.Tensor) -> np.dtype | None:
+    if t.dtype is None:
+        return None
+    dtype = np.dtype(t.dtype)
+    return dtype if onnx.helper.np_dtype_to_tensor_dtype(dtype) in FLOAT_TYPES else None
+
+
+def _permuted(shape, perm):
+    return None if shape is None else [shape[p] for p in perm]
+
+
+class _AttentionLowering:
+    """Collects the lowered nodes, named under the Attention node's name, their outputs annotated."""
+
+    def __init__(self, name: str, dtype: np.dtype):
+        self.name, self.dtype, self.nodes = name, dtype, []
+
+    def node(self, op_type: str, inputs: list, shape, dtype=None, **attrs) -> gs.Variable:
+        name = f"{self.name}/{op_type}_{len(self.nodes)}"
+        out = gs.Variable(f"{name}_out", dtype=self.dtype if dtype is None else dtype, shape=shape)
+        self.nodes.append(gs.Node(op_type, name, attrs, inputs, [out]))
+        return out
 
 
 def rewrite_identity_reshape(graph: gs.Graph, m: Match, dims: Dims) -> str | None:
@@ -332,6 +471,7 @@ class Rule:
 
 
 RULES = (
+    Rule(ONNX_ATTENTION, rewrite_onnx_attention),  # first: its K^T Transpose meets the exporter's in transpose-pair
     Rule(IDENTITY_RESHAPE, rewrite_identity_reshape),
     Rule(SDPA_SCALE, rewrite_sdpa_scale),
     Rule(K_TRANSPOSE_CHAIN, rewrite_k_transpose_chain),

@@ -4,7 +4,8 @@ Before, as both exporters write nn.GroupNorm (the restore shape is ``Shape(x)`` 
 a constant in static or folded ones), and the standard op:
 
     x ─ Reshape([0|N, G, -1]) ─ InstanceNormalization(scale=1, B=0, ε) ─ Reshape(Shape(x) | x's shape) ─ Mul(γ) ─ Add(β) ─ y
-    x ─ GroupNormalization(γ, β, num_groups=G, ε) ─ y          (opset 21+; in opset 18-20 γ, β are per group: refused)
+    x ─ GroupNormalization(γ, β, num_groups=G, ε) ─ y          (opset 21+: γ, β per channel; 18-20: per group,
+                                                                  each repeated over its group's C/G channels)
 
     and, optionally, a SiLU on y:  Mul(y, Sigmoid(y)) (either operand order)  or  Swish(y, alpha=1)
 
@@ -29,8 +30,7 @@ Conditions (a site that fits the pattern but fails one is refused, with the reas
   provably equal to it.
 * γ and β broadcast per channel: after right-aligning them with x, every axis but axis 1 is 1,
   and axis 1 is C or 1 (so (C,1,1) for 4-D x, (C,1) for 3-D x; a (C,) γ would broadcast along W).
-* GroupNormalization before opset 21 takes per-group scale and bias (shape (G,)), not GroupNorm's
-  per-channel γ, β: refused.
+* GroupNormalization's scale and bias have shape (C,) from opset 21, (G,) before (per group).
 * x is 3-D or 4-D float16/float32, and C/G is even and at most 512 (ORT's CUDA kernel rejects
   anything else at run time with NOT_IMPLEMENTED).
 * The SiLU is folded (activation=1) only when its input y has no other consumer and is no graph
@@ -130,15 +130,16 @@ def read_site(match: Match, opset: int) -> GroupNormSite:
         groups = int(match.attrs["groups"])
         _check_divides(groups, channels)
         scale, bias = match.value("gamma"), match.value("beta")
-        if opset < 21:  # (with num_groups == C the two agree, but 1 channel per group is odd: see below)
-            raise Refused(
-                f"GroupNormalization in opset {opset} (< 21) has per-group scale and bias (shape (num_groups,)),"
-                " not per-channel ones"
-            )
+        # GroupNormalization-18 scales and shifts each group by one value: GroupNorm's per-channel γ, β
+        # repeat it over the group's channels. From opset 21 scale and bias are per channel.
+        per_group = opset < 21
+        expected = (groups,) if per_group else (channels,)
         for what, value in (("scale", scale), ("bias", bias)):
-            if value.shape != (channels,):
-                raise Refused(f"GroupNormalization {what} has shape {value.shape}, expected ({channels},)")
-        gamma, beta = scale.astype(np.float32), bias.astype(np.float32)
+            if value.shape != expected:
+                kind = "per group (opset < 21)" if per_group else "per channel"
+                raise Refused(f"GroupNormalization {what} has shape {value.shape}, expected {expected}: {kind}")
+        repeats = channels // groups if per_group else 1
+        gamma, beta = (np.repeat(value.astype(np.float32), repeats) for value in (scale, bias))
     _check_kernel_supports(channels, groups)
     return GroupNormSite(x, channels, groups, epsilon, gamma, beta, form)
 

@@ -41,16 +41,18 @@ class ExportedModel:
 
 @pytest.fixture(scope="session")
 def export_tiny(tmp_path_factory):
-    """export_tiny(family, exporter="torchscript", shapes="dynamic", attention="sdpa") -> ExportedModel.
+    """export_tiny(family, exporter="torchscript", shapes="dynamic", attention="sdpa", opset=None) -> ExportedModel.
 
-    Exports a tiny model from models/ once per test session (several test files share them).
+    Exports a tiny model from models/ once per test session (several test files share them);
+    ``opset`` None is the exporter's default (models.OPSET_VARIANTS name others).
     Skips when torch/diffusers/transformers are not installed.
     """
     cache: dict[tuple, ExportedModel] = {}
     root = tmp_path_factory.mktemp("exports")
 
-    def get(family: str, exporter: str = "torchscript", shapes: str = "dynamic", attention: str = "sdpa") -> ExportedModel:
-        key = (family, exporter, shapes, attention)
+    def get(family: str, exporter: str = "torchscript", shapes: str = "dynamic", attention: str = "sdpa",
+            opset: int | None = None) -> ExportedModel:
+        key = (family, exporter, shapes, attention) + ((f"opset{opset}",) if opset else ())
         if key not in cache:
             pytest.importorskip("torch", reason="exporting models needs torch (pip install -e '.[models]')")
             pytest.importorskip("diffusers", reason="exporting models needs diffusers")
@@ -61,7 +63,7 @@ def export_tiny(tmp_path_factory):
             built = build(family, size="tiny", attention=attention)
             folder = root / "-".join(key)
             path = folder / f"{family}.onnx"
-            export(built, path, exporter=exporter, shapes=shapes)
+            export(built, path, exporter=exporter, shapes=shapes, opset=opset)
             cache[key] = ExportedModel(path, built, exporter, shapes)
         return cache[key]
 

@@ -18,7 +18,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from onnxopt import registry
+from onnxopt import reference, registry
 from onnxopt.loading import load_model
 from onnxopt.manager import PassManager
 from onnxopt.verify import assert_same_computation
@@ -320,12 +320,35 @@ def test_an_odd_channel_count_per_group_is_refused_because_the_cuda_kernel_rejec
     assert_refused(report, "fuse-group-norm", "3 channels per group: ORT's CUDA GroupNorm kernel needs an even number")
 
 
-def test_an_opset_18_group_normalization_with_per_group_scale_is_refused():
+def test_an_opset_18_group_normalization_fuses_with_its_per_group_scale_repeated_over_each_group():
     b = ProtoBuilder()
     x = b.input("x", X_SHAPE)
-    b.output(b.node("GroupNormalization", x, b.random((4,)), b.random((4,)), num_groups=4))  # per group
+    scale, bias = b.rng.standard_normal((2, 4)).astype(np.float32)  # one value per group: 8 channels, 4 groups
+    b.output(b.node("GroupNormalization", x, b.const(scale), b.const(bias), num_groups=4, epsilon=1e-5))
+    proto = b.model(opset=18)
+
+    model, report = run_passes(proto, ["fuse-group-norm"])
+
+    assert result_of(report, "fuse-group-norm").sites_rewritten == 1
+    (gn,) = nodes_of(model, "GroupNorm")
+    assert_nhwc_group_norm(gn, groups=4, activation=0, channels=8)
+    np.testing.assert_array_equal(gn.inputs[1].values, np.repeat(scale, 2))
+    np.testing.assert_array_equal(gn.inputs[2].values, np.repeat(bias, 2))
+    # GroupNormalization-18 as its spec defines it, in NumPy: the fused graph computes exactly that
+    feed = np.random.default_rng(1).standard_normal(FEED["x"]).astype(np.float32)
+    grouped = feed.reshape(2, 4, -1)
+    normed = (grouped - grouped.mean(-1, keepdims=True)) / np.sqrt(grouped.var(-1, keepdims=True) + 1e-5)
+    expected = normed * scale[:, None] + bias[:, None]
+    (got,) = reference.run(model.to_onnx(), {"x": feed}).values()
+    np.testing.assert_allclose(got.reshape(2, 4, -1), expected, atol=1e-5, rtol=1e-4)
+
+
+def test_a_group_normalization_scale_of_the_wrong_size_for_its_opset_is_refused():
+    b = ProtoBuilder()
+    x = b.input("x", X_SHAPE)
+    b.output(b.node("GroupNormalization", x, b.random((8,)), b.random((8,)), num_groups=4))  # per channel in opset 18
     model, report = run_passes(b.model(opset=18), ["fuse-group-norm"])
-    assert_refused(report, "fuse-group-norm", "per-group scale and bias")
+    assert_refused(report, "fuse-group-norm", "expected (4,): per group (opset < 21)")
     assert nodes_of(model, "GroupNormalization") and not nodes_of(model, "GroupNorm")
 
 
