@@ -321,10 +321,61 @@ def _dims_proven(input_: gs.Tensor, skip: gs.Tensor) -> bool:
 
 
 def _batch_proven(input_: gs.Tensor, skip: gs.Tensor) -> bool:
-    """The kernel's output has the Add's batch: skip has no batch, a batch of 1, or input's batch proven."""
+    """The kernel's output has the Add's batch: skip has no batch, a batch of 1, input's batch is the
+    same symbol or value, or one operand is computed from the other row by row (a residual block,
+    ``h + F(h)``: shape inference loses the batch symbol in TorchScript exports, the data flow keeps it)."""
     if rank_of(input_) != 3 or rank_of(skip) != 3 or static_dim(skip, 0) == 1:
         return True
-    return dims_agree(shape_of(input_)[0], shape_of(skip)[0])
+    return (dims_agree(shape_of(input_)[0], shape_of(skip)[0])
+            or _computed_row_by_row(input_, skip) or _computed_row_by_row(skip, input_))
+
+
+# Ops whose output's leading dim is that of the inputs followed below (the batch-carrying ones):
+# op -> indices of those inputs. Every other input must be a constant of rank <= 2 (weights, biases,
+# scales), so that nothing broadcasts a batch in. MultiHeadAttention's output has the query's batch.
+_ROW_WISE_INPUTS = {
+    "MatMul": (0,), "Gemm": (0,), "Add": (0, 1), "Sub": (0, 1), "Mul": (0, 1), "Div": (0, 1),
+    "Cast": (0,), "Identity": (0,), "Sigmoid": (0,), "Tanh": (0,), "Relu": (0,), "Erf": (0,), "Softmax": (0,),
+    "Gelu": (0,), "FastGelu": (0,), "BiasGelu": (0,), "QuickGelu": (0,), "BiasSplitGelu": (0,), "BiasAdd": (0, 2),
+    "LayerNormalization": (0,), "SkipLayerNormalization": (0, 1), "MultiHeadAttention": (0,),
+}
+_ROW_WISE_DEPTH = 24  # producers followed back from one operand (a transformer block's branch is ~10)
+
+
+def _keeps_leading_dim(reshape: gs.Node) -> bool:
+    """A Reshape whose constant shape copies dim 0 (a 0 there, allowzero off): the packed-QKV views."""
+    shape = reshape.inputs[1] if len(reshape.inputs) > 1 else None
+    if not isinstance(shape, gs.Constant) or reshape.attrs.get("allowzero", 0):
+        return False
+    values = constant_value(shape)
+    return values is not None and values.ndim == 1 and values.size >= 1 and int(values[0]) == 0
+
+
+def _computed_row_by_row(tensor: gs.Tensor, source: gs.Tensor, depth: int = _ROW_WISE_DEPTH) -> bool:
+    """``tensor`` is computed from ``source`` alone (constants aside) through ops that keep the leading
+    dim: then the two have the same batch, whatever shape inference named them. Two outputs of one
+    SkipLayerNormalization (the normalized sum and the sum itself) count as one source."""
+    if tensor is source:
+        return True
+    if depth == 0 or len(tensor.inputs) != 1:
+        return False
+    node = tensor.inputs[0]
+    if source.inputs and source.inputs[0] is node:
+        return node.op == "SkipLayerNormalization"
+    followed = _ROW_WISE_INPUTS.get(node.op)
+    if node.op == "Reshape" and _keeps_leading_dim(node):
+        followed = (0,)
+    if followed is None:
+        return False
+    rows = [t for i, t in enumerate(node.inputs) if i in followed and t is not None and not isinstance(t, gs.Constant)]
+    rest = [t for i, t in enumerate(node.inputs) if t is not None and (i not in followed or isinstance(t, gs.Constant))]
+    if node.op == "MultiHeadAttention":
+        rest = []  # key, value, biases: the output has the query's batch (or the kernel fails)
+    if node.op == "Reshape":
+        rest = []  # its shape, checked by _keeps_leading_dim
+    if not rows or any(not isinstance(t, gs.Constant) or len(t.shape) > 2 for t in rest):
+        return False
+    return all(_computed_row_by_row(t, source, depth - 1) for t in rows)
 
 
 def _broadcast_batch(graph: gs.Graph, input_: gs.Tensor, skip: gs.Tensor) -> gs.Variable:
