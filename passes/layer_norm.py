@@ -337,7 +337,7 @@ _ROW_WISE_INPUTS = {
     "MatMul": (0,), "Gemm": (0,), "Add": (0, 1), "Sub": (0, 1), "Mul": (0, 1), "Div": (0, 1),
     "Cast": (0,), "Identity": (0,), "Sigmoid": (0,), "Tanh": (0,), "Relu": (0,), "Erf": (0,), "Softmax": (0,),
     "Gelu": (0,), "FastGelu": (0,), "BiasGelu": (0,), "QuickGelu": (0,), "BiasSplitGelu": (0,), "BiasAdd": (0, 2),
-    "LayerNormalization": (0,), "SkipLayerNormalization": (0, 1), "MultiHeadAttention": (0,),
+    "LayerNormalization": (0,), "SkipLayerNormalization": (0, 1), "MultiHeadAttention": (0,), "Split": (0,),
 }
 _ROW_WISE_DEPTH = 24  # producers followed back from one operand (a transformer block's branch is ~10)
 
@@ -349,6 +349,11 @@ def _keeps_leading_dim(reshape: gs.Node) -> bool:
         return False
     values = constant_value(shape)
     return values is not None and values.ndim == 1 and values.size >= 1 and int(values[0]) == 0
+
+
+def _splits_inside_rows(split: gs.Node) -> bool:
+    axis, rank = split.attrs.get("axis", 0), rank_of(split.inputs[0])
+    return axis > 0 or (rank is not None and -rank < axis < 0)
 
 
 def _computed_row_by_row(tensor: gs.Tensor, source: gs.Tensor, depth: int = _ROW_WISE_DEPTH) -> bool:
@@ -365,6 +370,8 @@ def _computed_row_by_row(tensor: gs.Tensor, source: gs.Tensor, depth: int = _ROW
     followed = _ROW_WISE_INPUTS.get(node.op)
     if node.op == "Reshape" and _keeps_leading_dim(node):
         followed = (0,)
+    if node.op == "Split" and not _splits_inside_rows(node):
+        return False  # a split along the batch, or along an axis not known (GEGLU's chunk splits channels)
     if followed is None:
         return False
     rows = [t for i, t in enumerate(node.inputs) if i in followed and t is not None and not isinstance(t, gs.Constant)]

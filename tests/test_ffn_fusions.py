@@ -532,6 +532,17 @@ def test_a_residual_branch_that_reads_another_batch_keeps_the_broadcast(batches)
     np.testing.assert_allclose(actual, expected, atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("family", ["unet-sdxl", "controlnet"])
+def test_residual_sites_of_torchscript_exports_are_proven_without_broadcast(export_tiny, family):
+    """ort-cuda on the TorchScript dynamic exports: every skip-LayerNorm site is a residual block whose
+    batch the data flow proves (GEGLU's Split included, where the kernel refuses BiasSplitGelu)."""
+    exported = export_tiny(family, "torchscript", "dynamic", "sdpa")
+    model, report = optimize(exported.path, ["ort-cuda"], verify=True, inputs=exported.input_spec())
+    (skip_ln,) = [p for p in report.passes if p.name == "fuse-skip-layer-norm"]
+    assert skip_ln.result.sites_rewritten > 0 and skip_ln.result.details["batch_broadcast_kept"] == 0
+    assert report.first_broken_pass is None
+
+
 def test_residual_sites_of_the_torchscript_unet_are_proven_without_broadcast():
     """On the committed TorchScript dynamic UNets (SDPA and classic attention) every skip-LayerNorm
     site is a residual block: none keeps the Expand (it cost 0.85 ms a call on SDXL, H100), and the
