@@ -225,10 +225,7 @@ def cmd_optimize(args) -> int:
         options={"fp16": _fp16_options(args)},
     )
     if args.report_json:
-        try:
-            args.report_json.write_text(report.to_json())
-        except OSError as exc:
-            raise OnnxoptError(f"{args.report_json}: cannot write report: {exc.strerror or exc}")
+        write_report(args.report_json, report.to_json())
     if not args.quiet:
         print(report.table())
     if report.first_broken_pass:
@@ -241,6 +238,13 @@ def cmd_optimize(args) -> int:
         for name, part in info.companions.items():  # context-kv: the graph run once per prompt, beside it
             print(f"wrote {part.path}" + (f" (+ {part.data_path.name})" if part.data_path else "") + f": companion '{name}'")
     return EXIT_OK
+
+
+def write_report(path: Path, text: str) -> None:
+    try:
+        path.write_text(text)
+    except OSError as exc:
+        raise OnnxoptError(f"{path}: cannot write report: {exc.strerror or exc}")
 
 
 def _check_fp16_flags(args, passes: list) -> None:

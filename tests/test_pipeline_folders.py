@@ -383,3 +383,16 @@ def test_optimized_folder_runs_on_the_cuda_ep(tmp_path, fp16):
         report = diff(COMMITTED_SD15 / component / "model.onnx", dst / component / "model.onnx", runtime="cuda",
                       tolerance=tolerance, inputs=InputSpec(dims=DIMS))
         assert report.ok, f"{component}:\n{report.table()}"
+
+
+@pytest.mark.parametrize("where", ["model_index.json", "unet/report.json"])
+def test_report_json_inside_the_input_folder_is_refused(tmp_path, capsys, where):
+    """--report-json onto a file of the input folder (or a new file in it) would modify the input:
+    refused before any work, exit 2, every input file unchanged."""
+    src = tmp_path / "src"
+    shutil.copytree(COMMITTED_SD15, src)
+    before = file_hashes(src)
+    code = onnxopt_main(["optimize", "-i", str(src), "-o", str(tmp_path / "out"), "--target", "tensorrt",
+                         "--report-json", str(src / where)])
+    assert code == 2 and "inside the input folder" in capsys.readouterr().err
+    assert file_hashes(src) == before and not (tmp_path / "out").exists()

@@ -399,18 +399,19 @@ def cli_optimize_folder(args) -> int:
         raise OnnxoptError("--calibration is for one model; a folder's VAE is calibrated at the folder's size")
     if args.shape or args.dim or args.external_data is not None or args.strict:
         raise OnnxoptError("--shape/--dim/--external-data/--strict are for one model file, not a pipeline folder")
-    from onnxopt.cli import _fp16_options
+    from onnxopt.cli import _fp16_options, write_report
 
     fp16_options = _fp16_options(args)
     if fp16_options and not args.fp16:
         raise OnnxoptError("fp16 options need --fp16")
+    if args.report_json:
+        report_path, source = Path(args.report_json).resolve(), Path(args.input).resolve()
+        if report_path == source or source in report_path.parents:
+            raise OnnxoptError(f"{args.report_json}: is inside the input folder; onnxopt never modifies its input")
     report = optimize_folder(args.input, args.output, target=args.target or "ort-cuda", fp16=args.fp16,
                              verify=args.verify, tolerance=Tolerance(args.atol, args.rtol), fp16_options=fp16_options)
     if args.report_json:
-        try:
-            args.report_json.write_text(report.to_json())
-        except OSError as exc:
-            raise OnnxoptError(f"{args.report_json}: cannot write report: {exc.strerror or exc}")
+        write_report(args.report_json, report.to_json())
     if not args.quiet:
         print(report.table())
         print(f"wrote {args.output}: {report.weights_bytes / 1e6:.1f} MB of weights, {report.seconds:.1f} s in all")
