@@ -168,9 +168,9 @@ def cmd_generate(args) -> int:
     folder = PipelineFolder.open(args.folder)
     check_request(folder, steps=args.steps, scheduler=args.scheduler, height=args.height, width=args.width,
                   controlnet_image=args.controlnet_image)
-    images.check_writable(args.output)
-    if args.json:
-        images.check_writable(args.json)
+    for written in filter(None, (args.output, args.json)):
+        _refuse_input(written, folder.root, args.controlnet_image)
+        images.check_writable(written)
     pipe = Pipeline.load(folder, args.provider, fused_step=args.fused_step, cuda_graph=args.cuda_graph)
     result = pipe(args.prompt, negative_prompt=args.negative_prompt, steps=args.steps, guidance=args.guidance,
                   scheduler=args.scheduler, seed=args.seed, height=args.height, width=args.width,
@@ -188,6 +188,14 @@ def cmd_generate(args) -> int:
               f"first {t['first_step_s'] * 1e3:.1f} ms | VAE decode {t['vae_decode_s'] * 1e3:.1f} ms | "
               f"total {t['total_s']:.2f} s | sessions {t['session_creation_s']:.2f} s | cold start {t['cold_start_s']:.2f} s")
     return EXIT_OK
+
+
+def _refuse_input(path, folder, *files) -> None:
+    """A file generate writes may not be in the pipeline folder it reads, nor one of its input files."""
+    real, folder = Path(path).resolve(), Path(folder).resolve()
+    if folder in real.parents or any(f and real == Path(f).resolve() for f in files):
+        raise OnnxoptError(f"{path}: is an input of this run (inside {folder} or an input image); "
+                           "onnxopt never modifies its input")
 
 
 def _profile_arg(text: str):

@@ -356,3 +356,38 @@ def test_cuda_ep_gives_the_cpu_image(built, kind, cuda_graph, scheduler, tmp_pat
         np.testing.assert_allclose(result.pixels, cpu.pixels, rtol=0, atol=2 * tolerance)
     if not cuda_graph:  # the raw export's kernels are deterministic; the fused ones are not (above)
         np.testing.assert_array_equal(first.latents, again.latents)
+
+
+@pytest.mark.parametrize("target", ["unet/model.onnx", "new.png", "json:model_index.json"])
+def test_cli_never_writes_into_the_pipeline_folder(tmp_path, capsys, target):
+    """-o or --json onto a file of the folder (or a new file in it) would modify the input: exit 2
+    before any work, one line, every file of the folder unchanged. (-o unet/model.onnx used to
+    replace the UNet with a PNG.)"""
+    import hashlib
+    import shutil
+
+    from onnxopt.cli import main
+
+    folder = tmp_path / "sd15"
+    shutil.copytree(COMMITTED_SD15, folder)
+    before = {p: hashlib.sha256(p.read_bytes()).hexdigest() for p in folder.rglob("*") if p.is_file()}
+    args = ["generate", str(folder), "--prompt", "a", "--steps", "1"]
+    if target.startswith("json:"):
+        args += ["-o", str(tmp_path / "x.png"), "--json", str(folder / target[5:])]
+    else:
+        args += ["-o", str(folder / target)]
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "never modifies its input" in err
+    assert {p: hashlib.sha256(p.read_bytes()).hexdigest() for p in folder.rglob("*") if p.is_file()} == before
+
+
+def test_cli_never_writes_over_the_control_image(built, tmp_path, capsys):
+    from onnxopt.cli import main
+
+    b = built("sd15-controlnet")
+    edges = tmp_path / "edges.png"
+    control_image().save(edges)
+    before = edges.read_bytes()
+    assert main(["generate", str(b.folder), "--prompt", "a", "--controlnet-image", str(edges), "-o", str(edges)]) == 2
+    assert "never modifies its input" in capsys.readouterr().err and edges.read_bytes() == before
