@@ -211,7 +211,7 @@ def cmd_optimize(args) -> int:
     from onnxopt.api import optimize
     from onnxopt.loading import load_model
     from onnxopt.saving import check_destination, check_writes, planned_writes, save_model
-    from onnxopt.verify import InputSpec, Tolerance
+    from onnxopt.verify import InputSpec, Tolerance, check_dim_names
 
     if Path(args.input).is_dir():  # a pipeline folder: each component with its preset
         from onnxopt.pipeline.optimize_folder import cli_optimize_folder
@@ -225,6 +225,7 @@ def cmd_optimize(args) -> int:
     _check_fp16_flags(args, expanded)
     check_destination(args.output, args.input)
     source = load_model(args.input)  # lazy: weights stay on disk; optimize() works on a copy
+    check_dim_names(source, dict(args.dim))
     check_writes(planned_writes(source, args.output, external_data=args.external_data) + [p for p in [args.report_json] if p], source)
     inputs = InputSpec(shapes=dict(args.shape), dims=dict(args.dim))
     start = time.perf_counter()

@@ -85,6 +85,16 @@ def input_metadata(model: Model, spec: InputSpec | None = None) -> TensorMetadat
     return meta
 
 
+def check_dim_names(model: Model, names) -> None:
+    """Refuse (exit 2) a ``--dim NAME=N`` whose NAME no graph input has: it would be ignored, and the
+    inputs made at the default dims instead of the ones the user meant."""
+    known = {str(d) for t in model.graph.inputs for d in (t.shape or ()) if not _is_static(d)}
+    for name in names:
+        if name not in known:
+            listed = ", ".join(sorted(known)) or "none: every input shape is static"
+            raise OnnxoptError(f"--dim {name}=...: no input of the model has a dim named '{name}' (its symbolic dims: {listed})")
+
+
 def _is_static(dim) -> bool:
     return isinstance(dim, (int, np.integer)) and dim >= 0
 

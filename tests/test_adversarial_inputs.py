@@ -363,3 +363,16 @@ def test_low_precision_arithmetic_inside_a_float32_graph_verifies(tmp_path, caps
     code, out, err = run_cli(capsys, ["optimize", "-q", "-i", str(tmp_path / "in.onnx"), "-o", str(tmp_path / "out.onnx"),
                                       "--passes", passes, "--verify"])
     assert code == 0, err
+
+
+def test_a_dim_no_input_has_is_refused_not_ignored(tmp_path, capsys):
+    """--dim batchh=4 (a typo of batch) used to be ignored: verify ran at the default batch."""
+    from tests.conftest import FIXTURES
+
+    fixture = FIXTURES / "unet-sd15.tiny.torchscript.dynamic.sdpa.onnx"
+    out = tmp_path / "o.onnx"
+    code = main(["optimize", "-i", str(fixture), "-o", str(out), "--verify", "--dim", "batchh=4"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and "no input of the model has a dim named 'batchh'" in err
+    assert not out.exists()
+    assert main(["optimize", "-i", str(fixture), "-o", str(out), "-q", "--dim", "batch=1"]) == 0  # a real dim: fine
