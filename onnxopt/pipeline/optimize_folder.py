@@ -29,14 +29,13 @@ at the end; any error removes it. OUT must not exist, or be an empty folder; it 
 FOLDER nor FOLDER inside it. The input folder is only read (files outside it are never read: a
 symbolic link leaving it is refused).
 
-Hook for the step graph: after the UNet is written, :func:`onnxopt.pipeline.step_graph.write_step_graph`
-(pipe-step's module) is called on the output's ``unet/`` folder when that module exists.
+The step graph: after the UNet is written, :func:`onnxopt.pipeline.step_graph.write_step_graph` writes
+``unet/step.onnx`` beside it (guidance and the scheduler update appended; the UNet's weights referred
+to, not copied).
 """
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import json
 import os
 import shutil
@@ -48,6 +47,7 @@ from pathlib import Path
 import numpy as np
 
 from onnxopt.errors import ModelSaveError, OnnxoptError, VerificationError
+from onnxopt.pipeline.step_graph import write_step_graph
 from onnxopt.report import OptimizationReport
 
 TARGETS = ("ort-cuda", "tensorrt")
@@ -331,19 +331,6 @@ def _copy_unchanged(src: Path, tmp: Path, skip: set[Path]) -> int:
     return n
 
 
-def write_step_graph_hook(unet_dir: Path) -> bool:
-    """LEAD: the step graph. Calls ``onnxopt.pipeline.step_graph.write_step_graph(unet_dir)`` when pipe-step's
-    module is present (merged); returns whether it ran. Absence is not an error."""
-    if importlib.util.find_spec("onnxopt.pipeline.step_graph") is None:
-        return False
-    module = importlib.import_module("onnxopt.pipeline.step_graph")
-    writer = getattr(module, "write_step_graph", None)
-    if writer is None:
-        return False
-    writer(unet_dir)
-    return True
-
-
 def optimize_folder(src, dst, target: str = "ort-cuda", fp16: bool = False, verify: bool = False, *,
                     tolerance=None, fp16_options: dict | None = None,
                     vae_max_rel_l2: float = VAE_FP16_MAX_REL_L2, step_graph: bool = True) -> FolderReport:
@@ -375,7 +362,8 @@ def optimize_folder(src, dst, target: str = "ort-cuda", fp16: bool = False, veri
                 continue
             report.components.append(_optimize_component(
                 c, tmp / c.name, src, target, fp16, verify, tolerance, fp16_options or {}, vae_max_rel_l2))
-            if c.name == "unet" and step_graph and write_step_graph_hook(tmp / "unet"):
+            if c.name == "unet" and step_graph:
+                write_step_graph(tmp / "unet")
                 report.components[-1].notes.append("step graph written (onnxopt.pipeline.step_graph)")
         if dst.exists():
             dst.rmdir()                 # empty (checked); rename cannot replace a folder on every OS
