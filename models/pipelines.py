@@ -356,28 +356,10 @@ def _make_wrappers():
                                         conditioning_scale=conditioning_scale, return_dict=False)
             return (*down, mid)
 
-    class VAEDecoder(torch.nn.Module):
-        """(latent_sample,) -> (sample,)"""
+    from .vae import VAEDecoderWrapper, VAEEncoderWrapper  # the VAE families' own wrappers
 
-        def __init__(self, vae):
-            super().__init__()
-            self.vae = vae
-
-        def forward(self, latent_sample):
-            return (self.vae.decode(latent_sample, return_dict=False)[0],)
-
-    class VAEEncoder(torch.nn.Module):
-        """(sample,) -> (latent_sample,): the latent distribution's mean (deterministic)"""
-
-        def __init__(self, vae):
-            super().__init__()
-            self.vae = vae
-
-        def forward(self, sample):
-            return (self.vae.encode(sample).latent_dist.mean,)
-
-    return dict(TextEncoder=TextEncoder, UNet=UNet, ControlNet=ControlNet, VAEDecoder=VAEDecoder,
-                VAEEncoder=VAEEncoder)
+    return dict(TextEncoder=TextEncoder, UNet=UNet, ControlNet=ControlNet, VAEDecoder=VAEDecoderWrapper,
+                VAEEncoder=VAEEncoderWrapper)
 
 
 def _residual_layout(unet_config: dict) -> list[tuple[int, int]]:
