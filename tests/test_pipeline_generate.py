@@ -176,17 +176,33 @@ def test_fused_step_graph_equals_the_unfused_loop(built, kind):
 
 @pytest.mark.parametrize("kind", ["sd15-controlnet", "sdxl"])
 def test_bound_buffer_loop_equals_the_host_loop(built, kind):
-    """The CUDA EP's loop (IO binding, latents/state ping-pong between two bound buffer pairs, timestep
-    and coefficients updated in place, ControlNet input from the scaling graph into fixed residual
-    buffers) run on CPU buffers: the same latents as the numpy loop, for the multistep solver (state)."""
+    """The CUDA EP's loop (IO binding, latents/state/step counter ping-pong between two bound buffer
+    pairs, the schedule read from bound tables, ControlNet input from the scaling graph into fixed
+    residual buffers) run on CPU buffers: the same latents as the numpy loop, for the multistep
+    solver (state). Later images reuse the same buffers (a captured CUDA graph replays the addresses
+    it was captured with): another scheduler, another step count, another prompt and seed each give
+    the numpy loop's latents; another size gets its own buffers."""
     b = built(kind)
     bound = Pipeline.load(b.folder, "cpu", io_binding=True, threads=THREADS)
     result = bound(scheduler="dpm++2m", progress=False, **b.request())
     host = b.onnx()(scheduler="dpm++2m", progress=False, **b.request())
     np.testing.assert_allclose(result.latents, host.latents, rtol=0, atol=1e-6 * np.abs(host.latents).max())
-    again = bound(scheduler="euler", progress=False, **b.request())  # new buffers per call, other scheduler
-    euler = b.onnx()(scheduler="euler", progress=False, **b.request())
-    np.testing.assert_allclose(again.latents, euler.latents, rtol=0, atol=1e-6 * np.abs(euler.latents).max())
+    loops = dict(bound._device_loops)
+    assert len(loops) == 1
+    buffers = [id(v) for v in next(iter(loops.values()))._keep]
+    for change in ({"scheduler": "euler"}, {"steps": 3}, {"prompt": "another prompt", "seed": 7}):
+        request = {**b.request(), "scheduler": "dpm++2m", **change}
+        again = bound(progress=False, **request)
+        expected = b.onnx()(progress=False, **request)
+        assert not again.timings["step"].startswith("unfused")
+        np.testing.assert_allclose(again.latents, expected.latents, rtol=0, atol=1e-6 * np.abs(expected.latents).max())
+        assert not np.allclose(again.latents, result.latents)  # the request really changed the image
+    assert bound._device_loops == loops and [id(v) for v in next(iter(loops.values()))._keep] == buffers
+    if kind == "sdxl":  # another size: its own buffers (and, on a GPU, its own captured graphs)
+        request = dict(b.request(), height=b.request()["height"] + 64, scheduler="dpm++2m")
+        again, expected = bound(progress=False, **request), b.onnx()(progress=False, **request)
+        np.testing.assert_allclose(again.latents, expected.latents, rtol=0, atol=1e-6 * np.abs(expected.latents).max())
+        assert len(bound._device_loops) == 2
 
 
 def test_generate_writes_the_pipeline_image(tmp_path):

@@ -42,6 +42,27 @@ def runner(model_or_path):
     return lambda feeds: dict(zip(names, session.run(names, feeds)))
 
 
+def scheduled(feeds: dict, row: int = 1, rows: int = 3) -> dict:
+    """One step's feeds (``timestep``, ``step_coefficients``) as the step graph takes them: row
+    ``row`` of ``rows``-row schedule tables whose other rows are garbage, and ``step_index`` = row."""
+    rng = np.random.default_rng(row)
+    timesteps = rng.integers(1, 999, rows).astype(feeds["timestep"].dtype)
+    coefficients = rng.uniform(-9, 9, (rows, 6)).astype(np.float32)
+    timesteps[row], coefficients[row] = feeds["timestep"][0], feeds["step_coefficients"]
+    rest = {n: v for n, v in feeds.items() if n not in ("timestep", "step_coefficients")}
+    return dict(rest, step_index=np.array([row], np.int64), schedule_timesteps=timesteps,
+                schedule_coefficients=coefficients)
+
+
+def step_runner(run, row: int = 1):
+    """``run`` (a step graph's runner) fed one step's feeds; checks that the counter advanced."""
+    def run_one(feeds):
+        out = run(scheduled(feeds, row))
+        assert out["step_index_out"].tolist() == [row + 1]
+        return out
+    return run_one
+
+
 def step_feeds(unet: onnxopt.Model, b: int, seed: int) -> dict:
     """Random step-graph inputs for ``b`` images; conditioning inputs at batch 2b in the UNet's dtypes."""
     rng = np.random.default_rng(seed)
@@ -83,7 +104,7 @@ def reference_step(run_unet, unet: onnxopt.Model, feeds: dict, *, with_model_out
 
 
 def assert_step_matches(unet: onnxopt.Model, step: onnxopt.Model, *, atol: float, seeds=(0, 1), batches=(1, 2)):
-    run_unet, run_step = runner(unet), runner(step)
+    run_unet, run_step = runner(unet), step_runner(runner(step))
     for b, seed in zip(batches, seeds):
         feeds = step_feeds(unet, b, seed)
         expected_latents, expected_state = reference_step(run_unet, unet, feeds)
@@ -108,10 +129,12 @@ def test_step_graph_equals_unet_plus_numpy_update(export_tiny, family, exporter)
     inputs, outputs = io(step)
     names = [n for n, _, _ in inputs]
     conditioning = ["encoder_hidden_states"] + (["text_embeds", "time_ids"] if family == "unet-sdxl" else [])
-    assert names == ["latents", "timestep", *conditioning, "guidance_scale", "step_coefficients", "state"]
-    assert outputs == ["latents_out", "state_out"]
+    assert names == ["latents", "state", "step_index", "schedule_timesteps", "schedule_coefficients",
+                     "guidance_scale", *conditioning]
+    assert outputs == ["latents_out", "state_out", "step_index_out"]
     shapes = {n: s for n, _, s in inputs}
-    assert shapes["timestep"] == [1] and shapes["step_coefficients"] == [6] and shapes["guidance_scale"] == [1]
+    assert shapes["step_index"] == [1] and shapes["schedule_coefficients"] == ["schedule", 6]
+    assert shapes["schedule_timesteps"] == ["schedule"] and shapes["guidance_scale"] == [1]
     # The UNet is unchanged, its weights are the same objects, and everything new is named step/...
     assert unet.to_onnx().SerializeToString() == before
     weights = {c.name: c for c in unet.constants()}
@@ -130,7 +153,7 @@ def test_step_graph_of_a_static_unet(fixtures_dir):
     step = build_step_graph(unet)
     shapes = {n: s for n, _, s in io(step)[0]}
     assert shapes["latents"] == shapes["state"] == [1, 4, H, W]
-    assert [t.shape for t in step.graph.outputs] == [[1, 4, H, W]] * 2
+    assert [t.shape for t in step.graph.outputs] == [[1, 4, H, W]] * 2 + [[1]]
     assert_step_matches(unet, step, atol=1e-5, batches=(1,))
 
 
@@ -139,7 +162,7 @@ def test_a_wrong_update_is_caught(export_tiny):
     unet = load_model(export_tiny("unet-sd15").path)
     step = build_step_graph(unet)
     node = next(n for n in step.graph.nodes if n.name == f"{PREFIX}c_x_latents")
-    split = next(n for n in step.graph.nodes if n.name == f"{PREFIX}coefficients")
+    split = next(n for n in step.graph.nodes if n.name == f"{PREFIX}coefficient")
     node.inputs[0] = split.outputs[2]
     with pytest.raises(AssertionError):
         assert_step_matches(unet, step, atol=1e-5, seeds=(0, 0))
@@ -169,9 +192,10 @@ def test_step_graph_of_an_fp16_unet(export_tiny, keep_io_types):
     step = build_step_graph(unet)
     dtypes = {n: d for n, d, _ in io(step)[0]}
     io_dtype = np.float32 if keep_io_types else np.float16
-    assert dtypes == {"latents": np.float32, "timestep": io_dtype, "encoder_hidden_states": io_dtype,
-                      "guidance_scale": np.float32, "step_coefficients": np.float32, "state": np.float32}
-    run_unet, run_step = runner(unet), runner(step)
+    assert dtypes == {"latents": np.float32, "state": np.float32, "step_index": np.int64,
+                      "schedule_timesteps": io_dtype, "schedule_coefficients": np.float32,
+                      "guidance_scale": np.float32, "encoder_hidden_states": io_dtype}
+    run_unet, run_step = runner(unet), step_runner(runner(step))
     fp32 = load_model(path)
     run_fp32 = runner(fp32)
     for b in (1, 2):
@@ -213,8 +237,8 @@ def test_write_step_graph_references_the_unet_external_data(export_tiny, tmp_pat
     assert inline <= sum(len(t.raw_data) for t in unet_proto.graph.initializer) + 256  # + the step's own constants
 
     unet = load_model(unet_dir / "model.onnx")
-    in_memory = runner(build_step_graph(unet))
-    on_disk = runner(path)  # ORT resolves the data file beside step.onnx
+    in_memory = step_runner(runner(build_step_graph(unet)))
+    on_disk = step_runner(runner(path))  # ORT resolves the data file beside step.onnx
     for b in (1, 2):
         feeds = step_feeds(unet, b, b)
         expected, got = in_memory(feeds), on_disk(feeds)
@@ -231,8 +255,8 @@ def test_write_step_graph_of_an_inline_unet_is_inline(export_tiny, tmp_path):
     assert not any(t.external_data for t in onnx.load(str(path), load_external_data=False).graph.initializer)
     unet = load_model(unet_dir / "model.onnx")
     feeds = step_feeds(unet, 1, 0)
-    expected = runner(build_step_graph(unet))(feeds)
-    np.testing.assert_array_equal(runner(path)(feeds)["latents_out"], expected["latents_out"])
+    expected = step_runner(runner(build_step_graph(unet)))(feeds)
+    np.testing.assert_array_equal(step_runner(runner(path))(feeds)["latents_out"], expected["latents_out"])
 
 
 def test_reference_external_copies_what_lies_outside_the_folder(export_tiny, tmp_path):
@@ -303,9 +327,10 @@ def test_controlnet_residuals_pass_through(timestep_shape, timestep_op):
     unet = load_model(controlnet_unet(timestep_shape))
     step = build_step_graph(unet)
     inputs = {n: (d, s) for n, d, s in io(step)[0]}
-    assert list(inputs) == ["latents", "timestep", "encoder_hidden_states", "down_block_res_0", "down_block_res_1",
-                            "mid_block_res", "guidance_scale", "step_coefficients", "state"]
-    assert inputs["timestep"] == (np.int64, [1])  # always [1]; made what the UNet takes inside
+    assert list(inputs) == ["latents", "state", "step_index", "schedule_timesteps", "schedule_coefficients",
+                            "guidance_scale", "encoder_hidden_states", "down_block_res_0", "down_block_res_1",
+                            "mid_block_res"]
+    assert inputs["schedule_timesteps"] == (np.int64, ["schedule"])  # the UNet's dtype; made its form inside
     assert next(n for n in step.graph.nodes if n.outputs[0].name == f"{PREFIX}unet_timestep").op == timestep_op
     rng = np.random.default_rng(5)
     for b in (1, 2):
@@ -314,11 +339,11 @@ def test_controlnet_residuals_pass_through(timestep_shape, timestep_op):
         feeds["down_block_res_1"] = rng.standard_normal((2 * b, 8, H // 2, W // 2)).astype(np.float32)
         feeds["mid_block_res"] = rng.standard_normal((2 * b, 8, H // 2, W // 2)).astype(np.float32)
         expected, state = reference_step(runner(unet), unet, feeds)
-        got = runner(step)(feeds)
+        got = step_runner(runner(step), row=b)(feeds)
         np.testing.assert_allclose(got["latents_out"], expected, atol=1e-5, rtol=0)
         np.testing.assert_allclose(got["state_out"], state, atol=1e-5, rtol=0)
         feeds["mid_block_res"] = feeds["mid_block_res"] + 1  # the residual really reaches the output
-        assert not np.allclose(runner(step)(feeds)["latents_out"], got["latents_out"])
+        assert not np.allclose(step_runner(runner(step), row=b)(feeds)["latents_out"], got["latents_out"])
 
 
 def test_a_graph_that_is_not_a_unet_is_refused():
@@ -351,7 +376,7 @@ def test_step_graph_of_the_ort_cuda_fp16_unet_on_the_cuda_ep(export_tiny):
         names = [o.name for o in session.get_outputs()]
         return lambda feeds: dict(zip(names, session.run(names, feeds)))
 
-    run_unet, run_step = cuda(unet), cuda(step)
+    run_unet, run_step = cuda(unet), step_runner(cuda(step))
     for b in (1, 2):
         feeds = step_feeds(unet, b, b)
         expected, _, eps2 = reference_step(run_unet, unet, feeds, with_model_output=True)
@@ -365,7 +390,8 @@ def test_denoising_loop_of_step_graphs_equals_the_diffusers_loop(export_tiny, sc
     """The two halves together: a step graph fed plan_steps' coefficients (state_out fed back as
     state) denoises as diffusers' loop does: scale_model_input, the UNet at batch 2, guidance and
     scheduler.step, on the same initial latents (5 steps, SD 1.5 scheduler config), within 1e-5 of
-    the latents' scale."""
+    the latents' scale. The schedule is the padded table the device loop binds, read by the
+    step graph's own counter."""
     torch = pytest.importorskip("torch")
     pytest.importorskip("diffusers")
     from onnxopt.pipeline.schedulers import make_scheduler, plan_steps
@@ -389,10 +415,16 @@ def test_denoising_loop_of_step_graphs_equals_the_diffusers_loop(export_tiny, sc
         eps_u, eps_c = np.split(eps2, 2)
         x = reference.step(torch.from_numpy(eps_u + guidance * (eps_c - eps_u)), t, x).prev_sample
 
+    # The schedule written once, the counter and the latents fed back from the step's own outputs.
+    from onnxopt.pipeline.sessions import schedule_tables
+
+    timesteps, coefficients = schedule_tables(plan, np.float32, capacity=1000)
     latents, state = (noise * np.float32(plan.init_noise_sigma)).astype(np.float32), np.zeros_like(noise)
-    for t, coefficients in zip(plan.timesteps, plan.coefficients):
-        out = run_step(dict(latents=latents, timestep=np.array([t], np.float32), encoder_hidden_states=context,
-                            guidance_scale=np.array([guidance], np.float32), step_coefficients=coefficients,
-                            state=state))
-        latents, state = out["latents_out"], out["state_out"]
+    index = np.zeros([1], np.int64)
+    for _ in plan.timesteps:
+        out = run_step(dict(latents=latents, state=state, step_index=index, schedule_timesteps=timesteps,
+                            schedule_coefficients=coefficients, encoder_hidden_states=context,
+                            guidance_scale=np.array([guidance], np.float32)))
+        latents, state, index = out["latents_out"], out["state_out"], out["step_index_out"]
+    assert index.tolist() == [steps]
     np.testing.assert_allclose(latents, x.numpy(), atol=1e-5 * np.abs(x.numpy()).max(), rtol=0)

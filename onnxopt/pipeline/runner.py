@@ -102,6 +102,7 @@ class Pipeline:
         self.creation_s = creation_s  # Pipeline.load: opening the folder and creating every session
         self.calls = 0
         self._plans: dict = {}  # (scheduler, steps) -> StepPlan
+        self._device_loops: dict = {}  # DeviceStepLoop.key -> a loop whose buffers (and captured graphs) stay put
         self.tokenizers = {name: folder.tokenizer(name) for name in _tokenizers_of(folder.kind)}
 
     @property
@@ -144,8 +145,11 @@ class Pipeline:
             sessions["unet"] = make("unet")
         io_binding = provider != "cpu" if io_binding is None else io_binding
         if io_binding and "controlnet" in sessions:
+            cn = sessions["controlnet"]
+            timestep = next(i for i in cn.get_inputs() if i.name == "timestep")
             sessions["controlnet_prepare"] = create_session(
-                controlnet_prepare_model(input_types(sessions["controlnet"])["sample"]), provider, name="controlnet input",
+                controlnet_prepare_model(input_types(cn)["sample"], input_types(cn)["timestep"],
+                                         tuple(timestep.shape or ())), provider, name="controlnet input",
                 device_id=device_id)
         return cls(folder, provider, sessions, step_source=step_source, cuda_graph=graph and "step" in sessions,
                    io_binding=io_binding, device_id=device_id, threads=threads, creation_s=time.perf_counter() - start)
@@ -224,7 +228,6 @@ class Pipeline:
             controlnet = {k: v for k, v in controlnet.items() if k in input_types(self.sessions["controlnet"])}
 
         bar = _progress(steps, progress)
-        step_times = []
         plan = None
         if self.fused_step:
             try:
@@ -233,20 +236,27 @@ class Pipeline:
                 timings["step"] = f"unfused: {exc}"
         if plan is not None:
             latents = (noise * plan.init_noise_sigma).numpy()
-            loop = self._step_loop()
-            loop.start(latents, cond, controlnet)
-            for t, coefficients in zip(plan.timesteps, plan.coefficients):
-                t1 = time.perf_counter()
-                loop.step(t, coefficients, guidance)
-                step_times.append(time.perf_counter() - t1)
+            loop = self._step_loop(latents, cond, controlnet, len(plan))
+            loop.start(plan, latents, cond, guidance, controlnet)
+            t1 = time.perf_counter()
+            loop.step(sync=True)  # the first step alone: it includes the graph capture
+            timings["first_step_s"] = time.perf_counter() - t1
+            bar.update()
+            t1 = time.perf_counter()
+            for k in range(1, len(plan)):
+                loop.step(sync=k == len(plan) - 1)  # queued; the last one waits for the GPU
                 bar.update()
+            rest = time.perf_counter() - t1
+            timings["step_mean_s"] = rest / (len(plan) - 1) if len(plan) > 1 else timings["first_step_s"]
             latents = loop.latents().astype(np.float32)
+            timings["steps"] = len(plan)
         else:
+            step_times: list = []
             latents = self._unfused_loop(sched, steps, noise, cond, controlnet, guidance, step_times, bar, folder.kind)
+            timings["first_step_s"] = step_times[0]
+            timings["step_mean_s"] = float(np.mean(step_times[1:] if len(step_times) > 1 else step_times))
+            timings["steps"] = len(step_times)
         bar.close()
-        timings["first_step_s"] = step_times[0]
-        timings["step_mean_s"] = float(np.mean(step_times[1:] if len(step_times) > 1 else step_times))
-        timings["steps"] = len(step_times)
 
         t0 = time.perf_counter()
         decoded = run_host(self.sessions["vae_decoder"], {"latent_sample": self._unscale(latents)})["sample"]
@@ -280,13 +290,22 @@ class Pipeline:
             return latents * std / np.float32(scaling) + mean
         return latents / np.float32(scaling)
 
-    def _step_loop(self):
-        step, controlnet = self.sessions["step"], self.sessions.get("controlnet")
+    def _step_loop(self, latents, cond, controlnet, steps: int):
+        step, controlnet_session = self.sessions["step"], self.sessions.get("controlnet")
         if not self.io_binding:
-            return HostStepLoop(step, controlnet)
-        return DeviceStepLoop(require_provider(self.provider), step, controlnet, self.sessions.get("controlnet_prepare"),
-                              cuda_graph=self.cuda_graph, device_id=self.device_id,
-                              device="cpu" if self.provider == "cpu" else "cuda")
+            return HostStepLoop(step, controlnet_session)
+        # diffusers' schedulers take at most num_train_timesteps steps: one table size serves every run
+        capacity = max(steps, self.folder.scheduler_config().get("num_train_timesteps", 1000))
+        key = DeviceStepLoop.key(latents, cond, controlnet, capacity)
+        if key not in self._device_loops:
+            n = len(self._device_loops)
+            loop = DeviceStepLoop(require_provider(self.provider), step, controlnet_session,
+                                  self.sessions.get("controlnet_prepare"), cuda_graph=self.cuda_graph,
+                                  graph_ids=(2 * n, 2 * n + 1), device_id=self.device_id,
+                                  device="cpu" if self.provider == "cpu" else "cuda")
+            loop.bind(latents, cond, capacity, controlnet)
+            self._device_loops[key] = loop
+        return self._device_loops[key]
 
     def _unfused_loop(self, sched, steps, noise, cond, controlnet, guidance, step_times, bar, kind):
         """diffusers' loop: UNet session, guidance in numpy, diffusers' scale_model_input and step."""

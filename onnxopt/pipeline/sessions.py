@@ -5,25 +5,28 @@ Providers:
 * ``cpu``: the ORT CPU EP, plain ``InferenceSession.run`` with numpy in and out (``io_binding=True``
   runs the device loop below on CPU buffers instead: how the tests check that loop without a GPU).
 * ``cuda``: the ORT CUDA EP. The text encoders and the VAE run once per image (plain ``run``);
-  the step graph (and the ControlNet) run with IO binding on device buffers allocated once for
-  the whole run. Per step only the 1-element timestep and the 6 step coefficients change; they
-  are written into their device buffers with ``OrtValue.update_inplace``. With ``cuda_graph=True``
-  the step is captured as CUDA graphs (the ``enable_cuda_graph`` provider option). The latents
-  ping-pong between two buffers A and B, and so does the solver state::
+  the step graph (and the ControlNet) run with IO binding on device buffers allocated once per
+  pipeline and shape, and reused by every later image: a captured CUDA graph replays the
+  addresses it was captured with, so they must stay put. The schedule (timesteps and
+  coefficients of every step) is written once per image; the step graph reads its row by a step
+  counter that it increments itself. With ``cuda_graph=True`` the step is captured as CUDA graphs
+  (the ``enable_cuda_graph`` provider option). The latents, the solver state and the step
+  counter ping-pong between two buffers A and B::
 
-        even steps:  latents=A, state=SA  ->  latents_out=B, state_out=SB     gpu_graph_id 0
-        odd steps:   latents=B, state=SB  ->  latents_out=A, state_out=SA     gpu_graph_id 1
+        even steps:  latents=A, state=SA, index=IA  ->  latents_out=B, state_out=SB, index_out=IB   graph 2k
+        odd steps:   latents=B, state=SB, index=IB  ->  latents_out=A, state_out=SA, index_out=IA   graph 2k+1
 
   Each parity has its own IOBinding and its own captured graph (ORT's ``gpu_graph_id`` run-config
-  entry, onnxruntime PR #19636), so a replay reads and writes exactly the addresses it was
-  captured with and no device-to-device copy is needed between steps.
+  entry, onnxruntime PR #19636; k counts the buffer sets of one pipeline), so a replay reads and
+  writes exactly the addresses it was captured with and nothing is copied between steps. Steps
+  are queued without waiting (``disable_synchronize_execution_providers``) and the last one waits.
 * ``tensorrt``: ORT's TensorRT EP (CUDA EP behind it), the same IO binding. It needs the
   ``tensorrt`` module and an ORT build with the TensorRT EP; without them, a one-line
   :class:`MissingDependencyError` (exit code 2).
 
 :class:`HostStepLoop` and :class:`DeviceStepLoop` run the fused step graph (see
-:mod:`onnxopt.pipeline.step_graph`) and have the same interface: ``start`` with the per-image
-inputs, ``step`` once per timestep, ``latents`` at the end.
+:mod:`onnxopt.pipeline.step_graph`) and have the same interface: ``start`` with the plan and the
+per-image inputs, ``step`` once per timestep, ``latents`` at the end.
 """
 
 from __future__ import annotations
@@ -121,53 +124,79 @@ def controlnet_sample(latents: np.ndarray, c_in: float, batch_copies: int = 2) -
     return np.concatenate([scaled] * batch_copies, axis=0)
 
 
+def schedule_tables(plan, timestep_dtype, capacity: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """The step graph's ``schedule_timesteps`` [T] and ``schedule_coefficients`` [T, 6] for ``plan``,
+    zero-padded to ``capacity`` rows (a bound buffer keeps its shape across runs of any step count)."""
+    rows = capacity or len(plan)
+    if rows < len(plan):
+        raise ValueError(f"a schedule of {len(plan)} steps does not fit {rows} rows")
+    timesteps = np.zeros([rows], np.dtype(timestep_dtype))
+    coefficients = np.zeros([rows, 6], np.float32)
+    timesteps[: len(plan)] = np.asarray(plan.timesteps, dtype=np.float64).astype(timestep_dtype)
+    coefficients[: len(plan)] = plan.coefficients
+    return timesteps, coefficients
+
+
 class HostStepLoop:
-    """The fused step on numpy buffers (CPU EP, or any provider without IO binding)."""
+    """The fused step on numpy buffers (CPU EP, or any provider without IO binding)::
+
+        loop.start(plan, latents, static, guidance[, controlnet])
+        for k in range(len(plan)): loop.step()
+        loop.latents()
+    """
 
     def __init__(self, step_session, controlnet_session=None):
         self.step_session = step_session
         self.controlnet_session = controlnet_session
         self.types = input_types(step_session)
 
-    def start(self, latents: np.ndarray, static: dict[str, np.ndarray], controlnet: dict[str, np.ndarray] | None = None):
-        self.latents_value = latents.astype(self.types["latents"])
-        self.state = np.zeros_like(self.latents_value)
-        self.static = static
+    def start(self, plan, latents: np.ndarray, static: dict[str, np.ndarray], guidance: float,
+              controlnet: dict[str, np.ndarray] | None = None):
+        self.plan = plan
+        timesteps, coefficients = schedule_tables(plan, self.types["schedule_timesteps"])
+        self.feeds = {**static, "latents": latents.astype(self.types["latents"]),
+                      "state": np.zeros(latents.shape, self.types["state"]), "step_index": np.zeros([1], np.int64),
+                      "schedule_timesteps": timesteps, "schedule_coefficients": coefficients,
+                      "guidance_scale": np.asarray([guidance], np.float32)}
         self.controlnet_static = controlnet or {}
 
-    def step(self, timestep, coefficients: np.ndarray, guidance: float) -> None:
-        feeds = dict(self.static)
+    def step(self, sync: bool = True) -> None:
+        feeds = dict(self.feeds)
         if self.controlnet_session is not None:
-            sample = controlnet_sample(self.latents_value, coefficients[0])
-            t = timestep_feed(self.controlnet_session, timestep, sample.shape[0])
+            k = int(feeds["step_index"][0])
+            sample = controlnet_sample(feeds["latents"], self.plan.coefficients[k][0])
+            t = timestep_feed(self.controlnet_session, self.plan.timesteps[k], sample.shape[0])
             feeds.update(run_host(self.controlnet_session, {**self.controlnet_static, "sample": sample, "timestep": t}))
-        feeds.update(latents=self.latents_value, timestep=np.asarray([timestep], dtype=self.types["timestep"]),
-                     state=self.state, guidance_scale=np.asarray([guidance], np.float32),
-                     step_coefficients=coefficients.astype(np.float32))
         out = run_host(self.step_session, feeds)
-        self.latents_value, self.state = out["latents_out"], out["state_out"]
+        self.feeds.update(latents=out["latents_out"], state=out["state_out"], step_index=out["step_index_out"])
 
     def latents(self) -> np.ndarray:
-        return self.latents_value
+        return self.feeds["latents"]
 
 
 class DeviceStepLoop:
-    """The fused step on device buffers that stay put for the whole run (CUDA / TensorRT EP).
+    """The fused step on device buffers that stay put across steps and across images (CUDA / TensorRT EP).
 
-    Inputs that never change during a run (text conditioning, the control image) are copied to
-    the device once in ``start``; the timestep and the coefficients are updated in place; the
-    latents and the state ping-pong between two buffer pairs (module docstring). The ControlNet,
-    when present, reads its ``sample`` from a small scaling graph run on the same device buffers
-    and writes its residuals into fixed buffers that the step graph reads.
+    ``bind`` allocates every buffer once and binds them (the ping-pong pairs of the module
+    docstring, the schedule tables, the conditioning); ``start`` writes an image's values into
+    those same buffers, so a captured CUDA graph stays valid for every later image of the same
+    shapes. Each step is one ``run_with_iobinding``: the latents, the state and the step index go
+    from one step to the next on the device, nothing is written from the host, and with
+    ``sync=False`` ORT does not wait for the GPU at the end of the run, so the host queues the next
+    replay while the GPU runs this one. The ControlNet, when present, reads its ``sample`` and
+    ``timestep`` from a small graph run on the same buffers (:func:`controlnet_prepare_model`) and
+    writes its residuals into fixed buffers that the step graph reads.
     """
 
     def __init__(self, ort, step_session, controlnet_session=None, prepare_session=None, *, cuda_graph: bool = False,
-                 device_id: int = 0, device: str = "cuda"):
+                 graph_ids: tuple[int, int] = (0, 1), device_id: int = 0, device: str = "cuda"):
         self.ort, self.step_session, self.cuda_graph, self.device_id = ort, step_session, cuda_graph, device_id
         self.device = device  # "cpu" runs the same bindings on the CPU EP (how CI tests this loop)
         self.controlnet_session, self.prepare_session = controlnet_session, prepare_session
+        self.graph_ids = graph_ids
         self.types = input_types(step_session)
         self._keep: list = []
+        self.bound = False
 
     def _device(self, array: np.ndarray, dtype=None):
         value = self.ort.OrtValue.ortvalue_from_numpy(
@@ -180,55 +209,89 @@ class DeviceStepLoop:
         self._keep.append(value)
         return value
 
-    def start(self, latents: np.ndarray, static: dict[str, np.ndarray], controlnet: dict[str, np.ndarray] | None = None):
-        dtype = self.types["latents"]
-        latents = latents.astype(dtype)
-        self.buffers = [self._device(latents), self._empty(latents.shape, dtype)]
-        self.states = [self._device(np.zeros_like(latents)), self._empty(latents.shape, dtype)]
-        self.timestep = self._device(np.zeros([1], self.types["timestep"]))
-        self.coefficients = self._device(np.zeros([6], np.float32))
-        self.guidance = self._device(np.zeros([1], np.float32))
-        shared = {name: self._device(value, self.types.get(name)) for name, value in static.items() if name in self.types}
-        residuals = self._start_controlnet(latents, controlnet) if self.controlnet_session is not None else {}
+    def _zeros(self, shape, dtype):
+        return self._device(np.zeros(shape, dtype))
+
+    @staticmethod
+    def key(latents: np.ndarray, static: dict, controlnet: dict | None, capacity: int) -> tuple:
+        """What the bound buffers depend on: a new key needs its own buffers and captured graphs."""
+        shapes = lambda values: tuple(sorted((n, np.shape(v)) for n, v in (values or {}).items()))  # noqa: E731
+        return np.shape(latents), shapes(static), shapes(controlnet), capacity
+
+    def bind(self, latents: np.ndarray, static: dict[str, np.ndarray], capacity: int,
+             controlnet: dict[str, np.ndarray] | None = None) -> None:
+        types = self.types
+        shape = latents.shape
+        self.buffers = [self._zeros(shape, types["latents"]), self._zeros(shape, types["latents"])]
+        self.states = [self._zeros(shape, types["state"]), self._zeros(shape, types["state"])]
+        self.indices = [self._zeros([1], np.int64), self._zeros([1], np.int64)]
+        self.timesteps = self._zeros([capacity], types["schedule_timesteps"])
+        self.coefficients = self._zeros([capacity, 6], np.float32)
+        self.guidance = self._zeros([1], np.float32)
+        self.static = {name: self._zeros(np.shape(value), types[name]) for name, value in static.items() if name in types}
+        residuals = self._bind_controlnet(latents, static, controlnet, capacity) if self.controlnet_session else {}
         self.bindings = []
         for parity in (0, 1):
             binding = self.step_session.io_binding()
-            for name, value in {**shared, **residuals}.items():
+            for name, value in {**self.static, **residuals}.items():
                 binding.bind_ortvalue_input(name, value)
-            binding.bind_ortvalue_input("latents", self.buffers[parity])
-            binding.bind_ortvalue_input("state", self.states[parity])
-            binding.bind_ortvalue_input("timestep", self.timestep)
-            binding.bind_ortvalue_input("guidance_scale", self.guidance)
-            binding.bind_ortvalue_input("step_coefficients", self.coefficients)
-            binding.bind_ortvalue_output("latents_out", self.buffers[1 - parity])
-            binding.bind_ortvalue_output("state_out", self.states[1 - parity])
+            for name, value in (("latents", self.buffers[parity]), ("state", self.states[parity]),
+                                ("step_index", self.indices[parity]), ("schedule_timesteps", self.timesteps),
+                                ("schedule_coefficients", self.coefficients), ("guidance_scale", self.guidance)):
+                binding.bind_ortvalue_input(name, value)
+            for name, value in (("latents_out", self.buffers[1 - parity]), ("state_out", self.states[1 - parity]),
+                                ("step_index_out", self.indices[1 - parity])):
+                binding.bind_ortvalue_output(name, value)
             self.bindings.append(binding)
+        self.options = [[self._run_options(parity, sync) for sync in (False, True)] for parity in (0, 1)]
+        self.bound = True
+
+    def start(self, plan, latents: np.ndarray, static: dict[str, np.ndarray], guidance: float,
+              controlnet: dict[str, np.ndarray] | None = None) -> None:
+        """Write one image's values into the bound buffers (same shapes as ``bind`` got)."""
+        timesteps, coefficients = schedule_tables(plan, self.types["schedule_timesteps"], self.timesteps.shape()[0])
+        writes = [(self.buffers[0], latents, self.types["latents"]), (self.states[0], np.zeros(latents.shape), self.types["state"]),
+                  (self.indices[0], np.zeros([1]), np.int64), (self.timesteps, timesteps, None),
+                  (self.coefficients, coefficients, None), (self.guidance, np.asarray([guidance]), np.float32)]
+        writes += [(self.static[name], value, self.types[name]) for name, value in static.items() if name in self.static]
+        if self.controlnet_session is not None:
+            cn_timesteps, _ = schedule_tables(plan, self.cn_timestep_dtype, self.timesteps.shape()[0])
+            writes.append((self.cn_timesteps, cn_timesteps, None))
+            writes += [(self.cn_static[name], value, self.cn_types[name]) for name, value in controlnet.items()]
+        for target, value, dtype in writes:
+            target.update_inplace(np.ascontiguousarray(np.asarray(value).astype(dtype or value.dtype, copy=False)))
         self.index = 0
 
-    def _start_controlnet(self, latents: np.ndarray, controlnet: dict[str, np.ndarray]) -> dict:
-        """Bind the scaling graph and the ControlNet on fixed buffers; returns the residual buffers."""
-        cn_types = input_types(self.controlnet_session)
-        batch = self.controlnet_batch = 2 * latents.shape[0]
-        sample = self._empty([batch, *latents.shape[1:]], cn_types["sample"])
+    def _bind_controlnet(self, latents, static, controlnet, capacity) -> dict:
+        """Bind the input graph and the ControlNet on fixed buffers; returns the residual buffers."""
+        cn_types = self.cn_types = input_types(self.controlnet_session)
+        self.cn_timestep_dtype = input_types(self.prepare_session)["schedule_timesteps"]
+        sample = self._zeros([2 * latents.shape[0], *latents.shape[1:]], cn_types["sample"])
+        timestep_shape = timestep_feed(self.controlnet_session, 0, sample.shape()[0]).shape
+        timestep = self._zeros(timestep_shape, cn_types["timestep"])
+        self.cn_timesteps = self._zeros([capacity], self.cn_timestep_dtype)
         self.prepare_bindings = []
         for parity in (0, 1):
             binding = self.prepare_session.io_binding()
             binding.bind_ortvalue_input("latents", self.buffers[parity])
-            binding.bind_ortvalue_input("step_coefficients", self.coefficients)
+            binding.bind_ortvalue_input("step_index", self.indices[parity])
+            binding.bind_ortvalue_input("schedule_timesteps", self.cn_timesteps)
+            binding.bind_ortvalue_input("schedule_coefficients", self.coefficients)
             binding.bind_ortvalue_output("sample", sample)
+            binding.bind_ortvalue_output("timestep", timestep)
             self.prepare_bindings.append(binding)
         binding = self.controlnet_session.io_binding()
-        for name, value in controlnet.items():
-            binding.bind_ortvalue_input(name, self._device(value, cn_types[name]))
+        self.cn_static = {name: self._zeros(np.shape(value), cn_types[name]) for name, value in controlnet.items()}
+        for name, value in self.cn_static.items():
+            binding.bind_ortvalue_input(name, value)
         binding.bind_ortvalue_input("sample", sample)
-        self.controlnet_timestep = self._device(timestep_feed(self.controlnet_session, 0, batch))
-        binding.bind_ortvalue_input("timestep", self.controlnet_timestep)
-        # One run with ORT-allocated outputs tells the residual shapes; then fixed buffers are bound.
+        binding.bind_ortvalue_input("timestep", timestep)
+        # The residual shapes: from the session's outputs, or one run on zeros when they are symbolic.
+        residuals = {}
         for output in self.controlnet_session.get_outputs():
             binding.bind_output(output.name, self.device, self.device_id)
         self.prepare_session.run_with_iobinding(self.prepare_bindings[0])
         self.controlnet_session.run_with_iobinding(binding)
-        residuals = {}
         for output, value in zip(self.controlnet_session.get_outputs(), binding.get_outputs()):
             dtype = np.float16 if "float16" in value.data_type() else np.float32
             residuals[output.name] = self._empty(value.shape(), dtype)
@@ -238,53 +301,69 @@ class DeviceStepLoop:
         self.controlnet_binding = binding
         return residuals
 
-    def _run_options(self, parity: int):
+    def _run_options(self, parity: int, sync: bool):
         options = self.ort.RunOptions()
         if self.cuda_graph:
-            options.add_run_config_entry("gpu_graph_id", str(parity))
+            options.add_run_config_entry("gpu_graph_id", str(self.graph_ids[parity]))
+        if not sync:  # the next run is queued on the same stream: ORT need not wait for this one
+            options.add_run_config_entry("disable_synchronize_execution_providers", "1")
         return options
 
-    def step(self, timestep, coefficients: np.ndarray, guidance: float) -> None:
+    def step(self, sync: bool = True) -> None:
+        """Queue step ``index``; ``sync``: return only when the GPU has finished it."""
         parity = self.index % 2
-        t = np.asarray([timestep], dtype=self.types["timestep"])
-        self.timestep.update_inplace(t)
-        self.coefficients.update_inplace(np.ascontiguousarray(coefficients, dtype=np.float32))
-        self.guidance.update_inplace(np.asarray([guidance], np.float32))
         if self.controlnet_session is not None:
-            self.controlnet_timestep.update_inplace(
-                timestep_feed(self.controlnet_session, timestep, self.controlnet_batch))
-            self.prepare_session.run_with_iobinding(self.prepare_bindings[parity])
-            self.controlnet_session.run_with_iobinding(self.controlnet_binding)
-        self.step_session.run_with_iobinding(self.bindings[parity], self._run_options(parity))
+            self.prepare_session.run_with_iobinding(self.prepare_bindings[parity], self.options[parity][0])
+            self.controlnet_session.run_with_iobinding(self.controlnet_binding, self.options[parity][0])
+        self.step_session.run_with_iobinding(self.bindings[parity], self.options[parity][int(sync)])
         self.index += 1
 
     def latents(self) -> np.ndarray:
+        """The latents after the last step (call after a ``sync`` step)."""
         return self.buffers[self.index % 2].numpy()
 
 
-def controlnet_prepare_model(dtype=np.float32) -> bytes:
-    """A two-node graph: sample = Concat([latents * c_in] * 2), c_in = step_coefficients[0].
+def controlnet_prepare_model(dtype=np.float32, timestep_dtype=np.float32, timestep_shape: tuple = (1,)) -> bytes:
+    """The ControlNet's per-step inputs, computed where the latents live (as the step graph does)::
 
-    On the device path the ControlNet's input is computed where the latents live, as the step
-    graph computes its UNet input.
+        step_index ─ Gather(schedule_coefficients)[0] ─ c_in ─┐
+        latents (float32) ──────────────────────────────── Mul ─ Cast ─ Concat([scaled] * 2) ─ sample
+        step_index ─ Gather(schedule_timesteps) ─ [Reshape to [] | Expand to [2b]] ─ timestep
+
+    ``timestep_shape`` is the ControlNet's timestep: () a scalar, (1,) one value, else one per row.
     """
     import onnx
     from onnx import TensorProto, helper
 
     elem = helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
+    t_elem = helper.np_dtype_to_tensor_dtype(np.dtype(timestep_dtype))
     nodes = [
-        helper.make_node("Slice", ["step_coefficients", "zero", "one"], ["c_in"]),
-        helper.make_node("Cast", ["c_in"], ["c_in_cast"], to=elem),
-        helper.make_node("Mul", ["latents", "c_in_cast"], ["scaled"]),
-        helper.make_node("Concat", ["scaled", "scaled"], ["sample"], axis=0),
+        helper.make_node("Gather", ["schedule_coefficients", "step_index"], ["row"], axis=0),
+        helper.make_node("Slice", ["row", "zero", "one", "one"], ["c_in"]),  # [1, 1]: column 0
+        helper.make_node("Mul", ["latents", "c_in"], ["scaled"]),
+        helper.make_node("Cast", ["scaled"], ["scaled_cast"], to=elem),
+        helper.make_node("Concat", ["scaled_cast", "scaled_cast"], ["sample"], axis=0),
+        helper.make_node("Gather", ["schedule_timesteps", "step_index"], ["t"], axis=0),
     ]
+    if len(timestep_shape) == 0:
+        nodes.append(helper.make_node("Reshape", ["t", "scalar"], ["timestep"]))
+    elif tuple(timestep_shape) == (1,):
+        nodes.append(helper.make_node("Identity", ["t"], ["timestep"]))
+    else:
+        nodes += [helper.make_node("Shape", ["sample"], ["sample_shape"], start=0, end=1),
+                  helper.make_node("Expand", ["t", "sample_shape"], ["timestep"])]
     graph = helper.make_graph(
         nodes, "controlnet_prepare",
-        [helper.make_tensor_value_info("latents", elem, ["batch", 4, "height", "width"]),
-         helper.make_tensor_value_info("step_coefficients", TensorProto.FLOAT, [6])],
-        [helper.make_tensor_value_info("sample", elem, ["batch2", 4, "height", "width"])],
+        [helper.make_tensor_value_info("latents", TensorProto.FLOAT, ["batch", 4, "height", "width"]),
+         helper.make_tensor_value_info("step_index", TensorProto.INT64, [1]),
+         helper.make_tensor_value_info("schedule_timesteps", t_elem, ["schedule"]),
+         helper.make_tensor_value_info("schedule_coefficients", TensorProto.FLOAT, ["schedule", 6])],
+        [helper.make_tensor_value_info("sample", elem, ["batch2", 4, "height", "width"]),
+         helper.make_tensor_value_info("timestep", t_elem, [] if len(timestep_shape) == 0
+                                       else [1] if tuple(timestep_shape) == (1,) else ["batch2"])],
         initializer=[helper.make_tensor("zero", TensorProto.INT64, [1], [0]),
-                     helper.make_tensor("one", TensorProto.INT64, [1], [1])])
+                     helper.make_tensor("one", TensorProto.INT64, [1], [1]),
+                     helper.make_tensor("scalar", TensorProto.INT64, [0], [])])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     model.ir_version = 8
     onnx.checker.check_model(model)

@@ -1,29 +1,38 @@
 """The fused denoising step: classifier-free guidance and the scheduler update appended to the UNet.
 
-    latents [b,4,h,w] f32 ─ Mul(c_in) ─ Concat(axis 0, twice) ─ [Cast f16] ─┐
-    timestep [1] ─ Expand([2b]) (Reshape to [] for a rank-0 UNet input) ────┤
-    encoder_hidden_states [2b,S,D], text_embeds, time_ids,                   ├─ UNet ─ out_sample [2b,4,h,w]
-    down_block_res_{i}, mid_block_res (passed through as they are) ──────────┘          │
+    step_index [1] ─┬─ Gather(schedule_timesteps [T]) ─ timestep [1] ─ Expand([2b]) ────────┐
+                    ├─ Gather(schedule_coefficients [T,6]) ─ Split ─ c_in, c_x, ... d_eps   │
+                    └─ Add(1) ─ step_index_out                                               │
+    latents [b,4,h,w] f32 ─ Mul(c_in) ─ Concat(axis 0, twice) ─ [Cast f16] ─────────────────┤
+    encoder_hidden_states [2b,S,D], text_embeds, time_ids,                                   ├─ UNet ─ out_sample
+    down_block_res_{i}, mid_block_res (passed through as they are) ─────────────────────────┘        │
                                                                  [Cast f32] ─ Split(axis 0) ─ eps_u, eps_c
     eps         = eps_u + guidance_scale * (eps_c - eps_u)
     latents_out = c_x * latents + c_eps * eps + c_state * state
     state_out   = d_x * latents + d_eps * eps
-    with (c_in, c_x, c_eps, c_state, d_x, d_eps) = Split(step_coefficients [6])
 
-The interface is the pipeline contract's: inputs ``latents``, ``timestep`` [1] (the UNet's
-timestep dtype), the UNet's conditioning inputs by their own names and dtypes, ``guidance_scale``
-[1], ``step_coefficients`` [6] and ``state`` (float32); outputs ``latents_out`` and ``state_out``
-(float32). The latents, the state, the coefficients and the update stay float32 whatever the
-UNet's precision (an fp16-io UNet gets Casts around it), so fifty steps do not accumulate fp16
-rounding. Coefficients come from :func:`onnxopt.pipeline.schedulers.plan_steps`; they and the
-guidance scale are inputs, so one graph (one engine, one captured CUDA graph) serves every step and
-every scheduler.
+The interface (the pipeline contract): inputs ``latents``, ``state`` (float32), ``step_index`` [1]
+int64, ``schedule_timesteps`` [T] (the UNet's timestep dtype), ``schedule_coefficients`` [T, 6]
+float32, ``guidance_scale`` [1] and the UNet's conditioning inputs by their own names and dtypes;
+outputs ``latents_out``, ``state_out`` and ``step_index_out`` (= step_index + 1). Row k of the
+schedule is step k's timestep and (c_in, c_x, c_eps, c_state, d_x, d_eps), from
+:func:`onnxopt.pipeline.schedulers.plan_steps`; rows past the run's step count are never read.
+
+Why the schedule is a table and the step a counter: every input of a run is bound once, and step k
+feeds step k+1 on the device (latents, state, step index), so a denoising loop is N replays of one
+captured CUDA graph with nothing written from the host in between. The host neither waits for a
+step nor copies anything between steps. The schedule is an input, not baked in, so one graph (one
+engine, one capture) serves every scheduler and step count (seed 001: a baked-in scheduler forces
+an engine rebuild).
+
+The latents, the state, the coefficients and the update stay float32 whatever the UNet's precision
+(an fp16-io UNet gets Casts around it), so fifty steps do not accumulate fp16 rounding.
 
 The UNet inside is not rewritten: its nodes are copied as they are, and its weights are the very
 same graphsurgeon Constants (``is``), so a large UNet is never held twice. (Each shared Constant's
 consumer list then names the step graph's nodes too.) Every new node and tensor is named
 ``step/...``; the UNet's ``sample`` and ``timestep`` tensors become ``step/unet_sample`` and
-``step/unet_timestep`` inside the graph, so that ``timestep`` can name the step graph's input.
+``step/unet_timestep`` inside the graph.
 
 :func:`write_step_graph` writes ``step.onnx`` beside a UNet folder's ``model.onnx``, its
 initializers pointing into the UNet's own external data file (no weight is written twice).
@@ -43,8 +52,8 @@ from onnxopt.model import Model
 from onnxopt.shapes import infer_shapes
 
 PREFIX = "step/"
-STEP_INPUTS = ("latents", "timestep", "guidance_scale", "step_coefficients", "state")
-STEP_OUTPUTS = ("latents_out", "state_out")
+STEP_INPUTS = ("latents", "state", "step_index", "schedule_timesteps", "schedule_coefficients", "guidance_scale")
+STEP_OUTPUTS = ("latents_out", "state_out", "step_index_out")
 UNET_INPUTS = ("sample", "timestep", "encoder_hidden_states")
 IMAGE_BATCH = "images"  # the latents' batch dim: half the UNet's (uncond and cond rows)
 F32 = np.dtype(np.float32)
@@ -81,7 +90,7 @@ def build_step_graph(unet: Model) -> Model:
     if missing:
         raise UnsupportedModelError(f"{where}: not a UNet graph: no input {', '.join(missing)} "
                                     f"(it has {', '.join(inputs) or 'none'})")
-    clashes = [name for name in inputs if name in STEP_INPUTS and name != "timestep"]
+    clashes = [name for name in inputs if name in STEP_INPUTS]
     if clashes or not graph.outputs:
         raise UnsupportedModelError(f"{where}: cannot build a step graph: "
                                     + (f"input {clashes[0]} clashes with a step input" if clashes else "no output"))
@@ -92,15 +101,21 @@ def build_step_graph(unet: Model) -> Model:
     b = _Builder(graph)
 
     latents = gs.Variable("latents", dtype=F32, shape=latent_shape)
-    step_timestep = gs.Variable("timestep", dtype=timestep.dtype, shape=[1])
-    guidance = gs.Variable("guidance_scale", dtype=F32, shape=[1])
-    coefficients = gs.Variable("step_coefficients", dtype=F32, shape=[6])
     state = gs.Variable("state", dtype=F32, shape=latent_shape)
+    step_index = gs.Variable("step_index", dtype=np.int64, shape=[1])
+    timesteps = gs.Variable("schedule_timesteps", dtype=timestep.dtype, shape=["schedule"])
+    coefficients = gs.Variable("schedule_coefficients", dtype=F32, shape=["schedule", 6])
+    guidance = gs.Variable("guidance_scale", dtype=F32, shape=[1])
     sample.name, timestep.name = f"{PREFIX}unet_sample", f"{PREFIX}unet_timestep"
 
+    step_timestep = b.op("Gather", "timestep", [timesteps, step_index], dtype=timestep.dtype, shape=[1],
+                         attrs={"axis": 0})
+    row = b.op("Gather", "coefficients", [coefficients, step_index], shape=[1, 6], attrs={"axis": 0})
     c_in, c_x, c_eps, c_state, d_x, d_eps = b.op(
-        "Split", "coefficients", [coefficients, b.constant("coefficient_sizes", np.ones(6, np.int64))],
-        shape=[1], attrs={"axis": 0}, outputs=6)
+        "Split", "coefficient", [row, b.constant("coefficient_sizes", np.ones(6, np.int64))],
+        shape=[1, 1], attrs={"axis": 1}, outputs=6)
+    step_index_out = gs.Variable("step_index_out", dtype=np.int64, shape=[1])
+    b.into("Add", "step_index_out", [step_index, b.constant("one_step", np.array([1], np.int64))], step_index_out)
     scaled = b.op("Mul", "scaled_latents", [latents, c_in], shape=latent_shape)
     doubled_shape = [sample.shape[0] if sample.shape else None, *latent_shape[1:]]
     if sample_dtype == F32:
@@ -142,8 +157,8 @@ def build_step_graph(unet: Model) -> Model:
     b.into("Add", "state_out", [dx_term, deps_term], state_out)
 
     passed_through = [t for t in graph.inputs if t is not sample and t is not timestep]
-    graph.inputs = [latents, step_timestep, *passed_through, guidance, coefficients, state]
-    graph.outputs = [latents_out, state_out]
+    graph.inputs = [latents, state, step_index, timesteps, coefficients, guidance, *passed_through]
+    graph.outputs = [latents_out, state_out, step_index_out]
     graph.toposort()
     model = Model(graph=graph, source=unet.source, metadata_props=dict(unet.metadata_props),
                   model_version=unet.model_version, doc_string=unet.doc_string, domain=unet.domain,
