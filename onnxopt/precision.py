@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 import tempfile
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -453,12 +454,16 @@ def calibration_feeds(model: Model, calibration=None, *, inputs=None, seed: int 
 def calibrate(model: Model, feeds: list[dict[str, np.ndarray]], *, outputs_per_run: int | None = None) -> Calibration:
     """Run ``model`` (float32) on ``feeds`` and record every float tensor's largest magnitude.
 
-    Runs on ONNX Runtime's CPU EP with every intermediate tensor added as a graph output, or on
-    onnxopt's reference evaluator (``intermediate=True``) when ORT's CPU EP lacks a kernel for one
-    of the model's contrib ops. ``outputs_per_run`` bounds how many intermediates one ORT run
-    returns (memory on big models); the model then runs once per group.
+    Runs with every intermediate tensor added as a graph output on ONNX Runtime's CUDA EP when this
+    ONNX Runtime has it (every contrib op has a kernel there, and it is where an ``ort-cuda`` model
+    runs: a VAE calibrates in seconds instead of minutes of NumPy convolutions), else on its CPU EP,
+    or on onnxopt's reference evaluator (``intermediate=True``) when the CPU EP lacks a kernel for
+    one of the model's contrib ops. ``ONNXOPT_CALIBRATION_DEVICE=cpu`` keeps it off the GPU.
+    ``outputs_per_run`` bounds how many intermediates one ORT run returns (memory on big models);
+    the model then runs once per group. The ranges only need magnitudes: TF32 is turned off anyway.
     """
     from onnxopt import reference
+    from onnxopt.runners.ort_cuda import cuda_available
     from onnxopt.saving import AUTO_EXTERNAL_BYTES
 
     types = element_types(model.graph)
@@ -470,8 +475,9 @@ def calibrate(model: Model, feeds: list[dict[str, np.ndarray]], *, outputs_per_r
     for feed in feeds:
         for name, value in feed.items():
             result.ranges.setdefault(name, TensorRange()).update(np.asarray(value))
+    on_cuda = os.environ.get("ONNXOPT_CALIBRATION_DEVICE", "auto") != "cpu" and cuda_available()
     small = model.weights_nbytes() <= AUTO_EXTERNAL_BYTES
-    proto = model.to_onnx() if small else None
+    proto = model.to_onnx() if small and not on_cuda else None
     if proto is not None and reference.unsupported_on_ort_cpu(proto):
         result.runner = "onnxopt-reference"
         evaluator = reference.evaluator(proto)
@@ -482,12 +488,12 @@ def calibrate(model: Model, feeds: list[dict[str, np.ndarray]], *, outputs_per_r
                     result.ranges.setdefault(name, TensorRange()).update(values[name])
             result.runs += 1
         return result
-    result.runner = "onnxruntime-cpu"
+    result.runner = "onnxruntime-cuda" if on_cuda else "onnxruntime-cpu"
     group = outputs_per_run or max(len(names), 1)
     with tempfile.TemporaryDirectory(prefix="onnxopt-calibrate-") as tmp:
         for start in range(0, len(names), group):
             chunk = names[start : start + group]
-            session = _probe_session(model, chunk, types, Path(tmp))
+            session = _probe_session(model, chunk, types, Path(tmp), cuda=on_cuda)
             out_names = [o.name for o in session.get_outputs()]
             for feed in feeds:
                 for name, value in zip(out_names, session.run(out_names, feed)):
@@ -500,8 +506,8 @@ def calibrate(model: Model, feeds: list[dict[str, np.ndarray]], *, outputs_per_r
 _FLOAT_TYPES = {TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16, TensorProto.DOUBLE}
 
 
-def _probe_session(model: Model, names: list[str], types: dict[str, int], workdir: Path):
-    """An ORT CPU session of ``model`` with ``names`` added as graph outputs."""
+def _probe_session(model: Model, names: list[str], types: dict[str, int], workdir: Path, *, cuda: bool = False):
+    """An ORT session of ``model`` with ``names`` added as graph outputs (CPU EP, or CUDA EP without TF32)."""
     from onnxopt.runtime import import_onnxruntime
     from onnxopt.saving import AUTO_EXTERNAL_BYTES, save_model
 
@@ -519,11 +525,13 @@ def _probe_session(model: Model, names: list[str], types: dict[str, int], workdi
     options.log_severity_level = 3
     # Graph optimizations could fuse away the tensors we ask for; basic ones keep names.
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    providers = ([("CUDAExecutionProvider", {"use_tf32": "0"}), "CPUExecutionProvider"] if cuda
+                 else ["CPUExecutionProvider"])
     if probed.weights_nbytes() > AUTO_EXTERNAL_BYTES:
         path = workdir / "probe.onnx"
         save_model(probed, path, external_data=True)
-        return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
-    return ort.InferenceSession(probed.to_onnx().SerializeToString(), options, providers=["CPUExecutionProvider"])
+        return ort.InferenceSession(str(path), options, providers=providers)
+    return ort.InferenceSession(probed.to_onnx().SerializeToString(), options, providers=providers)
 
 
 # ---------------------------------------------------------------- accuracy
