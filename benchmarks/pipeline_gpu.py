@@ -89,11 +89,12 @@ class Bench:
         import torch
 
         from models.pipelines import build_torch_pipeline
-        from onnxopt.pipeline import PipelineFolder
         from onnxopt.pipeline.schedulers import make_scheduler
 
         pipe = build_torch_pipeline(self.kind, self.size, SEED)
-        pipe.scheduler = make_scheduler(self.settings["scheduler"], PipelineFolder.open(self.src).scheduler_config())
+        # The config the folder's scheduler_config.json is written from: the torch steps need no ONNX folder,
+        # so they can run in a call of their own (--skip folder,optimize,onnxopt).
+        pipe.scheduler = make_scheduler(self.settings["scheduler"], dict(pipe.scheduler.config))
         pipe = pipe.to(self.device, dtype)
         pipe.set_progress_bar_config(disable=True)
         if compiled:
