@@ -2,8 +2,9 @@
 
 The recipe in examples/olive/ (dynamo export through Olive's OnnxConversion, then onnxopt, then
 onnxopt's fp16, evaluated by OnnxoptReportEvaluator) runs under ``olive run`` on the tiny UNet on
-the CPU, with the ``tensorrt`` preset and ``verify`` in place of ``ort-cuda`` (whose fused ops ORT's
-CPU build lacks); Olive's output loads in ORT and computes what the torch module computes.
+the CPU (``unet_sd15_tiny_cpu.json``: the ``tensorrt`` preset and ``verify`` in place of
+``ort-cuda``, whose fused ops ORT's CPU build lacks); Olive's output loads in ORT and computes
+what the torch module computes.
 The pass itself is also run in-process on a pipeline (Olive's composite model) and on bad input.
 """
 
@@ -21,29 +22,31 @@ import pytest
 pytest.importorskip("olive", reason="needs olive-ai (pip install -e '.[olive]')")
 from tests.test_pass_manager import plugins  # noqa: E402,F401  (a planted wrong pass, test-add-to-sub)
 ROOT = Path(__file__).resolve().parents[1]
-RECIPE = ROOT / "examples" / "olive" / "unet_sd15_dynamo.json"
+RECIPE = ROOT / "examples" / "olive" / "unet_sd15_dynamo.json"  # the GPU recipe: ort-cuda
+TINY_RECIPE = ROOT / "examples" / "olive" / "unet_sd15_tiny_cpu.json"  # what the README and CI run
 FP16_REL_L2 = 3e-3  # the README's fp16 bound
 
 
-def _tiny_cpu_recipe(tmp_path: Path, built) -> Path:
-    """The example recipe, on the tiny UNet, on the CPU, with tensorrt + verify."""
-    recipe = json.loads(RECIPE.read_text())
-    model = recipe["input_model"]
-    model["model_loader"] = "load_unet_sd15_tiny"
-    model["model_script"] = str(ROOT / model["model_script"])
-    model["script_dir"] = str(ROOT)
-    model["io_config"]["input_shapes"] = [list(s) for s in built.input_shapes().values()]
-    evaluator = recipe["evaluators"]["onnxopt_report"]
-    evaluator.update(user_script=str(ROOT / evaluator["user_script"]), script_dir=str(ROOT))
-    evaluator["metrics"][0]["sub_types"][0]["metric_config"] = {"warmup_num": 1, "repeat_test_num": 2}
-    recipe["systems"]["local_system"]["accelerators"] = [{"device": "cpu", "execution_providers": ["CPUExecutionProvider"]}]
-    assert recipe["passes"]["onnxopt"]["passes"] == "ort-cuda"
-    recipe["passes"]["onnxopt"].update(passes="tensorrt", verify=True)
-    recipe["passes"]["fp16"].update(verify=True)
-    recipe["cache_dir"], recipe["output_dir"] = str(tmp_path / "cache"), str(tmp_path / "out")
-    path = tmp_path / "recipe.json"
-    path.write_text(json.dumps(recipe, indent=1))
-    return path
+# Where the CI recipe may differ from the GPU one: the model, the device, the preset and verify.
+TINY_CPU_CHANGES = {
+    ("input_model", "model_loader"), ("input_model", "io_config", "input_shapes"),
+    ("systems", "local_system", "accelerators"), ("evaluators", "onnxopt_report", "metrics"),
+    ("passes", "onnxopt", "passes"), ("passes", "onnxopt", "verify"), ("passes", "fp16", "verify"), ("output_dir",),
+}
+
+
+def _differences(a, b, path=()) -> set[tuple]:
+    if isinstance(a, dict) and isinstance(b, dict):
+        return {d for key in a.keys() | b.keys() for d in _differences(a.get(key), b.get(key), path + (key,))}
+    return set() if a == b else {path}
+
+
+def test_ci_recipe_is_the_example_recipe_on_the_tiny_model_and_the_cpu():
+    full, tiny = (json.loads((ROOT / "examples" / "olive" / f).read_text()) for f in (RECIPE.name, TINY_RECIPE.name))
+    assert _differences(full, tiny) == TINY_CPU_CHANGES
+    assert full["passes"]["onnxopt"]["passes"] == "ort-cuda" and tiny["passes"]["onnxopt"]["passes"] == "tensorrt"
+    assert [p["type"] for p in full["passes"].values()] == ["OnnxConversion", "Onnxopt", "Onnxopt"]
+    assert full["passes"]["conversion"]["use_dynamo_exporter"] is True
 
 
 @pytest.mark.models
@@ -56,12 +59,16 @@ def test_olive_run_recipe_tiny_unet_on_cpu(tmp_path):
     from models import build
 
     built = build("unet-sd15", size="tiny")
-    recipe = _tiny_cpu_recipe(tmp_path, built)
+    recipe = json.loads(TINY_RECIPE.read_text())
+    assert recipe["input_model"]["io_config"]["input_shapes"] == [list(s) for s in built.input_shapes().values()]
+    recipe["cache_dir"], recipe["output_dir"] = str(tmp_path / "cache"), str(tmp_path / "out")  # not in the checkout
+    (tmp_path / "recipe.json").write_text(json.dumps(recipe))
+    # The README's two commands, from the repository root.
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     packages = tmp_path / "olive_packages.json"
     subprocess.run([sys.executable, "-m", "onnxopt.integrations.olive_config", str(packages)], cwd=ROOT, env=env,
                    check=True, capture_output=True, timeout=120)
-    run = subprocess.run([sys.executable, "-m", "olive", "run", "--config", str(recipe), "--package-config", str(packages)],
+    run = subprocess.run(["olive", "run", "--config", str(tmp_path / "recipe.json"), "--package-config", str(packages)],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
 
