@@ -24,7 +24,7 @@ def optimize(
     strict: bool = False,
     options: dict[str, dict] | None = None,
     returns: str = "model",
-) -> tuple[Model, OptimizationReport]:
+) -> tuple[Model | object, OptimizationReport]:
     """Load ``source`` (path, ModelProto, graph, Model, ``onnx_ir.Model`` or
     ``torch.onnx.ONNXProgram``), run ``passes`` and return the result.
 

@@ -46,12 +46,13 @@ def polygraphy(tmp_path_factory):
 
 
 UNET = ROOT / "models" / "fixtures" / "unet-sd15.tiny.torchscript.static.sdpa.onnx"
+README_COMMAND = ("polygraphy run models/fixtures/unet-sd15.tiny.torchscript.static.sdpa.onnx --onnxrt --onnxopt "
+                  "--onnxopt-passes ort-cuda --atol 1e-4 --rtol 1e-3")  # the README's, run as written
 CLIP = ROOT / "models" / "fixtures" / "clip-text.tiny.torchscript.dynamic.sdpa.onnx"
 
 
 def test_polygraphy_compares_ort_cuda_graph_with_its_source(polygraphy):
-    code, out = polygraphy("run", UNET, "--onnxrt", "--onnxopt", "--onnxopt-passes", "ort-cuda", "--atol", "1e-4",
-                           "--rtol", "1e-3")
+    code, out = polygraphy(*README_COMMAND.split()[1:])
     assert code == 0, out[-3000:]
     assert "onnxrt-runner" in out and "onnxopt[ort-cuda]" in out
     assert "PASSED | simple | All outputs matched" in out
