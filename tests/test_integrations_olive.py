@@ -157,3 +157,39 @@ def test_package_config_keeps_olives_passes_and_adds_onnxopt(tmp_path):
     assert set(default.passes) < set(config.passes)  # Olive's own passes are all still there
     assert config.import_pass_module("Onnxopt").__name__ == "OnnxoptPass"
     assert main([]) == 2
+
+
+@pytest.mark.gpu
+@pytest.mark.models
+def test_olive_run_gpu_recipe_tiny_unet_on_cuda(tmp_path):
+    """The GPU recipe as shipped (ort-cuda, then fp16, on the CUDA EP), on the tiny UNet."""
+    from onnxopt.runners import cuda_available
+
+    if not cuda_available():
+        pytest.skip("needs onnxruntime-gpu and a CUDA device")
+    import onnxruntime as ort
+    import torch
+
+    from models import build
+
+    built = build("unet-sd15", size="tiny")
+    recipe = json.loads(RECIPE.read_text())
+    recipe["input_model"]["model_loader"] = "load_unet_sd15_tiny"
+    recipe["input_model"]["io_config"]["input_shapes"] = [list(s) for s in built.input_shapes().values()]
+    recipe["cache_dir"], recipe["output_dir"] = str(tmp_path / "cache"), str(tmp_path / "out")
+    (tmp_path / "recipe.json").write_text(json.dumps(recipe))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    subprocess.run([sys.executable, "-m", "onnxopt.integrations.olive_config", str(tmp_path / "p.json")], cwd=ROOT,
+                   env=env, check=True, capture_output=True, timeout=120)
+    run = subprocess.run(["olive", "run", "--config", str(tmp_path / "recipe.json"), "--package-config",
+                          str(tmp_path / "p.json")], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    out = tmp_path / "out"
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["latency-avg"]["value"] > 0 and metrics["onnxopt-sites_rewritten"]["value"] > 0
+    session = ort.InferenceSession(str(out / "model.onnx"), providers=["CUDAExecutionProvider"])
+    (got,) = session.run(None, built.make_feeds())
+    with torch.no_grad():
+        expected = built.module(*built.example_inputs)
+    expected = (expected[0] if isinstance(expected, (tuple, list)) else expected).numpy()
+    assert np.linalg.norm(got.astype(np.float64) - expected) / np.linalg.norm(expected) <= FP16_REL_L2

@@ -58,7 +58,7 @@ def _initializers_stubbed(ir_model) -> Iterator[None]:
         for graph in (ir_model.graph, *ir_model.graph.subgraphs()):
             for value in graph.initializers.values():
                 tensor = value.const_value
-                if tensor is None:
+                if tensor is None or tensor.dtype == ir.DataType.STRING:  # no raw bytes: serialised as is
                     continue
                 stub = ir.ExternalTensor("__onnxopt_ir_stub__", 0, tensor.nbytes, tensor.dtype,
                                          shape=tensor.shape, name=value.name)
@@ -80,7 +80,8 @@ def from_ir_model(ir_model) -> Model:
         proto = ir.to_proto(ir_model)
     tensors = {}
     for graph in (ir_model.graph, *ir_model.graph.subgraphs()):
-        tensors.update({name: v.const_value for name, v in graph.initializers.items() if v.const_value is not None})
+        tensors.update({name: v.const_value for name, v in graph.initializers.items()
+                        if v.const_value is not None and v.const_value.dtype != ir.DataType.STRING})
     for initializer in onnx.external_data_helper._get_all_tensors(proto):
         if initializer.name in tensors and initializer.data_location == onnx.TensorProto.EXTERNAL:
             del initializer.external_data[:]  # an empty tensor of the right name, type and shape
