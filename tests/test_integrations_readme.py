@@ -5,7 +5,6 @@ test_integrations_olive.py and test_integrations_polygraphy.py run."""
 from __future__ import annotations
 
 import re
-import sys
 from pathlib import Path
 
 import pytest

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import onnxopt
-from onnxopt.verify import InputSpec, Tolerance
+from onnxopt.verify import InputSpec
 
 torch = pytest.importorskip("torch", reason="needs torch (pip install -e '.[models]')")
 ir = pytest.importorskip("onnx_ir", reason="needs onnx-ir (comes with onnxscript)")

@@ -26,6 +26,7 @@ import numpy as np
 import onnx
 from onnx_graphsurgeon.ir.tensor import Constant, LazyValues
 
+from onnxopt.errors import OnnxoptError
 from onnxopt.integrations import require
 from onnxopt.model import Model, _materialised
 from onnxopt.weights import DerivedValues, ExternalValues, constant_data_type, constant_dims
@@ -114,10 +115,13 @@ def _ir_tensor_for(constant: Constant):
 def to_ir_model(model: Model):
     """``model`` as an ``onnx_ir.Model`` whose initializers refer to the bytes where they are.
 
-    Companions (``context-kv``) are not part of it: take them with
-    :func:`onnxopt.context_and_denoiser` first."""
+    A model split in two (``context-kv``) is refused: one onnx-ir model cannot hold both graphs;
+    take them with :func:`onnxopt.context_and_denoiser` and convert each."""
     ir = require("onnx_ir", IR_INSTALL)
-    main = model.alone()
+    if model.companions:
+        raise OnnxoptError(f"the result has companion models ({', '.join(model.companions)}) that one onnx-ir model "
+                           "cannot hold: use returns='model' and onnxopt.context_and_denoiser")
+    main = model
     with _materialised(main.subgraph_constants()):  # few and small: written inline
         proto = main.skeleton(threshold=0)
     ir_model = ir.from_proto(proto)
