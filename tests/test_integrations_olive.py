@@ -64,7 +64,8 @@ def test_olive_run_recipe_tiny_unet_on_cpu(tmp_path):
     recipe["cache_dir"], recipe["output_dir"] = str(tmp_path / "cache"), str(tmp_path / "out")  # not in the checkout
     (tmp_path / "recipe.json").write_text(json.dumps(recipe))
     # The README's two commands, from the repository root.
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+               OLIVE_DISABLE_TELEMETRY="1")  # no telemetry from CI
     packages = tmp_path / "olive_packages.json"
     subprocess.run([sys.executable, "-m", "onnxopt.integrations.olive_config", str(packages)], cwd=ROOT, env=env,
                    check=True, capture_output=True, timeout=120)
@@ -178,7 +179,8 @@ def test_olive_run_gpu_recipe_tiny_unet_on_cuda(tmp_path):
     recipe["input_model"]["io_config"]["input_shapes"] = [list(s) for s in built.input_shapes().values()]
     recipe["cache_dir"], recipe["output_dir"] = str(tmp_path / "cache"), str(tmp_path / "out")
     (tmp_path / "recipe.json").write_text(json.dumps(recipe))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+               OLIVE_DISABLE_TELEMETRY="1")  # no telemetry from CI
     subprocess.run([sys.executable, "-m", "onnxopt.integrations.olive_config", str(tmp_path / "p.json")], cwd=ROOT,
                    env=env, check=True, capture_output=True, timeout=120)
     run = subprocess.run(["olive", "run", "--config", str(tmp_path / "recipe.json"), "--package-config",
