@@ -99,6 +99,8 @@ def test_onnx_ir_model_round_trip_runs_on_ort_and_shares_buffers(unet_program, t
     assert len(kept) > 20
     assert kept == {name: params[name] for name in kept}
     assert _copies_of_parameters(result, built.module) == []
+    source = program.model.graph.initializers
+    assert all(result.graph.initializers[name].const_value is source[name].const_value for name in kept)
 
     # The tensorrt preset writes standard ONNX: ORT's CPU EP runs it, and it matches torch.
     import onnxruntime as ort
@@ -112,6 +114,20 @@ def test_onnx_ir_model_round_trip_runs_on_ort_and_shares_buffers(unet_program, t
     expected = expected if isinstance(expected, (tuple, list)) else [expected]
     for g, e in zip(got, expected):
         np.testing.assert_allclose(g, e.numpy(), atol=1e-4, rtol=1e-3)
+
+
+def test_onnx_ir_model_read_from_files_keeps_its_external_tensors(fixtures_dir):
+    """ir.load() leaves weights in the .data file (ExternalTensor); they come back as the same
+    objects, still unread, after verification read them through a memory map."""
+    source = ir.load(fixtures_dir / "unet-sd15.tiny.dynamo.dynamic.sdpa.onnx")
+    external = {name: v.const_value for name, v in source.graph.initializers.items()
+                if isinstance(v.const_value, ir.ExternalTensor)}
+    assert len(external) > 20
+    result, report = onnxopt.optimize(source, ["tensorrt"], verify=True, returns="same",
+                                      inputs=InputSpec(dims={"height": 16, "width": 16}))
+    assert report.final_verification.ok, report.table()
+    kept = {name: v.const_value for name, v in result.graph.initializers.items() if name in external}
+    assert len(kept) > 20 and all(tensor is external[name] for name, tensor in kept.items())
 
 
 def test_other_sources_keep_their_kind(fixtures_dir):

@@ -8,7 +8,7 @@ reads the onnx-ir tensor it came from (:class:`IrTensorValues`), which for the d
 Out: the onnxopt model's skeleton (every initializer a stub) is read by ``onnx_ir.from_proto``,
 then each initializer gets a tensor that refers to where the bytes already are:
 
-    unchanged weight from an onnx-ir model -> that same onnx-ir tensor object
+    unchanged weight from an onnx-ir model -> that same onnx-ir tensor object (buffer checked)
     weight in an external data file          -> ir.ExternalTensor (memory-mapped on read)
     weight a pass rewrote (DerivedValues)    -> ir.LazyTensor (computed when serialised)
     inline TensorProto / NumPy array         -> ir.TensorProtoTensor / ir.Tensor over it
@@ -45,8 +45,13 @@ class IrTensorValues(DerivedValues):
 
     def __init__(self, ir_tensor, name: str):
         self.ir_tensor = ir_tensor
-        shape = tuple(int(d) for d in ir_tensor.shape)
-        super().__init__(shape, ir_tensor.dtype.numpy(), ir_tensor.numpy, name=name)
+        self.shape_declared = tuple(int(d) for d in ir_tensor.shape)
+        super().__init__(self.shape_declared, ir_tensor.dtype.numpy(), ir_tensor.numpy, name=name)
+
+    def load(self) -> np.ndarray:
+        # The onnx-ir tensor's own array (a view of its buffer), not DerivedValues' contiguous
+        # copy-if-needed: np.ascontiguousarray also turns a 0-d scalar into shape (1,).
+        return np.asarray(self.ir_tensor.numpy()).reshape(self.shape_declared)
 
 
 @contextlib.contextmanager
@@ -91,14 +96,31 @@ def from_ir_model(ir_model) -> Model:
     for constant in model.constants() + model.subgraph_constants():
         if constant.name in tensors:
             constant._values = IrTensorValues(tensors[constant.name], constant.name)
+    model._ir_tensors = tensors  # read back by to_ir_model (see _source_tensor)
     return model
 
 
-def _ir_tensor_for(constant: Constant):
+def _source_tensor(constant: Constant, sources: dict):
+    """The onnx-ir tensor ``constant`` came from, when graphsurgeon has since replaced its
+    IrTensorValues with the array they gave (``Constant.values`` keeps what it loads) and the
+    array is still that tensor's buffer, unchanged in shape and type; else None."""
+    tensor = sources.get(constant.name)
+    values = constant._values
+    if tensor is None or not isinstance(values, np.ndarray):
+        return None
+    original = tensor.numpy()
+    same = values.shape == tuple(int(d) for d in tensor.shape) and values.dtype == original.dtype \
+        and values.__array_interface__["data"][0] == original.__array_interface__["data"][0]
+    return tensor if same else None
+
+
+def _ir_tensor_for(constant: Constant, sources: dict):
     ir = require("onnx_ir", IR_INSTALL)
     values = constant._values
     if isinstance(values, IrTensorValues):
         return values.ir_tensor
+    if (source := _source_tensor(constant, sources)) is not None:
+        return source
     dtype = ir.DataType(constant_data_type(constant))
     shape = ir.Shape(constant_dims(constant))
     if isinstance(values, ExternalValues):
@@ -128,5 +150,5 @@ def to_ir_model(model: Model):
     constants = {c.name: c for c in main.constants()}
     for name, value in ir_model.graph.initializers.items():
         if name in constants:
-            value.const_value = _ir_tensor_for(constants[name])
+            value.const_value = _ir_tensor_for(constants[name], getattr(model, "_ir_tensors", {}))
     return ir_model
