@@ -23,15 +23,24 @@ def optimize(
     inputs: InputSpec | None = None,
     strict: bool = False,
     options: dict[str, dict] | None = None,
-) -> tuple[Model, OptimizationReport]:
-    """Load ``source`` (path, ModelProto, graph or Model), run ``passes`` and return the result.
+    returns: str = "model",
+) -> tuple[Model | object, OptimizationReport]:
+    """Load ``source`` (path, ModelProto, graph, Model, ``onnx_ir.Model`` or
+    ``torch.onnx.ONNXProgram``), run ``passes`` and return the result.
+
+    ``returns="same"`` gives the result as the kind ``source`` was (a path gives a Model: save it
+    with :func:`onnxopt.save_model`). onnx-ir models and ONNX programs go in and out without a
+    copy of their weights: unchanged initializers are the source's own tensors
+    (:mod:`onnxopt.integrations.ir_models`).
 
     Names may be passes or presets (``cleanup``). The source is never modified: a Model or graph
     given in memory is copied first. ``options`` maps a pass name to its constructor arguments
     (``{"fp16": {"fp32_ops": ["Resize"]}}``), wherever that pass comes from. With ``verify``, the result of every pass is compared with the
     source on random inputs and the report names the first pass that broke ``tolerance``.
     """
-    model = load_model(source)
+    if returns not in ("model", "same"):
+        raise OnnxoptError(f"returns must be 'model' or 'same', not {returns!r}")
+    model = _load_any(source)
     steps: list[str | Pass] = []
     requested: set[str] = set()  # named by the caller, not brought in by a preset
     for p in passes:
@@ -50,7 +59,35 @@ def optimize(
     finally:
         if verifier is not None:
             verifier.close()
-    return model, report
+    return (_same_kind(model, source) if returns == "same" else model), report
+
+
+def _load_any(source) -> Model:
+    from onnxopt.integrations import ir_models, torch_export
+
+    if torch_export.is_onnx_program(source):
+        return torch_export.from_onnx_program(source)
+    if ir_models.is_ir_model(source):
+        return ir_models.from_ir_model(source)
+    return load_model(source)
+
+
+def _same_kind(model: Model, source):
+    """``model`` as the kind of object ``source`` is."""
+    import onnx
+    import onnx_graphsurgeon as gs
+
+    from onnxopt.integrations import ir_models, torch_export
+
+    if torch_export.is_onnx_program(source):
+        return torch_export.to_onnx_program(model, source)
+    if ir_models.is_ir_model(source):
+        return ir_models.to_ir_model(model)
+    if isinstance(source, onnx.ModelProto):
+        return model.alone().to_onnx()
+    if isinstance(source, gs.Graph):
+        return model.graph
+    return model
 
 
 def context_and_denoiser(model: Model, companion: str = "context_kv") -> tuple[Model, Model]:

@@ -1,0 +1,17 @@
+"""Bridges to the tools people already use around onnxopt: torch's dynamo exporter
+(``ONNXProgram``), onnx-ir models, Olive and Polygraphy. Each module imports its tool lazily and
+raises :class:`onnxopt.errors.MissingDependencyError` (exit 2, one line) when it is missing."""
+
+from __future__ import annotations
+
+import importlib
+
+from onnxopt.errors import MissingDependencyError
+
+
+def require(module: str, install: str):
+    """Import ``module`` or raise MissingDependencyError naming what to install."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        raise MissingDependencyError(f"{module} is not installed: pip install {install}") from exc
