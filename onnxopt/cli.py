@@ -151,6 +151,8 @@ def _add_generate_parser(sub) -> None:
     gen.add_argument("--width", type=int)
     gen.add_argument("--controlnet-image", type=Path, help="conditioning image (ControlNet folders only)")
     gen.add_argument("--controlnet-scale", type=float, default=1.0)
+    gen.add_argument("--reuse", metavar="STEPS", help="opt-in approximation: these 0-based steps reuse the previous step's "
+                     "prediction instead of running the UNet, e.g. 30-49:2 (onnxopt.pipeline.step_reuse)")
     gen.add_argument("--provider", choices=["cpu", "cuda", "tensorrt"], default="cpu")
     gen.add_argument("--no-cuda-graph", dest="cuda_graph", action="store_false", help="cuda/tensorrt: do not capture the step")
     gen.add_argument("--unfused", dest="fused_step", action="store_false", help="UNet + diffusers' scheduler.step (no fused step graph)")
@@ -163,18 +165,20 @@ def cmd_generate(args) -> int:
     import json
 
     from onnxopt.pipeline import PipelineFolder, images
-    from onnxopt.pipeline.runner import Pipeline, check_request
+    from onnxopt.pipeline.runner import Pipeline, reuse_steps, check_request
 
     folder = PipelineFolder.open(args.folder)
     check_request(folder, steps=args.steps, scheduler=args.scheduler, height=args.height, width=args.width,
                   controlnet_image=args.controlnet_image)
+    reuse_steps(args.reuse, args.steps)  # a bad schedule is refused before any session exists
     for written in filter(None, (args.output, args.json)):
         _refuse_input(written, folder.root, args.controlnet_image)
         images.check_writable(written)
     pipe = Pipeline.load(folder, args.provider, fused_step=args.fused_step, cuda_graph=args.cuda_graph)
     result = pipe(args.prompt, negative_prompt=args.negative_prompt, steps=args.steps, guidance=args.guidance,
                   scheduler=args.scheduler, seed=args.seed, height=args.height, width=args.width,
-                  controlnet_image=args.controlnet_image, controlnet_scale=args.controlnet_scale, progress=not args.quiet)
+                  controlnet_image=args.controlnet_image, controlnet_scale=args.controlnet_scale, progress=not args.quiet,
+                  reuse=args.reuse)
     images.write_png(result.image, args.output)
     if args.json:
         try:

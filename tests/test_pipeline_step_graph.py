@@ -100,6 +100,8 @@ def reference_step(run_unet, unet: onnxopt.Model, feeds: dict, *, with_model_out
     eps_u, eps_c = eps2[:b], eps2[b:]
     eps = eps_u + feeds["guidance_scale"] * (eps_c - eps_u)
     latents_out, state_out = c_x * x + c_eps * eps + c_state * feeds["state"], d_x * x + d_eps * eps
+    if with_model_output == "guided":
+        return latents_out, state_out, eps
     return (latents_out, state_out, eps2) if with_model_output else (latents_out, state_out)
 
 
@@ -107,8 +109,10 @@ def assert_step_matches(unet: onnxopt.Model, step: onnxopt.Model, *, atol: float
     run_unet, run_step = runner(unet), step_runner(runner(step))
     for b, seed in zip(batches, seeds):
         feeds = step_feeds(unet, b, seed)
-        expected_latents, expected_state = reference_step(run_unet, unet, feeds)
+        expected_latents, expected_state, expected_guided = reference_step(run_unet, unet, feeds, with_model_output="guided")
         got = run_step(feeds)
+        np.testing.assert_allclose(got["guided_output"], expected_guided, atol=atol * max(1.0, np.abs(expected_guided).max()),
+                                   rtol=0)
         assert got["latents_out"].dtype == np.float32 and got["latents_out"].shape == (b, 4, H, W)
         np.testing.assert_allclose(got["latents_out"], expected_latents, atol=atol, rtol=0)
         np.testing.assert_allclose(got["state_out"], expected_state, atol=atol, rtol=0)
@@ -131,7 +135,7 @@ def test_step_graph_equals_unet_plus_numpy_update(export_tiny, family, exporter)
     conditioning = ["encoder_hidden_states"] + (["text_embeds", "time_ids"] if family == "unet-sdxl" else [])
     assert names == ["latents", "state", "step_index", "schedule_timesteps", "schedule_coefficients",
                      "guidance_scale", *conditioning]
-    assert outputs == ["latents_out", "state_out", "step_index_out"]
+    assert outputs == ["latents_out", "state_out", "step_index_out", "guided_output"]
     shapes = {n: s for n, _, s in inputs}
     assert shapes["step_index"] == [1] and shapes["schedule_coefficients"] == ["schedule", 6]
     assert shapes["schedule_timesteps"] == ["schedule"] and shapes["guidance_scale"] == [1]
@@ -153,7 +157,7 @@ def test_step_graph_of_a_static_unet(fixtures_dir):
     step = build_step_graph(unet)
     shapes = {n: s for n, _, s in io(step)[0]}
     assert shapes["latents"] == shapes["state"] == [1, 4, H, W]
-    assert [t.shape for t in step.graph.outputs] == [[1, 4, H, W]] * 2 + [[1]]
+    assert [t.shape for t in step.graph.outputs] == [[1, 4, H, W]] * 2 + [[1]] + [[1, 4, H, W]]
     assert_step_matches(unet, step, atol=1e-5, batches=(1,))
 
 

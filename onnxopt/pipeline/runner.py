@@ -141,7 +141,11 @@ class Pipeline:
                     print(f"onnxopt: step graph without CUDA graph capture: {exc}", file=sys.stderr)
                     graph = False
                     sessions["step"] = make("unet", step_model)
-        if "step" not in sessions:
+        if "step" in sessions:
+            from onnxopt.pipeline.step_reuse import reuse_step_model
+
+            sessions["reuse"] = create_session(reuse_step_model(), provider, name="reuse step", device_id=device_id)
+        else:
             sessions["unet"] = make("unet")
         io_binding = provider != "cpu" if io_binding is None else io_binding
         if io_binding and "controlnet" in sessions:
@@ -188,7 +192,7 @@ class Pipeline:
 
     def __call__(self, prompt: str, negative_prompt: str | None = None, steps: int = 50, guidance: float = 7.5,
                  scheduler: str = "ddim", seed: int = 0, height: int | None = None, width: int | None = None,
-                 controlnet_image=None, controlnet_scale: float = 1.0, progress: bool = True) -> Result:
+                 controlnet_image=None, controlnet_scale: float = 1.0, progress: bool = True, reuse=None) -> Result:
         from diffusers.utils.torch_utils import randn_tensor
 
         from onnxopt.pipeline.schedulers import SchedulerError, make_scheduler
@@ -197,6 +201,7 @@ class Pipeline:
         folder = self.folder
         check_request(folder, steps=steps, scheduler=scheduler, height=height, width=width,
                       controlnet_image=controlnet_image)
+        reused = reuse_steps(reuse, steps)
         factor = folder.vae_scale_factor
         control = None
         if controlnet_image is not None:
@@ -242,20 +247,26 @@ class Pipeline:
             loop.step()  # the first step alone: it includes the graph capture
             timings["first_step_s"] = time.perf_counter() - t1
             bar.update()
-            t1 = time.perf_counter()
-            for _ in range(1, len(plan)):
-                loop.step()
+            computed, reused_times = [], []
+            for k in range(1, len(plan)):
+                t1 = time.perf_counter()
+                loop.step(reuse=k in reused)
+                (reused_times if k in reused else computed).append(time.perf_counter() - t1)
                 bar.update()
-            rest = time.perf_counter() - t1
-            timings["step_mean_s"] = rest / (len(plan) - 1) if len(plan) > 1 else timings["first_step_s"]
+            timings["step_mean_s"] = float(np.mean(computed)) if computed else timings["first_step_s"]
+            if reused_times:
+                timings["reused_step_mean_s"] = float(np.mean(reused_times))
             latents = loop.latents().astype(np.float32)
             timings["steps"] = len(plan)
         else:
             step_times: list = []
-            latents = self._unfused_loop(sched, steps, noise, cond, controlnet, guidance, step_times, bar, folder.kind)
+            latents = self._unfused_loop(sched, steps, noise, cond, controlnet, guidance, step_times, bar, folder.kind,
+                                         reused)
             timings["first_step_s"] = step_times[0]
-            timings["step_mean_s"] = float(np.mean(step_times[1:] if len(step_times) > 1 else step_times))
+            computed = [t for k, t in enumerate(step_times) if k and k not in reused]
+            timings["step_mean_s"] = float(np.mean(computed)) if computed else step_times[0]
             timings["steps"] = len(step_times)
+        timings["unet_steps"] = timings["steps"] - len(reused)
         bar.close()
 
         t0 = time.perf_counter()
@@ -293,22 +304,23 @@ class Pipeline:
     def _step_loop(self, latents, cond, controlnet, steps: int):
         step, controlnet_session = self.sessions["step"], self.sessions.get("controlnet")
         if not self.io_binding:
-            return HostStepLoop(step, controlnet_session)
+            return HostStepLoop(step, controlnet_session, self.sessions["reuse"])
         # diffusers' schedulers take at most num_train_timesteps steps: one table size serves every run
         capacity = max(steps, self.folder.scheduler_config().get("num_train_timesteps", 1000))
         key = DeviceStepLoop.key(latents, cond, controlnet, capacity)
         if key not in self._device_loops:
             n = len(self._device_loops)
             loop = DeviceStepLoop(require_provider(self.provider), step, controlnet_session,
-                                  self.sessions.get("controlnet_prepare"), cuda_graph=self.cuda_graph,
+                                  self.sessions.get("controlnet_prepare"), self.sessions["reuse"], cuda_graph=self.cuda_graph,
                                   graph_ids=(2 * n, 2 * n + 1), device_id=self.device_id,
                                   device="cpu" if self.provider == "cpu" else "cuda")
             loop.bind(latents, cond, capacity, controlnet)
             self._device_loops[key] = loop
         return self._device_loops[key]
 
-    def _unfused_loop(self, sched, steps, noise, cond, controlnet, guidance, step_times, bar, kind):
-        """diffusers' loop: UNet session, guidance in numpy, diffusers' scale_model_input and step."""
+    def _unfused_loop(self, sched, steps, noise, cond, controlnet, guidance, step_times, bar, kind, reused=frozenset()):
+        """diffusers' loop: UNet session, guidance in numpy, diffusers' scale_model_input and step
+        (at a ``reused`` step: diffusers' step on the last computed guided output, no UNet)."""
         torch = _torch()
         sched.set_timesteps(steps)
         if kind == "sdxl" and hasattr(sched, "set_begin_index"):
@@ -319,8 +331,14 @@ class Pipeline:
                                                    name=str(self.folder.root / "unet"), device_id=self.device_id,
                                                    threads=self.threads)
         unet = self.sessions["unet"]
-        for t in sched.timesteps:
+        eps = None
+        for k, t in enumerate(sched.timesteps):
             t1 = time.perf_counter()
+            if k in reused:
+                latents = sched.step(torch.from_numpy(eps), t, latents, return_dict=False)[0]
+                step_times.append(time.perf_counter() - t1)
+                bar.update()
+                continue
             model_in = sched.scale_model_input(torch.cat([latents] * 2), t).numpy()
             feeds = dict(cond, sample=model_in, timestep=timestep_feed(unet, t.item(), model_in.shape[0]))
             if controlnet is not None:
@@ -354,6 +372,16 @@ def check_request(folder: PipelineFolder, *, steps: int = 50, scheduler: str = "
     if isinstance(controlnet_image, (str, Path)) and not Path(controlnet_image).is_file():
         raise GenerationError(f"{controlnet_image}: no such image")
     _check_size(height, width, folder.vae_scale_factor, allow_none=True)
+
+
+def reuse_steps(reuse, steps: int) -> frozenset:
+    """The steps a --reuse schedule names, or a one-line GenerationError."""
+    from onnxopt.pipeline.step_reuse import ReuseScheduleError, parse_reuse
+
+    try:
+        return parse_reuse(reuse, steps)
+    except ReuseScheduleError as exc:
+        raise GenerationError(str(exc)) from None
 
 
 def _tokenizers_of(kind: str) -> tuple[str, ...]:

@@ -147,9 +147,10 @@ class HostStepLoop:
         loop.latents()
     """
 
-    def __init__(self, step_session, controlnet_session=None):
+    def __init__(self, step_session, controlnet_session=None, reuse_session=None):
         self.step_session = step_session
         self.controlnet_session = controlnet_session
+        self.reuse_session = reuse_session  # the update alone (onnxopt.pipeline.step_reuse)
         self.types = input_types(step_session)
 
     def start(self, plan, latents: np.ndarray, static: dict[str, np.ndarray], guidance: float,
@@ -162,8 +163,13 @@ class HostStepLoop:
                       "guidance_scale": np.asarray([guidance], np.float32)}
         self.controlnet_static = controlnet or {}
 
-    def step(self) -> None:
+    def step(self, reuse: bool = False) -> None:
+        """One step; ``reuse``: the update alone, on the last computed step's guided output."""
         feeds = dict(self.feeds)
+        if reuse:
+            out = run_host(self.reuse_session, {**feeds, "guided_output": self.guided})
+            self.feeds.update(latents=out["latents_out"], state=out["state_out"], step_index=out["step_index_out"])
+            return
         if self.controlnet_session is not None:
             k = int(feeds["step_index"][0])
             sample = controlnet_sample(feeds["latents"], self.plan.coefficients[k][0])
@@ -171,6 +177,7 @@ class HostStepLoop:
             feeds.update(run_host(self.controlnet_session, {**self.controlnet_static, "sample": sample, "timestep": t}))
         out = run_host(self.step_session, feeds)
         self.feeds.update(latents=out["latents_out"], state=out["state_out"], step_index=out["step_index_out"])
+        self.guided = out["guided_output"]
 
     def latents(self) -> np.ndarray:
         return self.feeds["latents"]
@@ -188,11 +195,12 @@ class DeviceStepLoop:
     writes its residuals into fixed buffers that the step graph reads.
     """
 
-    def __init__(self, ort, step_session, controlnet_session=None, prepare_session=None, *, cuda_graph: bool = False,
-                 graph_ids: tuple[int, int] = (0, 1), device_id: int = 0, device: str = "cuda"):
+    def __init__(self, ort, step_session, controlnet_session=None, prepare_session=None, reuse_session=None, *,
+                 cuda_graph: bool = False, graph_ids: tuple[int, int] = (0, 1), device_id: int = 0, device: str = "cuda"):
         self.ort, self.step_session, self.cuda_graph, self.device_id = ort, step_session, cuda_graph, device_id
         self.device = device  # "cpu" runs the same bindings on the CPU EP (how CI tests this loop)
         self.controlnet_session, self.prepare_session = controlnet_session, prepare_session
+        self.reuse_session = reuse_session
         self.graph_ids = graph_ids
         self.types = input_types(step_session)
         self._keep: list = []
@@ -229,6 +237,7 @@ class DeviceStepLoop:
         self.coefficients = self._zeros([capacity, 6], np.float32)
         self.guidance = self._zeros([1], np.float32)
         self.static = {name: self._zeros(np.shape(value), types[name]) for name, value in static.items() if name in types}
+        self.guided = self._zeros(shape, np.float32)  # the last computed step's guided output (step reuse)
         residuals = self._bind_controlnet(latents, static, controlnet, capacity) if self.controlnet_session else {}
         self.bindings = []
         for parity in (0, 1):
@@ -240,9 +249,20 @@ class DeviceStepLoop:
                                 ("schedule_coefficients", self.coefficients), ("guidance_scale", self.guidance)):
                 binding.bind_ortvalue_input(name, value)
             for name, value in (("latents_out", self.buffers[1 - parity]), ("state_out", self.states[1 - parity]),
-                                ("step_index_out", self.indices[1 - parity])):
+                                ("step_index_out", self.indices[1 - parity]), ("guided_output", self.guided)):
                 binding.bind_ortvalue_output(name, value)
             self.bindings.append(binding)
+        self.reuse_bindings = []
+        for parity in (0, 1) if self.reuse_session is not None else ():
+            binding = self.reuse_session.io_binding()
+            for name, value in (("latents", self.buffers[parity]), ("state", self.states[parity]),
+                                ("step_index", self.indices[parity]), ("schedule_coefficients", self.coefficients),
+                                ("guided_output", self.guided)):
+                binding.bind_ortvalue_input(name, value)
+            for name, value in (("latents_out", self.buffers[1 - parity]), ("state_out", self.states[1 - parity]),
+                                ("step_index_out", self.indices[1 - parity])):
+                binding.bind_ortvalue_output(name, value)
+            self.reuse_bindings.append(binding)
         self.options = [self._run_options(parity) for parity in (0, 1)]
         self.bound = True
 
@@ -307,9 +327,14 @@ class DeviceStepLoop:
             options.add_run_config_entry("gpu_graph_id", str(self.graph_ids[parity]))
         return options
 
-    def step(self) -> None:
-        """Run step ``index`` (returns when the device has finished it)."""
+    def step(self, reuse: bool = False) -> None:
+        """Run step ``index`` (returns when the device has finished it); ``reuse``: the update alone,
+        on the last computed step's guided output (no UNet, no ControlNet)."""
         parity = self.index % 2
+        if reuse:
+            self.reuse_session.run_with_iobinding(self.reuse_bindings[parity])
+            self.index += 1
+            return
         if self.controlnet_session is not None:
             self.prepare_session.run_with_iobinding(self.prepare_bindings[parity])
             self.controlnet_session.run_with_iobinding(self.controlnet_binding)

@@ -14,7 +14,8 @@
 The interface (the pipeline contract): inputs ``latents``, ``state`` (float32), ``step_index`` [1]
 int64, ``schedule_timesteps`` [T] (the UNet's timestep dtype), ``schedule_coefficients`` [T, 6]
 float32, ``guidance_scale`` [1] and the UNet's conditioning inputs by their own names and dtypes;
-outputs ``latents_out``, ``state_out`` and ``step_index_out`` (= step_index + 1). Row k of the
+outputs ``latents_out``, ``state_out``, ``step_index_out`` (= step_index + 1) and ``guided_output``
+(eps, float32: what a reused step reads, :mod:`onnxopt.pipeline.step_reuse`). Row k of the
 schedule is step k's timestep and (c_in, c_x, c_eps, c_state, d_x, d_eps), from
 :func:`onnxopt.pipeline.schedulers.plan_steps`; rows past the run's step count are never read.
 
@@ -53,7 +54,7 @@ from onnxopt.shapes import infer_shapes
 
 PREFIX = "step/"
 STEP_INPUTS = ("latents", "state", "step_index", "schedule_timesteps", "schedule_coefficients", "guidance_scale")
-STEP_OUTPUTS = ("latents_out", "state_out", "step_index_out")
+STEP_OUTPUTS = ("latents_out", "state_out", "step_index_out", "guided_output")
 UNET_INPUTS = ("sample", "timestep", "encoder_hidden_states")
 IMAGE_BATCH = "images"  # the latents' batch dim: half the UNet's (uncond and cond rows)
 F32 = np.dtype(np.float32)
@@ -143,7 +144,8 @@ def build_step_graph(unet: Model) -> Model:
     eps_u, eps_c = b.op("Split", "model_output", [eps2], shape=latent_shape, attrs=split_attrs, outputs=2)
     difference = b.op("Sub", "guidance_difference", [eps_c, eps_u], shape=latent_shape)
     guided = b.op("Mul", "guidance_scaled", [difference, guidance], shape=latent_shape)
-    eps = b.op("Add", "guided_output", [eps_u, guided], shape=latent_shape)
+    eps = gs.Variable("guided_output", dtype=F32, shape=latent_shape)
+    b.into("Add", "guided_output", [eps_u, guided], eps)
 
     x_term = b.op("Mul", "c_x_latents", [c_x, latents], shape=latent_shape)
     eps_term = b.op("Mul", "c_eps_output", [c_eps, eps], shape=latent_shape)
@@ -158,7 +160,7 @@ def build_step_graph(unet: Model) -> Model:
 
     passed_through = [t for t in graph.inputs if t is not sample and t is not timestep]
     graph.inputs = [latents, state, step_index, timesteps, coefficients, guidance, *passed_through]
-    graph.outputs = [latents_out, state_out, step_index_out]
+    graph.outputs = [latents_out, state_out, step_index_out, eps]
     graph.toposort()
     model = Model(graph=graph, source=unet.source, metadata_props=dict(unet.metadata_props),
                   model_version=unet.model_version, doc_string=unet.doc_string, domain=unet.domain,

@@ -1,0 +1,100 @@
+"""Step reuse (seed 003): chosen later steps reuse the previous step's guided model output.
+
+At a reused step the UNet does not run; the scheduler update alone advances the latents with the
+last computed guided output ``eps``::
+
+    computed step k:  latents, state ─ step graph (UNet + guidance + update) ─ latents', state',
+                                                                             guided_output ─┐
+    reused step k+1:  latents', state', guided_output (step k's) ─ reuse graph ─ latents'', state''
+    reuse graph:      step_index ─ Gather(schedule_coefficients) ─ c_x, c_eps, c_state, d_x, d_eps
+                      latents_out = c_x * latents + c_eps * eps + c_state * state
+                      state_out   = d_x * latents + d_eps * eps;  step_index_out = step_index + 1
+
+That is diffusers' ``scheduler.step(eps_prev, t, latents)``, the same update the step graph
+appends, read from the same schedule table; so the reused loop equals diffusers' loop fed the
+cached prediction (``tests/test_pipeline_generate.py``). It is opt-in: an approximation whose
+quality is measured against the full schedule and against fewer steps of the same compute
+(``benchmarks/pipeline_gpu.py``), never a default.
+
+Schedules (``--reuse``): comma-separated step indices (0-based) and ranges ``a-b`` (inclusive)
+with an optional stride ``a-b:s``; ``"30-49:2"`` reuses steps 30, 32, ..., 48. Step 0 has no
+previous prediction and cannot be reused.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from onnxopt.errors import OnnxoptError
+
+
+class ReuseScheduleError(OnnxoptError):
+    """A --reuse schedule that does not parse or does not fit the step count (exit code 2)."""
+
+
+def parse_reuse(spec: str | None, steps: int) -> frozenset[int]:
+    """The 0-based steps that reuse the previous prediction, from ``spec`` (see the module docstring)."""
+    if spec is None or (isinstance(spec, str) and not spec.strip()):
+        return frozenset()
+    if not isinstance(spec, str):  # an iterable of step indices (Python API)
+        chosen = {int(k) for k in spec}
+    else:
+        chosen = set()
+        for part in spec.split(","):
+            part = part.strip()
+            try:
+                if "-" in part:
+                    bounds, _, stride = part.partition(":")
+                    first, last = (int(x) for x in bounds.split("-"))
+                    step = int(stride) if stride else 1
+                    if step < 1 or last < first:
+                        raise ValueError
+                    chosen.update(range(first, last + 1, step))
+                else:
+                    chosen.add(int(part))
+            except ValueError:
+                raise ReuseScheduleError(f"--reuse: cannot read '{part}' (give steps like 30-49:2,45)") from None
+    if 0 in chosen:
+        raise ReuseScheduleError("--reuse: step 0 has no previous prediction to reuse")
+    outside = sorted(k for k in chosen if k < 0 or k >= steps)
+    if outside:
+        raise ReuseScheduleError(f"--reuse: step {outside[0]} is outside 0..{steps - 1}")
+    return frozenset(chosen)
+
+
+def reuse_step_model(opset: int = 17) -> bytes:
+    """The reuse graph of the module docstring (float32 latents, state and guided output)."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    f32 = TensorProto.FLOAT
+    latent = ["images", 4, "height", "width"]
+    nodes = [
+        helper.make_node("Gather", ["schedule_coefficients", "step_index"], ["row"], axis=0),
+        helper.make_node("Split", ["row", "sizes"], ["c_in", "c_x", "c_eps", "c_state", "d_x", "d_eps"], axis=1),
+        helper.make_node("Mul", ["c_x", "latents"], ["x_term"]),
+        helper.make_node("Mul", ["c_eps", "guided_output"], ["eps_term"]),
+        helper.make_node("Mul", ["c_state", "state"], ["state_term"]),
+        helper.make_node("Add", ["x_term", "eps_term"], ["partial"]),
+        helper.make_node("Add", ["partial", "state_term"], ["latents_out"]),
+        helper.make_node("Mul", ["d_x", "latents"], ["dx_term"]),
+        helper.make_node("Mul", ["d_eps", "guided_output"], ["deps_term"]),
+        helper.make_node("Add", ["dx_term", "deps_term"], ["state_out"]),
+        helper.make_node("Add", ["step_index", "one"], ["step_index_out"]),
+    ]
+    graph = helper.make_graph(
+        nodes, "reuse_step",
+        [helper.make_tensor_value_info("latents", f32, latent),
+         helper.make_tensor_value_info("state", f32, latent),
+         helper.make_tensor_value_info("step_index", TensorProto.INT64, [1]),
+         helper.make_tensor_value_info("schedule_coefficients", f32, ["schedule", 6]),
+         helper.make_tensor_value_info("guided_output", f32, latent)],
+        [helper.make_tensor_value_info("latents_out", f32, latent),
+         helper.make_tensor_value_info("state_out", f32, latent),
+         helper.make_tensor_value_info("step_index_out", TensorProto.INT64, [1])],
+        initializer=[helper.make_tensor("sizes", TensorProto.INT64, [6], np.ones(6, np.int64)),
+                     helper.make_tensor("one", TensorProto.INT64, [1], [1])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+    model.ir_version = 8
+    onnx.checker.check_model(model)
+    return model.SerializeToString()
