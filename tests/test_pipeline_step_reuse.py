@@ -101,3 +101,18 @@ def test_the_cli_reuses_and_refuses(tmp_path):
     assert "step 0 has no previous prediction" in bad.stderr and "Traceback" not in bad.stderr
     with pytest.raises(GenerationError, match="outside"):
         Pipeline.load(COMMITTED_SD15, "cpu")(PROMPT, steps=3, reuse="5", progress=False)
+
+
+def test_the_quality_curve_command_runs(tmp_path):
+    """benchmarks/step_reuse_curve.py on the committed tiny folder (CPU): one row per schedule and
+    one per 'fewer steps' of the same compute, each against the full schedule."""
+    import json
+
+    from benchmarks.step_reuse_curve import main
+
+    assert main(["--folder", str(COMMITTED_SD15), "--steps", "4", "--scheduler", "euler", "--schedules", "2-3:2", "3",
+                 "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "results.json").read_text())["rows"]
+    assert [(r["schedule"], r["unet_steps"]) for r in rows] == [
+        ("full", 4), ("reuse 2-3:2", 3), ("3 steps", 3), ("reuse 3", 3), ("3 steps", 3)]
+    assert rows[0]["latents_max_abs"] == 0 and all(r["latents_max_abs"] > 0 for r in rows[1:])
