@@ -65,6 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
     opt.add_argument("-o", "--output", required=True, help="where to write the result (atomically; for a folder: a new folder)")
     opt.add_argument("--passes", default=None, help="comma-separated passes and presets (default: cleanup)")
     opt.add_argument("--target", choices=["ort-cuda", "tensorrt"], help="the target's preset (a folder: each component's preset, default ort-cuda)")
+    opt.add_argument("--no-context-kv", dest="context_kv", action="store_false",
+                     help="a folder: keep the cross-attention K/V inside the step graph (default: computed once per prompt)")
     opt.add_argument("--fp16", action="store_true", help="add the fp16 pass (a folder: the VAE guarded, see onnxopt/pipeline/optimize_folder.py)")
     opt.add_argument("--verify", action="store_true", help="compare with the source after every pass; name the first that breaks the tolerance")
     opt.add_argument("--atol", type=_tolerance_arg, default=1e-4)

@@ -181,7 +181,8 @@ def test_optimize_ort_cuda_folder_matches_source(folders, tmp_path, kind):
     assert file_hashes(src) == before                                   # the input is never modified
     after = file_hashes(dst)
     # same layout, same data names; plus the fused step graph beside the UNet (onnxopt.pipeline.step_graph)
-    assert after.keys() == before.keys() | {"unet/step.onnx"}
+    # and its once-per-prompt cross-attention K/V graph, both reading the UNet's own data file
+    assert after.keys() == before.keys() | {"unet/step.onnx", "unet/step.context_kv.onnx"}
     for rel, digest in before.items():
         if not rel.endswith(("model.onnx", "model.onnx_data")):
             assert after[rel] == digest, rel                            # configs, tokenizer, scheduler: copied
@@ -286,7 +287,8 @@ def test_external_data_names_are_kept(folders, tmp_path, data_name):
     dst = tmp_path / "out"
     report = optimize_folder(src, dst)
     for component in onnx_components(src):
-        step = ["step.onnx"] if component == "unet" else []  # the step graph refers to the UNet's data file
+        # the step graph and its context-kv part refer to the UNet's data file: no data file of their own
+        step = ["step.onnx", "step.context_kv.onnx"] if component == "unet" else []
         assert sorted(p.name for p in (dst / component).iterdir()) == sorted(["config.json", "model.onnx", data_name, *step])
         assert report.component(component).data_name == data_name
     assert_optimized_matches_source(src, dst)

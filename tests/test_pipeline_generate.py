@@ -229,17 +229,24 @@ def test_sdxl_without_negative_prompt_uses_zero_conditioning(built):
     assert np.abs(empty.latents - zeros.latents).max() > 100 * LATENT_RTOL * np.abs(ref_latents).max()
 
 
-def test_generate_on_an_optimized_folder(built, tmp_path):
-    """``onnxopt optimize --target tensorrt`` on a folder writes standard ONNX and unet/step.onnx; every
-    component runs on the ORT CPU EP and gives the source folder's image."""
+@pytest.mark.parametrize("kind, context_kv", [("sd15", True), ("sd15", False), ("sdxl", True),
+                                              ("sd15-controlnet", True)])
+def test_generate_on_an_optimized_folder(built, tmp_path, kind, context_kv):
+    """``onnxopt optimize --target tensorrt`` on a folder writes standard ONNX and unet/step.onnx
+    (by default with its cross-attention K/V cut into step.context_kv.onnx, run once per prompt);
+    every component runs on the ORT CPU EP and gives the source folder's image."""
     from onnxopt.pipeline import optimize_folder
 
-    b = built("sd15")
-    out = tmp_path / "sd15-trt"
-    optimize_folder(b.folder, out, target="tensorrt")
+    b = built(kind)
+    out = tmp_path / f"{kind}-trt"
+    optimize_folder(b.folder, out, target="tensorrt", context_kv=context_kv)
     assert (out / "unet" / "step.onnx").is_file()
-    optimized = Pipeline.load(out, "cpu", threads=THREADS)(scheduler="dpm++2m", progress=False, **b.request())
-    assert optimized.timings["step"] == "unet/step.onnx"
+    assert (out / "unet" / "step.context_kv.onnx").is_file() == context_kv
+    pipe = Pipeline.load(out, "cpu", threads=THREADS)
+    optimized = pipe(scheduler="dpm++2m", progress=False, **b.request())
+    assert optimized.timings["step"] == "unet/step.onnx" + (" + step.context_kv.onnx" if context_kv else "")
+    step_inputs = {i.name for i in pipe.sessions["step"].get_inputs()}
+    assert ("encoder_hidden_states" in step_inputs) == (not context_kv)
     source = b.onnx()(scheduler="dpm++2m", progress=False, **b.request())
     scale = float(np.abs(source.latents).max())
     np.testing.assert_allclose(optimized.latents, source.latents, rtol=0, atol=LATENT_RTOL * scale)

@@ -219,26 +219,37 @@ def test_step_graph_of_an_fp16_unet(export_tiny, keep_io_types):
         assert np.abs(got["latents_out"] - from_fp32).max() <= 2e-2 * np.abs(from_fp32).max()
 
 
-def test_write_step_graph_references_the_unet_external_data(export_tiny, tmp_path):
+@pytest.mark.parametrize("context_kv", [False, True])
+def test_write_step_graph_references_the_unet_external_data(export_tiny, tmp_path, context_kv):
+    """step.onnx (and with context_kv its once-per-prompt part) refer to the UNet's own data file:
+    same file, offsets and lengths, every external weight of the UNet in exactly one of them."""
     unet_dir = tmp_path / "unet"
     unet_dir.mkdir()
     save_model(load_model(export_tiny("unet-sd15").path), unet_dir / "model.onnx", external_data=True,
                data_location="model.onnx_data")
     before = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in unet_dir.iterdir()}
 
-    path = write_step_graph(unet_dir)
+    path = write_step_graph(unet_dir, context_kv=context_kv)
 
+    written = ["step.onnx"] + (["step.context_kv.onnx"] if context_kv else [])
     assert path == unet_dir / "step.onnx"
-    assert sorted(p.name for p in unet_dir.iterdir()) == ["model.onnx", "model.onnx_data", "step.onnx"]
-    after = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in unet_dir.iterdir() if p.name != "step.onnx"}
+    assert sorted(p.name for p in unet_dir.iterdir()) == sorted(["model.onnx", "model.onnx_data", *written])
+    after = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in unet_dir.iterdir() if p.name not in written}
     assert after == before  # the UNet's files are untouched
     unet_proto = onnx.load(str(unet_dir / "model.onnx"), load_external_data=False)
-    step_proto = onnx.load(str(path), load_external_data=False)
     external = {t.name: list(t.external_data) for t in unet_proto.graph.initializer if t.external_data}
-    step_external = {t.name: list(t.external_data) for t in step_proto.graph.initializer if t.external_data}
+    step_external = {}
+    for name in written:
+        proto = onnx.load(str(unet_dir / name), load_external_data=False)
+        for t in proto.graph.initializer:
+            if t.external_data:
+                assert t.name not in step_external  # no weight in both parts
+                step_external[t.name] = list(t.external_data)
+        inline = sum(len(t.raw_data) for t in proto.graph.initializer)
+        assert inline <= sum(len(t.raw_data) for t in unet_proto.graph.initializer) + 256  # + the step's own constants
     assert step_external == external and external  # same file, offset and length: nothing copied
-    inline = sum(len(t.raw_data) for t in step_proto.graph.initializer)
-    assert inline <= sum(len(t.raw_data) for t in unet_proto.graph.initializer) + 256  # + the step's own constants
+    if context_kv:
+        return  # the chain of both parts is proven in test_pipeline_generate (optimized folders)
 
     unet = load_model(unet_dir / "model.onnx")
     in_memory = step_runner(runner(build_step_graph(unet)))
@@ -254,7 +265,7 @@ def test_write_step_graph_of_an_inline_unet_is_inline(export_tiny, tmp_path):
     unet_dir = tmp_path / "unet"
     unet_dir.mkdir()
     save_model(load_model(export_tiny("unet-sd15").path), unet_dir / "model.onnx", external_data=False)
-    path = write_step_graph(unet_dir, file_name="fused.onnx")
+    path = write_step_graph(unet_dir, file_name="fused.onnx", context_kv=False)
     assert sorted(p.name for p in unet_dir.iterdir()) == ["fused.onnx", "model.onnx"]
     assert not any(t.external_data for t in onnx.load(str(path), load_external_data=False).graph.initializer)
     unet = load_model(unet_dir / "model.onnx")

@@ -34,6 +34,7 @@ KINDS = ("sd", "sdxl", "controlnet")
 EXTERNAL_DATA_NAMES = ("model.onnx_data", "model.onnx.data", "weights.pb")
 MODEL_FILE = "model.onnx"
 STEP_FILE = "step.onnx"  # the fused step graph (onnxopt.pipeline.step_graph.write_step_graph)
+CONTEXT_FILE = "step.context_kv.onnx"  # its context-kv companion, run once per prompt
 
 # What each kind needs to generate an image; vae_encoder is optional everywhere.
 REQUIRED_MODELS = {
@@ -64,6 +65,13 @@ class Component:
         """unet/step.onnx when the folder ships the fused step graph, else None."""
         path = self.folder / STEP_FILE
         return path if path.is_file() else None
+
+    @property
+    def context_model(self) -> Path | None:
+        """unet/step.context_kv.onnx: the step graph's once-per-prompt part (cross-attention K/V),
+        written beside step.onnx by write_step_graph; None when the step graph has none."""
+        path = self.folder / CONTEXT_FILE
+        return path if path.is_file() and self.step_model is not None else None
 
     def nbytes(self) -> int:
         """Size on disk of the graph and its external data."""

@@ -351,13 +351,16 @@ def _copy_unchanged(src: Path, tmp: Path, skip: set[Path]) -> int:
 
 def optimize_folder(src, dst, target: str = "ort-cuda", fp16: bool = False, verify: bool = False, *,
                     tolerance=None, fp16_options: dict | None = None,
-                    vae_max_rel_l2: float = VAE_FP16_MAX_REL_L2, step_graph: bool = True) -> FolderReport:
+                    vae_max_rel_l2: float = VAE_FP16_MAX_REL_L2, step_graph: bool = True,
+                    context_kv: bool = True) -> FolderReport:
     """Optimize every ONNX component of the pipeline folder ``src`` into the new folder ``dst``.
 
     ``target``: "ort-cuda" or "tensorrt", the preset of every component. ``fp16``: add the fp16
     pass (VAE guarded, see the module docstring). ``verify``: compare after every pass (raises
     VerificationError, exit 1, and writes nothing when a pass breaks the tolerance).
-    ``fp16_options``: extra options of the fp16 pass for every component.
+    ``fp16_options``: extra options of the fp16 pass for every component. ``step_graph``: write
+    ``unet/step.onnx``; ``context_kv``: with its cross-attention K/V cut into
+    ``unet/step.context_kv.onnx``, run once per prompt (:func:`write_step_graph`).
     Raises OnnxoptError (exit 2) for a bad folder or destination; ``dst`` then does not exist.
     """
     src, dst = Path(src), Path(dst)
@@ -381,8 +384,11 @@ def optimize_folder(src, dst, target: str = "ort-cuda", fp16: bool = False, veri
             report.components.append(_optimize_component(
                 c, tmp / c.name, src, target, fp16, verify, tolerance, fp16_options or {}, vae_max_rel_l2))
             if c.name == "unet" and step_graph:
-                write_step_graph(tmp / "unet")
-                report.components[-1].notes.append("step graph written (onnxopt.pipeline.step_graph)")
+                step = write_step_graph(tmp / "unet", context_kv=context_kv)
+                context = step.with_name("step.context_kv.onnx").is_file()
+                report.components[-1].notes.append(
+                    "step graph written (onnxopt.pipeline.step_graph)"
+                    + (", cross-attention K/V once per prompt in step.context_kv.onnx" if context else ""))
         if dst.exists():
             dst.rmdir()                 # empty (checked); rename cannot replace a folder on every OS
         os.replace(tmp, dst)
@@ -415,7 +421,8 @@ def cli_optimize_folder(args) -> int:
         if report_path == source or source in report_path.parents:
             raise OnnxoptError(f"{args.report_json}: is inside the input folder; onnxopt never modifies its input")
     report = optimize_folder(args.input, args.output, target=args.target or "ort-cuda", fp16=args.fp16,
-                             verify=args.verify, tolerance=Tolerance(args.atol, args.rtol), fp16_options=fp16_options)
+                             verify=args.verify, tolerance=Tolerance(args.atol, args.rtol), fp16_options=fp16_options,
+                             context_kv=args.context_kv)
     if args.report_json:
         write_report(args.report_json, report.to_json())
     if not args.quiet:

@@ -28,7 +28,8 @@ steps, guidance and size as the torch pipeline built from the same weights: the 
 (``tests/test_pipeline_generate.py`` checks it for every kind and scheduler).
 
 Where the step graph comes from (``fused_step=True``, the default): ``unet/step.onnx`` when the
-folder has it; else built in memory from ``unet/model.onnx`` by
+folder has it (with ``unet/step.context_kv.onnx`` beside it, run once per prompt: every
+cross-attention's K/V of the prompt, which the step graph then reads instead of the text); else built in memory from ``unet/model.onnx`` by
 ``onnxopt.pipeline.step_graph.build_step_graph`` when the UNet is under 1.8 GB (run from its
 serialized bytes, weights inline); else the unfused loop, which is also what ``fused_step=False``
 runs (the reference for the fused path, and an ablation).
@@ -132,6 +133,10 @@ class Pipeline:
         step_source = "unfused"
         if fused_step:
             step_model, step_source = _step_graph(folder)
+            context = folder.component("unet").context_model if step_source == "unet/step.onnx" else None
+            if context is not None:  # cross-attention K/V once per prompt (step.context_kv.onnx)
+                sessions["context"] = make("unet", context)
+                step_source += " + step.context_kv.onnx"
             if step_model is not None:
                 try:
                     sessions["step"] = make("unet", step_model, cuda_graph=graph)
@@ -218,6 +223,8 @@ class Pipeline:
         if folder.kind == "sdxl":
             time_ids = np.asarray([[height, width, 0, 0, height, width]], np.float32)  # original, crop (0,0), target
             cond["time_ids"] = np.concatenate([time_ids, time_ids])
+        if "context" in self.sessions:  # the step graph reads the cross-attention K/V, not the text
+            cond.update(run_host(self.sessions["context"], cond))
         timings["text_encoder_s"] = time.perf_counter() - t0
 
         sched = make_scheduler(scheduler, folder.scheduler_config())

@@ -87,7 +87,9 @@ def build_step_graph(unet: Model) -> Model:
     graph = _copy_sharing_constants(unet.graph)
     inputs = {t.name: t for t in graph.inputs}
     where = str(unet.source) if unet.source else "UNet"
-    missing = [name for name in UNET_INPUTS if name not in inputs]
+    # a context-kv denoiser takes the K/V its companion computes from encoder_hidden_states instead
+    missing = [name for name in UNET_INPUTS if name not in inputs
+               and not (name == "encoder_hidden_states" and "context_kv" in unet.companions)]
     if missing:
         raise UnsupportedModelError(f"{where}: not a UNet graph: no input {', '.join(missing)} "
                                     f"(it has {', '.join(inputs) or 'none'})")
@@ -169,16 +171,28 @@ def build_step_graph(unet: Model) -> Model:
     return model
 
 
-def write_step_graph(unet_dir: str | os.PathLike, *, file_name: str = "step.onnx") -> Path:
+def write_step_graph(unet_dir: str | os.PathLike, *, file_name: str = "step.onnx", context_kv: bool = True) -> Path:
     """Build the step graph of ``unet_dir/model.onnx`` and write it to ``unet_dir/file_name``
     (atomically). Weights stored in external data files of ``unet_dir`` are referenced where they
     are, not copied; an inline UNet gives an inline step graph (own data file past ~1.8 GB).
-    Returns the path written."""
+
+    ``context_kv`` (the text side once per prompt, issue 14): the ``context-kv`` pass first cuts
+    every cross-attention's K/V projection of ``encoder_hidden_states`` out of the UNet; the step
+    graph is built around the rest and the cut part is written beside it as
+    ``<stem>.context_kv.onnx`` (its inputs: the prompt's conditioning; its outputs: inputs of the
+    step graph, by name), which the runner runs once per prompt. When the pass refuses the UNet,
+    the whole UNet goes into the step graph. Returns the path written."""
     from onnxopt.loading import load_model
     from onnxopt.saving import save_model
 
     unet_dir = Path(unet_dir)
-    step = build_step_graph(load_model(unet_dir / "model.onnx"))
+    unet = None
+    if context_kv:
+        from onnxopt.api import optimize
+
+        cut, _ = optimize(unet_dir / "model.onnx", ["context-kv"])
+        unet = cut if "context_kv" in cut.companions else None
+    step = build_step_graph(unet or load_model(unet_dir / "model.onnx"))
     return save_model(step, unet_dir / file_name, reference_external=True).path
 
 
