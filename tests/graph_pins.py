@@ -161,13 +161,18 @@ def export_args(case: str) -> tuple[str, str, str, str, int | None]:
     return family, exporter, shapes, attention, int(rest[0].removeprefix("opset")) if rest else None
 
 
-def optimized_fingerprint(path: Path, preset: str) -> dict:
+def optimized_fingerprint(path: Path, preset: str, check_properties: bool = False) -> dict:
     """Optimize ``path`` with ``preset`` (comma-separated passes/presets) and fingerprint the result;
-    a run that raises is pinned as its error."""
+    a run that raises is pinned as its error. ``check_properties``: every property a pass claims
+    is checked after it (onnxopt.properties); a broken claim raises."""
     from onnxopt import optimize
+    from onnxopt.properties import PropertyViolation, checking
 
     try:
-        model, _ = optimize(path, preset.split(","))
+        with checking(check_properties):
+            model, _ = optimize(path, preset.split(","))
+    except PropertyViolation:
+        raise
     except Exception as exc:  # pinned too: a rewrite must not start or stop failing
         return {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"}
     return fingerprint(model.to_onnx())

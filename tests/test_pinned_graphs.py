@@ -4,7 +4,8 @@ For each committed fixture and each tiny family x export variant, under ``ort-cu
 ``ort-cuda,fp16`` and ``tensorrt``, the optimized graph's op multiset, name-independent
 connectivity and weights (see :mod:`tests.graph_pins`) equal the pinned ones. A refactoring of the
 passes must keep them; a change of behaviour regenerates the pins on purpose
-(``PYTHONPATH=$PWD python3 -m tests.graph_pins``) and says why in its commit.
+(``PYTHONPATH=$PWD python3 -m tests.graph_pins``) and says why in its commit. Every property a
+pass claims is checked after it on the way (onnxopt.properties).
 
 Cost: the default run pins every fixture (no export) and the two exports the fusion tests make
 anyway that no fixture covers (the classic attention processor), about 20 s on a 2-core machine.
@@ -61,7 +62,7 @@ def test_the_optimized_graph_is_the_pinned_one(export_tiny, case, preset):
             pytest.skip(f"exports change with {', '.join(changed)}: regenerate the pins (python3 -m tests.graph_pins)")
         family, exporter, shapes, attention, opset = export_args(case)
         path = export_tiny(family, exporter, shapes, attention, opset=opset).path
-    actual = optimized_fingerprint(path, preset)
+    actual = optimized_fingerprint(path, preset, check_properties=True)  # the claims passes make hold, too
     differs = {key: (expected.get(key), actual.get(key)) for key in expected.keys() | actual.keys()
                if expected.get(key) != actual.get(key)}
     if "ops" in differs:
