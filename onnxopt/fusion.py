@@ -131,7 +131,10 @@ class Emit:
 
     def constant(self, suffix: str, value) -> gs.Constant:
         """A new weight: an array, or lazy values (onnxopt.weights.DerivedValues: computed when read or saved)."""
-        values = value if isinstance(value, LazyValues) else np.ascontiguousarray(value)
+        values = value
+        if not isinstance(value, LazyValues):
+            values = np.asarray(value)  # a 0-d value stays 0-d (np.ascontiguousarray would make it (1,))
+            values = np.ascontiguousarray(values) if values.ndim else values
         return gs.Constant(self.names(f"{self.prefix}/{suffix}"), values)
 
     def node(self, op_type: str, inputs, dtype, shape, *, outputs: int | Sequence[gs.Tensor] = 1,

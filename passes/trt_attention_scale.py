@@ -72,7 +72,7 @@ def read_site(match: Match, run: FusionRun) -> Match:
 def emit_scaled_q(make: Emit, match: Match) -> list[gs.Tensor]:
     """softmax(q * scale @ kt [+ mask]), each node annotated as the one it replaces."""
     q, kt, qk, softmax = match["q"], match["kt"], match.node("qk"), match.node("softmax")
-    scaled_q = make.op.Mul(q, make.constant("q_scale", scale_of(match)))
+    scaled_q = make.op.Mul(q, make.constant("q_scale", scale_of(match).reshape(1)))  # a (1,) constant
     scores = make.op.MatMul(scaled_q, kt, _dtype=qk.outputs[0].dtype, _shape=qk.outputs[0].shape)
     if match.has_node("mask_add"):
         add, mask = match.node("mask_add"), match["mask"]
