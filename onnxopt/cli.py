@@ -16,6 +16,7 @@ from pathlib import Path
 
 from onnxopt import registry
 from onnxopt.errors import OnnxoptError
+from onnxopt.properties import checking
 
 EXIT_OK, EXIT_VERIFY_FAILED, EXIT_BAD_INPUT, EXIT_INTERNAL = 0, 1, 2, 3
 
@@ -57,7 +58,7 @@ def _dim_arg(text: str) -> tuple[str, int]:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(prog="onnxopt", description="Optimize diffusion-model ONNX graphs for ORT CUDA and TensorRT.")
-    parser.add_argument("--debug", action="store_true", help="show tracebacks")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks; check every property a pass claims after it")
     sub = parser.add_subparsers(dest="command", required=True)
 
     opt = sub.add_parser("optimize", help="run passes over a model")
@@ -86,6 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
     fp16.add_argument("--fp32-auto", action="store_true", help="keep float32 the nodes whose values leave the fp16 range on calibration inputs")
     fp16.add_argument("--calibration", help=".npz of calibration inputs for --fp32-auto (default: random inputs)")
     opt.add_argument("--strict", action="store_true", help="fail (exit 4) when a requested fusion finds nothing to fuse")
+    opt.add_argument("--explain", action="append", default=[], metavar="PASS",
+                     help="print, per candidate site of PASS, where its pattern failed or which condition refused it")
     opt.add_argument("-q", "--quiet", action="store_true", help="do not print the report table")
 
     bench = sub.add_parser("bench", help="latency on the ORT CUDA EP of several models on the same inputs")
@@ -215,6 +218,7 @@ def _profile_arg(text: str):
 
 def cmd_optimize(args) -> int:
     from onnxopt.api import optimize
+    from onnxopt.fusion import explaining
     from onnxopt.loading import load_model
     from onnxopt.saving import check_destination, check_writes, planned_writes, save_model
     from onnxopt.verify import InputSpec, Tolerance, check_dim_names
@@ -235,14 +239,18 @@ def cmd_optimize(args) -> int:
     check_writes(planned_writes(source, args.output, external_data=args.external_data) + [p for p in [args.report_json] if p], source)
     inputs = InputSpec(shapes=dict(args.shape), dims=dict(args.dim))
     start = time.perf_counter()
-    model, report = optimize(
-        source, passes, verify=args.verify, tolerance=Tolerance(args.atol, args.rtol), inputs=inputs, strict=args.strict,
-        options={"fp16": _fp16_options(args)},
-    )
+    explained = _explained_passes(args.explain, expanded)
+    with explaining(explained):
+        model, report = optimize(
+            source, passes, verify=args.verify, tolerance=Tolerance(args.atol, args.rtol), inputs=inputs, strict=args.strict,
+            options={"fp16": _fp16_options(args)},
+        )
     if args.report_json:
         write_report(args.report_json, report.to_json())
     if not args.quiet:
         print(report.table())
+    if explained:
+        print(report.explain(explained))
     if report.first_broken_pass:
         print(f"onnxopt: verification failed at pass '{report.first_broken_pass}'; {args.output} not written", file=sys.stderr)
         return EXIT_VERIFY_FAILED
@@ -253,6 +261,16 @@ def cmd_optimize(args) -> int:
         for name, part in info.companions.items():  # context-kv: the graph run once per prompt, beside it
             print(f"wrote {part.path}" + (f" (+ {part.data_path.name})" if part.data_path else "") + f": companion '{name}'")
     return EXIT_OK
+
+
+def _explained_passes(names: list[str], passes: list[str]) -> set[str]:
+    """--explain's passes (comma-separated or repeated), each one the run includes."""
+    explained = {n.strip() for name in names for n in name.split(",") if n.strip()}
+    for name in sorted(explained):
+        registry.get_pass(name)  # an unknown name: exit 2 with a suggestion
+        if name not in passes:
+            raise OnnxoptError(f"--explain {name}: the run does not include that pass (passes: {', '.join(dict.fromkeys(passes))})")
+    return explained
 
 
 def write_report(path: Path, text: str) -> None:
@@ -399,7 +417,7 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as exc:  # --help (0) or a usage error (2, its one line printed)
         return exc.code if isinstance(exc.code, int) else EXIT_BAD_INPUT
     try:
-        with _quiet_libraries(not args.debug):
+        with _quiet_libraries(not args.debug), checking(args.debug):  # --debug: property claims are checked
             return COMMANDS[args.command](args)
     except OnnxoptError as exc:
         if args.debug:

@@ -11,6 +11,7 @@ import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 
+from onnxopt.graph_edit import detach, redirect_consumers
 from onnxopt.model import Model
 
 
@@ -62,12 +63,8 @@ def narrow_interface_casts(model: Model) -> int:
         inp.dtype = source.dtype
         for reader in readers:
             cast_out = reader.outputs[0]
-            for consumer in list(cast_out.outputs):
-                for i, t in enumerate(consumer.inputs):
-                    if t is cast_out:
-                        consumer.inputs[i] = inp
-            reader.inputs.clear()
-            reader.outputs.clear()
+            redirect_consumers(cast_out, inp)
+            detach(reader)
         changed += 1
     if changed:
         model.graph.cleanup(remove_unused_graph_inputs=False).toposort()

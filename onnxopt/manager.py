@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from typing import Callable, Iterable
 
+from onnxopt import properties as property_checks
 from onnxopt import registry
 from onnxopt.companions import narrow_interface_casts
 from onnxopt.errors import PassNotApplicableError, PassOrderError
@@ -30,6 +31,9 @@ class PassManager:
     * ``strict``: a fusion pass that matched nothing raises :class:`PassNotApplicableError`.
       Only passes the user named count (``requested``, default: all); a preset's fusions that do
       not apply to this model (no GroupNorm in a text encoder) are normal.
+    * Composition: the passes a pass names as its ``followers`` (nhwc-conv: sink-transposes; fp16:
+      remove-redundant-casts) run right after it, each as its own step: in the report as
+      "sink-transposes (for nhwc-conv)", timed and verified like any other.
     * Order: a pass listed before one of its ``runs_after`` passes is refused up front
       (:class:`PassOrderError`, one line saying why and where to put it).
     * Companions: once a pass has split the model (``context-kv``), every later pass runs on the
@@ -105,8 +109,11 @@ class PassManager:
         if modified:
             properties.intersection_update(p.provides | p.preserves)
         properties.update(p.provides)
+        if property_checks.is_checking():  # tests and --debug: the claims are checked, not trusted
+            property_checks.check(model, properties, after=step.label)
         if p.is_fusion and result.sites_matched == 0 and (self.requested is None or p.name in self.requested):
             message = f"{p.name}: {result.nothing_to_do or 'nothing to fuse (no site matches its pattern)'}"
+            message += _near_misses(p, model, result)
             if self.strict:
                 raise PassNotApplicableError(message)
             report.notes.append(message)
@@ -117,6 +124,9 @@ class PassManager:
             step.verification = self.verifier(model, tolerance=self._tolerance)
             if not step.verification.ok:
                 report.first_broken_pass = p.name
+                return False
+        for name in p.followers(result):  # the passes that complete p, each a step of its own
+            if not self._step(registry.get_pass(name)(), model, report, properties, auto=p.name):
                 return False
         return True
 
@@ -131,3 +141,17 @@ def check_order(passes: list[Pass]) -> None:
                 where = f"after '{earlier}'" + (f" or after a preset that includes it ({', '.join(presets)})" if presets else "")
                 example = f" e.g. --passes {presets[0]},{p.name}" if presets else ""
                 raise PassOrderError(f"pass '{p.name}' must run after '{earlier}': {why}. List it {where};{example}".rstrip(";"))
+
+
+def _near_misses(p: Pass, model: Model, result) -> str:
+    """For a fusion that matched nothing: the candidates that came closest, and where they failed
+    (the graph is as the fusion found it: it rewrote nothing)."""
+    trace = getattr(p, "trace", None)
+    if not callable(trace):
+        return ""
+    from onnxopt.fusion import near_miss_lines
+
+    if result.trace is None:
+        result.trace = trace(model)
+    lines = near_miss_lines(result.trace, limit=3)
+    return "".join(f"\n    near miss: {line}" for line in lines)

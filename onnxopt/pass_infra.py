@@ -9,7 +9,9 @@ A pass declares
 * passes it must follow when both are in one run (``runs_after``: name -> why); the manager
   refuses a list that puts them the other way round, before any work,
 * whether it also applies to a model's companions (``applies_to_companions``, see
-  :mod:`onnxopt.model`): by default every pass that runs after a split runs on both parts.
+  :mod:`onnxopt.model`): by default every pass that runs after a split runs on both parts,
+* the passes that complete it (``followers``): the manager runs them right after it, as steps of
+  their own, reported, timed and verified one by one (nhwc-conv, then sink-transposes).
 
 ``run`` edits ``model.graph`` in place and returns a :class:`PassResult` saying what it did: how
 many sites fit its pattern, how many it rewrote, and why it refused the others.
@@ -30,6 +32,7 @@ TARGETS = frozenset({"ort-cuda", "tensorrt"})
 SHAPES_INFERRED = "shapes-inferred"  # every tensor the ONNX shape inference can type has dtype/shape
 CONSTANTS_FOLDED = "constants-folded"
 NO_DEAD_NODES = "no-dead-nodes"
+ATTENTION_CANONICAL = "attention-canonical"  # every attention in one form (canonicalize-attention's docstring)
 
 
 @dataclass
@@ -40,6 +43,7 @@ class PassResult:
     refused: list[tuple[str, str]] = field(default_factory=list)  # (site, reason) for matched-but-refused
     details: dict[str, Any] = field(default_factory=dict)  # pass-specific facts for the report
     nothing_to_do: str = ""  # why a pass found no site at all, said instead of the generic "nothing to fuse"
+    trace: Any = None  # a pattern Tracer, when the pass was asked to explain itself (--explain)
 
     def refuse(self, site: str, reason: str) -> None:
         self.refused.append((site, reason))
@@ -67,6 +71,11 @@ class Pass(abc.ABC):
 
     def __call__(self, model: Model) -> PassResult:
         return self.run(model)
+
+    def followers(self, result: PassResult) -> list[str]:
+        """Names of the passes that complete this one after a run that gave ``result``; the pass
+        manager runs each right after it, as its own step (default: none)."""
+        return []
 
     @abc.abstractmethod
     def run(self, model: Model) -> PassResult:

@@ -1,6 +1,6 @@
 """Facts that precision decisions rest on: low-precision formats, op signatures, value ranges.
 
-Used by the ``fp16`` pass (``passes/fp16.py``) and its hazard rules (``passes/fp16_hazards.py``);
+Used by the ``fp16`` pass (``passes/fp16.py``) and its hazard rules (``onnxopt/fp16_hazards.py``);
 nothing here edits a graph.
 
 * :class:`LowPrecision` — float16 or bfloat16: its ONNX type, range, and how a float32 array is
@@ -36,11 +36,11 @@ import onnx
 import onnx_graphsurgeon as gs
 from onnx import TensorProto
 
+from onnxopt.domains import MS_DOMAIN
 from onnxopt.model import Model
 from onnxopt.weights import constant_data_type, iter_constant_bytes
 
 FLOAT = TensorProto.FLOAT
-MS_DOMAIN = "com.microsoft"
 
 
 # ---------------------------------------------------------------- low-precision formats

@@ -80,6 +80,23 @@ class OptimizationReport:
             "notes": self.notes,
         }
 
+    def explain(self, names=None) -> str:
+        """Per candidate site of each pass in ``names`` (default: every pass that traced its patterns,
+        see ``onnxopt optimize --explain``): where its pattern failed, or which condition refused it."""
+        lines: list[str] = []
+        for p in self.passes:
+            r = p.result
+            if names is not None and p.name not in names:
+                continue
+            if names is None and r.trace is None:
+                continue
+            lines.append(f"{p.label}: {r.sites_matched} site(s) matched, {r.sites_rewritten} rewritten, {len(r.refused)} refused")
+            if r.trace is not None:
+                lines += ["  " + line for line in r.trace.report(limit=50).splitlines()]
+            else:  # a pass not written on onnxopt.fusion: its refusals only
+                lines += [f"  REFUSED '{site}': {reason}" for site, reason in r.refused]
+        return "\n".join(lines)
+
     def to_json(self) -> str:
         return json.dumps(self.as_dict(), indent=2, default=str)
 

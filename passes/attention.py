@@ -65,17 +65,17 @@ import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 
+from onnxopt.attention_masks import any_same, is_causal, nan_free_scores
+from onnxopt.domains import MS_DOMAIN
 from onnxopt.errors import PassOptionError
-from onnxopt.model import Model
-from onnxopt.pass_infra import SHAPES_INFERRED, OrtFusion, PassResult
-from onnxopt.pattern import Const, Match, Maybe, OneOf, OpBuilder, Pattern, Var, constant_shape, constant_value, is_constant, is_zero_constant
-from onnxopt.pattern import op as std_op
-from onnxopt.pattern import replace
+from onnxopt.fusion import Emit, Fusion, FusionRun, Refusal, Rule
+from onnxopt.fusion import Site as FusionSite
+from onnxopt.layout import LAYOUT_OPS
+from onnxopt.pass_infra import ATTENTION_CANONICAL, SHAPES_INFERRED, OrtFusion
+from onnxopt.pattern import Const, Match, Maybe, OneOf, OpBuilder, Pattern, Var, constant_shape, constant_value, is_constant
 from onnxopt.pattern.dims import Dim, Dims, same, text
-from onnxopt.passes.canonicalize_attention import ATTENTION_CANONICAL, HIDDEN, has_node, nan_free_scores
 from onnxopt.registry import register_pass
 
-MS_DOMAIN = "com.microsoft"
 
 
 class _OpenOps(OpBuilder):
@@ -151,34 +151,6 @@ def attention_heads_in_batch(x_q, x_k, x_v):
 ATTENTION = Pattern(attention, attention_heads_in_batch, name="attention")
 
 
-def causal_mask_from_trilu(shape, one=Const(), hidden=Const()):
-    """TorchScript's SDPA(is_causal=True): where(tril(ones(S, L)) == 0, -inf, 0)"""
-    lower = std_op.Trilu(std_op.Expand(one, shape), upper=0, _name="trilu", _extra_inputs=True)
-    return std_op.Where(std_op.Equal(lower, 0.0), hidden, 0.0)
-
-
-def causal_keep_from_ranges(key_index, query_index, shape):
-    """transformers' boolean causal mask (True: attend): kv_idx <= q_idx, broadcast to (B, 1, S, L)"""
-    keep = OneOf(std_op.LessOrEqual(key_index, query_index), std_op.GreaterOrEqual(query_index, key_index))
-    return OneOf(std_op.Expand(keep, shape), keep)
-
-
-def causal_mask_from_ranges(key_index, query_index, shape, hidden=Const()):
-    """transformers' causal mask: where(kv_idx <= q_idx, 0, min), broadcast to (B, 1, S, L)"""
-    return std_op.Where(causal_keep_from_ranges(key_index, query_index, shape), 0.0, hidden)
-
-
-CAUSAL_MASK = Pattern(causal_mask_from_trilu, name="causal-mask-trilu")
-CAUSAL_MASK_RANGES = Pattern(causal_mask_from_ranges, name="causal-mask-ranges")
-CAUSAL_KEEP_RANGES = Pattern(
-    lambda key_index, query_index, shape: std_op.Expand(std_op.LessOrEqual(key_index, query_index), shape),
-    lambda key_index, query_index, shape: std_op.Expand(std_op.GreaterOrEqual(query_index, key_index), shape),
-    lambda key_index, query_index: std_op.LessOrEqual(key_index, query_index),
-    lambda key_index, query_index: std_op.GreaterOrEqual(query_index, key_index),
-    name="causal-keep-ranges",
-)
-
-
 # ---------------------------------------------------------------- what a site needs
 
 
@@ -194,23 +166,21 @@ class Site:
     causal: bool
     attention_bias: gs.Tensor | None
     mask_rank: int = 4
+    match: Match | None = None  # set before the rewrite (fuse-attention checks every site first)
+    layout: str = "packed"  # the layout it is written in (the pass's options)
 
     @property
     def kind(self) -> str:
         return "cross" if self.cross else "self"
 
 
-class Refused(Exception):
-    """A site that fits the pattern but must not be fused; the message says why."""
-
-
 def check_site(graph: gs.Graph, m: Match, dims: Dims) -> Site:
-    """Prove the conditions of the module docstring for ``m``, or raise Refused."""
+    """Prove the conditions of the module docstring for ``m``, or raise Refusal."""
     x_q, x_k, x_v = m["x_q"], m["x_k"], m["x_v"]
     if x_k is not x_v:
-        raise Refused(f"K and V project different tensors ('{x_k.name}', '{x_v.name}')")
+        raise Refusal(f"K and V project different tensors ('{x_k.name}', '{x_v.name}')")
     cross = x_q is not x_k
-    batched = has_node(m, "out_unfold")
+    batched = m.has_node("out_unfold")
 
     # Projections: D = N*H channels each, one bias value per channel.
     widths = {}
@@ -218,14 +188,14 @@ def check_site(graph: gs.Graph, m: Match, dims: Dims) -> Site:
         w = m[f"w{t}"]
         shape = tuple(constant_shape(w))
         if len(shape) != 2:
-            raise Refused(f"W{t} '{w.name}' is not a matrix: {list(shape)}")
+            raise Refusal(f"W{t} '{w.name}' is not a matrix: {list(shape)}")
         widths[t] = shape
         b = m.get(f"b{t}")
         if b is not None and tuple(constant_shape(b)) != (shape[1],):
-            raise Refused(f"b{t} '{b.name}' has shape {list(constant_shape(b))}, not ({shape[1]},): not a projection bias")
+            raise Refusal(f"b{t} '{b.name}' has shape {list(constant_shape(b))}, not ({shape[1]},): not a projection bias")
     d = widths["q"][1]
     if widths["k"][1] != d or widths["v"][1] != d:
-        raise Refused(f"projection widths differ: Q {widths['q'][1]}, K {widths['k'][1]}, V {widths['v'][1]}")
+        raise Refusal(f"projection widths differ: Q {widths['q'][1]}, K {widths['k'][1]}, V {widths['v'][1]}")
 
     # Heads: every Reshape splits, folds or unfolds exactly; one (N, H) throughout.
     # The dims each Reshape proves equal: aliases of the batch and sequence lengths.
@@ -240,11 +210,11 @@ def check_site(graph: gs.Graph, m: Match, dims: Dims) -> Site:
             seq[t] |= {source[1], result[1]}
     if len(set(heads.values())) != 1:
         found = ", ".join(f"{t.upper()} {n} heads of {h}" for t, (n, h) in heads.items())
-        raise Refused(f"head count/dim differ: {found}")
+        raise Refusal(f"head count/dim differ: {found}")
     n, h = heads["q"]
-    if cross and not any(_any_same(b, batch["k"]) for b in batch["q"]):
+    if cross and not any(any_same(b, batch["k"]) for b in batch["q"]):
         # The export's MatMul would broadcast a batch of 1 against the other; MHA does not.
-        raise Refused(f"cannot prove query and key/value have the same batch ({text(list(batch['q']))} vs {text(list(batch['k']))})")
+        raise Refusal(f"cannot prove query and key/value have the same batch ({text(list(batch['q']))} vs {text(list(batch['k']))})")
     b_dim, s_dims = batch["q"], seq["q"]
 
     if batched:
@@ -252,26 +222,26 @@ def check_site(graph: gs.Graph, m: Match, dims: Dims) -> Site:
             _check_fold(t, dims, m.node(f"{t}_fold"), n, h)
         unfold = dims.reshaped(m.node("out_unfold"))
         if unfold is None or len(unfold) != 4 or not (same(unfold[1], Dim(n)) and same(unfold[3], Dim(h))):
-            raise Refused(f"output unfold gives {text(unfold)}, not (B, {n}, S, {h})")
-        if not (_any_same(unfold[0], b_dim) or _any_same(unfold[2], s_dims)):
-            raise Refused(f"output unfold gives {text(unfold)}: cannot prove its batch or sequence dim")
+            raise Refusal(f"output unfold gives {text(unfold)}, not (B, {n}, S, {h})")
+        if not (any_same(unfold[0], b_dim) or any_same(unfold[2], s_dims)):
+            raise Refusal(f"output unfold gives {text(unfold)}: cannot prove its batch or sequence dim")
     merged = dims.reshaped(m.node("out_merge"))
     if merged is None or len(merged) != 3 or not same(merged[2], Dim(n * h)):
-        raise Refused(f"output merge gives {text(merged)}, not (B, S, {n * h})")
-    if not (_any_same(merged[0], b_dim) or _any_same(merged[1], s_dims)):
-        raise Refused(f"output merge gives {text(merged)}: cannot prove its batch or sequence dim")
+        raise Refusal(f"output merge gives {text(merged)}, not (B, S, {n * h})")
+    if not (any_same(merged[0], b_dim) or any_same(merged[1], s_dims)):
+        raise Refusal(f"output merge gives {text(merged)}: cannot prove its batch or sequence dim")
 
     rank = 3 if batched else 4
     axis = m.attrs["axis"]
     if axis not in (-1, rank - 1):
-        raise Refused(f"Softmax over axis {axis}, not the key axis")
+        raise Refusal(f"Softmax over axis {axis}, not the key axis")
     _check_casts(m)
     scale = _scale(m, h)
     causal, bias, mask_rank = _mask(graph, m, dims, cross=cross, rank=rank, seq_q=s_dims, seq_k=seq["k"], batch=b_dim, heads=n)
-    if has_node(m, "nan_guard"):
+    if m.has_node("nan_guard"):
         reason = nan_free_scores(m.node("softmax").inputs[0])
         if reason is not None and not causal:
-            raise Refused(f"Softmax is NaN-guarded and {reason}")
+            raise Refusal(f"Softmax is NaN-guarded and {reason}")
     _check_outside_reads(graph, m, cross)
     return Site(_site_name(m), cross, n, h, scale, causal, bias, mask_rank)
 
@@ -279,30 +249,30 @@ def check_site(graph: gs.Graph, m: Match, dims: Dims) -> Site:
 def _heads_of_split(t: str, source, result, d: int) -> tuple[int, int]:
     """(N, H) when Reshape(source -> result) splits (B, S, D) into (B, S, N, H)."""
     if source is None or len(source) != 3 or not same(source[2], Dim(d)):
-        raise Refused(f"{t.upper()} projection output is {text(source)}, not (B, S, {d})")
+        raise Refusal(f"{t.upper()} projection output is {text(source)}, not (B, S, {d})")
     if result is None or len(result) != 4 or not (result[2] and result[2].is_int and result[3] and result[3].is_int):
-        raise Refused(f"{t.upper()} Reshape gives {text(result)}: heads and head dim are not proven constants")
+        raise Refusal(f"{t.upper()} Reshape gives {text(result)}: heads and head dim are not proven constants")
     n, h = result[2].value, result[3].value
     if n * h != d:
-        raise Refused(f"{t.upper()} Reshape splits {d} channels into {n} x {h}")
+        raise Refusal(f"{t.upper()} Reshape splits {d} channels into {n} x {h}")
     if not (same(result[0], source[0]) or same(result[1], source[1])):
-        raise Refused(f"{t.upper()} Reshape gives {text(result)} from {text(source)}: cannot prove it keeps batch and sequence")
+        raise Refusal(f"{t.upper()} Reshape gives {text(result)} from {text(source)}: cannot prove it keeps batch and sequence")
     return n, h
 
 
 def _check_fold(t: str, dims: Dims, node: gs.Node, n: int, h: int) -> None:
     source, result = dims.shape(node.inputs[0]), dims.reshaped(node)
     if source is None or len(source) != 4 or result is None or len(result) != 3 or not same(result[2], Dim(h)):
-        raise Refused(f"{t.upper()} fold gives {text(result)} from {text(source)}, not (B*{n}, S, {h})")
+        raise Refusal(f"{t.upper()} fold gives {text(result)} from {text(source)}, not (B*{n}, S, {h})")
     if not (same(result[0], _times(source[0], source[1])) or same(result[1], source[2])):
-        raise Refused(f"{t.upper()} fold gives {text(result)} from {text(source)}: cannot prove (B*N, S, H)")
+        raise Refusal(f"{t.upper()} fold gives {text(result)} from {text(source)}: cannot prove (B*N, S, H)")
 
 
 def _check_casts(m: Match) -> None:
     weights = onnx.helper.np_dtype_to_tensor_dtype(_dtype(m["wq"]))
     for name, to in m.attrs.items():
         if name.startswith("cast_") and int(to) not in (onnx.TensorProto.FLOAT, weights):
-            raise Refused(f"a Cast inside the attention converts to {onnx.TensorProto.DataType.Name(int(to))}")
+            raise Refusal(f"a Cast inside the attention converts to {onnx.TensorProto.DataType.Name(int(to))}")
 
 
 def _scale(m: Match, head_dim: int) -> float | None:
@@ -312,7 +282,7 @@ def _scale(m: Match, head_dim: int) -> float | None:
     elif m.get("divisor") is not None:
         divisor = _one_element(m["divisor"], "divisor")
         if divisor == 0:
-            raise Refused(f"the scores are divided by zero ('{m['divisor'].name}')")
+            raise Refusal(f"the scores are divided by zero ('{m['divisor'].name}')")
         value = 1.0 / divisor
     else:
         value = 1.0
@@ -321,10 +291,10 @@ def _scale(m: Match, head_dim: int) -> float | None:
 
 def _one_element(t: gs.Tensor, what: str) -> float:
     if not is_constant(t):
-        raise Refused(f"the {what} '{t.name}' is not a constant")
+        raise Refusal(f"the {what} '{t.name}' is not a constant")
     value = constant_value(t)
     if value.size != 1:
-        raise Refused(f"the {what} '{t.name}' has {value.size} elements, not one")
+        raise Refusal(f"the {what} '{t.name}' has {value.size} elements, not one")
     return float(value.reshape(-1)[0])
 
 
@@ -333,109 +303,26 @@ def _mask(graph, m: Match, dims: Dims, *, cross, rank, seq_q, seq_k, batch, head
     mask = m.get("mask")
     if mask is None:
         return False, None, 0
-    if not cross and _is_causal(graph, mask, dims, seq_q | seq_k):
+    if not cross and is_causal(graph, mask, dims, seq_q | seq_k):
         return True, None, 0
     shape = dims.shape(mask)
     if shape is None or len(shape) > 4 or len(shape) < 2:
-        raise Refused(f"mask '{mask.name}' has shape {text(shape)}, not (.., S, L)")
-    if not (_any_same(shape[-2], seq_q) and _any_same(shape[-1], seq_k)):
-        raise Refused(f"mask '{mask.name}' has shape {text(shape)}: cannot prove its last dims are (S, L)")
+        raise Refusal(f"mask '{mask.name}' has shape {text(shape)}, not (.., S, L)")
+    if not (any_same(shape[-2], seq_q) and any_same(shape[-1], seq_k)):
+        raise Refusal(f"mask '{mask.name}' has shape {text(shape)}: cannot prove its last dims are (S, L)")
     leading = shape[:-2]
     if rank == 3:  # scores (B*N, S, L): only a mask shared by every batch and head maps to attention_bias
         if not all(same(d, Dim(1)) for d in leading):
-            raise Refused(f"mask '{mask.name}' {text(shape)} on batch-of-heads scores")
+            raise Refusal(f"mask '{mask.name}' {text(shape)} on batch-of-heads scores")
     else:
         allowed = [batch, {Dim(heads)}][-len(leading):] if leading else []
         for d, ok in zip(leading, allowed):
-            if not (same(d, Dim(1)) or _any_same(d, ok)):
-                raise Refused(f"mask '{mask.name}' has shape {text(shape)}, not (B or 1, N or 1, S, L)")
+            if not (same(d, Dim(1)) or any_same(d, ok)):
+                raise Refusal(f"mask '{mask.name}' has shape {text(shape)}, not (B or 1, N or 1, S, L)")
     dtype = _dtype(m["wq"])
     if mask.dtype is not None and np.dtype(mask.dtype) != dtype:
-        raise Refused(f"mask '{mask.name}' is {np.dtype(mask.dtype)}, the attention {dtype}")
+        raise Refusal(f"mask '{mask.name}' is {np.dtype(mask.dtype)}, the attention {dtype}")
     return False, mask, len(shape)
-
-
-def _is_causal(graph, mask: gs.Tensor, dims: Dims, seq: set) -> bool:
-    """The mask hides key j from query i exactly when j > i (and S == L): MHA's unidirectional."""
-    value = _constant_mask_value(mask)
-    if value is not None:
-        if value.ndim < 2 or value.shape[-1] != value.shape[-2] or not _any_same(Dim(value.shape[-1]), seq):
-            return False
-        upper = np.triu(np.ones(value.shape[-2:], dtype=bool), k=1)
-        return bool(np.all(value[..., ~upper] == 0) and np.all(value[..., upper] <= HIDDEN))
-    producer = mask.inputs[0] if len(mask.inputs) == 1 else None
-    if producer is None:
-        return False
-    found = CAUSAL_MASK.match(graph, producer)
-    if found is not None:
-        return _trilu_mask_is_causal(found, dims, seq)
-    found = CAUSAL_MASK_RANGES.match(graph, producer)
-    if found is not None:
-        return _range_mask_is_causal(found, dims, seq)
-    return False
-
-
-def _constant_mask_value(t: gs.Tensor, depth: int = 0) -> np.ndarray | None:
-    """The mask's value when constants alone determine it (a folded mask, or a Where of constants)."""
-    if is_constant(t):
-        return constant_value(t)
-    node = t.inputs[0] if len(t.inputs) == 1 else None
-    if node is None or depth > 4 or node.op != "Where":
-        return None
-    parts = [_constant_mask_value(x, depth + 1) for x in node.inputs]
-    if any(p is None for p in parts) or parts[0].dtype != bool:
-        return None
-    return np.where(*parts)
-
-
-def _trilu_mask_is_causal(m: Match, dims: Dims, seq: set) -> bool:
-    trilu = m.node("trilu")
-    if len(trilu.inputs) > 1 and trilu.inputs[1].name and not is_zero_constant(trilu.inputs[1]):
-        return False  # a diagonal offset
-    one, hidden = constant_value(m["one"]), constant_value(m["hidden"])
-    if one.size != 1 or one.reshape(-1)[0] == 0 or np.any(hidden > HIDDEN):
-        return False
-    shape = dims.vector(m["shape"])
-    return shape is not None and len(shape) == 2 and all(_any_same(d, seq) for d in shape)
-
-
-def keeps_causal(graph: gs.Graph, keep: gs.Tensor, dims: Dims, seq: set) -> bool:
-    """The boolean mask ``keep`` (True: attend) is True exactly where key j <= query i, its lengths
-    among ``seq``: ONNX Attention's causal attn_mask as the dynamo exporter writes CLIP's."""
-    producer = keep.inputs[0] if len(keep.inputs) == 1 else None
-    found = CAUSAL_KEEP_RANGES.match(graph, producer) if producer is not None else None
-    return found is not None and _ranges_are_causal(found, dims, seq)
-
-
-def _range_mask_is_causal(m: Match, dims: Dims, seq: set) -> bool:
-    if np.any(constant_value(m["hidden"]) > HIDDEN):
-        return False
-    return _ranges_are_causal(m, dims, seq)
-
-
-def _ranges_are_causal(m: Match, dims: Dims, seq: set) -> bool:
-    key, query = _arange_axis(m["key_index"], dims), _arange_axis(m["query_index"], dims)
-    if key is None or query is None:
-        return False
-    (key_axis, key_len), (query_axis, query_len) = key, query
-    return key_axis == -1 and query_axis == -2 and _any_same(key_len, seq) and _any_same(query_len, seq)
-
-
-def _arange_axis(t: gs.Tensor, dims: Dims) -> tuple[int, Dim] | None:
-    """(axis from the end, n) when ``t`` is arange(n) laid along one axis, every other dim 1."""
-    source = t
-    while source.inputs and source.inputs[0].op in ("Unsqueeze", "Reshape", "Cast"):
-        source = source.inputs[0].inputs[0]
-    if not source.inputs or source.inputs[0].op != "Range":
-        return None
-    length = dims.shape(source)
-    shape = dims.shape(t)
-    if length is None or shape is None or len(length) != 1:
-        return None
-    long_axes = [i for i, d in enumerate(shape) if not same(d, Dim(1))]
-    if len(long_axes) != 1 or not same(shape[long_axes[0]], length[0]):
-        return None
-    return long_axes[0] - len(shape), length[0]
 
 
 def _check_outside_reads(graph: gs.Graph, m: Match, cross: bool) -> None:
@@ -450,13 +337,12 @@ def _check_outside_reads(graph: gs.Graph, m: Match, cross: bool) -> None:
             if id(t) in reused:
                 continue
             if id(t) in outputs:
-                raise Refused(f"'{t.name}' (inside the attention) is a graph output")
+                raise Refusal(f"'{t.name}' (inside the attention) is a graph output")
             for consumer in t.outputs:
                 if id(consumer) not in inside and not _reads_shape_only(consumer):
-                    raise Refused(f"'{t.name}' (inside the attention) is also read by {consumer.op} '{consumer.name}'")
+                    raise Refusal(f"'{t.name}' (inside the attention) is also read by {consumer.op} '{consumer.name}'")
 
 
-LAYOUT_OPS = frozenset({"Transpose", "Reshape", "Unsqueeze", "Squeeze", "Cast", "Identity"})
 
 
 def _reads_shape_only(node: gs.Node, depth: int = 0) -> bool:
@@ -606,12 +492,25 @@ def _node(op_type: str, name: str, inputs: list, out: gs.Variable, attrs: dict) 
 # ---------------------------------------------------------------- the pass
 
 
+def read_site(m: Match, run: FusionRun) -> Site:
+    """check_site with the run's shared Dims (dims proven equal across sites)."""
+    return check_site(run.graph, m, run.memo.setdefault("dims", Dims()))
+
+
+def emit_attention(make: Emit, site: Site) -> list[gs.Tensor]:
+    nodes = fused_nodes(site.match, site, site.layout)
+    make.nodes.extend(nodes)
+    return list(nodes[-1].outputs)
+
+
 @register_pass
-class FuseAttention(OrtFusion):
+class FuseAttention(Fusion, OrtFusion):
     name = "fuse-attention"
     description = "fuse attention (self, cross, VAE, causal CLIP) into com.microsoft MultiHeadAttention/Attention, packing Q/K/V weights and keeping biases"
     requires = frozenset({SHAPES_INFERRED, ATTENTION_CANONICAL})
     LAYOUTS = ("packed", "split", "separate")
+    rules = (Rule(ATTENTION, read_site, emit_attention, label=lambda m: _site_name(m)),)
+    defer_rewrites = True  # check every site on the unchanged graph, then rewrite
 
     def __init__(self, layout: str = "packed", cross_layout: str = "separate"):
         for option, value in (("layout", layout), ("cross_layout", cross_layout)):
@@ -620,32 +519,19 @@ class FuseAttention(OrtFusion):
         self.layout = layout
         self.cross_layout = cross_layout
 
-    def run(self, model: Model) -> PassResult:
-        graph = model.graph
-        result = PassResult(modified=False)
+    def before_rewrites(self, run: FusionRun, sites: list[FusionSite]) -> list[FusionSite]:
+        names = {n.name for n in run.graph.nodes} | set(run.graph.tensors())
         kinds: Counter = Counter()
-        dims = Dims()
-        proven: list[tuple[Match, Site]] = []
-        for m in ATTENTION.find(graph):  # check every site on the unchanged graph, then rewrite
-            result.sites_matched += 1
-            try:
-                proven.append((m, check_site(graph, m, dims)))
-            except Refused as refusal:
-                result.refuse(_site_name(m), str(refusal))
-        names = {n.name for n in graph.nodes} | set(graph.tensors())
-        for m, site in proven:
+        for fusion_site in sites:
+            site, m = fusion_site.facts, fusion_site.match
             site.name = _unused(site.name, names)  # prefixes the new nodes' and tensors' names
-            replace(graph, m, fused_nodes(m, site, self.cross_layout if site.cross else self.layout))
-            result.sites_rewritten += 1
+            site.match, site.layout = m, self.cross_layout if site.cross else self.layout
             kinds[site.kind] += 1
             kinds["with projection bias"] += any(m.get(f"b{t}") is not None for t in "qkv")
             kinds["causal"] += site.causal
             kinds["attention_bias"] += site.attention_bias is not None
-        result.details = {k: v for k, v in kinds.items() if v}
-        if result.sites_rewritten:
-            result.modified = True
-            graph.cleanup(remove_unused_graph_inputs=False).toposort()
-        return result
+        run.result.details = {k: v for k, v in kinds.items() if v}
+        return sites
 
 
 # ---------------------------------------------------------------- small helpers
@@ -681,10 +567,6 @@ def _dtype(constant: gs.Tensor) -> np.dtype:
     if isinstance(constant, gs.Constant):
         return np.dtype(constant.dtype)
     return constant_value(constant).dtype
-
-
-def _any_same(d: Dim | None, candidates: set) -> bool:
-    return any(same(d, c) for c in candidates)
 
 
 def _times(a: Dim | None, b: Dim | None) -> Dim | None:

@@ -25,13 +25,12 @@ from __future__ import annotations
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from onnxopt.model import Model
-from onnxopt.pass_infra import OrtFusion, PassResult
-from onnxopt.pattern import Const, Pattern, constant_shape, op, replace
+from onnxopt.fusion import Emit, Fusion, FusionRun, Refusal, Rule
+from onnxopt.pass_infra import OrtFusion
+from onnxopt.pattern import Const, Match, Pattern, constant_shape, op
 from onnxopt.pattern.tensor_facts import dims_agree, dims_conflict, rank_of, shape_of, static_dim
 from onnxopt.registry import register_pass
 
-MS_DOMAIN = "com.microsoft"
 KERNEL_DTYPES = (np.dtype(np.float32), np.dtype(np.float16))
 LAYER_NORMS = ("LayerNormalization", "SkipLayerNormalization")
 
@@ -44,52 +43,42 @@ def linear_residual(x, w, skip, bias=Const()):
 LINEAR_RESIDUAL = Pattern(linear_residual, name="linear-residual")
 
 
+def check(match: Match, run: FusionRun) -> Match:
+    """The conditions of the module docstring; the match itself is the site."""
+    product, skip = match["product"], match["skip"]
+    if any(c.op in LAYER_NORMS for c in match.output.outputs):
+        run.details["left_for_skip_layer_norm"] += 1
+        raise Refusal("the sum feeds a LayerNorm: a SkipLayerNormalization site (fuse-skip-layer-norm)", not_a_site=True)
+    bias_shape = constant_shape(match["bias"])
+    if len(bias_shape) != 1:
+        raise Refusal(f"bias has shape {list(bias_shape)}; BiasAdd takes a 1-D bias")
+    c = int(bias_shape[0])
+    if rank_of(product) != 3 or rank_of(skip) != 3:
+        raise Refusal(f"operands of shapes {shape_of(product)} and {shape_of(skip)}; BiasAdd takes (B, S, C)")
+    if static_dim(product, -1) != c or static_dim(skip, -1) != c:
+        raise Refusal(f"last dims {shape_of(product)[-1]!r} and {shape_of(skip)[-1]!r} are not both the bias size {c}")
+    if any(dims_conflict(a, b) for a, b in zip(shape_of(product), shape_of(skip))):
+        raise Refusal(f"{shape_of(product)} + {shape_of(skip)} broadcasts; BiasAdd needs skip of the input's shape")
+    dtype = product.dtype
+    if dtype is not None and np.dtype(dtype) not in KERNEL_DTYPES:
+        raise Refusal(f"dtype {np.dtype(dtype)}; the CUDA kernel takes float32 and float16")
+    run.details["dims_assumed_equal"] += not all(dims_agree(a, b) for a, b in zip(shape_of(product), shape_of(skip)))
+    return match
+
+
+def emit(make: Emit, match: Match) -> list[gs.Tensor]:
+    return [make.ms.BiasAdd(match["product"], match["bias"], match["skip"])]
+
+
 @register_pass
-class FuseBiasAdd(OrtFusion):
+class FuseBiasAdd(Fusion, OrtFusion):
     name = "fuse-bias-add"
     description = "fuse a Linear's bias Add and the residual Add after it into com.microsoft BiasAdd"
+    rules = (Rule(LINEAR_RESIDUAL, check, emit),)
 
-    def run(self, model: Model) -> PassResult:
-        graph = model.graph
-        result = PassResult(modified=False)
-        left = assumed = 0
-        for match in LINEAR_RESIDUAL.find(graph):
-            if any(c.op in LAYER_NORMS for c in match.output.outputs):
-                left += 1  # a SkipLayerNormalization site, not one of ours
-                continue
-            result.sites_matched += 1
-            reason = self._refusal(match)
-            if reason is not None:
-                result.refuse(match.root.name, reason)
-                continue
-            assumed += not all(dims_agree(a, b) for a, b in zip(shape_of(match["product"]), shape_of(match["skip"])))
-            y = gs.Variable(f"{match.output.name}__bias_add")
-            node = gs.Node("BiasAdd", f"{match.root.name}__bias_add", domain=MS_DOMAIN,
-                           inputs=[match["product"], match["bias"], match["skip"]], outputs=[y])
-            replace(graph, match, [node])
-            result.sites_rewritten += 1
-        result.details.update(left_for_skip_layer_norm=left, dims_assumed_equal=assumed)
-        result.modified = result.sites_rewritten > 0
-        if result.modified:
-            graph.cleanup(remove_unused_graph_inputs=False).toposort()
-        return result
-
-    def _refusal(self, match) -> str | None:
-        product, skip = match["product"], match["skip"]
-        bias_shape = constant_shape(match["bias"])
-        if len(bias_shape) != 1:
-            return f"bias has shape {list(bias_shape)}; BiasAdd takes a 1-D bias"
-        c = int(bias_shape[0])
-        if rank_of(product) != 3 or rank_of(skip) != 3:
-            return f"operands of shapes {shape_of(product)} and {shape_of(skip)}; BiasAdd takes (B, S, C)"
-        if static_dim(product, -1) != c or static_dim(skip, -1) != c:
-            return f"last dims {shape_of(product)[-1]!r} and {shape_of(skip)[-1]!r} are not both the bias size {c}"
-        if any(dims_conflict(a, b) for a, b in zip(shape_of(product), shape_of(skip))):
-            return f"{shape_of(product)} + {shape_of(skip)} broadcasts; BiasAdd needs skip of the input's shape"
-        dtype = product.dtype
-        if dtype is not None and np.dtype(dtype) not in KERNEL_DTYPES:
-            return f"dtype {np.dtype(dtype)}; the CUDA kernel takes float32 and float16"
-        return None
+    def finish(self, run: FusionRun) -> None:
+        run.result.details.update(left_for_skip_layer_norm=run.details["left_for_skip_layer_norm"],
+                                  dims_assumed_equal=run.details["dims_assumed_equal"])
 
 
 __all__ = ["LINEAR_RESIDUAL", "FuseBiasAdd"]

@@ -33,10 +33,12 @@ import math
 import numpy as np
 import onnx_graphsurgeon as gs
 
+from onnxopt.domains import MS_DOMAIN
+from onnxopt.fusion import Emit, Fusion, FusionRun, Refusal, Rule
 from onnxopt.graph_edit import detach, is_standard
 from onnxopt.model import Model
 from onnxopt.pass_infra import CONSTANTS_FOLDED, SHAPES_INFERRED, OrtFusion, Pass, PassResult
-from onnxopt.pattern import Const, OneOf, Pattern, constant_shape, constant_value, is_constant, op, replace
+from onnxopt.pattern import Const, Match, OneOf, Pattern, constant_shape, constant_value, is_constant, op
 from onnxopt.pattern.tensor_facts import normalize_axis, rank_of, shape_of, static_dim, static_ints
 from onnxopt.registry import register_pass
 from onnxopt.weights import DerivedValues
@@ -44,7 +46,6 @@ from onnxopt.weights import DerivedValues
 # Property: no Slices that tile an axis of one tensor are left (they are Splits).
 SLICES_AS_SPLIT = "slices-as-split"
 
-MS_DOMAIN = "com.microsoft"
 # ORT 1.31.1's CUDA kernel, run on an H100: "hidden size should be 2560, 5120, 6144, 10240 or 12288".
 CUDA_HIDDEN_SIZES = (2560, 5120, 6144, 10240, 12288)
 KERNEL_DTYPES = (np.dtype(np.float32), np.dtype(np.float16))
@@ -185,59 +186,62 @@ GEGLU = Pattern(geglu, name="geglu")
 GEGLU_GATING_LEFT = Pattern(geglu_gating_left, name="geglu-gating-left")
 
 
+def check(match: Match, run: FusionRun) -> Match:
+    """The conditions of the module docstring; the match itself is the site."""
+    bias_shape = constant_shape(match["bias"])
+    if len(bias_shape) != 1:
+        raise Refusal(f"bias has shape {list(bias_shape)}; BiasSplitGelu takes a 1-D bias")
+    d = int(bias_shape[0])
+    h = match.node("bias_add").outputs[0]
+    rank = rank_of(h)
+    if rank != 3:
+        raise Refusal(f"the GEGLU input has rank {rank if rank is not None else 'unknown'}; BiasSplitGelu takes (N, S, D)")
+    if static_dim(match["x"], -1) != d:
+        raise Refusal(f"the bias of {d} is added to a last dim of {shape_of(match['x'])[-1]!r}, not {d}")
+    reason = _halves_refusal(match.node("split"), d, rank)
+    if reason is not None:
+        raise Refusal(reason)
+    dtype = h.dtype if h.dtype is not None else match["x"].dtype
+    if dtype is not None and np.dtype(dtype) not in KERNEL_DTYPES:
+        raise Refusal(f"dtype {np.dtype(dtype)}; the CUDA kernel takes float32 and float16")
+    if run.fusion.check_kernel_sizes and d not in CUDA_HIDDEN_SIZES:
+        raise Refusal(f"hidden size {d} is not one ORT's CUDA kernel implements {CUDA_HIDDEN_SIZES}")
+    if match.pattern is GEGLU_GATING_LEFT:
+        if _weight_of(match["x"]) is None:
+            raise Refusal("gates the left half, and its input is not x @ W with a constant 2-D W whose column halves could be swapped")
+        run.details["gated_half_swapped"] += 1
+    return match
+
+
+def emit(make: Emit, match: Match) -> list[gs.Tensor]:
+    """BiasSplitGelu(x, b); the gated-left form reads a MatMul with W's and b's halves swapped.
+
+    The original MatMul is left in place; cleanup drops it when nothing else reads it.
+    """
+    product, bias = match["x"], match["bias"]
+    if match.pattern is GEGLU_GATING_LEFT:
+        x, w = _weight_of(product)
+        b = match.value("bias")
+        half = b.shape[0] // 2
+        w_swapped = make.constant("W_halves_swapped", _column_halves_swapped(w, half))
+        bias = make.constant("bias_halves_swapped", np.concatenate([b[half:], b[:half]]))
+        product = make.op.MatMul(x, w_swapped, _dtype=product.dtype, _shape=product.shape)
+    return [make.ms.BiasSplitGelu(product, bias, _shape=match.output.shape)]
+
+
 @register_pass
-class FuseBiasSplitGelu(OrtFusion):
+class FuseBiasSplitGelu(Fusion, OrtFusion):
     name = "fuse-bias-split-gelu"
     description = "fuse GEGLU (x@W + b, chunk in halves, a * gelu(g)) into com.microsoft BiasSplitGelu"
     requires = frozenset({SHAPES_INFERRED, SLICES_AS_SPLIT})
     preserves = frozenset({SHAPES_INFERRED, CONSTANTS_FOLDED, SLICES_AS_SPLIT})
+    rules = (Rule(GEGLU, check, emit), Rule(GEGLU_GATING_LEFT, check, emit))
 
     def __init__(self, check_kernel_sizes: bool = True):
         self.check_kernel_sizes = check_kernel_sizes
 
-    def run(self, model: Model) -> PassResult:
-        graph = model.graph
-        result = PassResult(modified=False)
-        swapped = 0
-        for pattern, gates_left in ((GEGLU, False), (GEGLU_GATING_LEFT, True)):
-            for match in pattern.find(graph):
-                result.sites_matched += 1
-                reason = self._refusal(match, gates_left)
-                if reason is not None:
-                    result.refuse(match.root.name, reason)
-                    continue
-                replace(graph, match, _bias_split_gelu(match, gates_left))
-                result.sites_rewritten += 1
-                swapped += gates_left
-            graph.cleanup(remove_unused_graph_inputs=False)  # dead nodes must not count as consumers next
-        result.details["gated_half_swapped"] = swapped
-        result.modified = result.sites_rewritten > 0
-        if result.modified:
-            graph.toposort()
-        return result
-
-    def _refusal(self, match, gates_left: bool) -> str | None:
-        bias_shape = constant_shape(match["bias"])
-        if len(bias_shape) != 1:
-            return f"bias has shape {list(bias_shape)}; BiasSplitGelu takes a 1-D bias"
-        d = int(bias_shape[0])
-        h = match.node("bias_add").outputs[0]
-        rank = rank_of(h)
-        if rank != 3:
-            return f"the GEGLU input has rank {rank if rank is not None else 'unknown'}; BiasSplitGelu takes (N, S, D)"
-        if static_dim(match["x"], -1) != d:
-            return f"the bias of {d} is added to a last dim of {shape_of(match['x'])[-1]!r}, not {d}"
-        reason = _halves_refusal(match.node("split"), d, rank)
-        if reason is not None:
-            return reason
-        dtype = h.dtype if h.dtype is not None else match["x"].dtype
-        if dtype is not None and np.dtype(dtype) not in KERNEL_DTYPES:
-            return f"dtype {np.dtype(dtype)}; the CUDA kernel takes float32 and float16"
-        if self.check_kernel_sizes and d not in CUDA_HIDDEN_SIZES:
-            return f"hidden size {d} is not one ORT's CUDA kernel implements {CUDA_HIDDEN_SIZES}"
-        if gates_left and _weight_of(match["x"]) is None:
-            return "gates the left half, and its input is not x @ W with a constant 2-D W whose column halves could be swapped"
-        return None
+    def finish(self, run: FusionRun) -> None:
+        run.result.details["gated_half_swapped"] = run.details["gated_half_swapped"]
 
 
 def _halves_refusal(split: gs.Node, d: int, rank: int) -> str | None:
@@ -279,28 +283,6 @@ def _column_halves_swapped(w: gs.Tensor, half: int):
     if not isinstance(w, gs.Constant):  # a Constant node's value: small, computed now
         return swapped()
     return DerivedValues(tuple(w.shape), w.dtype, swapped, name=f"{w.name}__halves_swapped")
-
-
-def _bias_split_gelu(match, gates_left: bool) -> list[gs.Node]:
-    """The replacement nodes; the gated-left form gets a MatMul with swapped weight halves.
-
-    The original MatMul is left in place; cleanup drops it when nothing else reads it.
-    """
-    y = gs.Variable(f"{match.output.name}__bsg")
-    name = f"{match.root.name}__bias_split_gelu"
-    if not gates_left:
-        return [gs.Node("BiasSplitGelu", name, domain=MS_DOMAIN, inputs=[match["x"], match["bias"]], outputs=[y])]
-    x, w = _weight_of(match["x"])
-    b = match.value("bias")
-    half = b.shape[0] // 2
-    w_swapped = gs.Constant(f"{w.name}__halves_swapped", _column_halves_swapped(w, half))
-    b_swapped = gs.Constant(f"{match['bias'].name}__halves_swapped", np.concatenate([b[half:], b[:half]]))
-    product = match["x"]
-    swapped = gs.Variable(f"{product.name}__halves_swapped", dtype=product.dtype, shape=product.shape)
-    return [
-        gs.Node("MatMul", f"{product.inputs[0].name}__halves_swapped", inputs=[x, w_swapped], outputs=[swapped]),
-        gs.Node("BiasSplitGelu", name, domain=MS_DOMAIN, inputs=[swapped, b_swapped], outputs=[y]),
-    ]
 
 
 __all__ = ["CUDA_HIDDEN_SIZES", "GEGLU", "GEGLU_GATING_LEFT", "FuseBiasSplitGelu", "SLICES_AS_SPLIT", "SlicesToSplit", "gelu"]

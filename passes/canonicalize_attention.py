@@ -48,18 +48,17 @@ import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 
-from onnxopt.graph_edit import is_standard
+from onnxopt.attention_masks import keeps_causal, nan_free_scores, provably_finite
+from onnxopt.fusion import Emit, NameAuthority, Refusal
+from onnxopt.graph_edit import bypass, detach, is_standard
 from onnxopt.model import Model
-from onnxopt.pass_infra import CONSTANTS_FOLDED, SHAPES_INFERRED, Pass, PassResult
+from onnxopt.pass_infra import ATTENTION_CANONICAL, CONSTANTS_FOLDED, SHAPES_INFERRED, Pass, PassResult
 from onnxopt.pattern import Const, Match, OneOf, Pattern, Var, constant_value, is_constant, op, replace
 from onnxopt.pattern.dims import Dim, Dims, same, same_dims, text
 from onnxopt.registry import register_pass
 
-ATTENTION_CANONICAL = "attention-canonical"
 
 FLOAT_TYPES = {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16, onnx.TensorProto.DOUBLE}
-# An additive mask entry at or below this hides its key exactly: exp(s + m - max) is 0 in fp32.
-HIDDEN = -1e30
 
 
 # ---------------------------------------------------------------- patterns
@@ -131,7 +130,7 @@ def _adds_zero(m: Match) -> str | None:
     value = _fill_value(m)
     if value is None:
         return "fill value is not a constant"
-    if has_node(m, "times_zero"):
+    if m.has_node("times_zero"):
         return None if np.all(np.isfinite(value)) else "0 * a non-finite fill is NaN, not 0"
     return None if not np.any(value) else "added tensor is not zero"
 
@@ -147,67 +146,63 @@ SOFTMAX_NAN_GUARD = Pattern(nan_guarded_softmax, name="softmax-nan-guard")
 
 
 # ---------------------------------------------------------------- rewrites
-# Each takes (graph, match, dims) and returns None when it rewrote, the reason it refused, or
-# NOT_A_SITE when the match is an ordinary node the rule does not apply to (not reported).
+# Each takes (graph, match, dims) and rewrites, or raises Refusal with the reason it refused
+# (not_a_site: the match is an ordinary node the rule does not apply to; not reported).
 # A rewrite that bypasses a node (its output replaced by an existing tensor) reads that tensor
 # from the live node, not from the match: an earlier bypass in the same sweep may have moved it.
-
-NOT_A_SITE = "not a site"
-
 
 # Attention inputs after (q, k, v, attn_mask) and its attributes that the lowering cannot express.
 _KV_CACHE_INPUTS = ("past_key", "past_value", "nonpad_kv_seqlen")
 
 
-def rewrite_onnx_attention(graph: gs.Graph, m: Match, dims: Dims) -> str | None:
+def rewrite_onnx_attention(graph: gs.Graph, m: Match, dims: Dims, names: NameAuthority) -> None:
     node = m.node("attention")
     q, k, v = m["q"], m["k"], m["v"]
     reason = _unsupported_attention_form(graph, node, dims)
     if reason is not None:
-        return reason
+        raise Refusal(reason)
     q_shape, k_shape, v_shape = dims.shape(q), dims.shape(k), dims.shape(v)
     if not (same(q_shape[1], k_shape[1]) and same(k_shape[1], v_shape[1])):
-        return f"heads of Q {text(q_shape)}, K {text(k_shape)}, V {text(v_shape)} are not proven equal (grouped-query attention is not lowered)"
+        raise Refusal(f"heads of Q {text(q_shape)}, K {text(k_shape)}, V {text(v_shape)} are not proven equal (grouped-query attention is not lowered)")
     dtype = _float_dtype(q)
     if dtype is None:
-        return f"the type of '{q.name}' is not a known float type"
+        raise Refusal(f"the type of '{q.name}' is not a known float type")
     scale = node.attrs.get("scale")
     if scale is None:
         head_dim = q_shape[3]
         if head_dim is None or not head_dim.is_int or head_dim.value <= 0:
-            return f"the head size of '{q.name}' {text(q_shape)} is not a proven constant (the default scale is 1/sqrt of it)"
+            raise Refusal(f"the head size of '{q.name}' {text(q_shape)} is not a proven constant (the default scale is 1/sqrt of it)")
         scale = 1.0 / np.sqrt(head_dim.value)
     mask = node.inputs[3] if len(node.inputs) > 3 and node.inputs[3].name else None
     if mask is not None:
         mask_shape = dims.shape(mask)
         boolean = mask.dtype is not None and np.dtype(mask.dtype) == np.bool_
-        if boolean and not _keeps_causal(graph, mask, dims, {q_shape[2], k_shape[2]}):
-            return f"attn_mask '{mask.name}' is boolean and not proven causal (a fully masked row is 0 in Attention, NaN in Softmax)"
+        if boolean and not keeps_causal(graph, mask, dims, {q_shape[2], k_shape[2]}):
+            raise Refusal(f"attn_mask '{mask.name}' is boolean and not proven causal (a fully masked row is 0 in Attention, NaN in Softmax)")
         if mask_shape is None or not mask_shape or not same(mask_shape[-1], k_shape[2]):
-            return f"attn_mask {text(mask_shape)}: its last dim is not proven to be the key length {text([k_shape[2]])} (Attention pads a shorter mask with -inf)"
+            raise Refusal(f"attn_mask {text(mask_shape)}: its last dim is not proven to be the key length {text([k_shape[2]])} (Attention pads a shorter mask with -inf)")
         if not boolean and not provably_finite(mask):
-            return f"attn_mask '{mask.name}' may hold -inf (Attention zeroes a fully masked row; the lowered Softmax would give NaN)"
+            raise Refusal(f"attn_mask '{mask.name}' may hold -inf (Attention zeroes a fully masked row; the lowered Softmax would give NaN)")
 
-    name = node.name or m.output.name
-    lowered = _AttentionLowering(name, dtype)
-    kt = lowered.node("Transpose", [k], _permuted(k.shape, [0, 1, 3, 2]), perm=[0, 1, 3, 2])
+    # What it writes: softmax(q @ kᵀ * scale [+ mask]) @ v, the Softmax in softmax_precision.
+    make = Emit(graph, names, node.name or m.output.name)
+    kt = make.op.Transpose(k, perm=[0, 1, 3, 2], _dtype=dtype)
     scores_shape = None if q.shape is None or k.shape is None else [*q.shape[:3], k.shape[2]]
-    scores = lowered.node("MatMul", [q, kt], scores_shape)
-    scores = lowered.node("Mul", [scores, _constant(f"{name}/scale", np.array([scale], dtype))], scores_shape)
+    scores = make.op.MatMul(q, kt, _dtype=dtype, _shape=scores_shape)
+    scores = make.op.Mul(scores, make.constant("scale", np.array([scale], dtype)), _dtype=dtype, _shape=scores_shape)
     if mask is not None:
         if boolean:  # True: attend. Every row keeps key 0 (proven causal), so -inf never fills a row.
-            mask = _additive_mask(mask, dtype, lowered)
-        scores = lowered.node("Add", [scores, mask], scores_shape)
+            mask = _additive_mask(mask, dtype, make)
+        scores = make.op.Add(scores, mask, _dtype=dtype, _shape=scores_shape)
     precision = node.attrs.get("softmax_precision")
     upcast = precision is not None and onnx.helper.tensor_dtype_to_np_dtype(int(precision)) != dtype
     if upcast:
-        scores = lowered.node("Cast", [scores], scores_shape, to=int(precision), dtype=onnx.helper.tensor_dtype_to_np_dtype(int(precision)))
-    probs = lowered.node("Softmax", [scores], scores_shape, axis=-1, dtype=scores.dtype)
+        scores = make.op.Cast(scores, to=int(precision), _dtype=onnx.helper.tensor_dtype_to_np_dtype(int(precision)), _shape=scores_shape)
+    probs = make.op.Softmax(scores, axis=-1, _dtype=scores.dtype, _shape=scores_shape)
     if upcast:
-        probs = lowered.node("Cast", [probs], scores_shape, to=onnx.helper.np_dtype_to_tensor_dtype(dtype))
-    lowered.nodes.append(gs.Node("MatMul", f"{name}/MatMul_pv", inputs=[probs, v], outputs=[gs.Variable(f"{m.output.name}__lowered", dtype=m.output.dtype, shape=m.output.shape)]))
-    replace(graph, m, lowered.nodes)
-    return None
+        probs = make.op.Cast(probs, to=onnx.helper.np_dtype_to_tensor_dtype(dtype), _dtype=dtype, _shape=scores_shape)
+    make.op.MatMul(probs, v, _dtype=m.output.dtype, _shape=m.output.shape)
+    replace(graph, m, make.nodes)
 
 
 def _unsupported_attention_form(graph: gs.Graph, node: gs.Node, dims: Dims) -> str | None:
@@ -231,23 +226,15 @@ def _unsupported_attention_form(graph: gs.Graph, node: gs.Node, dims: Dims) -> s
     return None
 
 
-def _additive_mask(mask: gs.Tensor, dtype: np.dtype, lowered: "_AttentionLowering") -> gs.Tensor:
+def _additive_mask(mask: gs.Tensor, dtype: np.dtype, make: Emit) -> gs.Tensor:
     """Where(mask, 0, -inf), one per boolean mask: the layers that share the mask share it, as
     fuse-attention's causal-mask proof needs (a value read outside its match is not matched)."""
     name = f"{mask.name}__additive"
     for consumer in mask.outputs:
         if consumer.op == "Where" and consumer.name == name:
             return consumer.outputs[0]
-    values = [_constant(f"{name}/{v}", np.array(v, dtype)) for v in (0.0, -np.inf)]
-    out = gs.Variable(f"{name}_out", dtype=dtype, shape=mask.shape)
-    lowered.nodes.append(gs.Node("Where", name, inputs=[mask, *values], outputs=[out]))
-    return out
-
-
-def _keeps_causal(graph: gs.Graph, mask: gs.Tensor, dims: Dims, seq: set) -> bool:
-    from onnxopt.passes.attention import keeps_causal  # fuse-attention's proof; that module imports this one
-
-    return keeps_causal(graph, mask, dims, seq)
+    values = [make.constant(f"additive_{v}", np.array(v, dtype)) for v in (0.0, -np.inf)]
+    return make.node("Where", [mask, *values], dtype, mask.shape, name=name)
 
 
 def _float_dtype(t: gs.Tensor) -> np.dtype | None:
@@ -257,161 +244,89 @@ def _float_dtype(t: gs.Tensor) -> np.dtype | None:
     return dtype if onnx.helper.np_dtype_to_tensor_dtype(dtype) in FLOAT_TYPES else None
 
 
-def _permuted(shape, perm):
-    return None if shape is None else [shape[p] for p in perm]
-
-
-class _AttentionLowering:
-    """Collects the lowered nodes, named under the Attention node's name, their outputs annotated."""
-
-    def __init__(self, name: str, dtype: np.dtype):
-        self.name, self.dtype, self.nodes = name, dtype, []
-
-    def node(self, op_type: str, inputs: list, shape, dtype=None, **attrs) -> gs.Variable:
-        name = f"{self.name}/{op_type}_{len(self.nodes)}"
-        out = gs.Variable(f"{name}_out", dtype=self.dtype if dtype is None else dtype, shape=shape)
-        self.nodes.append(gs.Node(op_type, name, attrs, inputs, [out]))
-        return out
-
-
-def rewrite_identity_reshape(graph: gs.Graph, m: Match, dims: Dims) -> str | None:
+def rewrite_identity_reshape(graph: gs.Graph, m: Match, dims: Dims, names: NameAuthority) -> None:
     x = m.root.inputs[0]  # the product
     before, after = dims.shape(x), dims.reshaped(m.root)
     if not same_dims(before, after) or any(d is None for d in before):
-        return NOT_A_SITE
+        raise Refusal("the Reshape does not provably keep the shape: an ordinary Reshape", not_a_site=True)
     replace(graph, m, [], [x])
-    return None
+    return
 
 
-def rewrite_sdpa_scale(graph: gs.Graph, m: Match, dims: Dims) -> str | None:
+def rewrite_sdpa_scale(graph: gs.Graph, m: Match, dims: Dims, names: NameAuthority) -> None:
     # Whatever the Slice takes (starts, ends, axes, steps), Dims evaluates exactly that.
     head_dim = dims.scalar(m.node("slice").outputs[0])
     if head_dim is None or not head_dim.is_int or head_dim.value <= 0:
-        return f"the sliced dim of '{m['q'].name}' is not a proven constant ({head_dim})"
+        raise Refusal(f"the sliced dim of '{m['q'].name}' is not a proven constant ({head_dim})")
     if int(m.attrs["to"]) not in FLOAT_TYPES:
-        return f"Cast to {m.attrs['to']} is not a float cast"
+        raise Refusal(f"Cast to {m.attrs['to']} is not a float cast")
     dtype = onnx.helper.tensor_dtype_to_np_dtype(int(m.attrs["to"]))
     scale = dtype.type(1) / np.sqrt(dtype.type(head_dim.value))
-    replace(graph, m, [], [_constant(f"{m.output.name}__const", np.array([scale], dtype=dtype))])
-    return None
+    replace(graph, m, [], [Emit(graph, names, m.root.name).constant("scale", np.array([scale], dtype=dtype))])
 
 
-def rewrite_k_transpose_chain(graph: gs.Graph, m: Match, dims: Dims) -> str | None:
+def rewrite_k_transpose_chain(graph: gs.Graph, m: Match, dims: Dims, names: NameAuthority) -> None:
     k = dims.shape(m["k"])
     if k is None or len(k) != 4 or any(d is None for d in k):
-        return f"shape of '{m['k'].name}' is not known ({text(k)})"
+        raise Refusal(f"shape of '{m['k'].name}' is not known ({text(k)})")
     a, b, c, d = k
     folded, unfolded = dims.reshaped(m.node("fold")), dims.reshaped(m.node("unfold"))
     if not same_dims(folded, [a * b, c, d]):
-        return f"first Reshape gives {text(folded)}, not {text([a * b, c, d])}"
+        raise Refusal(f"first Reshape gives {text(folded)}, not {text([a * b, c, d])}")
     if not same_dims(unfolded, [a, b, d, c]):
-        return f"second Reshape gives {text(unfolded)}, not {text([a, b, d, c])}"
-    out = gs.Variable(f"{m.output.name}__kt")
-    replace(graph, m, [gs.Node("Transpose", f"{m.root.name}__kt", {"perm": [0, 1, 3, 2]}, [m["k"]], [out])])
-    return None
+        raise Refusal(f"second Reshape gives {text(unfolded)}, not {text([a, b, d, c])}")
+    make = Emit(graph, names, m.root.name)
+    make.op.Transpose(m["k"], perm=[0, 1, 3, 2])
+    replace(graph, m, make.nodes)
 
 
-def rewrite_transpose_pair(graph: gs.Graph, m: Match, dims: Dims) -> str | None:
+def rewrite_transpose_pair(graph: gs.Graph, m: Match, dims: Dims, names: NameAuthority) -> None:
     inner, outer = m.attrs["inner"], m.attrs["outer"]
     if inner is None or outer is None or len(inner) != len(outer):
-        return "a Transpose without an explicit perm"
+        raise Refusal("a Transpose without an explicit perm")
     perm = [int(inner[i]) for i in outer]
     x = m.root.inputs[0].inputs[0].inputs[0]
     if perm == sorted(perm):
         replace(graph, m, [], [x])
-        return None
-    out = gs.Variable(f"{m.output.name}__perm")
-    replace(graph, m, [gs.Node("Transpose", f"{m.root.name}__merged", {"perm": perm}, [x], [out])])
-    return None
+        return
+    make = Emit(graph, names, m.root.name)
+    make.op.Transpose(x, perm=perm)
+    replace(graph, m, make.nodes)
 
 
-def rewrite_qk_scale(graph: gs.Graph, m: Match, dims: Dims) -> str | None:
+def rewrite_qk_scale(graph: gs.Graph, m: Match, dims: Dims, names: NameAuthority) -> None:
     scales = [constant_value(m[n]) for n in ("q_scale", "k_scale") if m.get(n) is not None]
     dtype = scales[0].dtype
     value = dtype.type(1)
     for s in scales:
         value = value * dtype.type(s.reshape(-1)[0])
-    scores = gs.Variable(f"{m.output.name}__unscaled", dtype=m.output.dtype, shape=m.output.shape)
-    out = gs.Variable(f"{m.output.name}__scaled")
-    matmul = gs.Node("MatMul", f"{m.root.name}__unscaled", inputs=[m["q"], m["kt"]], outputs=[scores])
-    mul = gs.Node("Mul", f"{m.root.name}__scale", inputs=[scores, _constant(f"{m.root.name}__scale", np.array([value], dtype))], outputs=[out])
-    replace(graph, m, [matmul, mul])
-    return None
+    make = Emit(graph, names, m.root.name)
+    scores = make.op.MatMul(m["q"], m["kt"], _dtype=m.output.dtype, _shape=m.output.shape)
+    make.op.Mul(scores, make.constant("scale", np.array([value], dtype)))
+    replace(graph, m, make.nodes)
 
 
-def rewrite_zero_score_bias(graph: gs.Graph, m: Match, dims: Dims) -> str | None:
+def rewrite_zero_score_bias(graph: gs.Graph, m: Match, dims: Dims, names: NameAuthority) -> None:
     add, matched = m.node("add"), {id(n) for n in m.nodes}
     # The zeros are computed inside the match (or constant); the scores come from outside it.
     zeros_index = 0 if is_constant(add.inputs[0]) or id(_producer(add.inputs[0])) in matched else 1
     zeros, scores = add.inputs[zeros_index], add.inputs[1 - zeros_index]
     z, s = dims.shape(zeros), dims.shape(scores)
     if z is None or s is None or len(z) > len(s):
-        return f"cannot prove the zeros {text(z)} broadcast into the scores {text(s)}"
+        raise Refusal(f"cannot prove the zeros {text(z)} broadcast into the scores {text(s)}")
     for zd, sd in zip(reversed(z), reversed(s)):
         if not (same(zd, Dim(1)) or same(zd, sd)):
-            return f"zeros {text(z)} may broadcast the scores {text(s)} to a larger shape"
+            raise Refusal(f"zeros {text(z)} may broadcast the scores {text(s)} to a larger shape")
     replace(graph, m, [], [scores])
-    return None
+    return
 
 
-def rewrite_softmax_nan_guard(graph: gs.Graph, m: Match, dims: Dims) -> str | None:
+def rewrite_softmax_nan_guard(graph: gs.Graph, m: Match, dims: Dims, names: NameAuthority) -> None:
     reason = nan_free_scores(m["scores"])
     if reason is not None:
-        return reason
+        raise Refusal(reason)
     replace(graph, m, [], [m.node("softmax").outputs[0]])
-    return None
-
-
-# ---------------------------------------------------------------- facts shared with fuse-attention
-
-
-def nan_free_scores(scores: gs.Tensor) -> str | None:
-    """None when no row of Softmax(scores) can be all -inf (so Softmax never yields NaN), else why not.
-
-    Scores are a MatMul (optionally scaled by a finite constant), optionally plus a mask whose
-    every value is finite.
-    """
-    node = _producer(scores)
-    if node is not None and node.op == "Add":
-        a, b = node.inputs
-        core, mask = (a, b) if _is_scores(a) else (b, a)
-        if not _is_scores(core):
-            return f"'{scores.name}' is not attention scores plus a mask"
-        if not provably_finite(mask):
-            return f"mask '{mask.name}' may hold -inf: a fully masked row would make Softmax NaN"
-        return None
-    return None if _is_scores(scores) else f"'{scores.name}' is not attention scores"
-
-
-def provably_finite(t: gs.Tensor) -> bool:
-    """Every value of ``t`` is finite: finite constants, selected, broadcast or reshaped."""
-    if is_constant(t):
-        value = constant_value(t)
-        return np.issubdtype(value.dtype, np.floating) and bool(np.all(np.isfinite(value)))
-    node = _producer(t)
-    if node is None:
-        return False
-    if node.op == "Where":
-        return provably_finite(node.inputs[1]) and provably_finite(node.inputs[2])
-    if node.op in ("Expand", "Reshape", "Unsqueeze", "Squeeze", "Identity", "Transpose"):
-        return provably_finite(node.inputs[0])
-    if node.op == "Cast":
-        return int(node.attrs["to"]) in (onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE) and provably_finite(node.inputs[0])
-    return False
-
-
-def _is_scores(t: gs.Tensor) -> bool:
-    node = _producer(t)
-    if node is None:
-        return False
-    if node.op in ("Mul", "Div"):
-        a, b = node.inputs
-        factor = b if node.op == "Div" or is_constant(b) else a
-        other = a if factor is b else b
-        return provably_finite(factor) and _is_scores(other)
-    if node.op == "Cast":
-        return _is_scores(node.inputs[0])
-    return node.op == "MatMul"
+    return
 
 
 # ---------------------------------------------------------------- scalar arithmetic
@@ -432,7 +347,7 @@ def fold_scalar_constants(graph: gs.Graph) -> int:
 
     ``graph.nodes`` must be topologically sorted, so that a chain folds in one sweep.
     """
-    folded = 0
+    folded, names = 0, NameAuthority(graph)
     for node in list(graph.nodes):
         if not is_standard(node) or len(node.outputs) != 1 or not node.inputs:
             continue
@@ -453,9 +368,8 @@ def fold_scalar_constants(graph: gs.Graph) -> int:
                 result = np.asarray(_SCALAR_OPS[node.op](*values)).astype(values[0].dtype)
         rank = max(v.ndim for v in values)
         out = node.outputs[0]
-        _bypass_output(graph, out, _constant(f"{out.name}__folded", result.reshape((1,) * rank)))
-        node.outputs.clear()
-        node.inputs.clear()
+        _bypass_output(graph, out, Emit(graph, names, node.name or out.name).constant("folded", result.reshape((1,) * rank)))
+        detach(node)
         folded += 1
     return folded
 
@@ -466,8 +380,19 @@ def fold_scalar_constants(graph: gs.Graph) -> int:
 @dataclass(frozen=True)
 class Rule:
     pattern: Pattern
-    rewrite: Callable[[gs.Graph, Match, Dims], str | None]
+    rewrite: Callable[[gs.Graph, Match, Dims, NameAuthority], None]  # rewrites the match or raises Refusal
     overlap: bool = False  # matches may share nodes (the rewrite leaves the shared ones in place)
+    # A graph-wide step run before the rule's find: (name in the report's details, step -> sites rewritten).
+    before: tuple[str, Callable[[gs.Graph], int]] | None = None
+
+
+def fold_scalar_arithmetic(graph: gs.Graph) -> int:
+    """The scale the rules before qk-scale materialized, as one constant (fold_scalar_constants, cleaned up)."""
+    graph.toposort()
+    folded = fold_scalar_constants(graph)
+    if folded:
+        graph.cleanup(remove_unused_graph_inputs=False)
+    return folded
 
 
 RULES = (
@@ -476,7 +401,7 @@ RULES = (
     Rule(SDPA_SCALE, rewrite_sdpa_scale),
     Rule(K_TRANSPOSE_CHAIN, rewrite_k_transpose_chain),
     Rule(TRANSPOSE_PAIR, rewrite_transpose_pair),
-    Rule(QK_SCALE, rewrite_qk_scale),
+    Rule(QK_SCALE, rewrite_qk_scale, before=("scalar-arithmetic", fold_scalar_arithmetic)),
     Rule(ZERO_SCORE_BIAS, rewrite_zero_score_bias, overlap=True),
     Rule(SOFTMAX_NAN_GUARD, rewrite_softmax_nan_guard),
 )
@@ -494,27 +419,28 @@ class CanonicalizeAttention(Pass):
         graph = model.graph
         result = PassResult(modified=False)
         counts: Counter = Counter()
+        names = NameAuthority(graph)
         for rule in RULES:
-            if rule.pattern is QK_SCALE:  # the scale the previous rules materialized, as one constant
-                graph.toposort()
-                counts["scalar-arithmetic"] += fold_scalar_constants(graph)
-                if counts["scalar-arithmetic"]:
-                    graph.cleanup(remove_unused_graph_inputs=False)
+            if rule.before is not None:
+                name, step = rule.before
+                rewritten = step(graph)
+                counts[name] += rewritten
+                result.sites_matched += rewritten
+                result.sites_rewritten += rewritten
             dims = Dims()
             for match in rule.pattern.find(graph, overlap=rule.overlap):
-                reason = rule.rewrite(graph, match, dims)
-                if reason is NOT_A_SITE:
+                try:
+                    rule.rewrite(graph, match, dims, names)
+                except Refusal as refusal:
+                    if not refusal.not_a_site:
+                        result.sites_matched += 1
+                        result.refuse(f"{rule.pattern.name} at '{match.root.name}'", refusal.reason)
                     continue
                 result.sites_matched += 1
-                if reason is None:
-                    result.sites_rewritten += 1
-                    counts[rule.pattern.name] += 1
-                else:
-                    result.refuse(f"{rule.pattern.name} at '{match.root.name}'", reason)
+                result.sites_rewritten += 1
+                counts[rule.pattern.name] += 1
             if counts[rule.pattern.name]:  # dead nodes still count as consumers for the next find
                 graph.cleanup(remove_unused_graph_inputs=False)
-        result.sites_matched += counts["scalar-arithmetic"]
-        result.sites_rewritten += counts["scalar-arithmetic"]
         result.modified = result.sites_rewritten > 0
         result.details = {k: v for k, v in counts.items() if v}
         graph.toposort()
@@ -528,36 +454,13 @@ def _producer(t: gs.Tensor) -> gs.Node | None:
     return t.inputs[0] if isinstance(t, gs.Variable) and len(t.inputs) == 1 else None
 
 
-def has_node(m: Match, name: str) -> bool:
-    """Whether the pattern node named ``name`` is part of the match (alternatives may skip it)."""
-    try:
-        m.node(name)
-    except KeyError:
-        return False
-    return True
-
-
 def _fill_value(m: Match) -> np.ndarray | None:
-    if has_node(m, "fill"):
+    if m.has_node("fill"):
         value = m.node("fill").attrs.get("value")
         return np.zeros(1, np.float32) if value is None else np.asarray(value.values)
     return constant_value(m["value"])
 
 
-_ids = iter(range(1 << 62))
-
-
-def _constant(name: str, value: np.ndarray) -> gs.Constant:
-    return gs.Constant(f"{name}_{next(_ids)}", np.asarray(value))
-
-
 def _bypass_output(graph: gs.Graph, old: gs.Tensor, new: gs.Tensor) -> None:
     """Point ``old``'s consumers at ``new``; a graph output keeps its name through an Identity."""
-    for consumer in list(old.outputs):
-        for i, t in enumerate(consumer.inputs):
-            if t is old:
-                consumer.inputs[i] = new
-    if any(o is old for o in graph.outputs):
-        for producer in list(old.inputs):
-            producer.outputs[producer.outputs.index(old)] = gs.Variable(f"{old.name}__bypassed")
-        graph.nodes.append(gs.Node("Identity", f"{old.name}__identity", inputs=[new], outputs=[old]))
+    graph.nodes.extend(bypass(graph, old, new))

@@ -43,7 +43,7 @@ The rule (no pattern: any graph works):
       torch module (TorchScript node names, the dynamo exporter's name scopes), e.g.
       ``down_blocks.0.attentions.0.transformer_blocks.0.attn2``, else ``cross_attention.<i>``.
 
-Refused (the model is left as it is, with the reason; ``--strict`` makes it exit 4): no input
+Refusal (the model is left as it is, with the reason; ``--strict`` makes it exit 4): no input
 ``encoder_hidden_states``; nothing reads it but the denoiser's own nodes directly; a graph output
 that depends on it alone; control flow; a Shape the denoiser reads that cannot be re-expressed;
 an interface tensor of unknown type.
@@ -62,6 +62,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import onnx_graphsurgeon as gs
 
+from onnxopt.domains import MS_DOMAIN
+from onnxopt.fusion import Refusal
+from onnxopt.graph_edit import replace_inputs
+from onnxopt.layout import LAYOUT_OPS
 from onnxopt.model import Model
 from onnxopt.pass_infra import CONSTANTS_FOLDED, SHAPES_INFERRED, Pass, PassResult
 from onnxopt.pattern.dims import Dim, Dims, same, text
@@ -70,15 +74,10 @@ from onnxopt.weights import constant_nbytes
 
 CONTEXT_INPUT = "encoder_hidden_states"
 COMPANION = "context_kv"
-MS_DOMAIN = "com.microsoft"
 FUSED_ATTENTION = frozenset({"MultiHeadAttention", "Attention", "PackedMultiHeadAttention"})
 RANDOM_OPS = frozenset({"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Multinomial", "Bernoulli"})
 SHAPE_OPS = frozenset({"Shape", "Size"})
 STATIC, SHAPE, DATA = "static", "shape-only", "data"  # kinds of tensors the context input alone determines
-
-
-class Refused(Exception):
-    """The model cannot be split; the message says why."""
 
 
 @dataclass
@@ -111,7 +110,7 @@ class ContextKV(Pass):
         try:
             split = Split(model, self.context_input)
             layers = split.plan()
-        except Refused as refusal:
+        except Refusal as refusal:
             result.nothing_to_do = f"nothing to extract: {refusal}"
             return result
         if self.companion in model.companions:
@@ -133,7 +132,7 @@ class Split:
         self.input = next((t for t in self.graph.inputs if t.name == context_input), None)
         if self.input is None:
             names = ", ".join(t.name for t in self.graph.inputs)
-            raise Refused(f"the model has no input '{context_input}' (inputs: {names})")
+            raise Refusal(f"the model has no input '{context_input}' (inputs: {names})")
         self.dims = Dims()
 
     # ------------------------------------------------------------ planning
@@ -142,12 +141,12 @@ class Split:
         graph = self.graph
         graph.toposort()
         if any(list(node.subgraphs()) for node in graph.nodes):
-            raise Refused("the graph has control flow (If/Loop/Scan); the split handles flat graphs only")
+            raise Refusal("the graph has control flow (If/Loop/Scan); the split handles flat graphs only")
         self.kind = self._classify()
         context_nodes = {id(n) for n in graph.nodes if n.outputs and all(id(t) in self.kind for t in n.outputs)}
         for out in graph.outputs:
             if self.kind.get(id(out)) in (DATA, SHAPE):
-                raise Refused(f"graph output '{out.name}' depends on {self.input.name} alone")
+                raise Refusal(f"graph output '{out.name}' depends on {self.input.name} alone")
 
         # Readers outside the context region: what they read of it is the cut (or shapes of it).
         self.cut: list[gs.Variable] = []
@@ -162,7 +161,7 @@ class Split:
         self.keep_input_reason = next(
             (f"{n.op} '{n.name}' reads it" for n in self.input.outputs if id(n) not in context_nodes), None)
         if not self.cut:
-            raise Refused(f"no computation depends on {self.input.name} alone"
+            raise Refusal(f"no computation depends on {self.input.name} alone"
                           + (f" ({self.keep_input_reason})" if self.keep_input_reason else ""))
 
         # What each part needs: backward from the outputs (stopping at the cut and at Shapes of
@@ -177,11 +176,11 @@ class Split:
                 if node.inputs[0] is self.input:
                     self.keep_input_reason = self.keep_input_reason or f"its shape is read by {node.op} '{node.name}' and cannot be proven from the K/V"
                 else:
-                    raise Refused(f"{node.op} '{node.name}' reads the shape of '{node.inputs[0].name}', "
+                    raise Refusal(f"{node.op} '{node.name}' reads the shape of '{node.inputs[0].name}', "
                                   "which the denoiser's inputs cannot be proven to give")
         for t in self.cut:
             if t.dtype is None:
-                raise Refused(f"the type of '{t.name}' is unknown (run infer-shapes first)")
+                raise Refusal(f"the type of '{t.name}' is unknown (run infer-shapes first)")
         return self.layers
 
     def _classify(self) -> dict[int, str]:
@@ -322,7 +321,7 @@ class Split:
             for t in node.inputs:
                 if isinstance(t, gs.Constant) and any(id(r) in denoiser_ids for r in t.outputs):
                     replacement.setdefault(id(t), gs.Constant(t.name, t._values))  # same values, no copy
-            rewire(node, replacement)
+            replace_inputs(node, replacement)
         outputs = []
         for t in self._cut_in_layer_order():
             t.name, t.shape = names[id(t)], new_inputs[id(t)].shape
@@ -335,7 +334,7 @@ class Split:
 
         # Denoiser: new inputs in place of the cut tensors, shapes re-expressed on them.
         for node in self.denoiser_nodes:
-            rewire(node, new_inputs)
+            replace_inputs(node, new_inputs)
         resolution_nodes = []
         for node in self.shape_reads:
             pieces = self.resolutions[id(node)]
@@ -450,7 +449,6 @@ def _softmax_above(x: gs.Tensor, depth: int = 6) -> gs.Node | None:
     return None
 
 
-LAYOUT_OPS = frozenset({"Reshape", "Transpose", "Cast", "Squeeze", "Unsqueeze", "Identity"})
 SCORE_OPS = frozenset({"Mul", "Div", "MatMul", "Add", "Cast", "Transpose", "Reshape", "Softmax"})
 
 
@@ -490,13 +488,6 @@ def _strip_wrapper(layers: list[Layer]) -> None:
     if len(firsts) == 1 and all("." in layer.module for layer in layers):
         for layer in layers:
             layer.module = layer.module.split(".", 1)[1]
-
-
-def rewire(node: gs.Node, replacement: dict[int, gs.Tensor]) -> None:
-    """Replace ``node``'s inputs by id (graphsurgeon keeps each tensor's reader list in step)."""
-    for i, t in enumerate(node.inputs):
-        if id(t) in replacement:
-            node.inputs[i] = replacement[id(t)]
 
 
 def shape_from(pieces: list, node: gs.Node, opset: int) -> list[gs.Node]:

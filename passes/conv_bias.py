@@ -30,13 +30,13 @@ from __future__ import annotations
 import numpy as np
 import onnx_graphsurgeon as gs
 
+from onnxopt.domains import MS_DOMAIN
 from onnxopt.model import Model
 from onnxopt.pass_infra import OrtFusion, PassResult
 from onnxopt.pattern import constant_value, is_constant
 from onnxopt.pattern.tensor_facts import dims_conflict, rank_of, shape_of
 from onnxopt.registry import register_pass
 
-MS_DOMAIN = "com.microsoft"
 KERNEL_DTYPES = (np.dtype(np.float32), np.dtype(np.float16))
 
 

@@ -29,15 +29,15 @@ How types are chosen (per input, from the operator schemas, :mod:`onnxopt.precis
   ``ConstantOfShape`` values) and ``Cast(to=FLOAT)`` of non-float32 tensors are converted
   offline or retargeted; one wanted in both types gets a low-precision twin.
 * A ``Cast(to=FLOAT)`` in a converted region becomes ``Cast(to=FLOAT16)`` (TorchScript's
-  ``time_proj`` cast), and no-op casts and lossless chains are removed at the end
-  (``remove-redundant-casts``).
+  ``time_proj`` cast), and no-op casts and lossless chains are removed after it
+  (``remove-redundant-casts``, which the pass manager runs right after fp16 as a step of its own).
 * Casts are inserted once per tensor and type; a tensor cast down from float32 is read back by
   float32 consumers from its float32 original, never through a second Cast.
 
 Which nodes stay float32, with the reason in ``details["fp32_nodes"]``: ``fp32_ops``,
 ``fp32_nodes``, nodes without a known schema or with subgraphs, ops ONNX Runtime has no kernel
 of the low type for (``KERNEL_GAPS``: bfloat16 Resize), and the hazards of
-:mod:`passes.fp16_hazards` (out-of-range constants other than attention masks, which are clamped
+:mod:`onnxopt.fp16_hazards` (out-of-range constants other than attention masks, which are clamped
 to -32752 instead; vanishing epsilons; Sin/Cos arguments; with ``fp32_auto``, tensors that exceed the
 range on calibration inputs, and optionally nodes whose own low-precision error exceeds
 ``sensitivity``).
@@ -80,6 +80,16 @@ import onnx_graphsurgeon as gs
 from onnx_graphsurgeon.logger import G_LOGGER
 
 from onnxopt import precision
+from onnxopt.fp16_hazards import (
+    DATA_MOVEMENT_OPS,
+    FLOAT_TYPES,
+    calibrated_overflows,
+    constant_hazards,
+    constant_node_value,
+    node_label,
+    periodic_arguments,
+    uses,
+)
 from onnxopt.model import SKELETON_THRESHOLD_BYTES, Model
 from onnxopt.pass_infra import CONSTANTS_FOLDED, SHAPES_INFERRED, Pass, PassResult
 from onnxopt.precision import (
@@ -95,18 +105,6 @@ from onnxopt.precision import (
 )
 from onnxopt.registry import register_pass
 from onnxopt.weights import DerivedValues, constant_nbytes, read_uncached
-
-from .cast_chains import RemoveRedundantCasts
-from .fp16_hazards import (
-    DATA_MOVEMENT_OPS,
-    FLOAT_TYPES,
-    calibrated_overflows,
-    constant_hazards,
-    constant_node_value,
-    node_label,
-    periodic_arguments,
-    uses,
-)
 
 LOW, F32, BOTH = "low", "float32", "both"
 
@@ -264,10 +262,11 @@ class Fp16Pass(Pass):
             result.details["fp32_nodes_not_found"] = unknown
         if calibration_info:
             result.details["calibration"] = calibration_info
-        if stats.changed:
-            simplify = RemoveRedundantCasts().run(model)
-            result.details["casts_removed"] = simplify.sites_rewritten
         return result
+
+    def followers(self, result: PassResult) -> list[str]:
+        """remove-redundant-casts, after a run that changed types (the manager runs it as its own step)."""
+        return ["remove-redundant-casts"] if result.modified else []
 
 
 def _count(items) -> dict[str, int]:

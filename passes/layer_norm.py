@@ -91,9 +91,10 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from onnxopt.model import Model
-from onnxopt.pass_infra import CONSTANTS_FOLDED, SHAPES_INFERRED, OrtFusion, Pass, PassResult
-from onnxopt.pattern import Const, Literal, OneOf, Pattern, Var, constant_shape, constant_value, is_constant, op, replace
+from onnxopt.domains import MS_DOMAIN
+from onnxopt.fusion import Emit, Fusion, FusionRun, Refusal, Rule
+from onnxopt.pass_infra import CONSTANTS_FOLDED, SHAPES_INFERRED, OrtFusion
+from onnxopt.pattern import Const, Literal, Match, OneOf, Pattern, Var, constant_shape, constant_value, is_constant, op
 from onnxopt.pattern.tensor_facts import (
     dims_agree,
     dims_conflict,
@@ -106,7 +107,6 @@ from onnxopt.pattern.tensor_facts import (
 )
 from onnxopt.registry import register_pass
 
-MS_DOMAIN = "com.microsoft"
 SKIP_LAYER_NORM_DTYPES = (np.dtype(np.float32), np.dtype(np.float16))  # bfloat16 too, but numpy has none
 LAYER_NORM_DEFAULT_EPSILON = 1e-5  # ONNX LayerNormalization's default
 
@@ -124,34 +124,27 @@ def decomposed_layer_norm(x, gamma, beta, eps=Const()):
 DECOMPOSED_LAYER_NORM = Pattern(decomposed_layer_norm, name="decomposed-layer-norm")
 
 
+def check_layer_norm(match: Match, run: FusionRun) -> Match:
+    reason = _layer_norm_refusal(match, run.graph.opset)
+    if reason is not None:
+        raise Refusal(reason)
+    return match
+
+
+def emit_layer_norm(make: Emit, match: Match) -> list[gs.Tensor]:
+    d = static_dim(match["x"], -1)
+    gamma, beta = _per_channel(make, match["gamma"], d), _per_channel(make, match["beta"], d)
+    eps = float(match.value("eps").reshape(-1)[0])
+    return [make.op.LayerNormalization(match["x"], gamma, beta, axis=-1, epsilon=eps)]
+
+
 @register_pass
-class FuseLayerNorm(Pass):
+class FuseLayerNorm(Fusion):
     name = "fuse-layer-norm"
     description = "fuse decomposed LayerNorm (ReduceMean/Sub/Pow/ReduceMean/Add/Sqrt/Div/Mul/Add) into LayerNormalization"
     requires = frozenset({SHAPES_INFERRED})
     preserves = frozenset({SHAPES_INFERRED, CONSTANTS_FOLDED})
-    is_fusion = True
-
-    def run(self, model: Model) -> PassResult:
-        graph = model.graph
-        result = PassResult(modified=False)
-        for match in DECOMPOSED_LAYER_NORM.find(graph):
-            result.sites_matched += 1
-            reason = _layer_norm_refusal(match, graph.opset)
-            if reason is not None:
-                result.refuse(match.root.name, reason)
-                continue
-            d = static_dim(match["x"], -1)
-            y = gs.Variable(f"{match.output.name}__ln")
-            inputs = [match["x"], _per_channel(match["gamma"], d), _per_channel(match["beta"], d)]
-            eps = float(match.value("eps").reshape(-1)[0])
-            replace(graph, match, [gs.Node("LayerNormalization", f"{match.root.name}__layer_norm", attrs={"axis": -1, "epsilon": eps},
-                                           inputs=inputs, outputs=[y])])
-            result.sites_rewritten += 1
-        result.modified = result.sites_rewritten > 0
-        if result.modified:
-            graph.cleanup(remove_unused_graph_inputs=False).toposort()
-        return result
+    rules = (Rule(DECOMPOSED_LAYER_NORM, check_layer_norm, emit_layer_norm),)
 
 
 def _layer_norm_refusal(match, opset: int) -> str | None:
@@ -188,11 +181,11 @@ def _reduce_axes(node: gs.Node) -> list[int] | None:
     return None  # no axes: all of them (noop_with_empty_axes aside) -- not a LayerNorm
 
 
-def _per_channel(tensor: gs.Tensor, d: int) -> gs.Tensor:
+def _per_channel(make: Emit, tensor: gs.Tensor, d: int) -> gs.Tensor:
     """``tensor`` as shape (d,): constants of shape (1, .., d) get a reshaped copy."""
     if list(shape_of(tensor)) == [d]:
         return tensor
-    return gs.Constant(f"{tensor.name}__flat", np.ascontiguousarray(constant_value(tensor).reshape(d)))
+    return make.constant(f"{tensor.name.rsplit('/', 1)[-1]}_flat", constant_value(tensor).reshape(d))
 
 
 # ---------------------------------------------------------------- fuse-skip-layer-norm
@@ -211,35 +204,50 @@ def bias_skip_layer_norm(x, residual, gamma, beta=Var("beta", optional=True), bi
 SKIP_LAYER_NORM = Pattern(bias_skip_layer_norm, skip_layer_norm, name="skip-layer-norm")
 
 
+@dataclass
+class SkipLayerNormSite:
+    match: Match
+    input: gs.Tensor
+    skip: gs.Tensor
+    broadcast_batch: bool  # the Add broadcast the input's batch: it is expanded first
+
+
+def check_skip_layer_norm(match: Match, run: FusionRun) -> SkipLayerNormSite:
+    verdict = _skip_layer_norm_plan(match, {id(t) for t in run.graph.outputs})
+    if isinstance(verdict, str):
+        raise Refusal(verdict)
+    input_, skip, proven = verdict
+    broadcast = not _batch_proven(input_, skip)
+    run.details["dims_assumed_equal"] += not proven
+    run.details["bias_folded"] += "bias" in match
+    run.details["batch_broadcast_kept"] += broadcast
+    return SkipLayerNormSite(match, input_, skip, broadcast)
+
+
+def emit_skip_layer_norm(make: Emit, site: SkipLayerNormSite) -> list[gs.Tensor]:
+    """SkipLayerNormalization(input, skip, γ, β, bias) -> y and, when s has other readers, the sum s.
+    When only the LayerNorm read s, s is left without producer or consumer (cleanup drops it)."""
+    match, input_, skip = site.match, site.input, site.skip
+    ln, s = match.node("ln"), match.outputs[1]
+    if site.broadcast_batch:  # Expand(input, Shape(skip)): input at the shape the Add broadcast to
+        input_ = make.op.Expand(input_, make.op.Shape(skip, _dtype=np.int64, _shape=[3]), _shape=s.shape)
+    sum_is_read = any(c is not ln for c in s.outputs) or any(t is s for t in make.graph.outputs)
+    y = make.tensor("y", None, None)
+    new_sum = make.tensor("sum", None, None) if sum_is_read else None
+    write_skip_layer_norm(make, ln, input_, skip, match["gamma"], match.get("beta"), match.get("bias"), y, new_sum)
+    return [y, new_sum if new_sum is not None else s]
+
+
 @register_pass
-class FuseSkipLayerNorm(OrtFusion):
+class FuseSkipLayerNorm(Fusion, OrtFusion):
     name = "fuse-skip-layer-norm"
     description = "fuse Add (+ bias) + LayerNormalization into com.microsoft SkipLayerNormalization (sum as output 3)"
+    rules = (Rule(SKIP_LAYER_NORM, check_skip_layer_norm, emit_skip_layer_norm),)
 
-    def run(self, model: Model) -> PassResult:
-        graph = model.graph
-        result = PassResult(modified=False)
-        assumed = biased = broadcast = 0
-        graph_outputs = {id(t) for t in graph.outputs}
-        for match in SKIP_LAYER_NORM.find(graph):
-            result.sites_matched += 1
-            verdict = _skip_layer_norm_plan(match, graph_outputs)
-            if isinstance(verdict, str):
-                result.refuse(match.root.name, verdict)
-                continue
-            input_, skip, proven = verdict
-            assumed += not proven
-            biased += "bias" in match
-            if not _batch_proven(input_, skip):
-                input_ = _broadcast_batch(graph, input_, skip)
-                broadcast += 1
-            _rewrite_skip_layer_norm(graph, match, input_, skip, graph_outputs)
-            result.sites_rewritten += 1
-        result.details.update(dims_assumed_equal=assumed, bias_folded=biased, batch_broadcast_kept=broadcast)
-        result.modified = result.sites_rewritten > 0
-        if result.modified:
-            graph.cleanup(remove_unused_graph_inputs=False).toposort()
-        return result
+    def finish(self, run: FusionRun) -> None:
+        run.result.details.update(dims_assumed_equal=run.details["dims_assumed_equal"],
+                                  bias_folded=run.details["bias_folded"],
+                                  batch_broadcast_kept=run.details["batch_broadcast_kept"])
 
 
 def _skip_layer_norm_plan(match, graph_outputs: set[int]):
@@ -385,38 +393,18 @@ def _computed_row_by_row(tensor: gs.Tensor, source: gs.Tensor, depth: int = _ROW
     return all(_computed_row_by_row(t, source, depth - 1) for t in rows)
 
 
-def _broadcast_batch(graph: gs.Graph, input_: gs.Tensor, skip: gs.Tensor) -> gs.Variable:
-    """Expand(input, Shape(skip)): input at the shape the Add broadcast to."""
-    shape = gs.Variable(f"{skip.name}__skip_ln_shape", dtype=np.int64, shape=[3])
-    expanded = gs.Variable(f"{input_.name}__skip_ln_expanded", dtype=input_.dtype, shape=None)
-    graph.nodes.append(gs.Node("Shape", f"{skip.name}__skip_ln_shape", inputs=[skip], outputs=[shape]))
-    graph.nodes.append(gs.Node("Expand", f"{input_.name}__skip_ln_expand", inputs=[input_, shape], outputs=[expanded]))
-    return expanded
-
-
-def _rewrite_skip_layer_norm(graph: gs.Graph, match, input_, skip, graph_outputs: set[int]) -> None:
-    ln, s = match.node("ln"), match.outputs[1]
-    y = gs.Variable(f"{match.outputs[0].name}__skip_ln")
-    sum_is_read = any(c is not ln for c in s.outputs) or id(s) in graph_outputs
-    new_sum = gs.Variable(f"{s.name}__skip_ln_sum") if sum_is_read else None
-    node = skip_layer_norm_node(ln, input_, skip, match["gamma"], match.get("beta"), match.get("bias"), y, new_sum)
-    # When only the LayerNorm read s, s is left without producer or consumer (cleanup drops it).
-    replace(graph, match, [node], [y, new_sum if new_sum is not None else s])
-
-
-def skip_layer_norm_node(ln: gs.Node, input_, skip, gamma, beta, bias, y: gs.Variable,
-                         input_skip_bias_sum: gs.Variable | None = None) -> gs.Node:
+def write_skip_layer_norm(make: Emit, ln: gs.Node, input_, skip, gamma, beta, bias, y: gs.Variable,
+                          input_skip_bias_sum: gs.Variable | None = None) -> None:
     """SkipLayerNormalization(input, skip, gamma, beta, bias) with ``ln``'s epsilon, computing y
     (output 0) and, when given, the sum input + skip + bias (output 3)."""
-    inputs = [input_, skip, gamma, beta if beta is not None else gs.Variable.empty()]
+    inputs = [input_, skip, gamma, beta if beta is not None else make.absent()]
     if bias is not None:
         inputs.append(bias)
     outputs = [y]
     if input_skip_bias_sum is not None:
-        outputs += [gs.Variable.empty(), gs.Variable.empty(), input_skip_bias_sum]
+        outputs += [make.absent(), make.absent(), input_skip_bias_sum]
     epsilon = float(ln.attrs.get("epsilon", LAYER_NORM_DEFAULT_EPSILON))
-    return gs.Node("SkipLayerNormalization", f"{ln.name}__skip", domain=MS_DOMAIN, attrs={"epsilon": epsilon},
-                   inputs=inputs, outputs=outputs)
+    make.node("SkipLayerNormalization", inputs, None, None, outputs=outputs, domain=MS_DOMAIN, epsilon=epsilon)
 
 
 # ---------------------------------------------------------------- fuse-bias-layer-norm
@@ -446,43 +434,6 @@ BIAS_LAYER_NORM_FORMS = (
 )
 
 
-@register_pass
-class FuseBiasLayerNorm(OrtFusion):
-    name = "fuse-bias-layer-norm"
-    description = ("LayerNormalization with no residual Add (+ the bias Add in front) -> com.microsoft "
-                   "SkipLayerNormalization over (-1, 1, D) rows with a zero skip (ORT's faster CUDA kernel)")
-    runs_after = {
-        "fuse-skip-layer-norm": "a LayerNorm of a residual sum is SkipLayerNormalization's with the sum as its skip; "
-                                "this pass leaves Adds of two computed tensors alone",
-        "nhwc-conv": "a 1x1 proj_in conv becomes the MatMul + bias Add whose bias this pass folds",
-    }
-
-    def run(self, model: Model) -> PassResult:
-        graph = model.graph
-        result = PassResult(modified=False)
-        graph_outputs = {id(t) for t in graph.outputs}
-        counts = {"bias_folded": 0, "through_reshape": 0, "dynamic_shape": 0}
-        for ln in [n for n in graph.nodes if n.op == "LayerNormalization" and n.domain in ("", "ai.onnx", None)]:
-            match = next((m for m in (form.match(graph, ln) for form in BIAS_LAYER_NORM_FORMS) if m is not None), None)
-            if match is None:
-                continue
-            result.sites_matched += 1
-            plan = _bias_layer_norm_plan(match, graph_outputs)
-            if isinstance(plan, str):
-                result.refuse(ln.name, plan)
-                continue
-            _rewrite_bias_layer_norm(graph, match, plan, graph_outputs)
-            result.sites_rewritten += 1
-            counts["bias_folded"] += "bias" in match
-            counts["through_reshape"] += "target" in match
-            counts["dynamic_shape"] += plan.shape is None
-        result.details.update(counts)
-        result.modified = result.sites_rewritten > 0
-        if result.modified:
-            graph.cleanup(remove_unused_graph_inputs=False).toposort()
-        return result
-
-
 @dataclass
 class _RowsPlan:
     """What the rewrite needs: D, the dtype, the bias as (D,) (None: no bias Add), and the
@@ -490,7 +441,7 @@ class _RowsPlan:
 
     d: int
     dtype: np.dtype
-    bias: gs.Tensor | None
+    bias: gs.Tensor | None  # the constant added in front, (D,) or (1, .., 1, D)
     shape: list[int] | None
 
 
@@ -514,7 +465,7 @@ def _bias_layer_norm_plan(match, graph_outputs: set[int]) -> _RowsPlan | str:
         reason = _bias_refusal(match, d)
         if reason is not None:
             return reason
-        bias = _per_channel(match["bias"], d)
+        bias = match["bias"]
     else:
         reason = _residual_sum_refusal(normalized)
         if reason is not None:
@@ -553,47 +504,58 @@ def _last_dim(t: gs.Tensor):
     return shape[-1] if shape else None
 
 
-def _rewrite_bias_layer_norm(graph: gs.Graph, match, plan: _RowsPlan, graph_outputs: set[int]) -> None:
+@dataclass
+class RowsSite:
+    match: Match
+    plan: _RowsPlan
+
+
+def check_rows(match: Match, run: FusionRun) -> RowsSite:
+    plan = _bias_layer_norm_plan(match, {id(t) for t in run.graph.outputs})
+    if isinstance(plan, str):
+        raise Refusal(plan)
+    run.details["bias_folded"] += "bias" in match
+    run.details["through_reshape"] += "target" in match
+    run.details["dynamic_shape"] += plan.shape is None
+    return RowsSite(match, plan)
+
+
+def emit_rows(make: Emit, site: RowsSite) -> list[gs.Tensor]:
     """Reshape to (-1, 1, D) rows, SkipLayerNormalization with a zero (1, D) skip, reshape back.
 
     Output 3 (u + bias) is written only when the Add's (or the Reshape's) output has readers
     besides the LayerNorm; it is reshaped back into that tensor.
     """
+    match, plan = site.match, site.plan
     ln = match.node("ln")
-    name = ln.name or ln.outputs[0].name
     normalized = ln.inputs[0]
     source = match["u"] if plan.bias is not None else normalized  # what the kernel reads, before the bias
-    rows_shape = gs.Constant(f"{name}__rows_shape", np.array([-1, 1, plan.d], np.int64))
     n_rows = int(np.prod(plan.shape)) // plan.d if plan.shape is not None else None
-    rows = gs.Variable(f"{name}__rows", dtype=plan.dtype, shape=[n_rows, 1, plan.d])
-    nodes = [gs.Node("Reshape", f"{name}__to_rows", inputs=[source, rows_shape], outputs=[rows])]
+    rows_shape = [n_rows, 1, plan.d]
+    rows = make.op.Reshape(source, make.constant("rows_shape", np.array([-1, 1, plan.d], np.int64)),
+                           _dtype=plan.dtype, _shape=rows_shape)
 
-    def back(rows_tensor: gs.Variable, shape: gs.Tensor, old: gs.Tensor) -> gs.Variable:
+    def back(rows_tensor: gs.Tensor, shape: gs.Tensor, old: gs.Tensor) -> gs.Tensor:
         """rows_tensor reshaped to ``shape``: the tensor that takes over ``old``."""
-        out = gs.Variable(f"{old.name}__from_rows", dtype=plan.dtype, shape=shape_of(old))
-        nodes.append(gs.Node("Reshape", f"{old.name}__from_rows", inputs=[rows_tensor, shape], outputs=[out]))
-        return out
+        return make.op.Reshape(rows_tensor, shape, _dtype=plan.dtype, _shape=shape_of(old))
 
     def shape_tensor(of: gs.Tensor, static: list[int] | None, label: str, view: gs.Node | None = None) -> gs.Tensor:
         if static is not None:
-            return gs.Constant(f"{name}__{label}_shape", np.array(static, np.int64))
+            return make.constant(f"{label}_shape", np.array(static, np.int64))
         if view is not None:  # the shape the Reshape between Add and LayerNorm gives u (free: a view)
-            viewed = gs.Variable(f"{name}__{label}_view", dtype=plan.dtype, shape=shape_of(view.outputs[0]))
-            nodes.append(gs.Node("Reshape", f"{name}__{label}_view", attrs=dict(view.attrs), inputs=[of, view.inputs[1]],
-                                 outputs=[viewed]))
-            of = viewed
-        out = gs.Variable(f"{name}__{label}_shape", dtype=np.int64, shape=[rank_of(of)])
-        nodes.append(gs.Node("Shape", f"{name}__{label}_shape", inputs=[of], outputs=[out]))
-        return out
+            of = make.op.Reshape(of, view.inputs[1], _dtype=plan.dtype, _shape=shape_of(view.outputs[0]), **dict(view.attrs))
+        return make.op.Shape(of, _dtype=np.int64, _shape=[rank_of(of)])
 
     # Outputs after the first: the Reshape's output, the Add's output (those of the match's form).
     sums = match.outputs[1:]
     matched = {id(n) for n in match.nodes}
+    graph_outputs = {id(t) for t in make.graph.outputs}
     read = [any(id(c) not in matched for c in t.outputs) or id(t) in graph_outputs for t in sums]
-    y_rows = gs.Variable(f"{name}__y_rows", dtype=plan.dtype, shape=[n_rows, 1, plan.d])
-    sum_rows = gs.Variable(f"{name}__sum_rows", dtype=plan.dtype, shape=[n_rows, 1, plan.d]) if any(read) else None
-    nodes.append(skip_layer_norm_node(ln, rows, gs.Constant(f"{name}__zero_skip", np.zeros((1, plan.d), plan.dtype)),
-                                      match["gamma"], match.get("beta"), plan.bias, y_rows, sum_rows))
+    y_rows = make.tensor("y_rows", plan.dtype, rows_shape)
+    sum_rows = make.tensor("sum_rows", plan.dtype, rows_shape) if any(read) else None
+    bias = _per_channel(make, plan.bias, plan.d) if plan.bias is not None else None
+    zero_skip = make.constant("zero_skip", np.zeros((1, plan.d), plan.dtype))
+    write_skip_layer_norm(make, ln, rows, zero_skip, match["gamma"], match.get("beta"), bias, y_rows, sum_rows)
     view = match.node("view") if "target" in match else None
     normalized_shape = shape_tensor(source, plan.shape, "normalized", view)
     new_outputs = [back(y_rows, normalized_shape, match.outputs[0])]
@@ -604,7 +566,25 @@ def _rewrite_bias_layer_norm(graph: gs.Graph, match, plan: _RowsPlan, graph_outp
             new_outputs.append(back(sum_rows, normalized_shape, t))
         else:  # the Add's output, before the Reshape: u's shape
             new_outputs.append(back(sum_rows, shape_tensor(source, _static_shape(t), "biased"), t))
-    replace(graph, match, nodes, new_outputs)
+    return new_outputs
+
+
+@register_pass
+class FuseBiasLayerNorm(Fusion, OrtFusion):
+    name = "fuse-bias-layer-norm"
+    description = ("LayerNormalization with no residual Add (+ the bias Add in front) -> com.microsoft "
+                   "SkipLayerNormalization over (-1, 1, D) rows with a zero skip (ORT's faster CUDA kernel)")
+    runs_after = {
+        "fuse-skip-layer-norm": "a LayerNorm of a residual sum is SkipLayerNormalization's with the sum as its skip; "
+                                "this pass leaves Adds of two computed tensors alone",
+        "nhwc-conv": "a 1x1 proj_in conv becomes the MatMul + bias Add whose bias this pass folds",
+    }
+
+    # Tried in this order on every LayerNormalization: the first form that matches is the site's.
+    rules = tuple(Rule(form, check_rows, emit_rows, site=lambda m: m.node("ln")) for form in BIAS_LAYER_NORM_FORMS)
+
+    def finish(self, run: FusionRun) -> None:
+        run.result.details.update({key: run.details[key] for key in ("bias_folded", "through_reshape", "dynamic_shape")})
 
 
 def _static_shape(t: gs.Tensor) -> list[int] | None:
@@ -620,6 +600,6 @@ __all__ = [
     "FuseLayerNorm",
     "FuseSkipLayerNorm",
     "layer_norm_kernel_refusal",
-    "skip_layer_norm_node",
+    "write_skip_layer_norm",
     "skip_shape_refusal",
 ]

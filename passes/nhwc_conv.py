@@ -4,8 +4,8 @@
         ==>
     x ─ Transpose(0,2,3,1) ─ NhwcConv(W'(M,kH,kW,C/g), B) ─ Transpose(0,3,1,2) ─ y
 
-then ``sink-transposes`` moves the Transposes down through elementwise ops, Concat and Resize so
-that they cancel between neighbouring NHWC nodes (convolutions and GroupNorms, which
+then ``sink-transposes`` (the pass manager runs it right after, as a step of its own) moves the
+Transposes down through elementwise ops, Concat and Resize so that they cancel between neighbouring NHWC nodes (convolutions and GroupNorms, which
 fuse-group-norm emits in the same wrapped form): Transposes remain only at the edges of NHWC
 regions, where ONNX Runtime's own NHWC pass leaves two per Conv.
 
@@ -22,21 +22,14 @@ transposed offline: refused), and its bias, if any, is a constant or absent.
 
 from __future__ import annotations
 
-import numpy as np
 import onnx_graphsurgeon as gs
 
 from onnxopt.errors import PassOptionError
-from onnxopt.graph_edit import is_standard
-from onnxopt.model import Model
-from onnxopt.pass_infra import Pass, PassResult
-from onnxopt.pattern import Const, Pattern, Var, op, replace
+from onnxopt.fusion import Emit, Fusion, FusionRun, Refusal, Rule
+from onnxopt.layout import TO_NCHW, TO_NHWC
+from onnxopt.pattern import Match, Pattern, op
 from onnxopt.registry import register_pass
 from onnxopt.weights import DerivedValues, read_uncached
-
-from .sink_transposes import SinkTransposes
-
-TO_NHWC = [0, 2, 3, 1]
-TO_NCHW = [0, 3, 1, 2]
 
 
 def conv(x, w, b):
@@ -56,12 +49,54 @@ def transposed_weight(w: gs.Constant) -> DerivedValues:
     return DerivedValues((m, kh, kw, c), w.dtype, lambda: read_uncached(w).transpose(TO_NHWC), name=w.name)
 
 
+# ---------------------------------------------------------------- the site and what it writes
+
+
+def check(match: Match, run: FusionRun) -> Match:
+    x, w, b = match["x"], match["w"], match.get("b")
+    if not isinstance(w, gs.Constant):
+        raise Refusal("weight is not a constant: it cannot be transposed offline")
+    if len(w.shape) != 4:
+        raise Refusal(f"not a 2-D convolution (weight rank {len(w.shape)})")
+    if b is not None and not isinstance(b, gs.Constant):
+        raise Refusal("bias is not a constant")
+    if x.shape is not None and len(x.shape) != 4:
+        raise Refusal(f"input rank {len(x.shape)} != 4")
+    return match
+
+
+def emit(make: Emit, match: Match, pointwise_as_matmul: bool) -> list[gs.Tensor]:
+    """Transpose ─ NhwcConv(W') ─ Transpose, or Transpose ─ MatMul(W[:, :, 0, 0]ᵀ) ─ [Add(B)] ─ Transpose."""
+    node = match.node("conv")
+    x, w, b = match["x"], match["w"], match.get("b")
+    y = match.output
+    y_shape = _permute(y.shape, TO_NHWC)
+    x_nhwc = make.op.Transpose(x, perm=TO_NHWC, _shape=_permute(x.shape, TO_NHWC))
+    if pointwise_as_matmul and _is_pointwise(node, w):
+        m, c = w.shape[:2]
+        w_matrix = make.constant("W_matrix", DerivedValues((c, m), w.dtype, lambda: read_uncached(w)[:, :, 0, 0].T.copy(), name=w.name))
+        y_nhwc = make.op.MatMul(x_nhwc, w_matrix, _dtype=y.dtype, _shape=y_shape)
+        if b is not None:
+            y_nhwc = make.op.Add(y_nhwc, b, _dtype=y.dtype, _shape=y_shape)
+    else:
+        w_nhwc = make.constant("W_nhwc", transposed_weight(w))
+        y_nhwc = make.ms.NhwcConv(x_nhwc, w_nhwc, *([b] if b is not None else []), _dtype=y.dtype, _shape=y_shape,
+                                  **dict(node.attrs))
+    return [make.op.Transpose(y_nhwc, perm=TO_NCHW, _shape=y.shape)]
+
+
+def _count_as_matmul(match: Match, run: FusionRun) -> Match:
+    check(match, run)
+    if run.fusion.pointwise == "matmul" and _is_pointwise(match.node("conv"), match["w"]):
+        run.details["as MatMul"] += 1
+    return match
+
+
 @register_pass
-class NhwcConvPass(Pass):
+class NhwcConvPass(Fusion):
     name = "nhwc-conv"
     description = "Conv -> com.microsoft NhwcConv with offline-transposed weights; Transposes only at NHWC region edges"
     targets = frozenset({"ort-cuda"})
-    is_fusion = True
 
     POINTWISE = ("conv", "matmul")
 
@@ -71,62 +106,17 @@ class NhwcConvPass(Pass):
         self.sink = sink
         self.pointwise = pointwise
 
-    def run(self, model: Model) -> PassResult:
-        graph = model.graph
-        result = PassResult(modified=False)
-        for match in CONV.find(graph):
-            node = match.node("conv")
-            result.sites_matched += 1
-            reason = _refusal(match)
-            if reason:
-                result.refuse(node.name, reason)
-                continue
-            if self.pointwise == "matmul" and _is_pointwise(node, match["w"]):
-                _rewrite_as_matmul(graph, match)
-                result.details["as MatMul"] = result.details.get("as MatMul", 0) + 1
-            else:
-                _rewrite(graph, match)
-            result.sites_rewritten += 1
-        if result.sites_rewritten:
-            result.modified = True
-            graph.cleanup(remove_unused_graph_inputs=False)
-            if self.sink:
-                sink = SinkTransposes().run(model)
-                result.details.update(sink.details)
-        return result
+    def rules_for(self, model) -> tuple[Rule, ...]:
+        as_matmul = self.pointwise == "matmul"
+        return (Rule(CONV, _count_as_matmul, lambda make, match: emit(make, match, as_matmul), site=lambda m: m.node("conv")),)
 
+    def finish(self, run: FusionRun) -> None:
+        if run.details["as MatMul"]:
+            run.result.details["as MatMul"] = run.details["as MatMul"]
 
-def _refusal(match) -> str | None:
-    x, w, b = match["x"], match["w"], match.get("b")
-    if not isinstance(w, gs.Constant):
-        return "weight is not a constant: it cannot be transposed offline"
-    if len(w.shape) != 4:
-        return f"not a 2-D convolution (weight rank {len(w.shape)})"
-    if b is not None and not isinstance(b, gs.Constant):
-        return "bias is not a constant"
-    if x.shape is not None and len(x.shape) != 4:
-        return f"input rank {len(x.shape)} != 4"
-    return None
-
-
-def _rewrite(graph: gs.Graph, match) -> None:
-    node = match.node("conv")
-    x, w, b = match["x"], match["w"], match.get("b")
-    y = match.output
-    name = node.name or y.name
-    w_nhwc = gs.Constant(f"{w.name}__nhwc", transposed_weight(w))
-    x_nhwc = gs.Variable(f"{name}__x_nhwc", dtype=x.dtype, shape=_permute(x.shape, TO_NHWC))
-    y_nhwc = gs.Variable(f"{name}__y_nhwc", dtype=y.dtype, shape=_permute(y.shape, TO_NHWC))
-    inputs = [x_nhwc, w_nhwc] + ([b] if b is not None else [])
-    replace(
-        graph,
-        match,
-        [
-            gs.Node("Transpose", name=f"{name}__to_nhwc", attrs={"perm": TO_NHWC}, inputs=[x], outputs=[x_nhwc]),
-            gs.Node("NhwcConv", name=f"{name}__nhwc", domain="com.microsoft", attrs=dict(node.attrs), inputs=inputs, outputs=[y_nhwc]),
-            gs.Node("Transpose", name=f"{name}__to_nchw", attrs={"perm": TO_NCHW}, inputs=[y_nhwc], outputs=[gs.Variable(f"{name}__y")]),
-        ],
-    )
+    def followers(self, result) -> list[str]:
+        """sink-transposes, after a run that wrapped convolutions in Transposes (unless ``sink=False``)."""
+        return ["sink-transposes"] if result.sites_rewritten and self.sink else []
 
 
 def _is_pointwise(node: gs.Node, w: gs.Constant) -> bool:
@@ -139,28 +129,6 @@ def _is_pointwise(node: gs.Node, w: gs.Constant) -> bool:
         and not any(a.get("pads", [0, 0, 0, 0]))
         and a.get("auto_pad", "NOTSET") in ("NOTSET", "VALID", b"NOTSET", b"VALID")
     )
-
-
-def _rewrite_as_matmul(graph: gs.Graph, match) -> None:
-    node = match.node("conv")
-    x, w, b = match["x"], match["w"], match.get("b")
-    y = match.output
-    name = node.name or y.name
-    m, c = w.shape[:2]
-    w_matrix = gs.Constant(
-        f"{w.name}__cm", DerivedValues((c, m), w.dtype, lambda: read_uncached(w)[:, :, 0, 0].T.copy(), name=w.name)
-    )
-    x_nhwc = gs.Variable(f"{name}__x_nhwc", dtype=x.dtype, shape=_permute(x.shape, TO_NHWC))
-    y_nhwc = gs.Variable(f"{name}__y_nhwc", dtype=y.dtype, shape=_permute(y.shape, TO_NHWC))
-    nodes = [gs.Node("Transpose", name=f"{name}__to_nhwc", attrs={"perm": TO_NHWC}, inputs=[x], outputs=[x_nhwc])]
-    if b is None:
-        nodes.append(gs.Node("MatMul", name=f"{name}__matmul", inputs=[x_nhwc, w_matrix], outputs=[y_nhwc]))
-    else:
-        product = gs.Variable(f"{name}__matmul_out", dtype=y.dtype, shape=y_nhwc.shape)
-        nodes.append(gs.Node("MatMul", name=f"{name}__matmul", inputs=[x_nhwc, w_matrix], outputs=[product]))
-        nodes.append(gs.Node("Add", name=f"{name}__bias", inputs=[product, b], outputs=[y_nhwc]))
-    nodes.append(gs.Node("Transpose", name=f"{name}__to_nchw", attrs={"perm": TO_NCHW}, inputs=[y_nhwc], outputs=[gs.Variable(f"{name}__y")]))
-    replace(graph, match, nodes)
 
 
 def _permute(shape, perm):

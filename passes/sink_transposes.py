@@ -36,6 +36,7 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from onnxopt.graph_edit import detach, is_standard, redirect_consumers
+from onnxopt.layout import inverse
 from onnxopt.model import Model
 from onnxopt.pass_infra import Pass, PassResult
 from onnxopt.pattern import constant_value, is_constant
@@ -46,13 +47,6 @@ UNARY = {"Sigmoid", "Relu", "Tanh", "Erf", "Neg", "Sqrt", "Exp", "Log", "Abs", "
 ELEMENTWISE = {"Add", "Sub", "Mul", "Div", "Pow", "Max", "Min", "Where", "Equal", "Less", "Greater", "And", "Or"}
 SMALL_OPERAND = 1 << 16  # elements of a broadcast operand worth a Transpose of its own
 MAX_ROUNDS = 1000
-
-
-def inverse(perm: list[int]) -> list[int]:
-    inv = [0] * len(perm)
-    for i, p in enumerate(perm):
-        inv[p] = i
-    return inv
 
 
 def is_layout_transpose(node: gs.Node) -> bool:
@@ -153,9 +147,7 @@ def sink_once(graph: gs.Graph) -> int:
             clone = gs.Node("Transpose", name=f"{node.name}__for_{consumer.name}", attrs=dict(node.attrs),
                             inputs=[node.inputs[0]], outputs=[clone_out])
             graph.nodes.append(clone)
-            for i, x in enumerate(consumer.inputs):
-                if x is t:
-                    consumer.inputs[i] = clone_out
+            redirect_consumers(t, clone_out, only=consumer)
             moved += _sink_through(graph, clone, consumer)
     return moved
 

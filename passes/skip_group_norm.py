@@ -36,17 +36,17 @@ exporter's shape inference leaves them unnamed), a kernel that runs computes exa
 
 from __future__ import annotations
 
-from collections import Counter
+from dataclasses import dataclass
 
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from onnxopt.model import Model
-from onnxopt.pass_infra import CONSTANTS_FOLDED, NO_DEAD_NODES, SHAPES_INFERRED, OrtFusion, PassResult
-from onnxopt.pattern import OpBuilder, Pattern, Var, is_constant, op, replace
+from onnxopt.domains import MS_DOMAIN
+from onnxopt.fusion import Emit, Fusion, FusionRun, Refusal, Rule
+from onnxopt.layout import TO_NCHW, TO_NHWC
+from onnxopt.pass_infra import CONSTANTS_FOLDED, NO_DEAD_NODES, SHAPES_INFERRED, OrtFusion
+from onnxopt.pattern import Match, OpBuilder, Pattern, Var, is_constant, op
 from onnxopt.registry import register_pass
-
-from .group_norm import MS_DOMAIN, TO_NCHW, TO_NHWC, NewNames, NodeMaker, Refused
 
 ms = OpBuilder(MS_DOMAIN)
 
@@ -85,17 +85,17 @@ def _known(dim) -> bool:
 
 
 def split_operands(add: gs.Node, channels: int, layout: str) -> tuple[gs.Tensor, gs.Tensor, bool]:
-    """(X, skip source, skip is broadcast) for the Add's two operands; raises Refused."""
+    """(X, skip source, skip is broadcast) for the Add's two operands; raises Refusal."""
     a, b = add.inputs
     spatial = (2, 3) if layout == "nchw" else (1, 2)
     channel = 1 if layout == "nchw" else 3
     for t in (a, b):
         if is_constant(t):
-            raise Refused("an Add operand is a constant (a bias, not a skip)")
+            raise Refusal("an Add operand is a constant (a bias, not a skip)")
         if t.shape is None or len(t.shape) != 4:
-            raise Refused(f"an Add operand is not known to be 4-D (shape {t.shape})")
+            raise Refusal(f"an Add operand is not known to be 4-D (shape {t.shape})")
         if _known(t.shape[channel]) and t.shape[channel] != channels:
-            raise Refused(f"an Add operand has {t.shape[channel]} channels, the GroupNorm {channels}")
+            raise Refusal(f"an Add operand has {t.shape[channel]} channels, the GroupNorm {channels}")
     a_broadcast, b_broadcast = (all(_is_one(t.shape[i]) for i in spatial) for t in (a, b))  # (N, C, 1, 1)
     if a_broadcast and not b_broadcast:
         x, skip, skip_broadcast = b, a, True
@@ -103,80 +103,83 @@ def split_operands(add: gs.Node, channels: int, layout: str) -> tuple[gs.Tensor,
         x, skip, skip_broadcast = a, b, b_broadcast
     if skip_broadcast:
         if _is_one(skip.shape[0]) and not _is_one(x.shape[0]):
-            raise Refused("the broadcast skip has batch 1: the Add broadcasts it over the batch, SkipGroupNorm cannot")
+            raise Refusal("the broadcast skip has batch 1: the Add broadcasts it over the batch, SkipGroupNorm cannot")
     else:
         for dx, ds in zip(x.shape, skip.shape):
             if _known(dx) and _known(ds) and dx != ds:
-                raise Refused(f"the Add broadcasts: operand shapes {list(x.shape)} and {list(skip.shape)}")
+                raise Refusal(f"the Add broadcasts: operand shapes {list(x.shape)} and {list(skip.shape)}")
     if not _known(x.shape[channel]) and not _known(skip.shape[channel]):
-        raise Refused("the Add operands' channel count is unknown")
+        raise Refusal("the Add operands' channel count is unknown")
     return x, skip, skip_broadcast
+
+
+# ---------------------------------------------------------------- the site
+
+
+@dataclass
+class SkipGroupNormSite:
+    group_norm: gs.Node
+    layout: str  # "nchw": the GroupNorm reads Transpose(s); "nhwc": it reads s
+    x: gs.Tensor  # the full operand
+    skip: gs.Tensor
+    skip_broadcast: bool  # skip is (N, C, 1, 1) / (N, 1, 1, C)
+    channels: int
+    sum: gs.Tensor  # s, the Add's output
+    keeps_sum: bool  # s has consumers outside the fusion: SkipGroupNorm's S output computes it
+
+
+def read_site(match: Match, run: FusionRun) -> SkipGroupNormSite:
+    gn, add = match.node("group_norm"), match.node("add")
+    s = match.outputs[1]
+    layout = "nhwc" if gn.inputs[0] is s else "nchw"
+    gamma = match["gamma"]
+    channels = gamma.shape[0] if gamma.shape is not None and len(gamma.shape) == 1 else None
+    if not isinstance(channels, (int, np.integer)):
+        raise Refusal("GroupNorm gamma is not a vector of known length")
+    x, skip, skip_broadcast = split_operands(add, int(channels), layout)
+    matched = {id(n) for n in match.nodes}
+    keeps_sum = any(t is s for t in run.graph.outputs) or any(id(c) not in matched for c in s.outputs)
+    run.details["broadcast skip" if skip_broadcast else "full skip"] += 1
+    run.details["with S output" if keeps_sum else "without S output"] += 1
+    return SkipGroupNormSite(gn, layout, x, skip, skip_broadcast, int(channels), s, keeps_sum)
+
+
+def emit_skip_group_norm(make: Emit, site: SkipGroupNormSite) -> list[gs.Tensor]:
+    """What it writes (see the diagram): [y, s] (s: the sum, for its other consumers)."""
+    gn, x, skip = site.group_norm, site.x, site.skip
+    if site.layout == "nchw":
+        x_in = _to_nhwc(make, x)
+        if site.skip_broadcast:  # (N, C, 1, 1) -> (N, C)
+            skip_in = make.op.Flatten(skip, axis=1, _shape=[skip.shape[0], site.channels])
+        else:
+            skip_in = _to_nhwc(make, skip)
+    else:
+        x_in, skip_in = x, skip
+    y_nhwc = make.tensor("Y", gn.outputs[0].dtype, gn.outputs[0].shape)
+    outputs = [y_nhwc] + ([make.tensor("S", x_in.dtype, x_in.shape)] if site.keeps_sum else [])
+    make.node("SkipGroupNorm", [x_in, gn.inputs[1], gn.inputs[2], skip_in], None, None, outputs=outputs,
+              domain=MS_DOMAIN, **dict(gn.attrs))
+    new_s = site.sum
+    if site.keeps_sum:
+        new_s = make.op.Transpose(outputs[1], perm=TO_NCHW) if site.layout == "nchw" else outputs[1]
+    return [y_nhwc, new_s]
+
+
+def _to_nhwc(make: Emit, t: gs.Tensor) -> gs.Tensor:
+    """``t`` (NCHW) in NHWC: the source of a Transpose(0,3,1,2) as it is, else a new Transpose(0,2,3,1)."""
+    from_nhwc = FROM_NHWC.match(make.graph, t.inputs[0]) if len(t.inputs) == 1 else None
+    return from_nhwc["q"] if from_nhwc is not None else make.op.Transpose(t, perm=TO_NHWC)
 
 
 # ---------------------------------------------------------------- the pass
 
 
 @register_pass
-class FuseSkipGroupNorm(OrtFusion):
+class FuseSkipGroupNorm(Fusion, OrtFusion):
     name = "fuse-skip-group-norm"
     description = "Add (residual or time embedding) + com.microsoft GroupNorm -> SkipGroupNorm (after fuse-group-norm)"
     preserves = frozenset({SHAPES_INFERRED, CONSTANTS_FOLDED, NO_DEAD_NODES})  # new tensors are annotated
+    rules = (Rule(SUM_GROUP_NORM, read_site, emit_skip_group_norm, site=lambda m: m.node("group_norm")),)
 
-    def run(self, model: Model) -> PassResult:
-        graph = model.graph
-        result = PassResult(modified=False)
-        names = NewNames(graph)
-        graph_outputs = {id(t) for t in graph.outputs}
-        kinds: Counter = Counter()
-        for match in SUM_GROUP_NORM.find(graph):
-            gn, add = match.node("group_norm"), match.node("add")
-            result.sites_matched += 1
-            s = match.outputs[1]
-            layout = "nhwc" if gn.inputs[0] is s else "nchw"
-            gamma = match["gamma"]
-            channels = gamma.shape[0] if gamma.shape is not None and len(gamma.shape) == 1 else None
-            try:
-                if not isinstance(channels, (int, np.integer)):
-                    raise Refused("GroupNorm gamma is not a vector of known length")
-                x, skip, skip_broadcast = split_operands(add, int(channels), layout)
-            except Refused as refusal:
-                result.refuse(gn.name, str(refusal))
-                continue
-            make = NodeMaker(names, gn.name or "skip_group_norm")
-            if layout == "nchw":
-                x_in = _to_nhwc(graph, x, make)
-                if skip_broadcast:  # (N, C, 1, 1) -> (N, C)
-                    skip_in = make.node("Flatten", [skip], skip.dtype, [skip.shape[0], channels], axis=1)
-                else:
-                    skip_in = _to_nhwc(graph, skip, make)
-            else:
-                x_in, skip_in = x, skip
-            matched = {id(n) for n in match.nodes}
-            s_used_elsewhere = id(s) in graph_outputs or any(id(c) not in matched for c in s.outputs)
-            y_nhwc = make.tensor("Y", gn.outputs[0].dtype, gn.outputs[0].shape)
-            outputs = [y_nhwc]
-            if s_used_elsewhere:
-                outputs.append(make.tensor("S", x_in.dtype, x_in.shape))
-            node = gs.Node(
-                "SkipGroupNorm", names(f"{make.prefix}/SkipGroupNorm"), dict(gn.attrs),
-                [x_in, gn.inputs[1], gn.inputs[2], skip_in], outputs, domain=MS_DOMAIN,
-            )
-            make.nodes.append(node)
-            new_s = s
-            if s_used_elsewhere:
-                new_s = make.transpose(outputs[1], TO_NCHW) if layout == "nchw" else outputs[1]
-            replace(graph, match, make.nodes, [y_nhwc, new_s])
-            result.sites_rewritten += 1
-            kinds["broadcast skip" if skip_broadcast else "full skip"] += 1
-            kinds["with S output" if s_used_elsewhere else "without S output"] += 1
-        if result.sites_rewritten:
-            graph.cleanup(remove_unused_graph_inputs=False).toposort()
-        result.modified = result.sites_rewritten > 0
-        result.details = dict(kinds)
-        return result
-
-
-def _to_nhwc(graph: gs.Graph, t: gs.Tensor, make: NodeMaker) -> gs.Tensor:
-    """``t`` (NCHW) in NHWC: the source of a Transpose(0,3,1,2) as it is, else a new Transpose(0,2,3,1)."""
-    from_nhwc = FROM_NHWC.match(graph, t.inputs[0]) if len(t.inputs) == 1 else None
-    return from_nhwc["q"] if from_nhwc is not None else make.transpose(t, TO_NHWC)
+    def finish(self, run: FusionRun) -> None:
+        run.result.details = dict(run.details)

@@ -23,12 +23,12 @@ from __future__ import annotations
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from onnxopt.model import Model
-from onnxopt.pass_infra import CONSTANTS_FOLDED, SHAPES_INFERRED, Pass, PassResult
-from onnxopt.pattern import Const, Match, OneOf, Pattern, Var, constant_value, is_constant, op, replace
-from onnxopt.registry import register_pass
+import onnx_graphsurgeon as gs
 
-from .group_norm import NewNames, NodeMaker
+from onnxopt.fusion import Emit, Fusion, FusionRun, Refusal, Rule
+from onnxopt.pass_infra import CONSTANTS_FOLDED, SHAPES_INFERRED
+from onnxopt.pattern import Const, Match, OneOf, Pattern, Var, constant_value, is_constant, op
+from onnxopt.registry import register_pass
 
 
 def scaled_scores(q, kt):
@@ -61,50 +61,34 @@ def scale_of(m: Match) -> np.ndarray:
     return (1 / constant_value(m["divisor"])).reshape(()).astype(constant_value(m["divisor"]).dtype)
 
 
-def _has_node(m: Match, name: str) -> bool:
-    try:
-        m.node(name)
-    except KeyError:
-        return False
-    return True
+def read_site(match: Match, run: FusionRun) -> Match:
+    q = match["q"]
+    if q.shape is not None and scale_of(match).ndim > len(q.shape):
+        raise Refusal("the scale has more dims than Q")
+    run.details["with_mask"] += match.has_node("mask_add")
+    return match
+
+
+def emit_scaled_q(make: Emit, match: Match) -> list[gs.Tensor]:
+    """softmax(q * scale @ kt [+ mask]), each node annotated as the one it replaces."""
+    q, kt, qk, softmax = match["q"], match["kt"], match.node("qk"), match.node("softmax")
+    scaled_q = make.op.Mul(q, make.constant("q_scale", scale_of(match).reshape(1)))  # a (1,) constant
+    scores = make.op.MatMul(scaled_q, kt, _dtype=qk.outputs[0].dtype, _shape=qk.outputs[0].shape)
+    if match.has_node("mask_add"):
+        add, mask = match.node("mask_add"), match["mask"]
+        operands = [scores, mask] if add.inputs[0] is not mask else [mask, scores]
+        scores = make.op.Add(*operands, _dtype=add.outputs[0].dtype, _shape=add.outputs[0].shape)
+    return [make.op.Softmax(scores, _dtype=softmax.outputs[0].dtype, _shape=softmax.outputs[0].shape, **dict(softmax.attrs))]
 
 
 @register_pass
-class TrtAttentionScale(Pass):
+class TrtAttentionScale(Fusion):
     name = "trt-attention-scale"
     description = "move the attention scale from the scores onto Q (before the first MatMul), as TensorRT's MHA fusion requires"
     targets = frozenset({"tensorrt"})
     requires = frozenset({SHAPES_INFERRED})
     preserves = frozenset({SHAPES_INFERRED, CONSTANTS_FOLDED})
-    is_fusion = True
+    rules = (Rule(SCALED_ATTENTION, read_site, emit_scaled_q),)
 
-    def run(self, model: Model) -> PassResult:
-        graph = model.graph
-        result = PassResult(modified=False)
-        names = NewNames(graph)
-        masked = 0
-        for match in SCALED_ATTENTION.find(graph):
-            result.sites_matched += 1
-            q, kt = match["q"], match["kt"]
-            scale = scale_of(match)
-            if q.shape is not None and scale.ndim > len(q.shape):
-                result.refuse(match.root.name, "the scale has more dims than Q")
-                continue
-            make = NodeMaker(names, match.node("softmax").name or "attention")
-            scaled_q = make.node("Mul", [q, make.constant("q_scale", scale)], q.dtype, q.shape)
-            scores = make.node("MatMul", [scaled_q, kt], match.node("qk").outputs[0].dtype, match.node("qk").outputs[0].shape)
-            if _has_node(match, "mask_add"):
-                add = match.node("mask_add")
-                mask = match["mask"]
-                operands = [scores, mask] if add.inputs[0] is not mask else [mask, scores]
-                scores = make.node("Add", operands, add.outputs[0].dtype, add.outputs[0].shape)
-                masked += 1
-            softmax = match.node("softmax")
-            probs = make.node("Softmax", [scores], softmax.outputs[0].dtype, softmax.outputs[0].shape, **dict(softmax.attrs))
-            replace(graph, match, make.nodes, [probs])
-            result.sites_rewritten += 1
-        if result.sites_rewritten:
-            graph.cleanup(remove_unused_graph_inputs=False).toposort()
-        result.modified = result.sites_rewritten > 0
-        result.details = {"with_mask": masked}
-        return result
+    def finish(self, run: FusionRun) -> None:
+        run.result.details = {"with_mask": run.details["with_mask"]}

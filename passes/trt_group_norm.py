@@ -48,27 +48,25 @@ Conditions on a site (refused sites keep the InstanceNorm form):
 
 from __future__ import annotations
 
-from collections import Counter
+from dataclasses import dataclass
 
 import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 
-from onnxopt.model import Model
-from onnxopt.pass_infra import CONSTANTS_FOLDED, SHAPES_INFERRED, Pass, PassResult
-from onnxopt.pattern import Const, Match, OneOf, Pattern, Var, op, replace
-from onnxopt.registry import register_pass
-
-from .group_norm import (
-    NewNames,
-    NodeMaker,
-    Refused,
-    _check_instance_norm_is_plain,
-    _check_restores_shape,
-    _groups_from_reshape,
-    _per_channel,
-    _rank_and_channels,
+from onnxopt.fusion import Emit, Fusion, FusionRun, NameAuthority, Refusal, Rule, Site
+from onnxopt.group_norm_form import (
+    check_instance_norm_is_plain,
+    check_restores_shape,
+    grouped_instance_norm,
+    grouped_instance_norm_affine,
+    groups_from_reshape,
+    per_channel,
+    rank_and_channels,
 )
+from onnxopt.pass_infra import CONSTANTS_FOLDED, SHAPES_INFERRED
+from onnxopt.pattern import Match, Pattern
+from onnxopt.registry import register_pass
 
 TARGET_OPSET = 21  # GroupNormalization-21: scale and bias per channel
 MIN_IR_VERSION = 10  # what opset 21 needs
@@ -90,20 +88,6 @@ COMPATIBLE_CHANGES = frozenset({
 # ---------------------------------------------------------------- patterns
 
 
-def grouped_instance_norm(x):
-    """The normalization part of the exporters' GroupNorm: no affine yet."""
-    grouped = op.Reshape(x, Const.named("group_shape"), allowzero=Var("group_allowzero"))
-    normed = op.InstanceNormalization(
-        grouped, Const.named("in_scale"), Const.named("in_bias"), epsilon=Var("epsilon"), _name="norm"
-    )
-    whole_shape = op.Shape(x, start=0, end=None, _external_uses=True)
-    return op.Reshape(normed, OneOf(whole_shape, Const.named("restore_shape")), allowzero=Var("restore_allowzero"))
-
-
-def grouped_instance_norm_affine(x):
-    return grouped_instance_norm(x) * Const.named("gamma") + Const.named("beta")
-
-
 GROUP_NORM_AFFINE = Pattern(grouped_instance_norm_affine, name="instance-norm-group-norm+affine")
 GROUP_NORM_CORE = Pattern(grouped_instance_norm, name="instance-norm-group-norm")
 
@@ -112,13 +96,13 @@ GROUP_NORM_CORE = Pattern(grouped_instance_norm, name="instance-norm-group-norm"
 
 
 def read_groups(match: Match) -> tuple[int, int, float]:
-    """(channels, groups, epsilon) of a matched GroupNorm; raises Refused when it is not provably one."""
+    """(channels, groups, epsilon) of a matched GroupNorm; raises Refusal when it is not provably one."""
     x = match["x"]
-    _, channels = _rank_and_channels(x)
-    groups = _groups_from_reshape(match.value("group_shape"), bool(match.attrs["group_allowzero"]), x, channels)
-    _check_instance_norm_is_plain(match.value("in_scale"), match.value("in_bias"), groups)
+    _, channels = rank_and_channels(x)
+    groups = groups_from_reshape(match.value("group_shape"), bool(match.attrs["group_allowzero"]), x, channels)
+    check_instance_norm_is_plain(match.value("in_scale"), match.value("in_bias"), groups)
     if "restore_shape" in match:
-        _check_restores_shape(match.value("restore_shape"), bool(match.attrs["restore_allowzero"]), x)
+        check_restores_shape(match.value("restore_shape"), bool(match.attrs["restore_allowzero"]), x)
     epsilon = match.attrs.get("epsilon")
     return channels, groups, 1e-5 if epsilon is None else float(epsilon)
 
@@ -154,7 +138,7 @@ def opset_upgrade_refusal(graph: gs.Graph, opset: int) -> str | None:
     return None
 
 
-def upgrade_to_target_opset(graph: gs.Graph, opset: int, names: NewNames) -> int:
+def upgrade_to_target_opset(graph: gs.Graph, opset: int, names: NameAuthority) -> int:
     """Move a graph to opset 21; returns how many Reduce nodes got their axes as an input."""
     moved = 0
     if opset < 18:
@@ -174,73 +158,73 @@ def upgrade_to_target_opset(graph: gs.Graph, opset: int, names: NewNames) -> int
     return moved
 
 
+# ---------------------------------------------------------------- the site and what it writes
+
+
+@dataclass
+class TrtGroupNormSite:
+    x: gs.Tensor
+    channels: int
+    groups: int
+    epsilon: float
+    affine: tuple[np.ndarray, np.ndarray] | None  # (γ, β) per channel, absorbed; None: unit scale, zero bias
+
+
+def read_site(match: Match, run: FusionRun) -> TrtGroupNormSite:
+    """The GroupNorm a match computes, with γ and β when the affine pattern matched and they are per channel."""
+    affine_rule = match.pattern is GROUP_NORM_AFFINE
+    try:
+        channels, groups, epsilon = read_groups(match)
+        affine = None
+        if affine_rule:
+            rank = len(match["x"].shape)
+            affine = (per_channel("γ (the Mul after the GroupNorm)", match.value("gamma"), rank, channels),
+                      per_channel("β (the Add after the Mul)", match.value("beta"), rank, channels))
+    except Refusal as refusal:
+        if affine_rule:  # the core rule finds it again: refused there, or rewritten with γ/β left outside
+            raise Refusal(f"{refusal.reason} (left to the rule without γ/β)", not_a_site=True) from None
+        raise
+    if "upgrade_refusal" not in run.memo:
+        run.memo["upgrade_refusal"] = opset_upgrade_refusal(run.graph, run.model.opset)
+    if run.memo["upgrade_refusal"]:
+        raise Refusal(run.memo["upgrade_refusal"])
+    return TrtGroupNormSite(match["x"], channels, groups, epsilon, affine)
+
+
+def emit_group_normalization(make: Emit, site: TrtGroupNormSite) -> list[gs.Tensor]:
+    x = site.x
+    dtype = float_dtype(x)
+    if site.affine is not None:
+        scale, bias = (v.astype(dtype) for v in site.affine)
+    else:
+        scale, bias = np.ones(site.channels, dtype), np.zeros(site.channels, dtype)
+    return [make.op.GroupNormalization(x, make.constant("scale", scale), make.constant("bias", bias),
+                                       num_groups=site.groups, epsilon=site.epsilon)]
+
+
+def _norm(match: Match) -> gs.Node:
+    return match.node("norm")
+
+
 # ---------------------------------------------------------------- the pass
 
 
 @register_pass
-class TrtGroupNorm(Pass):
+class TrtGroupNorm(Fusion):
     name = "trt-group-norm"
     description = "InstanceNorm-based GroupNorm -> standard GroupNormalization (the model moves to opset 21)"
     targets = frozenset({"tensorrt"})
     requires = frozenset({SHAPES_INFERRED})
     preserves = frozenset({SHAPES_INFERRED, CONSTANTS_FOLDED})  # new tensors take over annotated ones
-    is_fusion = True
+    # With γ and β first; a site whose γ/β is not per channel is found again without them.
+    rules = (Rule(GROUP_NORM_AFFINE, read_site, emit_group_normalization, site=_norm),
+             Rule(GROUP_NORM_CORE, read_site, emit_group_normalization, site=_norm))
+    defer_rewrites = True  # every site is checked before the model moves to opset 21, once
 
-    def run(self, model: Model) -> PassResult:
-        graph = model.graph
-        result = PassResult(modified=False)
-        opset = model.opset
-        names = NewNames(graph)
-        upgrade_refusal = opset_upgrade_refusal(graph, opset)
-        seen: set[int] = set()
-        rewrites: list = []  # (match, channels, groups, epsilon, affine), rewritten once the opset is settled
-        # With γ and β first; a site whose γ/β is not per channel is found again without them.
-        for pattern in (GROUP_NORM_AFFINE, GROUP_NORM_CORE):
-            for match in pattern.find(graph):
-                norm = match.node("norm")
-                if id(norm) in seen:
-                    continue
-                try:
-                    channels, groups, epsilon = read_groups(match)
-                    affine = None
-                    if pattern is GROUP_NORM_AFFINE:
-                        rank = len(match["x"].shape)
-                        affine = (_per_channel("γ (the Mul after the GroupNorm)", match.value("gamma"), rank, channels),
-                                  _per_channel("β (the Add after the Mul)", match.value("beta"), rank, channels))
-                except Refused as refusal:
-                    if pattern is GROUP_NORM_AFFINE:
-                        continue  # the core pattern finds it again: refused there, or rewritten with γ/β left outside
-                    seen.add(id(norm))
-                    result.sites_matched += 1
-                    result.refuse(norm.name, str(refusal))
-                    continue
-                seen.add(id(norm))
-                result.sites_matched += 1
-                if upgrade_refusal:
-                    result.refuse(norm.name, upgrade_refusal)
-                    continue
-                rewrites.append((match, channels, groups, epsilon, affine))
-        if rewrites and opset < TARGET_OPSET:
-            moved = upgrade_to_target_opset(graph, opset, names)
-            result.details["opset"] = f"{opset} -> {TARGET_OPSET}" + (f" ({moved} Reduce nodes given axes inputs)" if moved else "")
-        absorbed = 0
-        for match, channels, groups, epsilon, affine in rewrites:
-            x = match["x"]
-            dtype = float_dtype(x)
-            if affine is not None:
-                scale, bias = (v.astype(dtype) for v in affine)
-                absorbed += 1
-            else:
-                scale, bias = np.ones(channels, dtype), np.zeros(channels, dtype)
-            make = NodeMaker(names, match.node("norm").name or "group_norm")
-            y = make.node(
-                "GroupNormalization", [x, make.constant("scale", scale), make.constant("bias", bias)],
-                x.dtype, x.shape, num_groups=groups, epsilon=epsilon,
-            )
-            replace(graph, match, make.nodes, [y])
-            result.sites_rewritten += 1
-        if rewrites:
-            graph.cleanup(remove_unused_graph_inputs=False).toposort()
-        result.modified = bool(rewrites)
-        result.details["affine_absorbed"] = absorbed
-        return result
+    def before_rewrites(self, run: FusionRun, sites: list[Site]) -> list[Site]:
+        opset = run.model.opset
+        if sites and opset < TARGET_OPSET:
+            moved = upgrade_to_target_opset(run.graph, opset, run.names)
+            run.result.details["opset"] = f"{opset} -> {TARGET_OPSET}" + (f" ({moved} Reduce nodes given axes inputs)" if moved else "")
+        run.result.details["affine_absorbed"] = sum(site.facts.affine is not None for site in sites)
+        return sites

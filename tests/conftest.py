@@ -71,3 +71,33 @@ def export_tiny(tmp_path_factory):
 
 
 from models import EXPORT_VARIANTS  # noqa: E402  (re-exported for the test modules)
+
+
+# ---------------------------------------------------------------- helpers shared by the test modules
+
+
+def run_passes(source, names):
+    """Load ``source`` and run ``names`` (passes and presets) through the pass manager: (model, report)."""
+    from onnxopt import registry
+    from onnxopt.loading import load_model
+    from onnxopt.manager import PassManager
+
+    model = load_model(source)
+    report = PassManager(registry.expand(names)).run(model)
+    return model, report
+
+
+def result_of(report, pass_name):
+    """The PassResult of the first run of ``pass_name`` in ``report``."""
+    return next(p.result for p in report.passes if p.name == pass_name)
+
+
+def op_counts(model):
+    """Op type -> how many nodes of it the model's graph has."""
+    from collections import Counter
+
+    return Counter(n.op for n in model.graph.nodes)
+
+
+def nodes_of(model, op_type):
+    return [n for n in model.graph.nodes if n.op == op_type]

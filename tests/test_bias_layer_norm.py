@@ -32,17 +32,13 @@ from onnxopt.errors import PassOrderError
 from onnxopt.manager import PassManager
 from onnxopt.pattern import constant_value, is_constant
 from onnxopt.verify import assert_same_computation
-from tests.conftest import EXPORT_VARIANTS
+from tests.conftest import EXPORT_VARIANTS, op_counts
 from tests.test_ffn_fusions import Net, weights
 
 PASS = "fuse-bias-layer-norm"
 # The ort-cuda fusions, in the preset's order, up to where this pass runs.
 CHAIN = ["cleanup", "fuse-attention", "fuse-group-norm", "fuse-skip-group-norm", "fuse-bias-split-gelu", "fuse-layer-norm",
          "fuse-bias-add", "fuse-skip-layer-norm", "nhwc-conv", "fold-conv-bias", PASS]
-
-
-def op_counts(model) -> Counter:
-    return Counter(n.op for n in model.graph.nodes)
 
 
 def results(report) -> dict:

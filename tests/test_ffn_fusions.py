@@ -30,17 +30,13 @@ from onnx import TensorProto, helper, numpy_helper
 from onnxopt import load_model, optimize
 from onnxopt.passes.bias_split_gelu import FuseBiasSplitGelu
 from onnxopt.verify import assert_same_computation
-from tests.conftest import EXPORT_VARIANTS
+from tests.conftest import EXPORT_VARIANTS, op_counts
 
 RNG = np.random.default_rng(7)
 
 
 def ffn_passes(check_kernel_sizes: bool = True) -> list:
     return ["fuse-layer-norm", "fuse-skip-layer-norm", FuseBiasSplitGelu(check_kernel_sizes=check_kernel_sizes), "fuse-bias-add"]
-
-
-def op_counts(model) -> Counter:
-    return Counter(n.op for n in model.graph.nodes)
 
 
 def results(report) -> dict:

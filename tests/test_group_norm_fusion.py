@@ -11,39 +11,17 @@ Fused graphs run on onnx.reference with onnxopt's NumPy kernels (ORT's CPU EP ha
 
 from __future__ import annotations
 
-from collections import Counter
-
 import numpy as np
 import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from onnxopt import reference, registry
-from onnxopt.loading import load_model
-from onnxopt.manager import PassManager
+from onnxopt import reference
 from onnxopt.verify import assert_same_computation
-from tests.conftest import EXPORT_VARIANTS
+from tests.conftest import EXPORT_VARIANTS, nodes_of, op_counts, result_of, run_passes
 
 
 # ---------------------------------------------------------------- helpers
-
-
-def run_passes(source, names):
-    model = load_model(source)
-    report = PassManager(registry.expand(names)).run(model)
-    return model, report
-
-
-def result_of(report, pass_name):
-    return next(p.result for p in report.passes if p.name == pass_name)
-
-
-def op_counts(model) -> Counter:
-    return Counter(n.op for n in model.graph.nodes)
-
-
-def nodes_of(model, op_type):
-    return [n for n in model.graph.nodes if n.op == op_type]
 
 
 class ProtoBuilder:

@@ -37,6 +37,7 @@ from models import FAMILIES, OPSET_VARIANTS
 from models.coverage import KERNEL_REFUSAL
 from onnxopt import optimize
 from onnxopt.verify import InputSpec, assert_same_computation
+from tests.conftest import result_of
 
 # Every family at 23 (ONNX Attention) and 21 (GroupNormalization-21, Gelu; the SDXL UNet, the slowest
 # export, only at 23: at 21 it has the SD UNets' forms). Opset 18 differs from the exporter's default
@@ -62,10 +63,6 @@ def ops(model) -> Counter:
 
 def contrib_ops(model) -> Counter:
     return Counter(n.op for n in model.graph.nodes if n.domain == CONTRIB)
-
-
-def result_of(report, name):
-    return next(step.result for step in report.passes if step.name == name)
 
 
 # ---------------------------------------------------------------- real exports

@@ -36,7 +36,7 @@ from onnxopt.pass_infra import TARGETS
 from onnxopt.registry import get_pass
 from onnxopt.verify import InputSpec, assert_same_computation
 from onnxopt.weights import DerivedValues, ExternalValues
-from tests.conftest import EXPORT_VARIANTS
+from tests.conftest import EXPORT_VARIANTS, op_counts
 from tests.graphs import make_model
 
 F32 = TensorProto.FLOAT
@@ -47,10 +47,6 @@ RNG = np.random.default_rng(11)
 def step(report, name: str = PASS):
     """The PassResult of ``name`` in a report."""
     return next(s.result for s in report.passes if s.name == name)
-
-
-def op_counts(model) -> Counter:
-    return Counter(n.op for n in model.graph.nodes)
 
 
 def merged_gemms(model) -> list[gs.Node]:

@@ -23,31 +23,19 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from onnxopt import registry
 from onnxopt.cli import main
 from onnxopt.errors import MissingDependencyError, OnnxoptError
 from onnxopt.loading import load_model
-from onnxopt.manager import PassManager
 from onnxopt.runners import tensorrt as trt_runner
 from onnxopt.runners.tensorrt import ShapeRange, parse_profile, resolve_profiles
 from onnxopt.saving import save_model
 from onnxopt.verify import assert_same_computation
-from tests.conftest import fixture_models
+from tests.conftest import fixture_models, result_of, run_passes
 
 TRT_MISSING = "TensorRT is not installable on this machine (wheels only from NVIDIA's index): engine tests need it and a GPU"
 
 
 # ---------------------------------------------------------------- helpers
-
-
-def run_passes(source, names):
-    model = load_model(source)
-    report = PassManager(registry.expand(names)).run(model)
-    return model, report
-
-
-def result_of(report, name):
-    return next(p.result for p in report.passes if p.name == name)
 
 
 def ops(model) -> Counter:

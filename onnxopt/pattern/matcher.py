@@ -194,6 +194,10 @@ class Match:
         """The graph node matched by the pattern node named ``name`` (``op.X(..., _name=name)``)."""
         return self._named_nodes[name]
 
+    def has_node(self, name: str) -> bool:
+        """Whether the pattern node named ``name`` is part of the match (alternatives may skip it)."""
+        return name in self._named_nodes
+
     @property
     def output(self) -> gs.Tensor:
         if len(self.outputs) != 1:

@@ -22,6 +22,8 @@ from collections.abc import Sequence
 
 import onnx_graphsurgeon as gs
 
+from onnxopt.graph_edit import bypass, replace_output, take_over
+
 from .matcher import Match
 
 
@@ -59,9 +61,9 @@ def replace(
         if new is old:
             continue
         if any(id(p) in created for p in new.inputs):
-            _take_over(old, new)
+            take_over(old, new)
         else:
-            new_nodes += _bypass(graph, old, new)
+            new_nodes += bypass(graph, old, new)
     graph.nodes.extend(new_nodes)
 
 
@@ -72,31 +74,5 @@ def _detach_from_matched_producers(tensor: gs.Variable, matched: set[int]) -> No
     positions of the node's other outputs, which may still be in use.
     """
     for producer in list(tensor.inputs):
-        if id(producer) not in matched:
-            continue
-        for index, out in enumerate(producer.outputs):
-            if out is tensor:
-                producer.outputs[index] = gs.Variable(f"{tensor.name}__replaced")
-
-
-def _take_over(old: gs.Variable, new: gs.Variable) -> None:
-    """Let ``old`` stand where ``new`` is: as the output of new's producer and in new's consumers."""
-    for producer in list(new.inputs):
-        for index, out in enumerate(producer.outputs):
-            if out is new:
-                producer.outputs[index] = old
-    for consumer in list(new.outputs):
-        for index, inp in enumerate(consumer.inputs):
-            if inp is new:
-                consumer.inputs[index] = old
-
-
-def _bypass(graph: gs.Graph, old: gs.Variable, new: gs.Tensor) -> list[gs.Node]:
-    """Point ``old``'s consumers at the existing tensor ``new``; an Identity keeps a graph output."""
-    for consumer in list(old.outputs):
-        for index, inp in enumerate(consumer.inputs):
-            if inp is old:
-                consumer.inputs[index] = new
-    if any(out is old for out in graph.outputs):
-        return [gs.Node("Identity", name=f"{old.name}__identity", inputs=[new], outputs=[old])]
-    return []
+        if id(producer) in matched:
+            replace_output(producer, tensor, gs.Variable(f"{tensor.name}__replaced"))

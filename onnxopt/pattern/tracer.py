@@ -50,6 +50,8 @@ class CandidateTrace:
     op_type: str
     matched: bool = False
     failures: list[Failure] = field(default_factory=list)
+    refusal: str | None = None  # matched, then refused by the pass's check (onnxopt.fusion.Refusal)
+    site: str | None = None  # the refused site's name, where the pass names it other than the root
 
     @property
     def best_failure(self) -> Failure | None:
@@ -95,6 +97,17 @@ class Tracer:
         self._pattern_text.setdefault(pattern_name, pattern_text)
         self._pattern_roots.setdefault(pattern_name, root_ops)
 
+    def refuse(self, pattern_name: str, node, reason: str, site: str | None = None) -> None:
+        """Record that the pass refused the match of ``pattern_name`` rooted at ``node`` (the site
+        ``site``): ``reason``."""
+        trace = next((t for t in reversed(self.candidates)
+                      if t.pattern == pattern_name and t.node == node.name and t.matched), None)
+        if trace is None:
+            trace = self.begin(pattern_name, self._pattern_text.get(pattern_name, pattern_name),
+                               self._pattern_roots.get(pattern_name, "?"), node.name, node.op)
+            trace.matched = True
+        trace.refusal, trace.site = reason, site if site != node.name else None
+
     # -- reading
 
     @property
@@ -131,7 +144,9 @@ class Tracer:
         ]
         mine = [c for c in self.candidates if c.pattern == pattern]
         if show_matched:
-            lines += [f"  ok   {c.op_type} '{c.node}'" for c in mine if c.matched]
+            lines += [f"  ok   {c.op_type} '{c.node}'" for c in mine if c.matched and c.refusal is None]
+        lines += [f"  REFUSED {c.op_type} '{c.node}'" + (f" (site '{c.site}')" if c.site else "") + f": {c.refusal}"
+                  for c in mine if c.matched and c.refusal is not None]
         failed = sorted((c for c in mine if not c.matched), key=_furthest_first)
         for c in failed[:limit]:
             best = c.best_failure

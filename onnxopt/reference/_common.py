@@ -12,7 +12,7 @@ try:  # scipy's erf is vectorised; math.erf is exact too but per element.
 except ImportError:  # pragma: no cover - scipy is optional
     _erf = np.vectorize(math.erf, otypes=[np.float64])
 
-MS_DOMAIN = "com.microsoft"
+from onnxopt.domains import MS_DOMAIN  # noqa: E402,F401
 
 
 class ContribOp(OpRun):

@@ -1,0 +1,85 @@
+"""Executable checks for the graph properties passes ``provide`` and ``preserve`` (onnxopt.pass_infra).
+
+A property label is a promise: ``SHAPES_INFERRED`` says every tensor ONNX shape inference can type
+carries its dtype and shape, so a fusion that ``preserves`` it promises to annotate what it writes.
+``ENSURES[label](model)`` returns what breaks the promise (None: it holds). The pass manager runs
+the checks after every step while :func:`checking` is on: in the tests, and under ``--debug``; a
+broken promise is a bug in the pass that last claimed the property (:class:`PropertyViolation`).
+
+Labels without a check (``constants-folded``, ``attention-canonical``, ``slices-as-split``) are
+promises about what a pass chose to do, which only the pass's own rules can judge.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, Iterator
+
+import onnx_graphsurgeon as gs
+from onnx import shape_inference
+
+from onnxopt.model import Model
+from onnxopt.pass_infra import NO_DEAD_NODES, SHAPES_INFERRED
+
+LIMIT = 5  # tensors or nodes named in a violation
+
+
+class PropertyViolation(AssertionError):
+    """A pass claimed a property that does not hold after it: a bug in that pass."""
+
+
+def dead_nodes(model: Model) -> str | None:
+    """no-dead-nodes: every node computes something that is read or is a graph output."""
+    graph = model.graph
+    outputs = {id(t) for t in graph.outputs}
+    dead = [n.name or n.op for n in graph.nodes if not any(t.outputs or id(t) in outputs for t in n.outputs)]
+    return f"{len(dead)} dead node(s): {', '.join(dead[:LIMIT])}" if dead else None
+
+
+def unannotated_tensors(model: Model) -> str | None:
+    """shapes-inferred: no tensor ONNX shape inference types lacks the dtype (or the shape) it infers."""
+    skeleton = model.skeleton()
+    del skeleton.graph.value_info[:]
+    inferred = shape_inference.infer_shapes(skeleton, check_type=False, strict_mode=False, data_prop=True)
+    tensors = model.graph.tensors()
+    missing = []
+    for info in list(inferred.graph.value_info) + list(inferred.graph.output):
+        tensor = tensors.get(info.name)
+        if not isinstance(tensor, gs.Variable) or not info.type.HasField("tensor_type"):
+            continue
+        typed = info.type.tensor_type
+        if (typed.elem_type and tensor.dtype is None) or (typed.HasField("shape") and tensor.shape is None):
+            missing.append(info.name)
+    return f"{len(missing)} tensor(s) shape inference types are not annotated: {', '.join(missing[:LIMIT])}" if missing else None
+
+
+ENSURES: dict[str, Callable[[Model], str | None]] = {
+    NO_DEAD_NODES: dead_nodes,
+    SHAPES_INFERRED: unannotated_tensors,
+}
+
+_checking = False
+
+
+def is_checking() -> bool:
+    return _checking
+
+
+@contextlib.contextmanager
+def checking(on: bool = True) -> Iterator[None]:
+    """Within the block, the pass manager checks every claimed property after every step."""
+    global _checking
+    before, _checking = _checking, on
+    try:
+        yield
+    finally:
+        _checking = before
+
+
+def check(model: Model, properties, after: str) -> None:
+    """Raise PropertyViolation if one of ``properties`` (claimed after the pass ``after``) does not hold."""
+    for prop in sorted(properties):
+        ensure = ENSURES.get(prop)
+        problem = ensure(model) if ensure is not None else None
+        if problem:
+            raise PropertyViolation(f"after {after}: '{prop}' is claimed but does not hold: {problem}")

@@ -1,0 +1,86 @@
+"""Claims about ``--explain`` and near misses: a fusion that does not fire says, per candidate, which
+node it stopped at and which condition refused it (onnxopt.fusion, Report.explain, the CLI)."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+
+from onnxopt import optimize
+from onnxopt.cli import main
+from onnxopt.fusion import explaining
+from tests.test_attention_fusion import attention_model
+from tests.test_group_norm_fusion import ProtoBuilder, X_SHAPE, group_norm_model
+
+
+def _node_named(model: onnx.ModelProto, op_type: str) -> str:
+    (name,) = [n.name for n in model.graph.node if n.op_type == op_type]
+    return name
+
+
+def attention_over_the_query_axis() -> onnx.ModelProto:
+    """An attention block whose Softmax normalizes over the query axis (2) instead of the keys (-1)."""
+    model = attention_model()
+    softmax = next(n for n in model.graph.node if n.op_type == "Softmax")
+    softmax.attribute[0].i = 2
+    return model
+
+
+def test_explain_names_the_group_norm_whose_instance_norm_scale_is_not_one_and_the_condition():
+    model = group_norm_model(in_scale=np.full(4, 3.0))
+    with explaining({"fuse-group-norm"}):
+        _, report = optimize(model, ["fuse-group-norm"])
+    text = report.explain()
+    norm = _node_named(model, "InstanceNormalization")
+    line = next(line for line in text.splitlines() if "REFUSED" in line)
+    assert f"'{norm}'" in line and "InstanceNormalization scale is not all ones" in line, text
+
+
+def test_explain_names_the_attention_whose_softmax_axis_differs_and_the_condition(tmp_path, capsys):
+    model = attention_over_the_query_axis()
+    source, out = tmp_path / "attention.onnx", tmp_path / "out.onnx"
+    onnx.save(model, source)
+    code = main(["optimize", "-i", str(source), "-o", str(out), "--passes", "fuse-attention", "--explain", "fuse-attention"])
+    text = capsys.readouterr().out
+    assert code == 0
+    line = next(line for line in text.splitlines() if "REFUSED" in line)
+    assert "'probs'" in line and "Softmax over axis 2, not the key axis" in line, text
+
+
+def test_without_explain_nothing_is_traced():
+    _, report = optimize(group_norm_model(), ["fuse-group-norm"])
+    assert all(p.result.trace is None for p in report.passes) and report.explain() == ""
+
+
+def test_a_requested_fusion_that_matches_nothing_reports_its_near_misses():
+    """γ applied by Div, not Mul: the GroupNorm pattern fails one node below its root Add."""
+    b = ProtoBuilder()
+    x = b.input("x", X_SHAPE)
+    grouped = b.node("Reshape", x, b.const([0, 4, -1]))
+    normed = b.node("InstanceNormalization", grouped, b.const(np.ones(4)), b.const(np.zeros(4)))
+    restored = b.node("Reshape", normed, b.node("Shape", x))
+    b.output(b.node("Add", b.node("Div", restored, b.random((8, 1, 1))), b.random((8, 1, 1))))
+    model = b.model()
+    _, report = optimize(model, ["fuse-group-norm"])
+    (note,) = [n for n in report.notes if n.startswith("fuse-group-norm")]
+    div = _node_named(model, "Div")
+    assert "near miss" in note and "op type is Div, expected Mul" in note and f"'{div}'" in note, note
+    assert "near miss" in report.table()
+
+
+def test_explain_of_a_pass_the_run_does_not_include_is_a_usage_error(tmp_path, capsys):
+    source = tmp_path / "gn.onnx"
+    onnx.save(group_norm_model(), source)
+    code = main(["optimize", "-i", str(source), "-o", str(tmp_path / "o.onnx"), "--passes", "cleanup",
+                 "--explain", "fuse-group-norm"])
+    assert code == 2 and "does not include" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("rewritten", [True, False])
+def test_explain_lists_matched_sites_too(rewritten):
+    model = group_norm_model() if rewritten else group_norm_model(in_scale=np.full(4, 3.0))
+    with explaining({"fuse-group-norm"}):
+        _, report = optimize(model, ["fuse-group-norm"])
+    text = report.explain()
+    assert ("  ok   Add" in text) == rewritten and ("REFUSED" in text) != rewritten, text
