@@ -110,7 +110,7 @@ class DerivedValues(LazyValues):
         self._compute = compute
 
     def load(self) -> np.ndarray:
-        array = np.ascontiguousarray(self._compute())
+        array = np.asarray(self._compute(), order="C")  # ascontiguousarray would make a 0-d scalar (1,)
         expected = tuple(self.tensor.dims)
         if array.shape != expected:
             raise ValueError(f"derived tensor '{self.tensor.name}': computed shape {array.shape}, declared {expected}")

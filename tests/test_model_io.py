@@ -228,3 +228,13 @@ def test_dims_shape_inference_cannot_resolve_never_share_a_name_across_runs():
     infer_shapes(model)
     z = graph.tensors()["z"]
     assert isinstance(z.shape[1], str) and z.shape[1] != y.shape[1]
+
+
+def test_a_derived_scalar_keeps_rank_zero():
+    """DerivedValues of a 0-d weight loads as 0-d (np.ascontiguousarray would give shape (1,))."""
+    from onnxopt.weights import DerivedValues
+
+    values = DerivedValues((), np.float32, lambda: np.float32(3.0), name="s")
+    assert values.load().shape == () and values.load() == 3.0
+    with pytest.raises(ValueError, match="declared"):
+        DerivedValues((1,), np.float32, lambda: np.zeros(2, np.float32), name="v").load()
