@@ -233,7 +233,8 @@ def test_sdxl_without_negative_prompt_uses_zero_conditioning(built):
                                               ("sd15-controlnet", True)])
 def test_generate_on_an_optimized_folder(built, tmp_path, kind, context_kv):
     """``onnxopt optimize --target tensorrt`` on a folder writes standard ONNX and unet/step.onnx
-    (by default with its cross-attention K/V cut into step.context_kv.onnx, run once per prompt);
+    (by default with its cross-attention K/V cut into step.context_kv.onnx, run once per prompt;
+    a ControlNet's conditioning embedding cut into controlnet/step.hint.onnx, run once per image);
     every component runs on the ORT CPU EP and gives the source folder's image."""
     from onnxopt.pipeline import optimize_folder
 
@@ -247,6 +248,13 @@ def test_generate_on_an_optimized_folder(built, tmp_path, kind, context_kv):
     assert optimized.timings["step"] == "unet/step.onnx" + (" + step.context_kv.onnx" if context_kv else "")
     step_inputs = {i.name for i in pipe.sessions["step"].get_inputs()}
     assert ("encoder_hidden_states" in step_inputs) == (not context_kv)
+    if kind == "sd15-controlnet":  # the hint once per image: the ControlNet's step reads it, not the image
+        assert (out / "controlnet" / "step.hint.onnx").is_file() and "hint" in pipe.sessions
+        assert {i.name for i in pipe.sessions["controlnet"].get_inputs()} >= {"controlnet_hint", "sample"}
+        assert "controlnet_cond" not in {i.name for i in pipe.sessions["controlnet"].get_inputs()}
+        bound = Pipeline.load(out, "cpu", io_binding=True, threads=THREADS)(scheduler="dpm++2m", progress=False,
+                                                                          **b.request())
+        np.testing.assert_allclose(bound.latents, optimized.latents, rtol=0, atol=1e-6 * np.abs(optimized.latents).max())
     source = b.onnx()(scheduler="dpm++2m", progress=False, **b.request())
     scale = float(np.abs(source.latents).max())
     np.testing.assert_allclose(optimized.latents, source.latents, rtol=0, atol=LATENT_RTOL * scale)

@@ -35,6 +35,7 @@ EXTERNAL_DATA_NAMES = ("model.onnx_data", "model.onnx.data", "weights.pb")
 MODEL_FILE = "model.onnx"
 STEP_FILE = "step.onnx"  # the fused step graph (onnxopt.pipeline.step_graph.write_step_graph)
 CONTEXT_FILE = "step.context_kv.onnx"  # its context-kv companion, run once per prompt
+HINT_FILE = "step.hint.onnx"  # a ControlNet's conditioning embedding, run once per image
 
 # What each kind needs to generate an image; vae_encoder is optional everywhere.
 REQUIRED_MODELS = {
@@ -71,6 +72,13 @@ class Component:
         """unet/step.context_kv.onnx: the step graph's once-per-prompt part (cross-attention K/V),
         written beside step.onnx by write_step_graph; None when the step graph has none."""
         path = self.folder / CONTEXT_FILE
+        return path if path.is_file() and self.step_model is not None else None
+
+    @property
+    def hint_model(self) -> Path | None:
+        """controlnet/step.hint.onnx: the ControlNet's once-per-image part (its conditioning
+        embedding), written with controlnet/step.onnx by onnxopt.pipeline.controlnet_hint."""
+        path = self.folder / HINT_FILE
         return path if path.is_file() and self.step_model is not None else None
 
     def nbytes(self) -> int:

@@ -47,6 +47,7 @@ from pathlib import Path
 import numpy as np
 
 from onnxopt.errors import ModelSaveError, OnnxoptError, VerificationError
+from onnxopt.pipeline.controlnet_hint import write_hint_graph
 from onnxopt.pipeline.step_graph import write_step_graph
 from onnxopt.report import OptimizationReport
 
@@ -389,6 +390,9 @@ def optimize_folder(src, dst, target: str = "ort-cuda", fp16: bool = False, veri
                 report.components[-1].notes.append(
                     "step graph written (onnxopt.pipeline.step_graph)"
                     + (", cross-attention K/V once per prompt in step.context_kv.onnx" if context else ""))
+            if c.name == "controlnet" and step_graph and write_hint_graph(tmp / "controlnet") is not None:
+                report.components[-1].notes.append("hint once per image: step.hint.onnx + step.onnx "
+                                                   "(onnxopt.pipeline.controlnet_hint)")
         if dst.exists():
             dst.rmdir()                 # empty (checked); rename cannot replace a folder on every OS
         os.replace(tmp, dst)

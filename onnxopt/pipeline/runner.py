@@ -128,8 +128,14 @@ class Pipeline:
         make = lambda name, model=None, **kw: create_session(  # noqa: E731
             model or folder.component(name).model, provider, name=f"{folder.root / name}", device_id=device_id,
             threads=threads, **kw)
-        sessions = {name: make(name) for name in ("text_encoder", "text_encoder_2", "vae_decoder", "controlnet")
-                    if folder.has(name)}
+        sessions = {name: make(name) for name in ("text_encoder", "text_encoder_2", "vae_decoder") if folder.has(name)}
+        if folder.has("controlnet"):
+            hint = folder.component("controlnet").hint_model if fused_step else None
+            if hint is not None:  # the conditioning embedding once per image (onnxopt.pipeline.controlnet_hint)
+                sessions["hint"] = make("controlnet", hint)
+                sessions["controlnet"] = make("controlnet", folder.component("controlnet").step_model)
+            else:
+                sessions["controlnet"] = make("controlnet")
         step_source = "unfused"
         if fused_step:
             step_model, step_source = _step_graph(folder)
@@ -237,6 +243,10 @@ class Pipeline:
             controlnet = {"encoder_hidden_states": cond["encoder_hidden_states"],
                           "controlnet_cond": np.concatenate([control, control]),
                           "conditioning_scale": np.asarray([controlnet_scale], np.float32)}
+            if "hint" in self.sessions:  # the step graph reads the hint, not the image
+                t0 = time.perf_counter()
+                controlnet.update(run_host(self.sessions["hint"], controlnet))
+                timings["controlnet_hint_s"] = time.perf_counter() - t0
             controlnet = {k: v for k, v in controlnet.items() if k in input_types(self.sessions["controlnet"])}
 
         bar = _progress(steps, progress)
