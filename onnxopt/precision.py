@@ -463,7 +463,6 @@ def calibrate(model: Model, feeds: list[dict[str, np.ndarray]], *, outputs_per_r
     the model then runs once per group. The ranges only need magnitudes: TF32 is turned off anyway.
     """
     from onnxopt import reference
-    from onnxopt.runners.ort_cuda import cuda_available
     from onnxopt.saving import AUTO_EXTERNAL_BYTES
 
     types = element_types(model.graph)
@@ -475,7 +474,7 @@ def calibrate(model: Model, feeds: list[dict[str, np.ndarray]], *, outputs_per_r
     for feed in feeds:
         for name, value in feed.items():
             result.ranges.setdefault(name, TensorRange()).update(np.asarray(value))
-    on_cuda = os.environ.get("ONNXOPT_CALIBRATION_DEVICE", "auto") != "cpu" and cuda_available()
+    on_cuda = checks_on_cuda()
     small = model.weights_nbytes() <= AUTO_EXTERNAL_BYTES
     proto = model.to_onnx() if small and not on_cuda else None
     if proto is not None and reference.unsupported_on_ort_cpu(proto):
@@ -503,6 +502,18 @@ def calibrate(model: Model, feeds: list[dict[str, np.ndarray]], *, outputs_per_r
     return result
 
 
+# Where calibrations and fp16 checks run when the CUDA EP is there: fp32 references without TF32.
+CUDA_CHECK_PROVIDERS = [("CUDAExecutionProvider", {"use_tf32": "0"}), "CPUExecutionProvider"]
+
+
+def checks_on_cuda() -> bool:
+    """Calibrations and fp16 checks run on ORT's CUDA EP: this ORT has it and
+    ``ONNXOPT_CALIBRATION_DEVICE`` is not ``cpu``."""
+    from onnxopt.runners.ort_cuda import cuda_available
+
+    return os.environ.get("ONNXOPT_CALIBRATION_DEVICE", "auto") != "cpu" and cuda_available()
+
+
 _FLOAT_TYPES = {TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16, TensorProto.DOUBLE}
 
 
@@ -525,8 +536,7 @@ def _probe_session(model: Model, names: list[str], types: dict[str, int], workdi
     options.log_severity_level = 3
     # Graph optimizations could fuse away the tensors we ask for; basic ones keep names.
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    providers = ([("CUDAExecutionProvider", {"use_tf32": "0"}), "CPUExecutionProvider"] if cuda
-                 else ["CPUExecutionProvider"])
+    providers = CUDA_CHECK_PROVIDERS if cuda else ["CPUExecutionProvider"]
     if probed.weights_nbytes() > AUTO_EXTERNAL_BYTES:
         path = workdir / "probe.onnx"
         save_model(probed, path, external_data=True)

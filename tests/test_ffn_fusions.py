@@ -378,6 +378,15 @@ def test_a_decomposed_layer_norm_before_opset_17_is_refused():
     assert by_pass["fuse-layer-norm"].refused[0][1] == "opset 13 has no LayerNormalization (it came in opset 17)"
 
 
+def before_and_after(proto, model, feeds):
+    """The single output of the source graph and of the rewritten model, both on ORT CPU."""
+    import onnxruntime as ort
+
+    (expected,) = ort.InferenceSession(proto.SerializeToString()).run(None, feeds)
+    (actual,) = ort.InferenceSession(model.to_onnx().SerializeToString()).run(None, feeds)
+    return expected, actual
+
+
 def residual_layer_norm_net(a_shape, b_shape, *, axis: int = -1, biased: bool = False, sum_read_after: bool = False):
     """LayerNormalization(a [@ W + bias] + b), optionally with the sum also read by a later Add."""
     net = Net()
@@ -419,8 +428,6 @@ def test_a_batch_one_operand_becomes_the_skip_whichever_side_of_the_add_it_is_on
 def test_batch_dims_not_proven_equal_keep_the_add_broadcast(batches):
     """a: (ba, 4, 16) + b: (bb, 4, 16), two symbols: ORT's kernel computed batch 1 + batch 2 at
     the input's shape (1, 4, 16) where the Add gives (2, 4, 16). The fused graph broadcasts first."""
-    import onnxruntime as ort
-
     proto = residual_layer_norm_net(["ba", 4, 16], ["bb", 4, 16])
     model, by_pass = fuse(proto, "fuse-skip-layer-norm")
     assert op_counts(model)["SkipLayerNormalization"] == 1
@@ -428,8 +435,7 @@ def test_batch_dims_not_proven_equal_keep_the_add_broadcast(batches):
     rng = np.random.default_rng(0)
     feeds = {"a": rng.standard_normal((batches[0], 4, 16)).astype(np.float32),
              "b": rng.standard_normal((batches[1], 4, 16)).astype(np.float32)}
-    (expected,) = ort.InferenceSession(proto.SerializeToString()).run(None, feeds)
-    (actual,) = ort.InferenceSession(model.to_onnx().SerializeToString()).run(None, feeds)
+    expected, actual = before_and_after(proto, model, feeds)
     assert actual.shape == expected.shape == (2, 4, 16)
     np.testing.assert_allclose(actual, expected, atol=1e-5, rtol=1e-4)
 
@@ -514,16 +520,13 @@ def test_the_residual_proof_follows_row_wise_ops_back_to_the_skip(reads_other_in
 @pytest.mark.parametrize("batches", [(1, 2), (2, 1)])
 def test_a_residual_branch_that_reads_another_batch_keeps_the_broadcast(batches):
     """The lookalike: F also multiplies by another input, whose batch can broadcast F's: not proven."""
-    import onnxruntime as ort
-
     proto = residual_branch_net(branch_reads_other_input=True)
     model, by_pass = fuse(proto, "infer-shapes", "fuse-skip-layer-norm")
     assert by_pass["fuse-skip-layer-norm"].details["batch_broadcast_kept"] == 1
     rng = np.random.default_rng(0)
     feeds = {"a": rng.standard_normal((batches[0], 4, 16)).astype(np.float32),
              "c": rng.standard_normal((batches[1], 4, 16)).astype(np.float32)}
-    (expected,) = ort.InferenceSession(proto.SerializeToString()).run(None, feeds)
-    (actual,) = ort.InferenceSession(model.to_onnx().SerializeToString()).run(None, feeds)
+    expected, actual = before_and_after(proto, model, feeds)
     assert actual.shape == expected.shape
     np.testing.assert_allclose(actual, expected, atol=1e-5, rtol=1e-4)
 

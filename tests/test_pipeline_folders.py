@@ -400,3 +400,14 @@ def test_report_json_inside_the_input_folder_is_refused(tmp_path, capsys, where)
                          "--report-json", str(src / where)])
     assert code == 2 and "inside the input folder" in capsys.readouterr().err
     assert file_hashes(src) == before and not (tmp_path / "out").exists()
+
+
+def test_hint_split_needs_a_controlnet_cond_input(folders, tmp_path):
+    """The lookalike: a UNet (no controlnet_cond input) is not split; nothing is written beside it."""
+    from onnxopt.pipeline.controlnet_hint import write_hint_graph
+
+    unet = tmp_path / "unet"
+    shutil.copytree(folders("sd15")[0] / "unet", unet)
+    before = sorted(p.name for p in unet.iterdir())
+    assert write_hint_graph(unet) is None
+    assert sorted(p.name for p in unet.iterdir()) == before

@@ -49,8 +49,7 @@ class IrTensorValues(DerivedValues):
         super().__init__(self.shape_declared, ir_tensor.dtype.numpy(), ir_tensor.numpy, name=name)
 
     def load(self) -> np.ndarray:
-        # The onnx-ir tensor's own array (a view of its buffer), not DerivedValues' contiguous
-        # copy-if-needed: np.ascontiguousarray also turns a 0-d scalar into shape (1,).
+        # The onnx-ir tensor's own array (a view of its buffer), reshaped to the declared shape.
         return np.asarray(self.ir_tensor.numpy()).reshape(self.shape_declared)
 
 

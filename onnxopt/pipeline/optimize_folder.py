@@ -242,12 +242,12 @@ def _run_once(model, feed: dict) -> dict[str, np.ndarray]:
     """Run ``model`` where the check is fastest and truest: ONNX Runtime's CUDA EP when this ORT has
     it (real fp16 arithmetic, every contrib op, TF32 off), else ORT CPU, or onnxopt's reference
     kernels when ORT's CPU build lacks one (``ONNXOPT_CALIBRATION_DEVICE=cpu`` keeps it off the GPU)."""
-    from onnxopt.runners.ort_cuda import cuda_available
+    from onnxopt.precision import checks_on_cuda
     from onnxopt.verify import _quiet, runner_for
 
     feed = {k: v.astype(_input_dtype(model, k)) for k, v in feed.items()}
     with tempfile.TemporaryDirectory(prefix="onnxopt-vae-check-") as work, _quiet():
-        if os.environ.get("ONNXOPT_CALIBRATION_DEVICE", "auto") != "cpu" and cuda_available():
+        if checks_on_cuda():
             out = _run_on_cuda(model, feed, Path(work))
         else:
             runner = runner_for(model, "check", Path(work))
@@ -257,6 +257,7 @@ def _run_once(model, feed: dict) -> dict[str, np.ndarray]:
 
 
 def _run_on_cuda(model, feed: dict, work: Path) -> dict[str, np.ndarray]:
+    from onnxopt.precision import CUDA_CHECK_PROVIDERS
     from onnxopt.runtime import import_onnxruntime
     from onnxopt.saving import save_model
 
@@ -264,8 +265,7 @@ def _run_on_cuda(model, feed: dict, work: Path) -> dict[str, np.ndarray]:
     path = save_model(model, work / "check.onnx", external_data=True).path
     options = ort.SessionOptions()
     options.log_severity_level = 3
-    session = ort.InferenceSession(str(path), options,
-                                   providers=[("CUDAExecutionProvider", {"use_tf32": "0"}), "CPUExecutionProvider"])
+    session = ort.InferenceSession(str(path), options, providers=CUDA_CHECK_PROVIDERS)
     names = [o.name for o in session.get_outputs()]
     return dict(zip(names, session.run(names, feed)))
 

@@ -20,8 +20,8 @@ Providers:
   entry, onnxruntime PR #19636; k counts the buffer sets of one pipeline), so a replay reads and
   writes exactly the addresses it was captured with and nothing is copied between steps. Each run
   waits for its step to finish: queuing the next replay without that wait
-  (``disable_synchronize_execution_providers``) was slower end to end on an H100 (SD 1.5, 50 steps),
-  and it moves the GPU time out of the step timings into whatever waits next.
+  (``disable_synchronize_execution_providers``) was not faster end to end and moved the GPU time out
+  of the step timings into whatever waits next (benchmarks/results/h100-2026-11-25-session6/README.md).
 * ``tensorrt``: ORT's TensorRT EP (CUDA EP behind it), the same IO binding. It needs the
   ``tensorrt`` module and an ORT build with the TensorRT EP; without them, a one-line
   :class:`MissingDependencyError` (exit code 2).
