@@ -36,6 +36,7 @@ pytest.importorskip("transformers", reason="generating needs transformers")
 pytest.importorskip("onnxruntime", reason="generating needs onnxruntime")
 
 from onnxopt.pipeline import Pipeline, PipelineFolder  # noqa: E402
+from onnxopt.pipeline.bound_session import BoundSession  # noqa: E402
 from onnxopt.pipeline.schedulers import SCHEDULERS, make_scheduler  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -181,12 +182,17 @@ def test_bound_buffer_loop_equals_the_host_loop(built, kind):
     residual buffers) run on CPU buffers: the same latents as the numpy loop, for the multistep
     solver (state). Later images reuse the same buffers (a captured CUDA graph replays the addresses
     it was captured with): another scheduler, another step count, another prompt and seed each give
-    the numpy loop's latents; another size gets its own buffers."""
+    the numpy loop's latents; another size gets its own buffers. The text encoders and the VAE
+    decoder run on buffers bound once per shape (BoundSession): the same images."""
     b = built(kind)
     bound = Pipeline.load(b.folder, "cpu", io_binding=True, threads=THREADS)
     result = bound(scheduler="dpm++2m", progress=False, **b.request())
     host = b.onnx()(scheduler="dpm++2m", progress=False, **b.request())
     np.testing.assert_allclose(result.latents, host.latents, rtol=0, atol=1e-6 * np.abs(host.latents).max())
+    # The text encoders and the VAE decoder ran on bound buffers too (BoundSession), with the same image.
+    np.testing.assert_allclose(result.pixels, host.pixels, rtol=0, atol=1e-6)
+    once = {name: s for name, s in bound.sessions.items() if isinstance(s, BoundSession)}
+    assert {"text_encoder", "vae_decoder"} <= set(once)
     loops = dict(bound._device_loops)
     assert len(loops) == 1
     buffers = [id(v) for v in next(iter(loops.values()))._keep]
@@ -197,12 +203,16 @@ def test_bound_buffer_loop_equals_the_host_loop(built, kind):
         assert not again.timings["step"].startswith("unfused")
         np.testing.assert_allclose(again.latents, expected.latents, rtol=0, atol=1e-6 * np.abs(expected.latents).max())
         assert not np.allclose(again.latents, result.latents)  # the request really changed the image
+        np.testing.assert_allclose(again.pixels, expected.pixels, rtol=0, atol=1e-6)
     assert bound._device_loops == loops and [id(v) for v in next(iter(loops.values()))._keep] == buffers
+    assert all(len(s._bound) == 1 for s in once.values())  # one set of buffers per shape, reused
     if kind == "sdxl":  # another size: its own buffers (and, on a GPU, its own captured graphs)
         request = dict(b.request(), height=b.request()["height"] + 64, scheduler="dpm++2m")
         again, expected = bound(progress=False, **request), b.onnx()(progress=False, **request)
         np.testing.assert_allclose(again.latents, expected.latents, rtol=0, atol=1e-6 * np.abs(expected.latents).max())
         assert len(bound._device_loops) == 2
+        np.testing.assert_allclose(again.pixels, expected.pixels, rtol=0, atol=1e-6)
+        assert len(once["vae_decoder"]._bound) == 2 and len(once["text_encoder"]._bound) == 1
 
 
 def test_generate_writes_the_pipeline_image(tmp_path):
@@ -387,6 +397,14 @@ def test_cuda_ep_gives_the_cpu_image(built, kind, cuda_graph, scheduler, tmp_pat
         np.testing.assert_allclose(result.pixels, cpu.pixels, rtol=0, atol=2 * tolerance)
     if not cuda_graph:  # the raw export's kernels are deterministic; the fused ones are not (above)
         np.testing.assert_array_equal(first.latents, again.latents)
+    else:  # the text encoders and the VAE decoder are captured too; another prompt and seed replay them
+        assert pipe.sessions["vae_decoder"].cuda_graph and pipe.sessions["text_encoder"].cuda_graph
+        other = dict(b.request(), prompt="another prompt", seed=7)
+        replayed = pipe(scheduler=scheduler, progress=False, **other)
+        expected = Pipeline.load(folder, "cuda", cuda_graph=False)(scheduler=scheduler, progress=False, **other)
+        assert not np.allclose(replayed.pixels, first.pixels)
+        np.testing.assert_allclose(replayed.latents, expected.latents, rtol=0, atol=tolerance * scale)
+        np.testing.assert_allclose(replayed.pixels, expected.pixels, rtol=0, atol=2 * tolerance)
 
 
 @pytest.mark.parametrize("target", ["unet/model.onnx", "new.png", "json:model_index.json"])

@@ -46,6 +46,7 @@ import numpy as np
 
 from onnxopt.errors import MissingDependencyError, OnnxoptError
 from onnxopt.pipeline import images
+from onnxopt.pipeline.bound_session import BoundSession
 from onnxopt.pipeline.folder import PipelineFolder
 from onnxopt.pipeline.sessions import (
     DeviceStepLoop,
@@ -117,8 +118,10 @@ class Pipeline:
 
         ``cuda_graph`` (cuda/tensorrt): capture the step graph as CUDA graphs. ``fused_step=False``
         runs the UNet and diffusers' ``scheduler.step`` separately (the reference loop).
-        ``io_binding``: the fused step on buffers bound once (default: on for cuda/tensorrt; on the
-        CPU EP it runs that same loop on CPU buffers).
+        ``io_binding``: the fused step, and the graphs run once per prompt or image (text encoders,
+        K/V, hint, VAE decoder: :class:`BoundSession`), on buffers bound once and captured with
+        ``cuda_graph`` (default: on for cuda/tensorrt; on the CPU EP it runs the same bindings on
+        CPU buffers).
         """
         start = time.perf_counter()
         folder = folder if isinstance(folder, PipelineFolder) else PipelineFolder.open(folder)
@@ -128,11 +131,26 @@ class Pipeline:
         make = lambda name, model=None, **kw: create_session(  # noqa: E731
             model or folder.component(name).model, provider, name=f"{folder.root / name}", device_id=device_id,
             threads=threads, **kw)
-        sessions = {name: make(name) for name in ("text_encoder", "text_encoder_2", "vae_decoder") if folder.has(name)}
+        io_binding = provider != "cpu" if io_binding is None else io_binding
+
+        def once(name, model=None):
+            """A graph run once per prompt or image: on bound buffers, captured when ORT can."""
+            if not io_binding:
+                return make(name, model)
+            try:
+                session, captured = make(name, model, cuda_graph=graph), graph
+            except OnnxoptError:  # ORT refuses capture when a node is not on the GPU EP
+                if not graph:
+                    raise
+                session, captured = make(name, model), False
+            return BoundSession(require_provider(provider), session, device="cpu" if provider == "cpu" else "cuda",
+                                device_id=device_id, cuda_graph=captured)
+
+        sessions = {name: once(name) for name in ("text_encoder", "text_encoder_2", "vae_decoder") if folder.has(name)}
         if folder.has("controlnet"):
             hint = folder.component("controlnet").hint_model if fused_step else None
             if hint is not None:  # the conditioning embedding once per image (onnxopt.pipeline.controlnet_hint)
-                sessions["hint"] = make("controlnet", hint)
+                sessions["hint"] = once("controlnet", hint)
                 sessions["controlnet"] = make("controlnet", folder.component("controlnet").step_model)
             else:
                 sessions["controlnet"] = make("controlnet")
@@ -141,7 +159,7 @@ class Pipeline:
             step_model, step_source = _step_graph(folder)
             context = folder.component("unet").context_model if step_source == "unet/step.onnx" else None
             if context is not None:  # cross-attention K/V once per prompt (step.context_kv.onnx)
-                sessions["context"] = make("unet", context)
+                sessions["context"] = once("unet", context)
                 step_source += " + step.context_kv.onnx"
             if step_model is not None:
                 try:
@@ -158,7 +176,6 @@ class Pipeline:
             sessions["reuse"] = create_session(reuse_step_model(), provider, name="reuse step", device_id=device_id)
         else:
             sessions["unet"] = make("unet")
-        io_binding = provider != "cpu" if io_binding is None else io_binding
         if io_binding and "controlnet" in sessions:
             cn = sessions["controlnet"]
             timestep = next(i for i in cn.get_inputs() if i.name == "timestep")

@@ -4,8 +4,8 @@ Providers:
 
 * ``cpu``: the ORT CPU EP, plain ``InferenceSession.run`` with numpy in and out (``io_binding=True``
   runs the device loop below on CPU buffers instead: how the tests check that loop without a GPU).
-* ``cuda``: the ORT CUDA EP. The text encoders and the VAE run once per image (plain ``run``);
-  the step graph (and the ControlNet) run with IO binding on device buffers allocated once per
+* ``cuda``: the ORT CUDA EP. The text encoders and the VAE run once per image, on buffers bound
+  once per shape and captured (:mod:`onnxopt.pipeline.bound_session`); the step graph (and the ControlNet) run with IO binding on device buffers allocated once per
   pipeline and shape, and reused by every later image: a captured CUDA graph replays the
   addresses it was captured with, so they must stay put. The schedule (timesteps and
   coefficients of every step) is written once per image; the step graph reads its row by a step
