@@ -2,6 +2,7 @@
 
     python -m benchmarks.pipeline_gpu --kind sd15 --work /tmp/pipe-bench --budget 540 --out benchmarks/results/pipeline-sd15
     python -m benchmarks.pipeline_gpu --kind sdxl --work /tmp/pipe-bench --budget 540 --out benchmarks/results/pipeline-sdxl
+    python -m benchmarks.pipeline_gpu --kind sd15-controlnet --ablation --work /tmp/pipe-bench --out ...
     python -m benchmarks.pipeline_gpu --kind sd15 --dry-run --work /tmp/pipe-dry   # CPU, tiny, fp32: every step once
 
 Same random weights (``models.pipelines.build_torch_pipeline(kind, "full", seed)``) and seed on
@@ -21,6 +22,15 @@ present; the script stops between steps after --budget seconds, so a run spans s
                   first image including compilation; then as above
   onnxopt         Pipeline.load(optimized folder, "cuda", cuda_graph=True); cold start = load +
                   session creation + first image (with the graph capture); then as above
+
+  onnxopt: <row>  with --ablation: the rows of ABLATION (fused step alone, + text side once per
+                  prompt, + hint once per image, ..., + step reuse), each a Pipeline.load of the same
+                  optimized folder with that row's switches; a row whose switch this Pipeline.load
+                  lacks is recorded as skipped.
+
+ControlNet (sd15-controlnet): a seeded edge map as the control image on every side; diffusers'
+StableDiffusionControlNetPipeline with the UNet and the ControlNet under torch.compile, and its
+step time is the ControlNet call plus the UNet call.
 
 Per stage: text encoder (per prompt, both CFG rows), mean denoising step, VAE decode; for torch
 from one extra run with synchronizing hooks (the timed runs have none), for onnxopt from its own
@@ -44,6 +54,16 @@ from benchmarks.unet_gpu import Steps
 SETTINGS = {
     "sd15": dict(height=512, width=512, steps=50, scheduler="ddim"),
     "sdxl": dict(height=1024, width=1024, steps=30, scheduler="euler"),
+    "sd15-controlnet": dict(height=512, width=512, steps=50, scheduler="ddim"),
+}
+# The ablation (--ablation): the onnxopt pipeline as each rewrite is added, from one optimized folder.
+# name -> (Pipeline.load keyword arguments, call keyword arguments). Rows a folder cannot run are skipped.
+ABLATION = {
+    "unfused (UNet graph + diffusers' step on the host)": (dict(fused_step=False), {}),
+    "fused step, CUDA graph": (dict(context_kv=False, controlnet_hint=False), {}),
+    "+ text side once per prompt": (dict(context_kv=True, controlnet_hint=False), {}),
+    "+ hint once per image": (dict(context_kv=True, controlnet_hint=True), {}),
+    "+ step reuse: every 2nd of the last 40% (opt-in)": ({}, dict(reuse="late")),
 }
 DRY = dict(height=32, width=32, steps=3)
 PROMPT = "a photograph of an astronaut riding a horse on the moon, highly detailed"
@@ -101,6 +121,9 @@ class Bench:
             torch._inductor.config.conv_1x1_as_mm = True
             pipe.unet.to(memory_format=torch.channels_last)
             pipe.unet = torch.compile(pipe.unet, mode="reduce-overhead", fullgraph=True)
+            if getattr(pipe, "controlnet", None) is not None:  # diffusers' ControlNet recipe compiles both
+                pipe.controlnet.to(memory_format=torch.channels_last)
+                pipe.controlnet = torch.compile(pipe.controlnet, mode="reduce-overhead", fullgraph=True)
         return pipe
 
     def torch_call(self, pipe, output_type="np"):
@@ -118,10 +141,11 @@ class Bench:
         factor = pipe.vae_scale_factor
         noise = torch.randn((1, pipe.unet.config.in_channels, s["height"] // factor, s["width"] // factor),
                             generator=torch.Generator("cpu").manual_seed(SEED), dtype=torch.float32)
+        extra = {"image": self.control_image()} if self.kind.endswith("controlnet") else {}
         with torch.no_grad():
             image = pipe(PROMPT, negative_prompt=NEGATIVE, num_inference_steps=s["steps"], guidance_scale=GUIDANCE,
                          height=s["height"], width=s["width"], latents=noise.to(self.device, pipe.unet.dtype),
-                         output_type=output_type, callback_on_step_end=keep).images[0]
+                         output_type=output_type, callback_on_step_end=keep, **extra).images[0]
         self.sync()
         return final["latents"].float().cpu().numpy(), np.asarray(image, np.float32)
 
@@ -133,7 +157,7 @@ class Bench:
 
     def torch_stages(self, pipe) -> dict:
         """One run with synchronizing timers around the text encoder(s), the UNet and the VAE decode."""
-        times = {"text_encoder": 0.0, "unet": [], "vae_decode": 0.0}
+        times = {"text_encoder": 0.0, "vae_decode": 0.0}
 
         def wrap(module, attr, key):
             original = getattr(module, attr)
@@ -143,11 +167,7 @@ class Bench:
                 t0 = time.perf_counter()
                 out = original(*a, **k)
                 self.sync()
-                dt = time.perf_counter() - t0
-                if key == "unet":
-                    times["unet"].append(dt)
-                else:
-                    times[key] += dt
+                times[key] += time.perf_counter() - t0
                 return out
 
             setattr(module, attr, timed)
@@ -157,32 +177,53 @@ class Bench:
         if getattr(pipe, "text_encoder_2", None) is not None:
             undo.append((pipe.text_encoder_2, "forward", wrap(pipe.text_encoder_2, "forward", "text_encoder")))
         undo.append((pipe.vae, "decode", wrap(pipe.vae, "decode", "vae_decode")))
-        unet_holder = pipe
-        original_unet = pipe.unet
-        unet_calls = []
+        calls: dict[str, list] = {}
+        bench = self
 
-        class TimedUNet:  # pipe.unet may be a compiled module: time calls around it
+        class Timed:  # pipe.unet may be a compiled module: time calls around it
+            def __init__(self, module, key):
+                self.module, self.key = module, key
+                calls[key] = []
+
             def __getattr__(self, name):
-                return getattr(original_unet, name)
+                return getattr(self.module, name)
 
-            def __call__(self_inner, *a, **k):
-                self.sync()
+            def __call__(self, *a, **k):
+                bench.sync()
                 t0 = time.perf_counter()
-                out = original_unet(*a, **k)
-                self.sync()
-                unet_calls.append(time.perf_counter() - t0)
+                out = self.module(*a, **k)
+                bench.sync()
+                calls[self.key].append(time.perf_counter() - t0)
                 return out
 
-        # object.__setattr__: DiffusionPipeline.__setattr__ would register the stand-in as a component
-        object.__setattr__(unet_holder, "unet", TimedUNet())
+        # A step is the UNet call plus, in a ControlNet pipeline, the ControlNet call before it. The
+        # ControlNet is timed by its forward: diffusers checks that pipe.controlnet is a ControlNetModel.
+        controlnet = getattr(pipe, "controlnet", None)
+        if controlnet is not None:
+            calls["controlnet"] = []
+            forward = controlnet.forward
+
+            def timed_forward(*a, **k):
+                self.sync()
+                t0 = time.perf_counter()
+                out = forward(*a, **k)
+                self.sync()
+                calls["controlnet"].append(time.perf_counter() - t0)
+                return out
+
+            controlnet.forward = timed_forward
+        original_unet = pipe.unet
+        object.__setattr__(pipe, "unet", Timed(original_unet, "unet"))  # not DiffusionPipeline.__setattr__
         try:
             self.torch_call(pipe)
         finally:
-            object.__setattr__(unet_holder, "unet", original_unet)
+            object.__setattr__(pipe, "unet", original_unet)
+            if controlnet is not None:
+                del controlnet.forward
             for module, attr, original in undo:
                 setattr(module, attr, original)
-        return {"text_encoder_s": times["text_encoder"], "step_mean_s": statistics.mean(unet_calls[1:] or unet_calls),
-                "vae_decode_s": times["vae_decode"]}
+        step = sum(statistics.mean(c[1:] or c) for c in calls.values())
+        return {"text_encoder_s": times["text_encoder"], "step_mean_s": step, "vae_decode_s": times["vae_decode"]}
 
     def torch_fp32(self) -> dict:
         import torch
@@ -211,16 +252,34 @@ class Bench:
         del pipe
         return out
 
-    def onnxopt(self) -> dict:
+    def control_image(self):
+        """A seeded edge map (ControlNet kinds): the same image for every pipeline."""
+        from PIL import Image
+
+        s = self.settings
+        edges = (np.random.default_rng(SEED).random((s["height"], s["width"])) > 0.9).astype(np.uint8) * 255
+        return Image.fromarray(np.stack([edges] * 3, axis=-1))
+
+    def onnxopt(self, load: dict | None = None, call: dict | None = None) -> dict:
+        import inspect
+
         from onnxopt.pipeline import Pipeline
 
         folder = self.src if self.dry else self.opt
         provider = "cpu" if self.dry else "cuda"
         s = self.settings
+        load, call = dict(load or {}), dict(call or {})
+        if call.get("reuse") == "late":  # 30-49:2 at 50 steps, 18-29:2 at 30
+            call["reuse"] = f"{-(-6 * s['steps'] // 10)}-{s['steps'] - 1}:2"
+        unknown = set(load) - set(inspect.signature(Pipeline.load).parameters)
+        if unknown:
+            return {"skipped": f"this Pipeline.load has no {', '.join(sorted(unknown))}"}
         request = dict(negative_prompt=NEGATIVE, steps=s["steps"], guidance=GUIDANCE, scheduler=s["scheduler"],
-                       seed=SEED, height=s["height"], width=s["width"], progress=False)
+                       seed=SEED, height=s["height"], width=s["width"], progress=False, **call)
+        if self.kind.endswith("controlnet"):
+            request["controlnet_image"] = self.control_image()
         t0 = time.perf_counter()
-        pipe = Pipeline.load(folder, provider, cuda_graph=True)
+        pipe = Pipeline.load(folder, provider, **{"cuda_graph": True, **load})
         first = pipe(PROMPT, **request)
         cold = time.perf_counter() - t0
         results = []
@@ -230,9 +289,13 @@ class Bench:
         last = results[-1][0]
         totals = [t for _, t in results]
         stages = {k: statistics.median(r.timings[k] for r, _ in results)
-                  for k in ("text_encoder_s", "step_mean_s", "vae_decode_s")}
+                  for k in ("text_encoder_s", "step_mean_s", "vae_decode_s", "controlnet_hint_s", "reused_step_mean_s")
+                  if k in last.timings}
+        sessions, creation_s = sorted(pipe.sessions), pipe.creation_s
+        del pipe
         return {"end_to_end_s": statistics.median(totals), "runs_s": totals, "cold_start_s": cold,
-                "session_creation_s": pipe.creation_s, "first_image_s": first.timings["total_s"],
+                "sessions": sessions, "unet_steps": last.timings.get("unet_steps"),
+                "session_creation_s": creation_s, "first_image_s": first.timings["total_s"],
                 "first_step_s": first.timings["first_step_s"], "step": last.timings["step"],
                 "cuda_graph": last.timings["cuda_graph"], "stages": stages,
                 **self.quality(last.latents, last.pixels)}
@@ -276,6 +339,28 @@ def table(kind: str, results: dict, dry: bool = False) -> str:
     return "\n".join(lines)
 
 
+def ablation_table(kind: str, results: dict) -> str:
+    """End to end and per stage as each rewrite is added (the --ablation rows)."""
+    lines = [f"### {kind}: ablation (onnxopt ort-cuda fp16, one optimized folder)", "",
+             "| pipeline | end to end | text side | mean step | hint | VAE decode | UNet steps | PSNR vs fp32 | latents max abs |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    compiled = (results.get("torch-compile") or {}).get("end_to_end_s")
+    for label in ABLATION:
+        r = results.get(f"onnxopt: {label}")
+        if not r or "skipped" in r:
+            lines.append(f"| {label} | {(r or {}).get('skipped', 'not run')} | | | | | | | |")
+            continue
+        st = r["stages"]
+        ms = lambda k: f"{st[k] * 1e3:.2f} ms" if k in st else ""  # noqa: E731
+        ratio = f" ({r['end_to_end_s'] / compiled:.2f}x)" if compiled else ""
+        lines.append(f"| {label} | {r['end_to_end_s']:.3f} s{ratio} | {ms('text_encoder_s')} | {ms('step_mean_s')} | "
+                     f"{ms('controlnet_hint_s')} | {ms('vae_decode_s')} | {r.get('unet_steps')} | {r['psnr_db']:.1f} dB | "
+                     f"{r['latents_max_abs']:.3g} |")
+    if compiled:
+        lines += ["", f"(x: end to end / diffusers + torch.compile's {compiled:.3f} s from the same run)"]
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--kind", choices=list(SETTINGS), default="sd15")
@@ -285,12 +370,16 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, help="copy results.json and table.md here (e.g. benchmarks/results/pipeline-sd15)")
     ap.add_argument("--dry-run", action="store_true", help="CPU, tiny weights, fp32, one run of each step (no compile)")
     ap.add_argument("--skip", default="", help="comma-separated steps not to run (e.g. torch-compile)")
+    ap.add_argument("--ablation", action="store_true", help="also the onnxopt pipeline as each rewrite is added")
     args = ap.parse_args(argv)
     bench = Bench(args)
     steps = Steps(bench.work, args.budget)
     plan = [("folder", bench.build_folder), ("optimize", bench.optimize), ("torch-fp32", bench.torch_fp32),
             ("torch-eager", lambda: bench.torch_timed(False)), ("torch-compile", lambda: bench.torch_timed(True)),
             ("onnxopt", bench.onnxopt)]
+    if args.ablation:
+        plan += [(f"onnxopt: {label}", lambda load=load, call=call: bench.onnxopt(load, call))
+                 for label, (load, call) in ABLATION.items()]
     skip = set(filter(None, args.skip.split(",")))
     try:
         for key, fn in plan:
@@ -299,6 +388,8 @@ def main(argv=None) -> int:
     except TimeoutError as exc:
         print(f"budget spent before step '{exc}': rerun the same command to continue", flush=True)
     text = table(args.kind, steps.results, args.dry_run)
+    if args.ablation:
+        text += "\n\n" + ablation_table(args.kind, steps.results)
     print(text)
     steps.save(args.out, text)
     return 0
