@@ -61,15 +61,16 @@ class BoundSession:
         inputs = {name: ort.OrtValue.ortvalue_from_numpy(value, device, device_id) for name, value in feeds.items()}
         for name, value in inputs.items():
             binding.bind_ortvalue_input(name, value)
-        # The output shapes: one uncaptured run with outputs ORT allocates (a CUDA-graph session
-        # runs regularly before it captures, so this is also its warm-up run).
-        options = ort.RunOptions()
+        # The output shapes: one run with outputs ORT allocates, under graph id -1 ("skip capture"):
+        # on a graph id, ORT's first Run also captures (it runs twice inside), and the captured
+        # graph would then write into these temporary outputs forever after.
+        probe = ort.RunOptions()
         if self.cuda_graph:
-            options.add_run_config_entry("gpu_graph_id", str(len(self._bound)))
+            probe.add_run_config_entry("gpu_graph_id", "-1")
         names = [o.name for o in self.session.get_outputs()]
         for name in names:
             binding.bind_output(name, device, device_id)
-        self.session.run_with_iobinding(binding, options)
+        self.session.run_with_iobinding(binding, probe)
         shapes = {name: (value.shape(), value.data_type()) for name, value in zip(names, binding.get_outputs())}
         binding.clear_binding_outputs()
         outputs = {name: ort.OrtValue.ortvalue_from_shape_and_type(list(shape), _NUMPY_OF.get(kind, np.float32),
@@ -77,5 +78,8 @@ class BoundSession:
                    for name, (shape, kind) in shapes.items()}
         for name, value in outputs.items():
             binding.bind_ortvalue_output(name, value)
+        options = ort.RunOptions()
+        if self.cuda_graph:  # captured on the first run with these buffers, replayed after
+            options.add_run_config_entry("gpu_graph_id", str(len(self._bound)))
         self._bound[key] = _Bound(binding, inputs, outputs, options)
         return self._bound[key]
