@@ -334,7 +334,12 @@ def _make_wrappers():
             super().__init__()
             self.unet, self.xl, self.n_res = unet, xl, n_res
 
-        def forward(self, sample, timestep, encoder_hidden_states, *rest):
+        # Named optional arguments, not *rest: the dynamo exporter maps dynamic axes to a flat signature
+        # (with *rest it failed: "Failed to convert 'dynamic_axes' to 'dynamic_shapes'").
+        def forward(self, sample, timestep, encoder_hidden_states, a0=None, a1=None, a2=None, a3=None, a4=None,
+                    a5=None, a6=None, a7=None, a8=None, a9=None, a10=None, a11=None, a12=None, a13=None, a14=None,
+                    a15=None):
+            rest = [a for a in (a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12, a13, a14, a15) if a is not None]
             kwargs = {}
             if self.xl:
                 kwargs["added_cond_kwargs"] = {"text_embeds": rest[0], "time_ids": rest[1]}

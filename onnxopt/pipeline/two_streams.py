@@ -1,0 +1,116 @@
+"""Two streams for ControlNet (seeds 001, 003): the UNet's part that does not wait for the ControlNet, cut off.
+
+The step graph reads the ControlNet's residuals only where the UNet adds them to its skip
+connections (after the down blocks) and to the mid block's output. Everything the step computes
+before those Adds, and without them, can run while the ControlNet runs::
+
+    step graph (unet/step.onnx):
+        latents, step_index, schedules, K/V ─ time embedding ─ conv_in ─ down blocks ─┬─ skips ─┐
+        ControlNet residuals ─────────────────────────────────────────────────────────┴─ Add ───┴─ mid ─ up ─ update
+
+    after (unet/step.streams.down.onnx, then unet/step.streams.onnx):
+        down:  latents, step_index, schedules, K/V ─ time embedding ─ conv_in ─ down blocks ─ skips, emb, ...
+        rest:  skips, emb, ..., ControlNet residuals ─ Add ─ mid ─ up ─ update ─ latents_out, ...
+
+    per step:   stream 1: ControlNet input graph ─ ControlNet ─┐
+                stream 2: down ────────────────────────────────┴─ rest
+
+The cut: a node belongs to ``down`` when nothing it reads depends on a residual input and some
+node of ``rest`` needs what it computes; everything else (the nodes that read a residual, what
+follows them, and side branches that only feed graph outputs, such as the step counter) stays in
+``rest``. ``down`` is written as the companion of ``rest`` (see :mod:`onnxopt.model`): its outputs
+feed ``rest``'s inputs of the same names. Both files refer to the UNet's own data file.
+
+Whether two streams pay is measured, not assumed: the runner's ``Pipeline.load(two_streams=True)``
+runs the two graphs and the ControlNet on two CUDA streams (:class:`TwoStreamStepLoop`), and the
+pipeline benchmark's ablation compares it with one graph per step (:mod:`onnxopt.pipeline.merged_step`).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import onnx_graphsurgeon as gs
+
+from onnxopt.errors import UnsupportedModelError
+from onnxopt.model import Model
+
+FILE = "step.streams.onnx"
+COMPANION = "down"
+
+
+def split_step_graph(step: Model, residual_inputs) -> Model:
+    """``step`` cut into ``rest`` (returned) with the companion ``down`` (see the module docstring).
+
+    Raises UnsupportedModelError when ``step`` reads none of ``residual_inputs`` or nothing can
+    run before them."""
+    graph = step.graph
+    graph.toposort()
+    read = {t.name for t in graph.inputs} & set(residual_inputs)
+    if not read:
+        raise UnsupportedModelError("the step graph reads none of the ControlNet residuals "
+                                    f"({', '.join(sorted(residual_inputs))})")
+    nodes = graph.nodes
+    tainted, constant = set(read), set()  # tensors computed from a residual; from constants alone
+    late, free = set(), set()  # indices: nodes that wait for the ControlNet; nodes of constants alone
+    for i, node in enumerate(nodes):
+        names = [t.name for t in node.inputs if t.name]
+        if any(name in tainted for name in names):
+            late.add(i)
+            tainted.update(t.name for t in node.outputs)
+        elif all(isinstance(t, gs.Constant) or t.name in constant for t in node.inputs if t.name):
+            free.add(i)
+            constant.update(t.name for t in node.outputs)
+    # down: the ancestors of the late nodes that neither wait nor compute constants (each part
+    # computes its own constants, so none crosses the cut)
+    producer = {t.name: i for i, n in enumerate(nodes) for t in n.outputs}
+    early, stack = set(), [t.name for i in late for t in nodes[i].inputs]
+    while stack:
+        i = producer.get(stack.pop())
+        if i is None or i in late or i in free or i in early:
+            continue
+        early.add(i)
+        stack.extend(t.name for t in nodes[i].inputs)
+    if not early:
+        raise UnsupportedModelError("nothing in the step graph runs before the ControlNet residuals")
+    crossing = {t.name for i, n in enumerate(nodes) if i not in early for t in n.inputs}
+    crossing |= {t.name for t in graph.outputs}
+    cut = sorted(name for name in crossing if producer.get(name) in early)
+    return _parts(step, early, free, cut)
+
+
+def _parts(step: Model, early: set[int], free: set[int], cut: list[str]) -> Model:
+    from onnxopt.pipeline.step_graph import _copy_sharing_constants
+
+    down_graph = _copy_sharing_constants(step.graph)  # a copy keeps the node order: indices hold
+    down_graph.nodes = [n for i, n in enumerate(down_graph.nodes) if i in early or i in free]
+    tensors = down_graph.tensors()
+    down_graph.outputs = [tensors[name] for name in cut]
+    down_graph.cleanup(remove_unused_graph_inputs=True)
+
+    rest_graph = _copy_sharing_constants(step.graph)
+    tensors = rest_graph.tensors()
+    for name in cut:  # the cut tensors become inputs: their producers are in down
+        tensors[name].inputs.clear()
+    rest_graph.nodes = [n for i, n in enumerate(rest_graph.nodes) if i not in early]
+    rest_graph.inputs = [*rest_graph.inputs, *(tensors[name] for name in cut)]
+    rest_graph.cleanup(remove_unused_graph_inputs=True)
+
+    def model(graph, **extra):
+        return Model(graph=graph, source=step.source, metadata_props=dict(step.metadata_props),
+                     model_version=step.model_version, doc_string=step.doc_string, domain=step.domain,
+                     node_scopes=dict(step.node_scopes), **extra)
+
+    return model(rest_graph, companions={COMPANION: model(down_graph)})
+
+
+def write_two_stream_graphs(unet_dir: str | os.PathLike, residual_inputs, *, step_file: str = "step.onnx") -> Path:
+    """Split ``unet_dir/step_file`` into ``step.streams.onnx`` and ``step.streams.down.onnx`` beside it
+    (atomically, weights referenced in the UNet's data file); returns the path of the first."""
+    from onnxopt.loading import load_model
+    from onnxopt.saving import save_model
+
+    unet_dir = Path(unet_dir)
+    rest = split_step_graph(load_model(unet_dir / step_file), residual_inputs)
+    return save_model(rest, unet_dir / FILE, reference_external=True).path

@@ -1,0 +1,89 @@
+"""Two streams for ControlNet (issue 14 item 5): the step graph's part that does not wait for the
+ControlNet, cut off; proven equal on tiny ControlNet folders from both exporters."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("diffusers")
+ort = pytest.importorskip("onnxruntime")
+
+pytestmark = pytest.mark.models
+
+DIMS = {"images": 1, "batch": 2, "height": 8, "width": 8, "height_div2": 4, "width_div2": 4, "sequence": 7, "schedule": 5}
+TYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(int64)": np.int64}
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    """exporter -> a tiny sd15-controlnet folder with unet/step.onnx and the two-stream split."""
+    from models.pipelines import write_onnx_folder
+    from onnxopt.pipeline.step_graph import write_step_graph
+    from onnxopt.pipeline.two_streams import write_two_stream_graphs
+
+    cache = {}
+
+    def get(exporter: str):
+        if exporter not in cache:
+            root = tmp_path_factory.mktemp(exporter) / "sd15-controlnet"
+            write_onnx_folder("sd15-controlnet", root, "tiny", exporter, 0)
+            write_step_graph(root / "unet")
+            residuals = [o.name for o in ort.InferenceSession(str(root / "controlnet" / "model.onnx")).get_outputs()]
+            write_two_stream_graphs(root / "unet", residuals)
+            cache[exporter] = root
+        return cache[exporter]
+
+    return get
+
+
+def random_feeds(session, rng) -> dict:
+    feeds = {}
+    for spec in session.get_inputs():
+        shape = [d if isinstance(d, int) else DIMS[d] for d in spec.shape]
+        dtype = TYPES[spec.type]
+        feeds[spec.name] = (rng.integers(0, DIMS["schedule"], shape) if dtype == np.int64
+                            else rng.standard_normal(shape)).astype(dtype)
+    feeds["schedule_timesteps"] = (np.abs(feeds["schedule_timesteps"]) * 300).astype(feeds["schedule_timesteps"].dtype)
+    return feeds
+
+
+def run(session, feeds) -> dict:
+    names = [o.name for o in session.get_outputs()]
+    return dict(zip(names, session.run(names, {i.name: feeds[i.name] for i in session.get_inputs()})))
+
+
+@pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
+def test_down_then_rest_equals_the_step_graph(folders, exporter):
+    """down (no ControlNet input) then rest (the residuals and what follows) give every output of the
+    step graph, on random inputs; down holds the down blocks and the mid block (the mid residual is
+    added after it), rest the up blocks."""
+    unet = folders(exporter) / "unet"
+    step, down, rest = (ort.InferenceSession(str(unet / name))
+                        for name in ("step.onnx", "step.streams.down.onnx", "step.streams.onnx"))
+    down_inputs = {i.name for i in down.get_inputs()}
+    assert not any(name.startswith(("down_block_res", "mid_block_res")) for name in down_inputs)
+    assert {"down_block_res_0", "mid_block_res"} <= {i.name for i in rest.get_inputs()}
+    assert {o.name for o in rest.get_outputs()} == {o.name for o in step.get_outputs()}
+    for seed in range(2):
+        feeds = random_feeds(step, np.random.default_rng(seed))
+        expected = run(step, feeds)
+        got = run(rest, {**feeds, **run(down, feeds)})
+        for name, value in expected.items():
+            np.testing.assert_allclose(got[name], value, rtol=1e-5, atol=1e-5 * float(np.abs(value).max() or 1))
+
+
+def test_a_step_graph_without_residuals_is_refused(tmp_path):
+    """The lookalike: a step graph that reads no ControlNet residual has nothing to overlap."""
+    import onnx_graphsurgeon as gs
+
+    from onnxopt.errors import UnsupportedModelError
+    from onnxopt.model import Model
+    from onnxopt.pipeline.two_streams import split_step_graph
+
+    x = gs.Variable("latents", np.float32, [1, 4])
+    y = gs.Variable("latents_out", np.float32, [1, 4])
+    graph = gs.Graph(nodes=[gs.Node("Relu", inputs=[x], outputs=[y])], inputs=[x], outputs=[y], opset=17)
+    with pytest.raises(UnsupportedModelError, match="reads none of the ControlNet residuals"):
+        split_step_graph(Model(graph=graph), ["down_block_res_0"])
