@@ -87,3 +87,48 @@ def test_a_step_graph_without_residuals_is_refused(tmp_path):
     graph = gs.Graph(nodes=[gs.Node("Relu", inputs=[x], outputs=[y])], inputs=[x], outputs=[y], opset=17)
     with pytest.raises(UnsupportedModelError, match="reads none of the ControlNet residuals"):
         split_step_graph(Model(graph=graph), ["down_block_res_0"])
+
+
+@pytest.mark.parametrize("exporter", ["torchscript"])
+def test_two_stream_loop_equals_the_one_graph_loop(folders, exporter):
+    """The loop on two threads (ControlNet beside down, then rest) on CPU buffers: the latents of the
+    device loop on step.onnx after every step, for a multistep solver (state), on two images."""
+    from onnxopt.pipeline import PipelineFolder
+    from onnxopt.pipeline.schedulers import make_scheduler, plan_steps
+    from onnxopt.pipeline.sessions import DeviceStepLoop, controlnet_prepare_model, create_session, input_types
+    from onnxopt.pipeline.two_streams import TwoStreamStepLoop
+
+    root = folders(exporter)
+    factor = PipelineFolder.open(root).vae_scale_factor
+    make = lambda path: create_session(path, "cpu", name=str(path), threads=1)  # noqa: E731
+    controlnet = make(root / "controlnet" / "model.onnx")
+    timestep = next(i for i in controlnet.get_inputs() if i.name == "timestep")
+    prepare = lambda: create_session(controlnet_prepare_model(  # noqa: E731
+        input_types(controlnet)["sample"], input_types(controlnet)["timestep"], tuple(timestep.shape or ())),
+        "cpu", name="prepare")
+    step = make(root / "unet" / "step.onnx")
+    rng = np.random.default_rng(0)
+    latents = rng.standard_normal((1, 4, 8, 8)).astype(np.float32)
+    static = {i.name: rng.standard_normal([d if isinstance(d, int) else DIMS[d] for d in i.shape]).astype(np.float32)
+              for i in step.get_inputs() if i.name.endswith((".k", ".v"))}
+    cn_inputs = {"encoder_hidden_states": rng.standard_normal((2, 7, 32)).astype(np.float32),
+                 "controlnet_cond": rng.standard_normal((2, 3, 8 * factor, 8 * factor)).astype(np.float32),
+                 "conditioning_scale": np.asarray([1.0], np.float32)}
+    cn_inputs = {k: v for k, v in cn_inputs.items() if k in input_types(controlnet)}
+    cn_inputs["encoder_hidden_states"] = rng.standard_normal(
+        [d if isinstance(d, int) else DIMS[d] for d in controlnet.get_inputs()[2].shape]).astype(np.float32)
+    plan = plan_steps(make_scheduler("dpm++2m", PipelineFolder.open(root).scheduler_config()), 4)
+    one = DeviceStepLoop(ort, step, controlnet, prepare(), device="cpu")
+    two = TwoStreamStepLoop(ort, make(root / "unet" / "step.streams.down.onnx"), make(root / "unet" / "step.streams.onnx"),
+                            controlnet, prepare(), device="cpu")
+    for loop in (one, two):
+        loop.bind(latents, static, 1000, cn_inputs)
+    for image in range(2):
+        start = latents * (1 + image)
+        for loop in (one, two):
+            loop.start(plan, start, static, 7.5, cn_inputs)
+        for _ in range(len(plan)):
+            one.step()
+            two.step()
+            np.testing.assert_allclose(two.latents(), one.latents(), rtol=0, atol=1e-5 * float(np.abs(one.latents()).max()))
+    assert not np.allclose(two.latents(), latents)

@@ -238,20 +238,37 @@ class DeviceStepLoop:
         self.guidance = self._zeros([1], np.float32)
         self.static = {name: self._zeros(np.shape(value), types[name]) for name, value in static.items() if name in types}
         self.guided = self._zeros(shape, np.float32)  # the last computed step's guided output (step reuse)
-        residuals = self._bind_controlnet(latents, static, controlnet, capacity) if self.controlnet_session else {}
-        self.bindings = []
-        for parity in (0, 1):
-            binding = self.step_session.io_binding()
-            for name, value in {**self.static, **residuals}.items():
-                binding.bind_ortvalue_input(name, value)
-            for name, value in (("latents", self.buffers[parity]), ("state", self.states[parity]),
-                                ("step_index", self.indices[parity]), ("schedule_timesteps", self.timesteps),
-                                ("schedule_coefficients", self.coefficients), ("guidance_scale", self.guidance)):
-                binding.bind_ortvalue_input(name, value)
-            for name, value in (("latents_out", self.buffers[1 - parity]), ("state_out", self.states[1 - parity]),
-                                ("step_index_out", self.indices[1 - parity]), ("guided_output", self.guided)):
-                binding.bind_ortvalue_output(name, value)
-            self.bindings.append(binding)
+        self.residuals = self._bind_controlnet(latents, static, controlnet, capacity) if self.controlnet_session else {}
+        self.options = [self._run_options(parity) for parity in (0, 1)]
+        self._bind_steps()
+        self._bind_reuse()
+        self.bound = True
+
+    def _bind_steps(self) -> None:
+        self.bindings = [self._binding(self.step_session, self.step_inputs(parity), self.step_outputs(parity))
+                         for parity in (0, 1)]
+
+    def step_inputs(self, parity: int) -> dict:
+        """Every buffer a step graph of this parity may read, by input name."""
+        return {**self.static, **self.residuals, "latents": self.buffers[parity], "state": self.states[parity],
+                "step_index": self.indices[parity], "schedule_timesteps": self.timesteps,
+                "schedule_coefficients": self.coefficients, "guidance_scale": self.guidance}
+
+    def step_outputs(self, parity: int) -> dict:
+        return {"latents_out": self.buffers[1 - parity], "state_out": self.states[1 - parity],
+                "step_index_out": self.indices[1 - parity], "guided_output": self.guided}
+
+    @staticmethod
+    def _binding(session, inputs: dict, outputs: dict):
+        """An IOBinding of ``session``: each of its inputs and outputs to the buffer of that name."""
+        binding = session.io_binding()
+        for spec in session.get_inputs():
+            binding.bind_ortvalue_input(spec.name, inputs[spec.name])
+        for spec in session.get_outputs():
+            binding.bind_ortvalue_output(spec.name, outputs[spec.name])
+        return binding
+
+    def _bind_reuse(self) -> None:
         self.reuse_bindings = []
         for parity in (0, 1) if self.reuse_session is not None else ():
             binding = self.reuse_session.io_binding()
@@ -263,8 +280,6 @@ class DeviceStepLoop:
                                 ("step_index_out", self.indices[1 - parity])):
                 binding.bind_ortvalue_output(name, value)
             self.reuse_bindings.append(binding)
-        self.options = [self._run_options(parity) for parity in (0, 1)]
-        self.bound = True
 
     def start(self, plan, latents: np.ndarray, static: dict[str, np.ndarray], guidance: float,
               controlnet: dict[str, np.ndarray] | None = None) -> None:
@@ -310,8 +325,9 @@ class DeviceStepLoop:
         residuals = {}
         for output in self.controlnet_session.get_outputs():
             binding.bind_output(output.name, self.device, self.device_id)
-        self.prepare_session.run_with_iobinding(self.prepare_bindings[0])
-        self.controlnet_session.run_with_iobinding(binding)
+        # Under graph id -1: on a graph id, ORT's first run also captures, into these temporary outputs.
+        self.prepare_session.run_with_iobinding(self.prepare_bindings[0], self._probe_options())
+        self.controlnet_session.run_with_iobinding(binding, self._probe_options())
         for output, value in zip(self.controlnet_session.get_outputs(), binding.get_outputs()):
             dtype = np.float16 if "float16" in value.data_type() else np.float32
             residuals[output.name] = self._empty(value.shape(), dtype)
@@ -327,6 +343,12 @@ class DeviceStepLoop:
             options.add_run_config_entry("gpu_graph_id", str(self.graph_ids[parity]))
         return options
 
+    def _probe_options(self):
+        """A run that must not be captured (its outputs are temporary)."""
+        options = self.ort.RunOptions()
+        options.add_run_config_entry("gpu_graph_id", "-1")
+        return options
+
     def step(self, reuse: bool = False) -> None:
         """Run step ``index`` (returns when the device has finished it); ``reuse``: the update alone,
         on the last computed step's guided output (no UNet, no ControlNet)."""
@@ -336,10 +358,15 @@ class DeviceStepLoop:
             self.index += 1
             return
         if self.controlnet_session is not None:
-            self.prepare_session.run_with_iobinding(self.prepare_bindings[parity])
-            self.controlnet_session.run_with_iobinding(self.controlnet_binding)
+            self.controlnet_step(parity)
         self.step_session.run_with_iobinding(self.bindings[parity], self.options[parity])
         self.index += 1
+
+    def controlnet_step(self, parity: int) -> None:
+        """The ControlNet's input graph, then the ControlNet, into the residual buffers (each captured
+        when its session was created with CUDA graphs: the graph ids are ignored otherwise)."""
+        self.prepare_session.run_with_iobinding(self.prepare_bindings[parity], self.options[parity])
+        self.controlnet_session.run_with_iobinding(self.controlnet_binding, self.options[0])
 
     def latents(self) -> np.ndarray:
         """The latents after the last step."""

@@ -29,12 +29,15 @@ pipeline benchmark's ablation compares it with one graph per step (:mod:`onnxopt
 from __future__ import annotations
 
 import os
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import numpy as np
 import onnx_graphsurgeon as gs
 
 from onnxopt.errors import UnsupportedModelError
 from onnxopt.model import Model
+from onnxopt.pipeline.sessions import _ORT_TYPES, DeviceStepLoop, input_types
 
 FILE = "step.streams.onnx"
 COMPANION = "down"
@@ -114,3 +117,50 @@ def write_two_stream_graphs(unet_dir: str | os.PathLike, residual_inputs, *, ste
     unet_dir = Path(unet_dir)
     rest = split_step_graph(load_model(unet_dir / step_file), residual_inputs)
     return save_model(rest, unet_dir / FILE, reference_external=True).path
+
+
+class TwoStreamStepLoop(DeviceStepLoop):
+    """The device loop with the step in two graphs and the ControlNet beside the first::
+
+        thread 2 (the ControlNet's session, its own CUDA stream):  input graph ─ ControlNet ─┐
+        thread 1 (down's session, its own CUDA stream):           down ───────────────────┴─ rest
+
+    Each ORT session runs on a stream of its own and ``run_with_iobinding`` releases the GIL, so the
+    two threads' GPU work can overlap; ``rest`` starts when both have returned (each run waits for
+    its stream). The cut tensors (down's outputs, rest's inputs) are fixed buffers like every other,
+    so each of the four graphs can be captured. Everything else is :class:`DeviceStepLoop`'s.
+    """
+
+    def __init__(self, ort, down_session, rest_session, controlnet_session, prepare_session, reuse_session=None, **kw):
+        super().__init__(ort, rest_session, controlnet_session, prepare_session, reuse_session, **kw)
+        self.down_session = down_session
+        self.types = {**input_types(down_session), **input_types(rest_session)}
+        self._worker = ThreadPoolExecutor(1, thread_name_prefix="onnxopt-controlnet")
+
+    def step_inputs(self, parity: int) -> dict:
+        return {**super().step_inputs(parity), **getattr(self, "cut", {})}
+
+    def _bind_steps(self) -> None:
+        # The cut buffers: their shapes from one uncaptured run of down on the bound inputs.
+        probe = self.down_session.io_binding()
+        for spec in self.down_session.get_inputs():
+            probe.bind_ortvalue_input(spec.name, self.step_inputs(0)[spec.name])
+        names = [o.name for o in self.down_session.get_outputs()]
+        for name in names:
+            probe.bind_output(name, self.device, self.device_id)
+        self.down_session.run_with_iobinding(probe, self._probe_options())
+        self.cut = {name: self._empty(value.shape(), _ORT_TYPES.get(value.data_type(), np.float32))
+                    for name, value in zip(names, probe.get_outputs())}
+        self.down_bindings = [self._binding(self.down_session, self.step_inputs(parity), self.cut) for parity in (0, 1)]
+        self.bindings = [self._binding(self.step_session, self.step_inputs(parity), self.step_outputs(parity))
+                         for parity in (0, 1)]
+
+    def step(self, reuse: bool = False) -> None:
+        if reuse:
+            return super().step(reuse=True)
+        parity = self.index % 2
+        controlnet = self._worker.submit(self.controlnet_step, parity)
+        self.down_session.run_with_iobinding(self.down_bindings[parity], self.options[parity])
+        controlnet.result()
+        self.step_session.run_with_iobinding(self.bindings[parity], self.options[parity])
+        self.index += 1
