@@ -65,12 +65,13 @@ from onnxopt.fusion import Emit, NameAuthority
 from onnxopt.graph_edit import replace_output
 from onnxopt.model import Model
 from onnxopt.pass_infra import SHAPES_INFERRED, Pass, PassResult
-from onnxopt.pattern.constants import constant_value, is_constant
+from onnxopt.pattern.constants import constant_shape, constant_value, is_constant
 from onnxopt.pattern.dims import Dims
 
 DUP, FREE, FULL = "duplicated", "free", "full"
 DOUBLED, UNKNOWN = "doubled", "unknown"  # shape-vector element tags; a same element is ("same", value or None)
 PREFIX = "cfg_late"
+CFG_LATE_METADATA = "onnxopt.cfg_late"  # metadata_props key of a step graph the pass rewrote
 RANDOM_OPS = frozenset({"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Multinomial",
                         "Bernoulli"})
 
@@ -225,7 +226,7 @@ class _HalfBatch:
         for node in self.graph.nodes:
             if node.op != "Reshape" or len(node.inputs) < 2:
                 continue
-            value = constant_value(node.inputs[1]) if is_constant(node.inputs[1]) else None
+            value = _small_value(node.inputs[1])
             if value is not None and (value.ndim != 1 or not len(value) or value[0] != -1):
                 continue
             x_shape, out = dims.shape(node.inputs[0]), dims.reshaped(node)
@@ -239,7 +240,7 @@ class _HalfBatch:
     def vector_tags(self, t: gs.Tensor) -> list | None:
         if id(t) in self.tags:
             return self.tags[id(t)]
-        if is_constant(t):
+        if is_constant(t) and _small(t):
             value = constant_value(t)
             if value is not None and value.ndim <= 1 and value.size <= MAX_VECTOR and np.issubdtype(value.dtype, np.integer):
                 return [("same", int(v)) for v in value.reshape(-1)]
@@ -291,7 +292,7 @@ class _HalfBatch:
                 return None
             return [e for x in tags for e in x]
         if op == "Gather":
-            index = constant_value(ins[1]) if is_constant(ins[1]) else None
+            index = _small_value(ins[1])
             if tags[0] is None or index is None or int(node.attrs.get("axis", 0)) != 0:
                 return None
             n = len(tags[0])
@@ -302,7 +303,7 @@ class _HalfBatch:
         if op == "Slice":
             if tags[0] is None:
                 return None
-            bounds = [constant_value(t) if len(ins) > i and self.present(t) and is_constant(t) else None
+            bounds = [_small_value(t) if self.present(t) else None
                       for i, t in enumerate(ins) if i >= 1]
             if len(bounds) < 2 or bounds[0] is None or bounds[1] is None:
                 return None
@@ -343,7 +344,7 @@ class _HalfBatch:
             if a.shape and full.shape and isinstance(full.shape[0], str) and isinstance(a.shape[0], str):
                 self.batch_symbols[full.shape[0]] = a.shape[0]
             return
-        if node.op in ("Shape", "Size") and kinds and kinds[0] == DUP:
+        if node.op in ("Shape", "Size") and kinds and kinds[0] == DUP and (node.op == "Size" or self.rank(ins[0]) is not None):
             self.tags[id(node.outputs[0])] = self._tags_of(node)
             self.kind[id(node.outputs[0])] = FULL
             self._rewrite_shape(node)
@@ -437,9 +438,10 @@ class _HalfBatch:
             raise _Refuse(f"{node.op} works along axis 0, the batch axis")
 
     def constant_ints(self, node, index: int, what: str) -> list[int]:
-        if index >= len(node.inputs) or not is_constant(node.inputs[index]):
+        value = _small_value(node.inputs[index]) if index < len(node.inputs) else None
+        if value is None:
             raise _Refuse(f"its {what} are not constant")
-        return [int(v) for v in constant_value(node.inputs[index]).reshape(-1)]
+        return [int(v) for v in value.reshape(-1)]
 
     def same_vector(self, t: gs.Tensor, where: str) -> None:
         tags = self.vector_tags(t)
@@ -742,15 +744,14 @@ def _squeeze(s, node):
 
 
 def _resize(s, node):
+    """Resize(X, roi, scales, sizes): scales constant with 1 on the batch axis, or sizes halved."""
     s.need(node, 0, DUP)
-    for i in (1, 2):
-        s.need(node, i, FREE, optional=True)
+    s.need(node, 1, FREE, optional=True)
     if len(node.inputs) > 3 and s.present(node.inputs[3]):
         return {3: s.halve_leading(s.need(node, 3, FREE, FULL), "its sizes")}
-    if len(node.inputs) < 3 or not s.present(node.inputs[2]) or s.constant_ints(node, 2, "scales")[:1] != [1]:
-        scales = constant_value(node.inputs[2]) if len(node.inputs) > 2 and is_constant(node.inputs[2]) else None
-        if scales is None or float(scales.reshape(-1)[0]) != 1.0:
-            raise _Refuse("its scales are not constant with 1 on the batch axis")
+    scales = _small_value(node.inputs[2]) if len(node.inputs) > 2 else None
+    if scales is None or not scales.size or float(scales.reshape(-1)[0]) != 1.0:
+        raise _Refuse("its scales are not constant with 1 on the batch axis")
 
 
 def _pad(s, node):
@@ -819,6 +820,17 @@ ROW_WISE.update({
     "SkipGroupNorm": _skip_norm, "SkipLayerNormalization": _skip_norm, "BiasAdd": _bias_add,
     "MultiHeadAttention": _multi_head_attention, "Attention": _dispatch_attention,
 })
+
+
+def _small(t: gs.Tensor) -> bool:
+    """A constant small enough to be a shape (read without loading a weight)."""
+    shape = constant_shape(t)
+    return shape is not None and len(shape) <= 1 and int(np.prod(shape)) <= MAX_VECTOR
+
+
+def _small_value(t: gs.Tensor) -> np.ndarray | None:
+    """The value of a small constant (a shape, axes, indices), None for anything else."""
+    return constant_value(t) if is_constant(t) and _small(t) else None
 
 
 def _shape_range(node: gs.Node, rank: int) -> tuple[int, int]:
