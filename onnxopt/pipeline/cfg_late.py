@@ -134,7 +134,9 @@ class HalfBatchPlan:
 class CfgLate(Pass):
     """The pass (module docstring). ``shared_inputs``: graph inputs that are the same in both
     halves' worlds (the step graph's latents, state, schedule and guidance); every other input is
-    taken to differ between the halves."""
+    taken to differ between the halves. ``small_row_elements``: a moved branch whose outputs have
+    at most this many elements per batch row and are read only at the full batch goes back to
+    the full batch when that saves broadcasts (:meth:`_HalfBatch.keep_small_branches_full`; 0: never)."""
 
     name = "cfg-late"
     description = ("compute what both classifier-free-guidance halves share (latents, timestep) once at batch b; "
@@ -142,8 +144,9 @@ class CfgLate(Pass):
     requires = frozenset({SHAPES_INFERRED})
     is_fusion = True
 
-    def __init__(self, shared_inputs=()):
+    def __init__(self, shared_inputs=(), small_row_elements: int = 4096):
         self.shared_inputs = frozenset(shared_inputs)
+        self.small_row_elements = small_row_elements
 
     def run(self, model: Model) -> PassResult:
         result = PassResult(modified=False)
@@ -152,7 +155,7 @@ class CfgLate(Pass):
         if any(list(node.subgraphs()) for node in graph.nodes):
             result.nothing_to_do = "the graph has control flow (If/Loop/Scan); the pass handles flat graphs only"
             return result
-        rewrite = _HalfBatch(model, self.shared_inputs)
+        rewrite = _HalfBatch(model, self.shared_inputs, self.small_row_elements)
         plan = rewrite.run()
         result.details = plan.details()
         if not plan.moved:
@@ -165,12 +168,12 @@ class CfgLate(Pass):
         return result
 
 
-def compute_halves_once(model: Model, shared_inputs=()) -> PassResult:
+def compute_halves_once(model: Model, shared_inputs=(), small_row_elements: int = 4096) -> PassResult:
     """Run :class:`CfgLate` on ``model`` in place (shapes inferred first and after)."""
     from onnxopt.shapes import infer_shapes
 
     infer_shapes(model)
-    result = CfgLate(shared_inputs).run(model)
+    result = CfgLate(shared_inputs, small_row_elements).run(model)
     if result.modified:
         infer_shapes(model)
     return result
@@ -184,8 +187,9 @@ class _Refuse(Exception):
 
 
 class _HalfBatch:
-    def __init__(self, model: Model, shared_inputs: frozenset):
+    def __init__(self, model: Model, shared_inputs: frozenset, small_row_elements: int):
         self.model, self.graph = model, model.graph
+        self.small_row_elements = small_row_elements
         self.opset = model.opset
         self.names = NameAuthority(self.graph)
         self.kind: dict[int, str] = {}
@@ -197,6 +201,7 @@ class _HalfBatch:
         self.pairs: list[tuple[gs.Tensor, gs.Tensor]] = []  # (full, half) of the seeds
         self.full_of: dict[int, gs.Tensor] = {}  # id(half output of a moved node) -> the full tensor
         self.new_nodes: list[gs.Node] = []
+        self.original_inputs: dict[int, list] = {}  # id(moved node) -> its inputs before the move
         for t in self.graph.inputs:
             self.kind[id(t)] = FREE if t.name in shared_inputs else FULL
         self.batch_symbols: dict = {}  # full batch dim name -> the half batch's (from the seeds)
@@ -345,8 +350,9 @@ class _HalfBatch:
                 self.batch_symbols[full.shape[0]] = a.shape[0]
             return
         if node.op in ("Shape", "Size") and kinds and kinds[0] == DUP and (node.op == "Size" or self.rank(ins[0]) is not None):
-            self.tags[id(node.outputs[0])] = self._tags_of(node)
-            self.kind[id(node.outputs[0])] = FULL
+            tags = self._tags_of(node)
+            self.tags[id(node.outputs[0])] = tags
+            self.kind[id(node.outputs[0])] = FREE if tags and all(isinstance(e, tuple) for e in tags) else FULL
             self._rewrite_shape(node)
             return
         if node.op in VECTOR_OPS and DUP not in kinds and len(node.outputs) == 1:
@@ -453,6 +459,7 @@ class _HalfBatch:
     def _move(self, node: gs.Node, replacements: dict[int, gs.Tensor]) -> None:
         """``node`` now computes at the half batch: duplicated inputs -> their halves, shape operands
         -> ``replacements`` (input index -> tensor), each output -> a new half tensor."""
+        self.original_inputs[id(node)] = list(node.inputs)
         for i, t in enumerate(node.inputs):
             if i in replacements:
                 node.inputs[i] = replacements[i]
@@ -547,8 +554,42 @@ class _HalfBatch:
         self.halved[id(t)] = halved
         return halved
 
+    def keep_small_branches_full(self) -> None:
+        """A moved node whose outputs only the full batch reads, and are small per row (a time
+        embedding's [2b, C] projection for each resnet), goes back to the full batch when that
+        does not add broadcasts: one Concat of the shared time embedding instead of one per
+        resnet, for no FLOPs to speak of. Repeated from the end, so chains go back whole."""
+        outputs = {id(t) for t in self.graph.outputs}
+        full_of = dict(self.full_of)
+        full_of.update({id(h): full for full, h in self.pairs})
+
+        def live(full) -> bool:  # read at the full batch: it needs its Concat (a broadcast or the seed's)
+            return bool(full.outputs) or id(full) in outputs
+
+        changed = True
+        while changed:
+            changed = False
+            for node in reversed(list(self.plan.moved)):
+                halves = [o for o in node.outputs if id(o) in self.full_of]
+                if any(h.outputs for h in halves) or not all(_small_rows(self.full_of[id(h)], self.small_row_elements) for h in halves):
+                    continue
+                dup_inputs = {id(t): full_of[id(t)] for t in node.inputs if id(t) in full_of}
+                added = sum(1 for full in dup_inputs.values() if not live(full))
+                removed = sum(1 for h in halves if live(self.full_of[id(h)]))
+                if added > removed:
+                    continue
+                for i, t in enumerate(self.original_inputs.pop(id(node))):
+                    node.inputs[i] = t
+                for h in halves:
+                    full = self.full_of.pop(id(h))
+                    replace_output(node, h, full)
+                    del self.half[id(full)]
+                self.plan.moved.remove(node)
+                changed = True
+
     def finish(self) -> None:
         """Concat([h, h], axis 0) for every duplicated tensor something full still reads."""
+        self.keep_small_branches_full()
         outputs = {id(t) for t in self.graph.outputs}
         for node in self.plan.moved:
             self.pairs += [(self.full_of[id(o)], o) for o in node.outputs if id(o) in self.full_of]
@@ -820,6 +861,12 @@ ROW_WISE.update({
     "SkipGroupNorm": _skip_norm, "SkipLayerNormalization": _skip_norm, "BiasAdd": _bias_add,
     "MultiHeadAttention": _multi_head_attention, "Attention": _dispatch_attention,
 })
+
+
+def _small_rows(t: gs.Tensor, limit: int) -> bool:
+    """Every dim but the batch known, and at most ``limit`` elements per row."""
+    dims = t.shape[1:] if t.shape is not None else None
+    return dims is not None and all(isinstance(d, int) for d in dims) and int(np.prod(dims)) <= limit
 
 
 def _small(t: gs.Tensor) -> bool:
