@@ -1,15 +1,21 @@
 """CFG duplication late (issue 14 item 3, seed 001): compute at batch b what both guidance halves share.
 
 The step graph (:mod:`onnxopt.pipeline.step_graph`) runs the UNet at batch 2b on two copies of the
-same latents and one timestep; the halves differ only once the text side (batch 2b, uncond rows then
-cond rows) comes in. Everything computed before that from the latents and the timestep alone is
-computed twice. This pass computes it once, at batch b, and broadcasts at the frontier::
+same latents and one timestep; the halves differ only where the text side (batch 2b: uncond rows,
+then cond rows) comes in. This pass computes what comes before that once, at batch b, and
+broadcasts at the frontier::
 
-    before:                                                   after:
-    latents ─ Mul(c_in) ─ Concat(axis 0, [x, x]) ─ conv_in ─  latents ─ Mul(c_in) ─ conv_in ─ ... ─ Q ─┐
-      ... ─ resnet ─ self-attention ─ Q ───────────────┐                    (batch b)          Concat(axis 0, [Q, Q])
-    t ─ Expand([2b]) ─ time embedding ─┘ MultiHeadAttention(Q, K/V of the text)   t ─ time embedding ┘      │
-                                                                               K/V of the text ─ MultiHeadAttention
+    before (batch 2b throughout):
+        latents ─ Mul(c_in) ─ Concat(axis 0, [x, x]) ─ conv_in ─ resnet ─ self-attention ─ to_q ─┐
+        t ─ Expand([2b]) ─ time embedding ──────────────┘                                         │
+        K/V of the text [2b] ──────────────────────────────────────────── cross-attention (attn2) ─ ...
+    after:
+        latents ─ Mul(c_in) ─ conv_in ─ resnet ─ self-attention ─ to_q ─ Concat(axis 0, [q, q]) ─┐
+        t ─ Expand([b]) ─ time embedding ──┘             (batch b)                                 │
+        K/V of the text [2b] ──────────────────────────────────────────── cross-attention (attn2) ─ ...
+
+    SDXL: the time embedding meets the pooled text (text_embeds) at once, so only conv_in, the
+    time projection and the first resnet's first GroupNorm/conv move.
 
 The rule (no pattern: any graph works). A tensor is *duplicated* when its value is ``Concat([h, h],
 axis 0)`` for a tensor ``h`` the rewritten graph computes at half the batch. The seeds:
@@ -18,37 +24,44 @@ axis 0)`` for a tensor ``h`` the rewritten graph computes at half the batch. The
   * ``Expand(x, shape)`` and ``ConstantOfShape(shape)`` whose output rows along axis 0 are all
     equal (x broadcasts along axis 0) and whose leading target dim is even (below).
 
-A node whose inputs are duplicated or *free* (the same in both worlds: constants, the step's
-schedule, guidance and latents, and values computed from them alone) and that is proven *row-wise
-along axis 0* under the conditions of :data:`ROW_WISE` moves to the half batch: it reads the ``h``
-tensors and writes its own. Anything else that reads a duplicated tensor is the *frontier*: it
-reads ``Concat([h, h], axis 0)``, written once per tensor. Row-wise, in short (the table says it
-exactly): elementwise ops whose other inputs do not carry the batch (dim 0 is 1, or a lower rank);
-Conv, NhwcConv, pooling, Instance/Group/LayerNorm and com.microsoft GroupNorm, SkipGroupNorm,
-BiasAdd, BiasSplitGelu, SkipLayerNormalization with free weights; MatMul by free weights, or of two
-duplicated rank >= 3 tensors (self-attention scores); Gemm; MultiHeadAttention whose query, key and
-value are all duplicated (self-attention), no mask; Transpose with perm[0] = 0; Softmax, Concat,
-Split, Gather, Slice, reductions and Unsqueeze/Squeeze away from axis 0; Reshape and Expand with the
-leading target dim halved (below).
+A node whose inputs are duplicated or *free* (the same in both halves: constants, the inputs the
+caller names ``shared_inputs`` -- the step's latents, state, schedule and guidance -- and values
+computed from them alone) and that is proven *row-wise along axis 0* by :data:`ROW_WISE` moves
+to the half batch: it reads the ``h`` tensors and writes its own. Anything else that reads a
+duplicated tensor is the *frontier*: it reads ``Concat([h, h], axis 0)``, written once per tensor.
+Row-wise, in short (the table says it exactly): elementwise ops whose free inputs do not carry a
+batch (dim 0 is 1, or a lower rank); Conv, NhwcConv, pooling, Instance/Group/LayerNorm and
+com.microsoft GroupNorm, SkipGroupNorm, BiasAdd, BiasSplitGelu, SkipLayerNormalization with free
+weights; MatMul by free weights, or of two duplicated tensors of one rank >= 3 (self-attention's
+scores); Gemm; MultiHeadAttention whose query, key and value are all duplicated (self-attention),
+no mask; Transpose with perm[0] = 0; Softmax, Concat, Split, Gather, Slice, reductions and
+Unsqueeze/Squeeze away from axis 0; Reshape and Expand with the leading target dim halved (below).
 
 Shapes. A ``Shape`` of a duplicated tensor must still give the full batch wherever its value goes,
 so it becomes ``Concat(Mul(Shape(h, 0, 1), 2), Shape(h, 1))``: every shape computation reads the
 values it read before. Each 1-D int vector computed from shapes carries per-element tags: *same*
 in both worlds (with its value when known) or *doubled* (the full world's value is twice the half
-world's: ``Shape(dup)[0]``, and sums of doubled, products of doubled by same). A half-batch
+world's: ``Shape(dup)[0]``, sums of doubled, products of doubled by same). A half-batch
 ``Reshape`` or ``Expand`` reads its target with the leading element halved:
 
   * the leading element must be doubled, an even constant (static exports spell the batch 2b),
     0 (Reshape: copy dim 0) or -1 (Reshape: only when the output's dim 0 is an exact multiple of
     the input's, by :mod:`onnxopt.pattern.dims`); every other element must be *same*.
   * Why any even leading dim is right: ``Concat([h, h], axis 0)`` is, in row-major order, ``h``'s
-    elements twice in a row, and Reshape keeps that order; a target ``[2m, rest]`` cuts the
-    elements at the midpoint, so ``Reshape(Concat([h, h]), [2m, rest]) = Concat([Reshape(h, [m,
-    rest])] * 2)``. A Reshape that moves the batch elsewhere (``[C, 2b*HW]``) or to an odd leading
-    dim is a frontier.
+    elements twice in a row, and Reshape keeps that order; a target ``[2m, rest]`` cuts them at
+    the midpoint, so ``Reshape(Concat([h, h]), [2m, rest]) = Concat([Reshape(h, [m, rest])] * 2)``.
+    A leading dim that is odd, unknown or read from the text side (``Shape(text)[0]``) is a frontier.
+
+Cost. A moved node whose outputs only the full batch reads and are small per row (each resnet's
+projection of the time embedding) goes back to the full batch when that adds no broadcast: one
+Concat of the shared embedding instead of one per resnet (``small_row_elements``).
+
+Why here and not in passes/: the rule is generic, but which inputs are the same in both halves
+only the step graph knows, and a plain UNet has no seed (its 2b rows come in as they are).
+:func:`onnxopt.pipeline.step_graph.build_step_graph` runs it (``cfg_late=True``).
 
 The result says what moved (``details``: nodes moved and their ops, the frontier with the reason
-each node is one, the Concats written), so a report or test can read it. The graph's inputs and
+each node is one, the tensors broadcast), so a report or test can read it. The graph's inputs and
 outputs are not changed: the pipeline contract holds.
 """
 
@@ -394,10 +407,9 @@ class _HalfBatch:
     def _row_wise(self, node: gs.Node) -> dict[int, gs.Tensor]:
         """{} or the shape operands to replace (input index -> half-batch tensor) when ``node`` is
         row-wise along axis 0 (module docstring); raises _Refuse with the reason otherwise."""
-        op, ins = node.op, node.inputs
-        rule = ROW_WISE.get(op)
+        rule = ROW_WISE.get(node.op)
         if rule is None:
-            raise _Refuse(f"{op} is not known to be row-wise along the batch axis")
+            raise _Refuse(f"{node.op} is not known to be row-wise along the batch axis")
         return rule(self, node) or {}
 
     # helpers the rules share
