@@ -5,6 +5,7 @@
     # GPU: the optimized folder's step graph with and without cfg-late, same run, interleaved
     python -m benchmarks.cfg_late_gpu time --folder /tmp/pipe-bench/sd15/optimized --kind sd15 --out benchmarks/results/cfg-late-sd15
     python -m benchmarks.cfg_late_gpu time --folder /tmp/pipe-bench/sdxl/optimized --kind sdxl --out benchmarks/results/cfg-late-sdxl
+    python -m benchmarks.cfg_late_gpu time --folder /tmp/tiny-trt --dry-run    # CPU rehearsal, tiny folder
 
 ``count`` builds the step graph of ``--unet`` with and without the pass and reports nodes, the
 nodes moved (by op), and the FLOPs of Conv/ConvTranspose/MatMul/Gemm at the given latent size,
@@ -111,7 +112,7 @@ def count(args) -> dict:
 
 
 def time_variants(args) -> dict:
-    from benchmarks.pipeline_gpu import GUIDANCE, NEGATIVE, PROMPT, SEED, SETTINGS
+    from benchmarks.pipeline_gpu import DRY, GUIDANCE, NEGATIVE, PROMPT, SEED, SETTINGS
     from onnxopt.pipeline import Pipeline
     from onnxopt.pipeline.step_graph import write_step_graph
 
@@ -121,11 +122,12 @@ def time_variants(args) -> dict:
         write_step_graph(unet_dir, file_name=VARIANT_FILE, cfg_late=True,
                          context_kv=(unet_dir / "step.context_kv.onnx").is_file())
         print(f"wrote {unet_dir / VARIANT_FILE} in {time.perf_counter() - t0:.1f} s", flush=True)
-    s = SETTINGS[args.kind]
+    s = dict(SETTINGS[args.kind], **(DRY if args.dry_run else {}))
+    provider = "cpu" if args.dry_run else "cuda"
     request = dict(negative_prompt=NEGATIVE, steps=s["steps"], guidance=GUIDANCE, scheduler=s["scheduler"], seed=SEED,
                    height=s["height"], width=s["width"], progress=False)
     variants = {"step.onnx": None, VARIANT_FILE: VARIANT_FILE}
-    pipes = {name: Pipeline.load(args.folder, "cuda", cuda_graph=True, step_file=file) for name, file in variants.items()}
+    pipes = {name: Pipeline.load(args.folder, provider, cuda_graph=True, step_file=file) for name, file in variants.items()}
     runs = {name: [] for name in variants}
     last = {}
     for name, pipe in pipes.items():
@@ -165,6 +167,7 @@ def main(argv=None) -> int:
     t.add_argument("--kind", choices=["sd15", "sdxl"], default="sd15")
     t.add_argument("--runs", type=int, default=5)
     t.add_argument("--out", type=Path)
+    t.add_argument("--dry-run", action="store_true", help="CPU rehearsal on a tiny (tensorrt-target) folder")
     args = ap.parse_args(argv)
     (count if args.mode == "count" else time_variants)(args)
     return 0
