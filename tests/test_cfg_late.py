@@ -381,3 +381,27 @@ def test_cfg_late_fp16_step_graph_on_the_cuda_ep(export_tiny):
         feeds = step_feeds(unet, b, b)
         expected, got = run_step(feeds)["guided_output"], run_late(feeds)["guided_output"]
         assert np.abs(got - expected).max() <= 8 * 2.0**-11 * (1 + 2 * feeds["guidance_scale"][0]) * np.abs(expected).max()
+
+
+@pytest.mark.gpu
+def test_cfg_late_folder_on_the_cuda_ep_with_cuda_graphs(tmp_path):
+    """On a GPU: an ``ort-cuda`` fp16 folder's step graph with cfg-late (written beside step.onnx)
+    is captured as a CUDA graph like step.onnx, and a generate run gives step.onnx's latents within
+    fp16 rounding (kernels at batch b may round otherwise: 1e-2 of the latents' scale)."""
+    from onnxopt.pipeline import Pipeline, optimize_folder
+    from onnxopt.pipeline.step_graph import write_step_graph
+    from onnxopt.runners import cuda_available
+
+    if not cuda_available():
+        pytest.skip("needs onnxruntime-gpu and a CUDA device")
+    out = tmp_path / "ort-cuda-fp16"
+    optimize_folder(COMMITTED_SD15, out, target="ort-cuda", fp16=True)
+    write_step_graph(out / "unet", file_name="step.cfg_late.onnx", cfg_late=True)
+    request = dict(prompt="a red cat", negative_prompt="blurry", steps=3, guidance=7.5, scheduler="ddim", seed=0,
+                   height=64, width=64, progress=False)
+    plain = Pipeline.load(out, "cuda", cuda_graph=True)
+    late = Pipeline.load(out, "cuda", cuda_graph=True, step_file="step.cfg_late.onnx")
+    assert plain.cuda_graph and late.cuda_graph
+    expected, got = plain(**request), late(**request)
+    scale = float(np.abs(expected.latents).max())
+    np.testing.assert_allclose(got.latents, expected.latents, rtol=0, atol=1e-2 * scale)

@@ -95,7 +95,7 @@ ELEMENTWISE = frozenset({
     "GreaterOrEqual", "And", "Or", "Xor", "Not", "Mod", "Sum", "Mean", "PRelu",
     "Cast", "CastLike", "Identity", "Relu", "Sigmoid", "Tanh", "Erf", "Sqrt", "Neg", "Abs", "Exp", "Log",
     "Reciprocal", "Sin", "Cos", "Softplus", "Softsign", "Mish", "HardSigmoid", "HardSwish", "LeakyRelu", "Elu",
-    "Selu", "Celu", "Gelu", "IsNaN", "IsInf", "Floor", "Ceil", "Round", "Sign", "Clip", "Dropout",
+    "Selu", "Celu", "Gelu", "IsNaN", "IsInf", "Floor", "Ceil", "Round", "Sign", "Clip",
     "FastGelu", "BiasGelu", "QuickGelu",  # com.microsoft (bias inputs: free, 1-D)
 })
 # Ops computing each sample from its own row: input 0 duplicated, every other input free (weights).
@@ -640,6 +640,8 @@ def _per_sample(s, node):
     """Input 0 duplicated, the rest free: weights and biases."""
     s.need(node, 0, DUP)
     s.free_rest(node, 1)
+    if node.op == "BatchNormalization" and int(node.attrs.get("training_mode", 0)):
+        raise _Refuse("training-mode BatchNormalization: statistics over the batch")
 
 
 def _along_axis(default):
