@@ -31,7 +31,8 @@ symbolic link leaving it is refused).
 
 The step graph: after the UNet is written, :func:`onnxopt.pipeline.step_graph.write_step_graph` writes
 ``unet/step.onnx`` beside it (guidance and the scheduler update appended; the UNet's weights referred
-to, not copied).
+to, not copied); with ``cfg_late`` (``--cfg-late``, off by default until measured on a GPU) what both
+guidance halves share is computed once in it (:mod:`onnxopt.pipeline.cfg_late`).
 """
 
 from __future__ import annotations
