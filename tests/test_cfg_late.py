@@ -4,7 +4,8 @@ Claims:
 
 * On the step graphs of the tiny SD 1.5, SD 2.1 and SDXL UNets from both exporters, and of the SD 1.5
   + ControlNet pipeline's UNet (residual inputs), raw and ``ort-cuda``-optimized (run on onnxopt's
-  reference kernels), the rewritten step graph gives the step graph's ``latents_out``, ``state_out``
+  reference kernels), and of the static SD 1.5 exports (constant shapes spelling the batch), the
+  rewritten step graph gives the step graph's ``latents_out``, ``state_out``
   and ``guided_output`` on random inputs for b = 1 and 2 images (fp32, within 1e-5 of their scale:
   the half-batch kernels may sum in another order). Its inputs and outputs are the step graph's.
 * What moves: the latents' Concat is gone (conv_in and every Shape of the sample read the half);
@@ -128,6 +129,20 @@ def test_cfg_late_step_graph_computes_the_same_step(request, export_tiny, family
         assert reference.unsupported_on_ort_cpu(late.to_onnx())  # really the fused graph, on the reference kernels
     # SDXL on the reference kernels takes seconds a run: 2 images only (b = 1 is covered by its raw graphs)
     assert_same_step(unet, step, late, batches=(2,) if (family, preset) == ("unet-sdxl", "ort-cuda") else (1, 2))
+
+
+@pytest.mark.parametrize("preset", ["raw", "ort-cuda"])
+@pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
+def test_static_exports_halve_their_constant_shapes(fixtures_dir, exporter, preset):
+    """Static exports (batch 2 spelled in every Reshape target): the targets' leading 2 becomes 1,
+    the first self-attention still moves, and the one-image step is the same."""
+    path = fixtures_dir / f"unet-sd15.tiny.{exporter}.static.sdpa.onnx"
+    unet = load_model(path) if preset == "raw" else onnxopt.optimize(path, [preset])[0]
+    step, late, details = late_step(unet)
+    assert io(late) == io(step) and not latents_concat(late)
+    assert sum(details["ops_moved"].get(op, 0) for op in ATTENTION_OPS) == 1
+    assert details["ops_moved"].get("Reshape", 0) >= (1 if preset == "ort-cuda" else 4)
+    assert_same_step(unet, step, late, batches=(1,))
 
 
 def test_a_wrong_broadcast_is_caught(export_tiny):

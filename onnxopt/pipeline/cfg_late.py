@@ -52,9 +52,9 @@ world's: ``Shape(dup)[0]``, sums of doubled, products of doubled by same). A hal
     the midpoint, so ``Reshape(Concat([h, h]), [2m, rest]) = Concat([Reshape(h, [m, rest])] * 2)``.
     A leading dim that is odd, unknown or read from the text side (``Shape(text)[0]``) is a frontier.
 
-Cost. A moved node whose outputs only the full batch reads and are small per row (each resnet's
-projection of the time embedding) goes back to the full batch when that adds no broadcast: one
-Concat of the shared embedding instead of one per resnet (``small_row_elements``).
+Cost. A moved node whose outputs only the full batch reads and are one small vector per row (each
+resnet's projection of the time embedding) goes back to the full batch when that adds no
+broadcast: one Concat of the shared embedding instead of one per resnet (``small_row_elements``).
 
 Why here and not in passes/: the rule is generic, but which inputs are the same in both halves
 only the step graph knows, and a plain UNet has no seed (its 2b rows come in as they are).
@@ -878,9 +878,12 @@ ROW_WISE.update({
 
 
 def _small_rows(t: gs.Tensor, limit: int) -> bool:
-    """Every dim but the batch known, and at most ``limit`` elements per row."""
+    """Each row a vector (an embedding: [B, C], [B, C, 1, 1], [B, 1, 1, C]) of at most ``limit``
+    elements: every dim but the batch known, at most one of them above 1."""
     dims = t.shape[1:] if t.shape is not None else None
-    return dims is not None and all(isinstance(d, int) for d in dims) and int(np.prod(dims)) <= limit
+    if dims is None or not all(isinstance(d, int) for d in dims):
+        return False
+    return sum(d > 1 for d in dims) <= 1 and int(np.prod(dims)) <= limit
 
 
 def _small(t: gs.Tensor) -> bool:
