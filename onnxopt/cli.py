@@ -68,6 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
     opt.add_argument("--target", choices=["ort-cuda", "tensorrt"], help="the target's preset (a folder: each component's preset, default ort-cuda)")
     opt.add_argument("--no-context-kv", dest="context_kv", action="store_false",
                      help="a folder: keep the cross-attention K/V inside the step graph (default: computed once per prompt)")
+    opt.add_argument("--cfg-late", action="store_true",
+                     help="a folder: in the step graph, compute what both guidance halves share (latents, timestep) "
+                          "once, at batch b, up to the first cross-attention (default: off until measured on a GPU)")
     opt.add_argument("--fp16", action="store_true", help="add the fp16 pass (a folder: the VAE guarded, see onnxopt/pipeline/optimize_folder.py)")
     opt.add_argument("--verify", action="store_true", help="compare with the source after every pass; name the first that breaks the tolerance")
     opt.add_argument("--atol", type=_tolerance_arg, default=1e-4)
@@ -227,6 +230,8 @@ def cmd_optimize(args) -> int:
         from onnxopt.pipeline.optimize_folder import cli_optimize_folder
 
         return cli_optimize_folder(args)
+    if args.cfg_late:
+        raise OnnxoptError("--cfg-late rewrites a pipeline folder's step graph: give a folder as --input")
     if args.passes is not None and args.target:
         raise OnnxoptError("give --passes or --target, not both")
     passes = [p for p in (args.passes or args.target or "cleanup").split(",") if p.strip()]

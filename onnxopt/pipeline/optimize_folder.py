@@ -31,7 +31,8 @@ symbolic link leaving it is refused).
 
 The step graph: after the UNet is written, :func:`onnxopt.pipeline.step_graph.write_step_graph` writes
 ``unet/step.onnx`` beside it (guidance and the scheduler update appended; the UNet's weights referred
-to, not copied).
+to, not copied); with ``cfg_late`` (``--cfg-late``, off by default until measured on a GPU) what both
+guidance halves share is computed once in it (:mod:`onnxopt.pipeline.cfg_late`).
 """
 
 from __future__ import annotations
@@ -353,7 +354,7 @@ def _copy_unchanged(src: Path, tmp: Path, skip: set[Path]) -> int:
 def optimize_folder(src, dst, target: str = "ort-cuda", fp16: bool = False, verify: bool = False, *,
                     tolerance=None, fp16_options: dict | None = None,
                     vae_max_rel_l2: float = VAE_FP16_MAX_REL_L2, step_graph: bool = True,
-                    context_kv: bool = True) -> FolderReport:
+                    context_kv: bool = True, cfg_late: bool = False) -> FolderReport:
     """Optimize every ONNX component of the pipeline folder ``src`` into the new folder ``dst``.
 
     ``target``: "ort-cuda" or "tensorrt", the preset of every component. ``fp16``: add the fp16
@@ -361,7 +362,8 @@ def optimize_folder(src, dst, target: str = "ort-cuda", fp16: bool = False, veri
     VerificationError, exit 1, and writes nothing when a pass breaks the tolerance).
     ``fp16_options``: extra options of the fp16 pass for every component. ``step_graph``: write
     ``unet/step.onnx``; ``context_kv``: with its cross-attention K/V cut into
-    ``unet/step.context_kv.onnx``, run once per prompt (:func:`write_step_graph`).
+    ``unet/step.context_kv.onnx``, run once per prompt (:func:`write_step_graph`); ``cfg_late``:
+    with what both guidance halves share computed once (:mod:`onnxopt.pipeline.cfg_late`).
     Raises OnnxoptError (exit 2) for a bad folder or destination; ``dst`` then does not exist.
     """
     src, dst = Path(src), Path(dst)
@@ -385,11 +387,12 @@ def optimize_folder(src, dst, target: str = "ort-cuda", fp16: bool = False, veri
             report.components.append(_optimize_component(
                 c, tmp / c.name, src, target, fp16, verify, tolerance, fp16_options or {}, vae_max_rel_l2))
             if c.name == "unet" and step_graph:
-                step = write_step_graph(tmp / "unet", context_kv=context_kv)
+                step = write_step_graph(tmp / "unet", context_kv=context_kv, cfg_late=cfg_late)
                 context = step.with_name("step.context_kv.onnx").is_file()
                 report.components[-1].notes.append(
                     "step graph written (onnxopt.pipeline.step_graph)"
-                    + (", cross-attention K/V once per prompt in step.context_kv.onnx" if context else ""))
+                    + (", cross-attention K/V once per prompt in step.context_kv.onnx" if context else "")
+                    + (f", cfg-late: {_cfg_late_note(step)}" if cfg_late else ""))
             if c.name == "controlnet" and step_graph and write_hint_graph(tmp / "controlnet") is not None:
                 report.components[-1].notes.append("hint once per image: step.hint.onnx + step.onnx "
                                                    "(onnxopt.pipeline.controlnet_hint)")
@@ -401,6 +404,15 @@ def optimize_folder(src, dst, target: str = "ort-cuda", fp16: bool = False, veri
         raise
     report.seconds = time.perf_counter() - start
     return report
+
+
+def _cfg_late_note(step_path: Path) -> str:
+    import onnx
+
+    from onnxopt.pipeline.cfg_late import CFG_LATE_METADATA
+
+    props = {p.key: p.value for p in onnx.load(str(step_path), load_external_data=False).metadata_props}
+    return props.get(CFG_LATE_METADATA, "nothing moved")
 
 
 # ----------------------------------------------------------------------------------- CLI
@@ -426,7 +438,7 @@ def cli_optimize_folder(args) -> int:
             raise OnnxoptError(f"{args.report_json}: is inside the input folder; onnxopt never modifies its input")
     report = optimize_folder(args.input, args.output, target=args.target or "ort-cuda", fp16=args.fp16,
                              verify=args.verify, tolerance=Tolerance(args.atol, args.rtol), fp16_options=fp16_options,
-                             context_kv=args.context_kv)
+                             context_kv=args.context_kv, cfg_late=getattr(args, "cfg_late", False))
     if args.report_json:
         write_report(args.report_json, report.to_json())
     if not args.quiet:

@@ -113,7 +113,7 @@ class Pipeline:
 
     @classmethod
     def load(cls, folder, provider: str = "cpu", *, fused_step: bool = True, cuda_graph: bool = True, device_id: int = 0,
-             threads: int | None = None, io_binding: bool | None = None) -> "Pipeline":
+             threads: int | None = None, io_binding: bool | None = None, step_file: str | None = None) -> "Pipeline":
         """Open ``folder`` and create its sessions on ``provider`` (cpu | cuda | tensorrt).
 
         ``cuda_graph`` (cuda/tensorrt): capture the step graph as CUDA graphs. ``fused_step=False``
@@ -121,7 +121,9 @@ class Pipeline:
         ``io_binding``: the fused step, and the graphs run once per prompt or image (text encoders,
         K/V, hint, VAE decoder: :class:`BoundSession`), on buffers bound once and captured with
         ``cuda_graph`` (default: on for cuda/tensorrt; on the CPU EP it runs the same bindings on
-        CPU buffers).
+        CPU buffers). ``step_file``: another step graph in ``unet/`` than ``step.onnx`` (with its
+        ``<stem>.context_kv.onnx`` when present), e.g. the ``step.cfg_late.onnx`` that
+        ``write_step_graph(unet_dir, file_name=..., cfg_late=True)`` writes: for ablations.
         """
         start = time.perf_counter()
         folder = folder if isinstance(folder, PipelineFolder) else PipelineFolder.open(folder)
@@ -156,11 +158,14 @@ class Pipeline:
                 sessions["controlnet"] = make("controlnet")
         step_source = "unfused"
         if fused_step:
-            step_model, step_source = _step_graph(folder)
+            step_model, step_source = _step_graph(folder, step_file)
             context = folder.component("unet").context_model if step_source == "unet/step.onnx" else None
+            if step_file is not None:
+                context = Path(step_model).with_suffix(".context_kv.onnx")
+                context = context if context.is_file() else None
             if context is not None:  # cross-attention K/V once per prompt (step.context_kv.onnx)
                 sessions["context"] = once("unet", context)
-                step_source += " + step.context_kv.onnx"
+                step_source += f" + {context.name}"
             if step_model is not None:
                 try:
                     sessions["step"] = make("unet", step_model, cuda_graph=graph)
@@ -431,9 +436,14 @@ def _check_size(height, width, factor: int, allow_none: bool = False) -> None:
             raise GenerationError(f"{name} must be a positive multiple of {multiple}, got {value}")
 
 
-def _step_graph(folder: PipelineFolder):
+def _step_graph(folder: PipelineFolder, step_file: str | None = None):
     """(model path or serialized bytes, where it came from), or (None, why not) -> unfused loop."""
     unet = folder.component("unet")
+    if step_file is not None:
+        path = unet.folder / step_file
+        if Path(step_file).name != step_file or path.suffix != ".onnx" or not path.is_file():
+            raise GenerationError(f"{path}: no step graph of that name in {unet.folder}")
+        return path, f"unet/{step_file}"
     if unet.step_model is not None:
         return unet.step_model, "unet/step.onnx"
     try:

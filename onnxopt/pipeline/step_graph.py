@@ -37,6 +37,12 @@ consumer list then names the step graph's nodes too.) Every new node and tensor 
 
 :func:`write_step_graph` writes ``step.onnx`` beside a UNet folder's ``model.onnx``, its
 initializers pointing into the UNet's own external data file (no weight is written twice).
+
+``cfg_late`` (issue 14 item 3, :mod:`onnxopt.pipeline.cfg_late`): the part of the UNet that reads
+only the latents and the timestep runs once at batch b, and ``Concat([h, h], axis 0)`` broadcasts
+it where the text side comes in (the first cross-attention's query; SDXL: the time embedding,
+which meets the pooled text there). The graph's interface is the same; its metadata
+``onnxopt.cfg_late`` says how many nodes moved.
 """
 
 from __future__ import annotations
@@ -80,10 +86,11 @@ class _Builder:
         return gs.Constant(f"{PREFIX}{name}", np.asarray(values))
 
 
-def build_step_graph(unet: Model) -> Model:
+def build_step_graph(unet: Model, *, cfg_late: bool = False) -> Model:
     """The step graph of ``unet`` (see the module docstring). ``unet`` is left as it was; the
-    result shares its weights. Raises :class:`UnsupportedModelError` for a graph without the
-    UNet inputs ``sample``, ``timestep`` and ``encoder_hidden_states``."""
+    result shares its weights. ``cfg_late``: compute what both guidance halves share once
+    (:mod:`onnxopt.pipeline.cfg_late`). Raises :class:`UnsupportedModelError` for a graph without
+    the UNet inputs ``sample``, ``timestep`` and ``encoder_hidden_states``."""
     graph = _copy_sharing_constants(unet.graph)
     inputs = {t.name: t for t in graph.inputs}
     where = str(unet.source) if unet.source else "UNet"
@@ -168,10 +175,18 @@ def build_step_graph(unet: Model) -> Model:
                   model_version=unet.model_version, doc_string=unet.doc_string, domain=unet.domain,
                   companions=dict(unet.companions), node_scopes=dict(unet.node_scopes))
     infer_shapes(model)
+    if cfg_late:
+        from onnxopt.pipeline.cfg_late import CFG_LATE_METADATA, compute_halves_once
+
+        result = compute_halves_once(model, shared_inputs=STEP_INPUTS)
+        details = result.details
+        model.metadata_props[CFG_LATE_METADATA] = (
+            f"{details.get('nodes_moved', 0)} nodes at batch b, {len(details.get('broadcasts', ()))} broadcasts")
     return model
 
 
-def write_step_graph(unet_dir: str | os.PathLike, *, file_name: str = "step.onnx", context_kv: bool = True) -> Path:
+def write_step_graph(unet_dir: str | os.PathLike, *, file_name: str = "step.onnx", context_kv: bool = True,
+                     cfg_late: bool = False) -> Path:
     """Build the step graph of ``unet_dir/model.onnx`` and write it to ``unet_dir/file_name``
     (atomically). Weights stored in external data files of ``unet_dir`` are referenced where they
     are, not copied; an inline UNet gives an inline step graph (own data file past ~1.8 GB).
@@ -192,7 +207,7 @@ def write_step_graph(unet_dir: str | os.PathLike, *, file_name: str = "step.onnx
 
         cut, _ = optimize(unet_dir / "model.onnx", ["context-kv"])
         unet = cut if "context_kv" in cut.companions else None
-    step = build_step_graph(unet or load_model(unet_dir / "model.onnx"))
+    step = build_step_graph(unet or load_model(unet_dir / "model.onnx"), cfg_late=cfg_late)
     return save_model(step, unet_dir / file_name, reference_external=True).path
 
 
