@@ -46,7 +46,7 @@ import numpy as np
 
 from onnxopt.errors import MissingDependencyError, OnnxoptError
 from onnxopt.pipeline import images
-from onnxopt.pipeline.folder import PipelineFolder
+from onnxopt.pipeline.folder import MERGED_STEP_FILE, PipelineFolder
 from onnxopt.pipeline.sessions import (
     DeviceStepLoop,
     HostStepLoop,
@@ -101,6 +101,8 @@ class Pipeline:
         self.step_source, self.cuda_graph, self.io_binding = step_source, cuda_graph, io_binding
         self.device_id, self.threads = device_id, threads
         self.creation_s = creation_s  # Pipeline.load: opening the folder and creating every session
+        self.controlnet_model: Path | None = None  # the ControlNet graph the step runs (set by load)
+        self.merged_step = False  # the step session is merged_step.onnx (ControlNet inside)
         self.calls = 0
         self._plans: dict = {}  # (scheduler, steps) -> StepPlan
         self._device_loops: dict = {}  # DeviceStepLoop.key -> a loop whose buffers (and captured graphs) stay put
@@ -112,13 +114,25 @@ class Pipeline:
 
     @classmethod
     def load(cls, folder, provider: str = "cpu", *, fused_step: bool = True, cuda_graph: bool = True, device_id: int = 0,
-             threads: int | None = None, io_binding: bool | None = None) -> "Pipeline":
+             threads: int | None = None, io_binding: bool | None = None, context_kv: bool = True,
+             controlnet_hint: bool = True, merged_step: bool = True) -> "Pipeline":
         """Open ``folder`` and create its sessions on ``provider`` (cpu | cuda | tensorrt).
 
         ``cuda_graph`` (cuda/tensorrt): capture the step graph as CUDA graphs. ``fused_step=False``
         runs the UNet and diffusers' ``scheduler.step`` separately (the reference loop).
         ``io_binding``: the fused step on buffers bound once (default: on for cuda/tensorrt; on the
         CPU EP it runs that same loop on CPU buffers).
+
+        The pipeline rewrites an optimized folder holds, each used when present and switched on
+        (switching one off is the ablation of issue 14; a rewrite that is off never needs a file):
+
+        * ``context_kv``: ``unet/step.context_kv.onnx`` once per prompt (cross-attention K/V, and
+          SDXL's added conditioning) and ``unet/step.onnx`` reading them; off: the step graph of
+          the whole UNet, built in memory from ``unet/model.onnx`` (a UNet under 1.8 GB).
+        * ``controlnet_hint``: ``controlnet/step.hint.onnx`` once per image and
+          ``controlnet/step.onnx`` reading the hint; off: ``controlnet/model.onnx`` at every step.
+        * ``merged_step``: ``merged_step.onnx``, ControlNet and UNet step graph in one graph (one
+          run per step), used when it was built from the very graphs the other switches select.
         """
         start = time.perf_counter()
         folder = folder if isinstance(folder, PipelineFolder) else PipelineFolder.open(folder)
@@ -129,19 +143,25 @@ class Pipeline:
             model or folder.component(name).model, provider, name=f"{folder.root / name}", device_id=device_id,
             threads=threads, **kw)
         sessions = {name: make(name) for name in ("text_encoder", "text_encoder_2", "vae_decoder") if folder.has(name)}
+        controlnet_model = None
         if folder.has("controlnet"):
-            hint = folder.component("controlnet").hint_model if fused_step else None
+            component = folder.component("controlnet")
+            hint = component.hint_model if fused_step and controlnet_hint else None
+            controlnet_model = component.model
             if hint is not None:  # the conditioning embedding once per image (onnxopt.pipeline.controlnet_hint)
                 sessions["hint"] = make("controlnet", hint)
-                sessions["controlnet"] = make("controlnet", folder.component("controlnet").step_model)
-            else:
-                sessions["controlnet"] = make("controlnet")
-        step_source = "unfused"
+                controlnet_model = component.step_model
+        step_source, merged = "unfused", None
         if fused_step:
-            step_model, step_source = _step_graph(folder)
+            step_model, step_source = _step_graph(folder, context_kv)
             context = folder.component("unet").context_model if step_source == "unet/step.onnx" else None
+            if controlnet_model is not None and merged_step:
+                merged = _merged_step_graph(folder, controlnet_model, step_source)
             if context is not None:  # cross-attention K/V once per prompt (step.context_kv.onnx)
                 sessions["context"] = make("unet", context)
+            if merged is not None:  # ControlNet + UNet step graph: one run per step
+                step_model, step_source = merged, f"{MERGED_STEP_FILE} ({step_source} + {_relative(folder, controlnet_model)})"
+            if context is not None:
                 step_source += " + step.context_kv.onnx"
             if step_model is not None:
                 try:
@@ -152,6 +172,8 @@ class Pipeline:
                     print(f"onnxopt: step graph without CUDA graph capture: {exc}", file=sys.stderr)
                     graph = False
                     sessions["step"] = make("unet", step_model)
+        if controlnet_model is not None and merged is None:
+            sessions["controlnet"] = make("controlnet", controlnet_model)
         if "step" in sessions:
             from onnxopt.pipeline.step_reuse import reuse_step_model
 
@@ -159,15 +181,35 @@ class Pipeline:
         else:
             sessions["unet"] = make("unet")
         io_binding = provider != "cpu" if io_binding is None else io_binding
-        if io_binding and "controlnet" in sessions:
+        if io_binding and "controlnet" in sessions and "step" in sessions:
             cn = sessions["controlnet"]
             timestep = next(i for i in cn.get_inputs() if i.name == "timestep")
             sessions["controlnet_prepare"] = create_session(
                 controlnet_prepare_model(input_types(cn)["sample"], input_types(cn)["timestep"],
                                          tuple(timestep.shape or ())), provider, name="controlnet input",
                 device_id=device_id)
-        return cls(folder, provider, sessions, step_source=step_source, cuda_graph=graph and "step" in sessions,
+        pipe = cls(folder, provider, sessions, step_source=step_source, cuda_graph=graph and "step" in sessions,
                    io_binding=io_binding, device_id=device_id, threads=threads, creation_s=time.perf_counter() - start)
+        pipe.controlnet_model, pipe.merged_step = controlnet_model, merged is not None and "step" in sessions
+        return pipe
+
+    def _controlnet_session(self):
+        """The ControlNet's own session: at load, unless the merged step graph holds the ControlNet;
+        then made on first use (the unfused loop, for a scheduler the step graph cannot run)."""
+        if "controlnet" not in self.sessions:
+            self.sessions["controlnet"] = create_session(self.controlnet_model, self.provider,
+                                                         name=str(self.folder.root / "controlnet"),
+                                                         device_id=self.device_id, threads=self.threads)
+        return self.sessions["controlnet"]
+
+    def session_runs_per_step(self) -> int:
+        """How many sessions one computed denoising step runs (1 with the merged step graph; the
+        fused step, the ControlNet and its input graph otherwise; the unfused loop: UNet [+ ControlNet])."""
+        if "step" not in self.sessions:
+            return 1 + ("controlnet" in self.sessions or self.controlnet_model is not None)
+        if self.merged_step or self.controlnet_model is None:
+            return 1
+        return 3 if self.io_binding else 2
 
     # --- the text side, once per prompt ---------------------------------------------------------
 
@@ -247,7 +289,8 @@ class Pipeline:
                 t0 = time.perf_counter()
                 controlnet.update(run_host(self.sessions["hint"], controlnet))
                 timings["controlnet_hint_s"] = time.perf_counter() - t0
-            controlnet = {k: v for k, v in controlnet.items() if k in input_types(self.sessions["controlnet"])}
+            reads = input_types(self.sessions["step"] if self.merged_step else self._controlnet_session())
+            controlnet = {k: v for k, v in controlnet.items() if k in reads}
 
         bar = _progress(steps, progress)
         plan = None
@@ -258,8 +301,11 @@ class Pipeline:
                 timings["step"] = f"unfused: {exc}"
         if plan is not None:
             latents = (noise * plan.init_noise_sigma).numpy()
-            loop = self._step_loop(latents, cond, controlnet, len(plan))
-            loop.start(plan, latents, cond, guidance, controlnet)
+            static, step_controlnet = cond, controlnet
+            if self.merged_step and controlnet is not None:  # the ControlNet's inputs are the step graph's
+                static, step_controlnet = {**cond, **controlnet}, None
+            loop = self._step_loop(latents, static, step_controlnet, len(plan))
+            loop.start(plan, latents, static, guidance, step_controlnet)
             t1 = time.perf_counter()
             loop.step()  # the first step alone: it includes the graph capture
             timings["first_step_s"] = time.perf_counter() - t1
@@ -319,7 +365,8 @@ class Pipeline:
         return latents / np.float32(scaling)
 
     def _step_loop(self, latents, cond, controlnet, steps: int):
-        step, controlnet_session = self.sessions["step"], self.sessions.get("controlnet")
+        step = self.sessions["step"]
+        controlnet_session = None if self.merged_step else self.sessions.get("controlnet")
         if not self.io_binding:
             return HostStepLoop(step, controlnet_session, self.sessions["reuse"])
         # diffusers' schedulers take at most num_train_timesteps steps: one table size serves every run
@@ -359,7 +406,7 @@ class Pipeline:
             model_in = sched.scale_model_input(torch.cat([latents] * 2), t).numpy()
             feeds = dict(cond, sample=model_in, timestep=timestep_feed(unet, t.item(), model_in.shape[0]))
             if controlnet is not None:
-                cn = self.sessions["controlnet"]
+                cn = self._controlnet_session()
                 feeds.update(run_host(cn, dict(controlnet, sample=model_in,
                                                timestep=timestep_feed(cn, t.item(), model_in.shape[0]))))
             eps2 = run_host(unet, feeds)["out_sample"].astype(np.float32)
@@ -414,10 +461,11 @@ def _check_size(height, width, factor: int, allow_none: bool = False) -> None:
             raise GenerationError(f"{name} must be a positive multiple of {multiple}, got {value}")
 
 
-def _step_graph(folder: PipelineFolder):
-    """(model path or serialized bytes, where it came from), or (None, why not) -> unfused loop."""
+def _step_graph(folder: PipelineFolder, context_kv: bool = True):
+    """(model path or serialized bytes, where it came from), or (None, why not) -> unfused loop.
+    ``context_kv=False`` passes over a step.onnx that reads the K/V of step.context_kv.onnx."""
     unet = folder.component("unet")
-    if unet.step_model is not None:
+    if unet.step_model is not None and (context_kv or unet.context_model is None):
         return unet.step_model, "unet/step.onnx"
     try:
         from onnxopt.pipeline.step_graph import build_step_graph
@@ -430,6 +478,21 @@ def _step_graph(folder: PipelineFolder):
     from onnxopt.loading import load_model
 
     return build_step_graph(load_model(unet.model)).to_onnx().SerializeToString(), "built in memory from unet/model.onnx"
+
+
+def _merged_step_graph(folder: PipelineFolder, controlnet_model: Path, step_source: str) -> Path | None:
+    """merged_step.onnx when the folder has it and it was built from the UNet step graph and the
+    ControlNet graph this load selected (``step_source``, ``controlnet_model``); else None."""
+    from onnxopt.pipeline.merged_step import merged_parts
+
+    merged = folder.merged_step_model
+    if merged is None or step_source != "unet/step.onnx":
+        return None
+    return merged if set(merged_parts(merged)) == {step_source, _relative(folder, controlnet_model)} else None
+
+
+def _relative(folder: PipelineFolder, path: Path) -> str:
+    return Path(path).relative_to(folder.root).as_posix()
 
 
 class _SimpleBar:

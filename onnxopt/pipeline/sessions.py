@@ -347,47 +347,29 @@ class DeviceStepLoop:
 
 
 def controlnet_prepare_model(dtype=np.float32, timestep_dtype=np.float32, timestep_shape: tuple = (1,)) -> bytes:
-    """The ControlNet's per-step inputs, computed where the latents live (as the step graph does)::
-
-        step_index ─ Gather(schedule_coefficients)[0] ─ c_in ─┐
-        latents (float32) ──────────────────────────────── Mul ─ Cast ─ Concat([scaled] * 2) ─ sample
-        step_index ─ Gather(schedule_timesteps) ─ [Reshape to [] | Expand to [2b]] ─ timestep
-
-    ``timestep_shape`` is the ControlNet's timestep: () a scalar, (1,) one value, else one per row.
-    """
+    """The ControlNet's per-step inputs ``sample`` and ``timestep`` as a graph of their own, on the
+    bound buffers: :func:`onnxopt.pipeline.merged_step.emit_controlnet_inputs`'s nodes (the merged
+    step graph holds the same ones). ``timestep_shape`` is the ControlNet's timestep: () a scalar,
+    (1,) one value, else one per row."""
     import onnx
-    from onnx import TensorProto, helper
+    import onnx_graphsurgeon as gs
 
-    elem = helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
-    t_elem = helper.np_dtype_to_tensor_dtype(np.dtype(timestep_dtype))
-    nodes = [
-        helper.make_node("Gather", ["schedule_coefficients", "step_index"], ["row"], axis=0),
-        helper.make_node("Slice", ["row", "zero", "one", "one"], ["c_in"]),  # [1, 1]: column 0
-        helper.make_node("Mul", ["latents", "c_in"], ["scaled"]),
-        helper.make_node("Cast", ["scaled"], ["scaled_cast"], to=elem),
-        helper.make_node("Concat", ["scaled_cast", "scaled_cast"], ["sample"], axis=0),
-        helper.make_node("Gather", ["schedule_timesteps", "step_index"], ["t"], axis=0),
-    ]
-    if len(timestep_shape) == 0:
-        nodes.append(helper.make_node("Reshape", ["t", "scalar"], ["timestep"]))
-    elif tuple(timestep_shape) == (1,):
-        nodes.append(helper.make_node("Identity", ["t"], ["timestep"]))
-    else:
-        nodes += [helper.make_node("Shape", ["sample"], ["sample_shape"], start=0, end=1),
-                  helper.make_node("Expand", ["t", "sample_shape"], ["timestep"])]
-    graph = helper.make_graph(
-        nodes, "controlnet_prepare",
-        [helper.make_tensor_value_info("latents", TensorProto.FLOAT, ["batch", 4, "height", "width"]),
-         helper.make_tensor_value_info("step_index", TensorProto.INT64, [1]),
-         helper.make_tensor_value_info("schedule_timesteps", t_elem, ["schedule"]),
-         helper.make_tensor_value_info("schedule_coefficients", TensorProto.FLOAT, ["schedule", 6])],
-        [helper.make_tensor_value_info("sample", elem, ["batch2", 4, "height", "width"]),
-         helper.make_tensor_value_info("timestep", t_elem, [] if len(timestep_shape) == 0
-                                       else [1] if tuple(timestep_shape) == (1,) else ["batch2"])],
-        initializer=[helper.make_tensor("zero", TensorProto.INT64, [1], [0]),
-                     helper.make_tensor("one", TensorProto.INT64, [1], [1]),
-                     helper.make_tensor("scalar", TensorProto.INT64, [0], [])])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    from onnxopt.fusion import Emit, NameAuthority
+    from onnxopt.pipeline.merged_step import emit_controlnet_inputs
+
+    inputs = [gs.Variable("latents", np.float32, ["batch", 4, "height", "width"]),
+              gs.Variable("step_index", np.int64, [1]),
+              gs.Variable("schedule_timesteps", np.dtype(timestep_dtype), ["schedule"]),
+              gs.Variable("schedule_coefficients", np.float32, ["schedule", 6])]
+    graph = gs.Graph(inputs=inputs, name="controlnet_prepare", opset=17)
+    make = Emit(graph, NameAuthority(graph), "prepare")
+    sample, timestep = emit_controlnet_inputs(make, *inputs, sample_dtype=dtype, timestep_dtype=timestep_dtype,
+                                              timestep_shape=tuple(timestep_shape))
+    sample.name, sample.shape = "sample", ["batch2", 4, "height", "width"]
+    timestep.name = "timestep"
+    timestep.shape = [] if len(timestep_shape) == 0 else [1] if tuple(timestep_shape) == (1,) else ["batch2"]
+    graph.nodes, graph.outputs = make.nodes, [sample, timestep]
+    model = gs.export_onnx(graph)
     model.ir_version = 8
     onnx.checker.check_model(model)
     return model.SerializeToString()
