@@ -264,7 +264,8 @@ class Pipeline:
         height, width = height or default_h, width or default_w
         _check_size(height, width, factor)
 
-        timings: dict = {"provider": self.provider, "step": self.step_source, "cuda_graph": self.cuda_graph}
+        timings: dict = {"provider": self.provider, "step": self.step_source, "cuda_graph": self.cuda_graph,
+                         "session_runs_per_step": self.session_runs_per_step()}
         start = time.perf_counter()
         t0 = time.perf_counter()
         cond = self.encode_prompt(prompt, negative_prompt)
