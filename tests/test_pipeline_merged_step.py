@@ -225,3 +225,46 @@ def test_sdxl_added_conditioning_runs_once_per_prompt(optimized):
     without = Pipeline.load(folder, "cpu", threads=THREADS, context_kv=False)
     assert {"text_embeds", "time_ids"} <= {i.name for i in without.sessions["step"].get_inputs()}
     np.testing.assert_allclose(without(**request("sdxl")).latents, source.latents, rtol=0, atol=1e-5 * scale)
+
+
+def test_launch_timing_splits_the_step_without_changing_it(optimized):
+    """launch_timing: the step's run returns once queued and the loop waits after it; the image is
+    the same and the timings hold the host's part of a step (on the CPU EP it is the whole step)."""
+    _, folder = optimized("sd15-controlnet")
+    timed = Pipeline.load(folder, "cpu", io_binding=True, launch_timing=True, threads=THREADS)(**request("sd15-controlnet"))
+    plain = Pipeline.load(folder, "cpu", io_binding=True, threads=THREADS)(**request("sd15-controlnet"))
+    np.testing.assert_array_equal(timed.latents, plain.latents)
+    assert 0 < timed.timings["step_launch_mean_s"] and "step_launch_mean_s" not in plain.timings
+
+
+# --- CUDA EP (the lead runs these on the GPU machine: pytest -m gpu tests/test_pipeline_merged_step.py) ---
+
+def _cuda():
+    from onnxopt.runners.ort_cuda import cuda_available
+
+    return cuda_available()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _cuda(), reason="needs onnxruntime-gpu and a CUDA device")
+def test_merged_step_on_the_cuda_ep_with_cuda_graph(tmp_path):
+    """The ort-cuda folder on the CUDA EP with CUDA graph capture: the merged step (one captured
+    graph per parity) gives the separate graphs' image within the fused kernels' run-to-run spread
+    (test_pipeline_generate.py: 2e-3 of the latents' scale), at one session run per step; prints
+    both step times and their host parts for the ablation notes."""
+    from models.pipelines import write_onnx_folder
+
+    src, folder = tmp_path / "src", tmp_path / "ort-cuda"
+    write_onnx_folder("sd15-controlnet", src, "tiny", "torchscript", SEED, data_name="model.onnx_data")
+    optimize_folder(src, folder, target="ort-cuda")
+    results = {}
+    for merged in (True, False):
+        pipe = Pipeline.load(folder, "cuda", cuda_graph=True, merged_step=merged, launch_timing=True)
+        pipe(**request("sd15-controlnet", steps=10))
+        results[merged] = pipe(**request("sd15-controlnet", steps=10))  # replays the captured graphs
+        assert results[merged].timings["cuda_graph"] is True
+        assert results[merged].timings["session_runs_per_step"] == (1 if merged else 3)
+        t = results[merged].timings
+        print(f"merged={merged}: step {t['step_mean_s'] * 1e3:.3f} ms, host part {t['step_launch_mean_s'] * 1e3:.3f} ms")
+    scale = float(np.abs(results[False].latents).max())
+    np.testing.assert_allclose(results[True].latents, results[False].latents, rtol=0, atol=2e-3 * scale)

@@ -103,6 +103,7 @@ class Pipeline:
         self.creation_s = creation_s  # Pipeline.load: opening the folder and creating every session
         self.controlnet_model: Path | None = None  # the ControlNet graph the step runs (set by load)
         self.merged_step = False  # the step session is merged_step.onnx (ControlNet inside)
+        self.launch_timing = False  # time each step's launch apart from its wait (DeviceStepLoop)
         self.calls = 0
         self._plans: dict = {}  # (scheduler, steps) -> StepPlan
         self._device_loops: dict = {}  # DeviceStepLoop.key -> a loop whose buffers (and captured graphs) stay put
@@ -115,7 +116,7 @@ class Pipeline:
     @classmethod
     def load(cls, folder, provider: str = "cpu", *, fused_step: bool = True, cuda_graph: bool = True, device_id: int = 0,
              threads: int | None = None, io_binding: bool | None = None, context_kv: bool = True,
-             controlnet_hint: bool = True, merged_step: bool = True) -> "Pipeline":
+             controlnet_hint: bool = True, merged_step: bool = True, launch_timing: bool = False) -> "Pipeline":
         """Open ``folder`` and create its sessions on ``provider`` (cpu | cuda | tensorrt).
 
         ``cuda_graph`` (cuda/tensorrt): capture the step graph as CUDA graphs. ``fused_step=False``
@@ -133,6 +134,11 @@ class Pipeline:
           ``controlnet/step.onnx`` reading the hint; off: ``controlnet/model.onnx`` at every step.
         * ``merged_step``: ``merged_step.onnx``, ControlNet and UNet step graph in one graph (one
           run per step), used when it was built from the very graphs the other switches select.
+
+        ``launch_timing`` (bound-buffer loop): each step's run returns once the step is queued and
+        the loop then waits for the device; ``timings["step_launch_mean_s"]`` is the host's part of
+        a step (the step's CPU-side overhead is at most that plus the wait's return), beside
+        ``step_mean_s``, the whole step.
         """
         start = time.perf_counter()
         folder = folder if isinstance(folder, PipelineFolder) else PipelineFolder.open(folder)
@@ -191,6 +197,7 @@ class Pipeline:
         pipe = cls(folder, provider, sessions, step_source=step_source, cuda_graph=graph and "step" in sessions,
                    io_binding=io_binding, device_id=device_id, threads=threads, creation_s=time.perf_counter() - start)
         pipe.controlnet_model, pipe.merged_step = controlnet_model, merged is not None and "step" in sessions
+        pipe.launch_timing = launch_timing
         return pipe
 
     def _controlnet_session(self):
@@ -320,6 +327,9 @@ class Pipeline:
             timings["step_mean_s"] = float(np.mean(computed)) if computed else timings["first_step_s"]
             if reused_times:
                 timings["reused_step_mean_s"] = float(np.mean(reused_times))
+            launches = getattr(loop, "launches", [])[1:]  # computed steps after the first (capture)
+            if launches:
+                timings["step_launch_mean_s"] = float(np.mean(launches))
             latents = loop.latents().astype(np.float32)
             timings["steps"] = len(plan)
         else:
@@ -378,7 +388,7 @@ class Pipeline:
             loop = DeviceStepLoop(require_provider(self.provider), step, controlnet_session,
                                   self.sessions.get("controlnet_prepare"), self.sessions["reuse"], cuda_graph=self.cuda_graph,
                                   graph_ids=(2 * n, 2 * n + 1), device_id=self.device_id,
-                                  device="cpu" if self.provider == "cpu" else "cuda")
+                                  device="cpu" if self.provider == "cpu" else "cuda", launch_timing=self.launch_timing)
             loop.bind(latents, cond, capacity, controlnet)
             self._device_loops[key] = loop
         return self._device_loops[key]

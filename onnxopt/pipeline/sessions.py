@@ -34,6 +34,7 @@ per-image inputs, ``step`` once per timestep, ``latents`` at the end.
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import numpy as np
@@ -196,8 +197,14 @@ class DeviceStepLoop:
     """
 
     def __init__(self, ort, step_session, controlnet_session=None, prepare_session=None, reuse_session=None, *,
-                 cuda_graph: bool = False, graph_ids: tuple[int, int] = (0, 1), device_id: int = 0, device: str = "cuda"):
+                 cuda_graph: bool = False, graph_ids: tuple[int, int] = (0, 1), device_id: int = 0, device: str = "cuda",
+                 launch_timing: bool = False):
         self.ort, self.step_session, self.cuda_graph, self.device_id = ort, step_session, cuda_graph, device_id
+        # The step's host side (issue 14 item 6, "CPU-side overhead"): the step graph's run returns
+        # once its work is queued, and the loop then waits for it (synchronize_outputs), so a step
+        # still ends when the device is done; ``launches`` holds each step's time to that return.
+        self.launch_timing = launch_timing
+        self.launches: list[float] = []
         self.device = device  # "cpu" runs the same bindings on the CPU EP (how CI tests this loop)
         self.controlnet_session, self.prepare_session = controlnet_session, prepare_session
         self.reuse_session = reuse_session
@@ -281,6 +288,7 @@ class DeviceStepLoop:
         for target, value, dtype in writes:
             target.update_inplace(np.ascontiguousarray(np.asarray(value).astype(dtype or value.dtype, copy=False)))
         self.index = 0
+        self.launches = []
 
     def _bind_controlnet(self, latents, static, controlnet, capacity) -> dict:
         """Bind the input graph and the ControlNet on fixed buffers; returns the residual buffers."""
@@ -325,6 +333,8 @@ class DeviceStepLoop:
         options = self.ort.RunOptions()
         if self.cuda_graph:
             options.add_run_config_entry("gpu_graph_id", str(self.graph_ids[parity]))
+        if self.launch_timing:
+            options.add_run_config_entry("disable_synchronize_execution_providers", "1")
         return options
 
     def step(self, reuse: bool = False) -> None:
@@ -335,10 +345,14 @@ class DeviceStepLoop:
             self.reuse_session.run_with_iobinding(self.reuse_bindings[parity])
             self.index += 1
             return
-        if self.controlnet_session is not None:
+        start = time.perf_counter()
+        if self.controlnet_session is not None:  # separate sessions (own streams): each run waits
             self.prepare_session.run_with_iobinding(self.prepare_bindings[parity])
             self.controlnet_session.run_with_iobinding(self.controlnet_binding)
         self.step_session.run_with_iobinding(self.bindings[parity], self.options[parity])
+        if self.launch_timing:
+            self.launches.append(time.perf_counter() - start)
+            self.bindings[parity].synchronize_outputs()
         self.index += 1
 
     def latents(self) -> np.ndarray:
