@@ -170,14 +170,15 @@ class Pipeline:
             if context is not None:
                 step_source += " + step.context_kv.onnx"
             if step_model is not None:
+                beside = {"external_data_folder": folder.component("unet").folder} if isinstance(step_model, bytes) else {}
                 try:
-                    sessions["step"] = make("unet", step_model, cuda_graph=graph)
+                    sessions["step"] = make("unet", step_model, cuda_graph=graph, **beside)
                 except OnnxoptError as exc:  # ORT refuses capture when a node is not on the GPU EP
                     if not graph:
                         raise
                     print(f"onnxopt: step graph without CUDA graph capture: {exc}", file=sys.stderr)
                     graph = False
-                    sessions["step"] = make("unet", step_model)
+                    sessions["step"] = make("unet", step_model, **beside)
         if controlnet_model is not None and merged is None:
             sessions["controlnet"] = make("controlnet", controlnet_model)
         if "step" in sessions:
@@ -482,13 +483,21 @@ def _step_graph(folder: PipelineFolder, context_kv: bool = True):
         from onnxopt.pipeline.step_graph import build_step_graph
     except ImportError:
         return None, "unfused (onnxopt.pipeline.step_graph is not available)"
-    if unet.nbytes() >= INMEMORY_STEP_GRAPH_MAX_BYTES:
-        print(f"onnxopt: {unet.folder} has no step.onnx and its UNet is over 1.8 GB: running the unfused step "
+    if not unet.external_data and unet.nbytes() >= INMEMORY_STEP_GRAPH_MAX_BYTES:
+        print(f"onnxopt: {unet.folder} has no step.onnx and its UNet is over 1.8 GB inline: running the unfused step "
               "(write the fused one once with onnxopt.pipeline.step_graph.write_step_graph)", file=sys.stderr)
         return None, "unfused (UNet over 1.8 GB without unet/step.onnx)"
-    from onnxopt.loading import load_model
+    import io
 
-    return build_step_graph(load_model(unet.model)).to_onnx().SerializeToString(), "built in memory from unet/model.onnx"
+    from onnxopt.loading import load_model
+    from onnxopt.saving import _write
+
+    # Serialized with its weights referring to the UNet's own data files (ORT reads them from the
+    # UNet's folder: create_session's external_data_folder), so a UNet of any size fits in memory
+    # once; inline weights are written inline, as they were in model.onnx.
+    serialized = io.BytesIO()
+    _write(build_step_graph(load_model(unet.model)), serialized, None, "", unet.folder.resolve())
+    return serialized.getvalue(), "built in memory from unet/model.onnx"
 
 
 def _merged_step_graph(folder: PipelineFolder, controlnet_model: Path, step_source: str) -> Path | None:

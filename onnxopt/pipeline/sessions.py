@@ -78,11 +78,14 @@ def provider_list(provider: str, *, cuda_graph: bool = False, device_id: int = 0
 
 
 def create_session(model: Path | bytes, provider: str, *, name: str, cuda_graph: bool = False, device_id: int = 0,
-                   threads: int | None = None):
-    """An InferenceSession for ``model`` (a path, or serialized bytes with weights inline)."""
+                   threads: int | None = None, external_data_folder: Path | None = None):
+    """An InferenceSession for ``model`` (a path, or serialized bytes: weights inline, or external
+    data whose locations are relative to ``external_data_folder``)."""
     ort = require_provider(provider)
     so = ort.SessionOptions()
     so.log_severity_level = 3
+    if external_data_folder is not None:
+        so.add_session_config_entry("session.model_external_initializers_file_folder_path", str(external_data_folder))
     if threads:
         so.intra_op_num_threads = threads
     if provider == "cpu":  # idle worker threads must not spin between runs: the loop's host work shares the cores
