@@ -168,6 +168,10 @@ def test_generate_with_the_merged_step_equals_the_separate_graphs(optimized, io_
         np.testing.assert_allclose(a.latents, b.latents, rtol=0, atol=1e-6 * scale)
         np.testing.assert_allclose(a.pixels, b.pixels, rtol=0, atol=1e-5)
     assert len(merged._device_loops) == (1 if io_binding else 0)
+    # step reuse reads the merged graph's guided output as it reads the step graph's
+    a, b = merged(**request("sd15-controlnet", reuse="2")), separate(**request("sd15-controlnet", reuse="2"))
+    assert a.timings["unet_steps"] == STEPS - 1
+    np.testing.assert_allclose(a.latents, b.latents, rtol=0, atol=1e-6 * float(np.abs(b.latents).max()))
 
 
 ABLATION = [  # (switches, the step's source, sessions present)
