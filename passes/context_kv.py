@@ -25,6 +25,14 @@ the model in two at the edge of what depends on ``encoder_hidden_states`` alone:
     the Shape of encoder_hidden_states, which depends on nothing else), the projections themselves
     (dynamo, whose head-split shape is computed from the sample's batch).
 
+SDXL's added conditioning (``constant_inputs``, default ``text_embeds`` and ``time_ids`` when the
+model has them): these inputs are constant over the steps too, so the rule starts from them as
+well, and what the UNet computes from them alone moves to the companion with the K/V::
+
+    text_embeds ───────────────────────────────────┐
+    time_ids ─ add_time_proj (sinusoidal) ─ Reshape ─ Concat ─ linear_1 ─ SiLU ─ linear_2 ─ add_embedding.linear_2.out
+                                                                  (companion output; the denoiser adds it to the time embedding)
+
 The rule (no pattern: any graph works):
     * A tensor is *context* when it is computed from ``encoder_hidden_states`` and constants only
       (no subgraphs, no random ops on the way); *shape-only* context when only the input's shape

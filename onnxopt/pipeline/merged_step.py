@@ -143,8 +143,8 @@ def build_merged_step(unet_step: Model, controlnet: Model) -> Model:
     step.nodes.extend(make.nodes + cn.nodes)
     step.inputs = [t for t in step.inputs if t.name not in residual_names] + shared
     step.import_domains = _merged_domains(step, cn)
-    for out in residuals:  # now an inner tensor: give it a name of the ControlNet's part
-        out.name = f"{CONTROLNET_PREFIX}{out.name}"
+    for out in residuals:  # now an inner tensor: a name of the ControlNet's part, no declared shape
+        out.name, out.shape = f"{CONTROLNET_PREFIX}{out.name}", None
     step.toposort()
     _check_unique_names(step)
     scopes = dict(unet_step.node_scopes)

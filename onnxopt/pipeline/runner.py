@@ -29,10 +29,16 @@ steps, guidance and size as the torch pipeline built from the same weights: the 
 
 Where the step graph comes from (``fused_step=True``, the default): ``unet/step.onnx`` when the
 folder has it (with ``unet/step.context_kv.onnx`` beside it, run once per prompt: every
-cross-attention's K/V of the prompt, which the step graph then reads instead of the text); else built in memory from ``unet/model.onnx`` by
-``onnxopt.pipeline.step_graph.build_step_graph`` when the UNet is under 1.8 GB (run from its
-serialized bytes, weights inline); else the unfused loop, which is also what ``fused_step=False``
-runs (the reference for the fused path, and an ablation).
+cross-attention's K/V of the prompt and SDXL's added conditioning, which the step graph then
+reads instead of the text); else built in memory from ``unet/model.onnx`` by
+``onnxopt.pipeline.step_graph.build_step_graph`` (serialized with its weights referring to the
+UNet's data files; an inline UNet under 1.8 GB with them inline); else the unfused loop, which is
+also what ``fused_step=False`` runs (the reference for the fused path, and an ablation).
+
+With a ControlNet, ``merged_step.onnx`` at the folder's root (when present) is the ControlNet and
+the step graph in one graph: one session run, one captured CUDA graph per step
+(:mod:`onnxopt.pipeline.merged_step`). ``Pipeline.load``'s switches turn each pipeline rewrite off
+for the ablation.
 """
 
 from __future__ import annotations
