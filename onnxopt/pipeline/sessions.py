@@ -274,6 +274,7 @@ class DeviceStepLoop:
                 binding.bind_ortvalue_output(name, value)
             self.reuse_bindings.append(binding)
         self.options = [self._run_options(parity) for parity in (0, 1)]
+        self.step_options = [self._step_options(parity) for parity in (0, 1)]
         self.bound = True
 
     def start(self, plan, latents: np.ndarray, static: dict[str, np.ndarray], guidance: float,
@@ -336,6 +337,12 @@ class DeviceStepLoop:
         options = self.ort.RunOptions()
         if self.cuda_graph:
             options.add_run_config_entry("gpu_graph_id", str(self.graph_ids[parity]))
+        return options
+
+    def _step_options(self, parity: int):
+        """The step graph's run: with ``launch_timing`` it returns once queued (only this run: a
+        separate ControlNet session, on its own stream, must finish before the step reads it)."""
+        options = self._run_options(parity)
         if self.launch_timing:
             options.add_run_config_entry("disable_synchronize_execution_providers", "1")
         return options
@@ -352,7 +359,7 @@ class DeviceStepLoop:
         if self.controlnet_session is not None:  # separate sessions (own streams): each run waits
             self.prepare_session.run_with_iobinding(self.prepare_bindings[parity])
             self.controlnet_session.run_with_iobinding(self.controlnet_binding)
-        self.step_session.run_with_iobinding(self.bindings[parity], self.options[parity])
+        self.step_session.run_with_iobinding(self.bindings[parity], self.step_options[parity])
         if self.launch_timing:
             self.launches.append(time.perf_counter() - start)
             self.bindings[parity].synchronize_outputs()
