@@ -33,6 +33,11 @@ folder, and the root holds both components), its initializers referring to the c
 data files (``unet/model.onnx_data``, ``controlnet/model.onnx_data``). A component stored inline
 has no data file to refer to: its weights are then written into the merged file too, as
 ``unet/step.onnx`` already copies an inline UNet's.
+
+Why graphsurgeon and not ``onnx.compose.merge_models``: that works on loaded ModelProtos (weights
+and all, under protobuf's 2 GB) and keeps each model's external-data locations relative to its own
+folder; here the graphs stay onnxopt Models whose weights are never read, and saving rewrites the
+locations relative to the root.
 """
 
 from __future__ import annotations
