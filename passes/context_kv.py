@@ -25,6 +25,14 @@ the model in two at the edge of what depends on ``encoder_hidden_states`` alone:
     the Shape of encoder_hidden_states, which depends on nothing else), the projections themselves
     (dynamo, whose head-split shape is computed from the sample's batch).
 
+SDXL's added conditioning (``constant_inputs``, default ``text_embeds`` and ``time_ids`` when the
+model has them): these inputs are constant over the steps too, so the rule starts from them as
+well, and what the UNet computes from them alone moves to the companion with the K/V::
+
+    text_embeds ───────────────────────────────────┐
+    time_ids ─ add_time_proj (sinusoidal) ─ Reshape ─ Concat ─ linear_1 ─ SiLU ─ linear_2 ─ add_embedding.linear_2.out
+                                                                  (companion output; the denoiser adds it to the time embedding)
+
 The rule (no pattern: any graph works):
     * A tensor is *context* when it is computed from ``encoder_hidden_states`` and constants only
       (no subgraphs, no random ops on the way); *shape-only* context when only the input's shape
@@ -73,6 +81,9 @@ from onnxopt.registry import register_pass
 from onnxopt.weights import constant_nbytes
 
 CONTEXT_INPUT = "encoder_hidden_states"
+# Further inputs constant over the denoising loop: SDXL's pooled text embedding and time ids, from
+# which its UNet computes the added conditioning (add_time_proj, concat, linear, SiLU, linear).
+CONSTANT_INPUTS = ("text_embeds", "time_ids")
 COMPANION = "context_kv"
 FUSED_ATTENTION = frozenset({"MultiHeadAttention", "Attention", "PackedMultiHeadAttention"})
 RANDOM_OPS = frozenset({"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Multinomial", "Bernoulli"})
@@ -101,14 +112,17 @@ class ContextKV(Pass):
                                     "whose K/V are graph inputs can no longer be fused"}
     applies_to_companions = False
 
-    def __init__(self, context_input: str = CONTEXT_INPUT, companion: str = COMPANION):
+    def __init__(self, context_input: str = CONTEXT_INPUT, companion: str = COMPANION,
+                 constant_inputs: tuple[str, ...] | str = CONSTANT_INPUTS):
         self.context_input = context_input
         self.companion = companion
+        self.constant_inputs = tuple(n for n in constant_inputs.split(",") if n) if isinstance(constant_inputs, str) \
+            else tuple(constant_inputs)
 
     def run(self, model: Model) -> PassResult:
         result = PassResult(modified=False)
         try:
-            split = Split(model, self.context_input)
+            split = Split(model, self.context_input, self.constant_inputs)
             layers = split.plan()
         except Refusal as refusal:
             result.nothing_to_do = f"nothing to extract: {refusal}"
@@ -127,12 +141,16 @@ class ContextKV(Pass):
 class Split:
     """The cut of one model: planned on the unchanged graph, then applied."""
 
-    def __init__(self, model: Model, context_input: str):
+    def __init__(self, model: Model, context_input: str, constant_inputs: tuple[str, ...] = ()):
         self.model, self.graph = model, model.graph
         self.input = next((t for t in self.graph.inputs if t.name == context_input), None)
         if self.input is None:
             names = ", ".join(t.name for t in self.graph.inputs)
             raise Refusal(f"the model has no input '{context_input}' (inputs: {names})")
+        # the context input first, then the constant inputs the model has (SDXL's added conditioning)
+        self.inputs = [self.input] + [t for t in self.graph.inputs if t.name in constant_inputs and t is not self.input]
+        self.input_ids = {id(t) for t in self.inputs}
+        self.kept_constant_inputs: set[int] = set()  # constant inputs the denoiser still reads
         self.dims = Dims()
 
     # ------------------------------------------------------------ planning
@@ -155,11 +173,12 @@ class Split:
             if id(node) in context_nodes:
                 continue
             for t in node.inputs:
-                if self.kind.get(id(t)) == DATA and id(t) not in seen and t is not self.input:
+                if self.kind.get(id(t)) == DATA and id(t) not in seen and id(t) not in self.input_ids:
                     seen.add(id(t))
                     self.cut.append(t)
         self.keep_input_reason = next(
             (f"{n.op} '{n.name}' reads it" for n in self.input.outputs if id(n) not in context_nodes), None)
+        self.kept_constant_inputs = {id(t) for t in self.inputs[1:] if any(id(n) not in context_nodes for n in t.outputs)}
         if not self.cut:
             raise Refusal(f"no computation depends on {self.input.name} alone"
                           + (f" ({self.keep_input_reason})" if self.keep_input_reason else ""))
@@ -175,6 +194,8 @@ class Split:
             if self.resolutions[id(node)] is None:
                 if node.inputs[0] is self.input:
                     self.keep_input_reason = self.keep_input_reason or f"its shape is read by {node.op} '{node.name}' and cannot be proven from the K/V"
+                elif id(node.inputs[0]) in self.input_ids:
+                    self.kept_constant_inputs.add(id(node.inputs[0]))
                 else:
                     raise Refusal(f"{node.op} '{node.name}' reads the shape of '{node.inputs[0].name}', "
                                   "which the denoiser's inputs cannot be proven to give")
@@ -185,7 +206,7 @@ class Split:
 
     def _classify(self) -> dict[int, str]:
         """id(tensor) -> STATIC / SHAPE / DATA for every tensor the context input and constants alone determine."""
-        kind = {id(self.input): DATA}
+        kind = {id(t): DATA for t in self.inputs}
         for node in self.graph.nodes:
             if node.op in RANDOM_OPS:
                 continue
@@ -235,15 +256,17 @@ class Split:
         loose: list[Layer] = []
         for t in self.cut:
             anchor, role = attention_reading(t)
-            if anchor is None:
-                loose.append(Layer(None, None, [(t, role)]))
+            if anchor is None:  # not read by an attention (SDXL's added conditioning): named by its producer
+                producer = t.inputs[0] if t.inputs else None
+                module = module_of(producer, self.model.node_scopes) if producer is not None else None
+                loose.append(Layer(None, module, [(t, "out" if module else role)]))
                 continue
             layer = by_anchor.setdefault(id(anchor), Layer(anchor, module_of(anchor, self.model.node_scopes)))
             layer.tensors.append((t, role))
         order = {id(n): i for i, n in enumerate(self.graph.nodes)}
         layers = sorted(by_anchor.values(), key=lambda layer: order.get(id(layer.anchor), 0)) + loose
         for layer in layers:
-            layer.tensors.sort(key=lambda item: ("kv", "k", "v", "context").index(item[1]))
+            layer.tensors.sort(key=lambda item: ("kv", "k", "v", "context", "out").index(item[1]))
         _strip_wrapper([layer for layer in layers if layer.module])
         return layers
 
@@ -280,7 +303,7 @@ class Split:
         start = max(0, start + rank if start < 0 else start)
         end = rank if end is None else max(0, int(end) + rank if int(end) < 0 else int(end))
         sources = [(t, self.dims.shape(t)) for t in self.cut]
-        sources += [(t, self.dims.shape(t)) for t in self.graph.inputs if t is not self.input]
+        sources += [(t, self.dims.shape(t)) for t in self.graph.inputs if id(t) not in self.input_ids]
         pieces = []
         for d in dims[start:min(end, rank)]:
             if d is not None and d.is_int:
@@ -305,8 +328,10 @@ class Split:
 
         # Companion: the context region, with its own input and its own copies of what the
         # denoiser also needs (shape plumbing, small constants shared with the denoiser).
-        context_input = gs.Variable(self.input.name, dtype=self.input.dtype, shape=self.input.shape)
-        replacement = {id(self.input): context_input}
+        read = {id(t) for n in self.context_nodes for t in n.inputs}
+        context_inputs = [gs.Variable(t.name, dtype=t.dtype, shape=t.shape) for t in self.inputs
+                          if t is self.input or id(t) in read]
+        replacement = {id(t): c for t, c in zip([t for t in self.inputs if t is self.input or id(t) in read], context_inputs)}
         context_nodes = []
         for node in self.context_nodes:
             if id(node) in denoiser_ids:  # needed by both: the companion gets a clone
@@ -326,7 +351,7 @@ class Split:
         for t in self._cut_in_layer_order():
             t.name, t.shape = names[id(t)], new_inputs[id(t)].shape
             outputs.append(t)
-        context_graph = gs.Graph(nodes=context_nodes, inputs=[context_input], outputs=outputs,
+        context_graph = gs.Graph(nodes=context_nodes, inputs=context_inputs, outputs=outputs,
                                  name=f"{graph.name or 'model'}_{companion}", opset=graph.opset,
                                  import_domains=graph.import_domains, ir_version=graph.ir_version,
                                  producer_name=graph.producer_name, producer_version=graph.producer_version)
@@ -353,7 +378,10 @@ class Split:
                 node.inputs.clear()
                 node.outputs.clear()
         graph.nodes = kept + resolution_nodes
-        graph.inputs = [t for t in graph.inputs if t is not self.input or keep_input] + [new_inputs[id(t)] for t in self._cut_in_layer_order()]
+        moved = {id(t) for t in self.inputs[1:] if id(t) in read and id(t) not in self.kept_constant_inputs}
+        if not keep_input:
+            moved.add(id(self.input))
+        graph.inputs = [t for t in graph.inputs if id(t) not in moved] + [new_inputs[id(t)] for t in self._cut_in_layer_order()]
         graph.cleanup(remove_unused_graph_inputs=False).toposort()
         meta = dict(self.model.metadata_props, **{"onnxopt.companion": companion})
         return Model(graph=context_graph, source=self.model.source, metadata_props=meta,
@@ -388,17 +416,22 @@ class Split:
             module = layer.module or f"cross_attention.{index}"
             layers.append({"module": module, "attention": layer.anchor.name if layer.anchor is not None else None,
                            "reads": reads, "shapes": shapes})
-            listing.append(f"{module} reads " + ", ".join(f"{r} {s}" for r, s in zip(reads, shapes)))
+            verb = "reads" if layer.anchor is not None else "computed once:"
+            listing.append(f"{module} {verb} " + ", ".join(f"{r} {s}" for r, s in zip(reads, shapes)))
         weights = sum(constant_nbytes(c) for c in context.constants())
         keep = self.keep_input_reason
+        moved = [t.name for t in self.inputs[1:] if t.name in {i.name for i in context.graph.inputs}
+                 and id(t) not in self.kept_constant_inputs]
         listing.append(f"{len(context.graph.nodes)} nodes and {_size(weights)} of weights moved to the companion; "
-                       + (f"the denoiser still reads {self.input.name} ({keep})" if keep else f"the denoiser no longer reads {self.input.name}"))
+                       + (f"the denoiser still reads {self.input.name} ({keep})" if keep else f"the denoiser no longer reads {self.input.name}")
+                       + (f" nor {', '.join(moved)}" if moved else ""))
         return {
             "layers": layers,
             "listing": listing,
             "context_nodes": len(context.graph.nodes),
             "context_weights_bytes": weights,
             "denoiser_reads_context_input": keep,
+            "constant_inputs_moved": moved,
         }
 
 

@@ -34,6 +34,7 @@ STAGES = {  # stage -> (passes, fuse-attention's cross-attention layout; None: n
     "separate": (["cleanup", "fuse-attention", "fuse-parallel-gemm", "context-kv"], "separate"),  # the ort-cuda default
 }
 CONTEXT = "encoder_hidden_states"
+CONSTANT_INPUTS = ("text_embeds", "time_ids")  # SDXL's added conditioning, constant over the steps
 TS_DYNAMIC = ("torchscript", "dynamic", "sdpa")
 DEFAULT = {  # (family, variant, stage) run by default; every exporter form and every stage appear
     ("unet-sd15", TS_DYNAMIC, "plain"), ("unet-sd15", TS_DYNAMIC, "packed"), ("unet-sd15", TS_DYNAMIC, "split"),
@@ -74,26 +75,34 @@ def assert_split(model, report, source_inputs: list[str], cross_modules: list[st
     """The split is complete and minimal: one layer per cross-attention module, the denoiser's
     inputs are the source's minus encoder_hidden_states plus one float K/V tensor per module
     (layout "packed") or two (K and V: fused with layout "split" or "separate", or not fused:
-    None), and the companion maps encoder_hidden_states to exactly those."""
+    None), and the companion maps encoder_hidden_states to exactly those. An SDXL UNet's
+    text_embeds and time_ids move too: the companion computes the added conditioning
+    (add_embedding's output, one tensor), which the denoiser reads instead."""
     packed = layout == "packed"
     context, denoiser = context_and_denoiser(model)
     details = context_kv_result(report).details
-    layers = details["layers"]
+    layers = [layer for layer in details["layers"] if layer["attention"] is not None]
+    added = [layer for layer in details["layers"] if layer["attention"] is None]
+    constant = [n for n in source_inputs if n in CONSTANT_INPUTS]
     assert sorted(layer["module"] for layer in layers) == sorted(cross_modules)
     assert all(layer["reads"] == [f"{layer['module']}.{role}" for role in (["kv"] if packed else ["k", "v"])] for layer in layers)
-    interface = [name for layer in layers for name in layer["reads"]]
-    assert [t.name for t in denoiser.graph.inputs] == [n for n in source_inputs if n != CONTEXT] + interface
-    assert [t.name for t in context.graph.inputs] == [CONTEXT]
+    assert [layer["reads"] for layer in added] == ([["add_embedding.linear_2.out"]] if constant else [])
+    assert details["constant_inputs_moved"] == constant
+    attention_interface = [name for layer in layers for name in layer["reads"]]
+    interface = attention_interface + [name for layer in added for name in layer["reads"]]
+    assert [t.name for t in denoiser.graph.inputs] == [n for n in source_inputs if n != CONTEXT and n not in constant] + interface
+    assert [t.name for t in context.graph.inputs] == [CONTEXT] + constant
     assert [t.name for t in context.graph.outputs] == interface
     assert all(np.issubdtype(np.dtype(t.dtype), np.floating) for t in context.graph.outputs)  # no shape plumbing handed over
     assert details["denoiser_reads_context_input"] is None
-    readers = {t.name: {n.op for n in t.outputs} for t in denoiser.graph.inputs if t.name in interface}
+    readers = {t.name: {n.op for n in t.outputs} for t in denoiser.graph.inputs if t.name in attention_interface}
+    kv = [t for t in context.graph.outputs if t.name in attention_interface]
     if packed:
         assert all(ops == {"MultiHeadAttention"} for ops in readers.values())
-        assert all(len(t.shape) == 5 and t.shape[3] == 2 for t in context.graph.outputs)  # (B, L, N, 2, H)
+        assert all(len(t.shape) == 5 and t.shape[3] == 2 for t in kv)  # (B, L, N, 2, H)
     elif layout in ("split", "separate"):
         assert all(ops == {"MultiHeadAttention"} for ops in readers.values())
-        assert all(len(t.shape) == 3 for t in context.graph.outputs)  # (B, L, N*H) each
+        assert all(len(t.shape) == 3 for t in kv)  # (B, L, N*H) each
     else:
         assert not any(n.domain == "com.microsoft" for n in denoiser.graph.nodes)
 
@@ -108,7 +117,7 @@ def test_context_graph_then_denoiser_equals_the_export_and_lists_the_torch_cross
     model, report = optimize(exported.path, passes, options={"fuse-attention": {"cross_layout": layout}} if layout else None)
     source_inputs = exported.built.input_names
     assert_split(model, report, source_inputs, exported.built.site_modules["attention_cross"], layout=layout)
-    assert len(context_kv_result(report).details["layers"]) == exported.sites["attention_cross"]
+    assert len([layer for layer in context_kv_result(report).details["layers"] if layer["attention"]]) == exported.sites["attention_cross"]
     # The chain (context graph, then the denoiser fed its outputs) against the export; packed KV
     # runs on onnxopt.reference (ORT's CPU build has no packed-KV MultiHeadAttention kernel).
     assert_same_computation(exported.path, model, atol=1e-5, rtol=1e-4, inputs=exported.input_spec())

@@ -253,17 +253,23 @@ def test_generate_on_an_optimized_folder(built, tmp_path, kind, context_kv):
     optimize_folder(b.folder, out, target="tensorrt", context_kv=context_kv)
     assert (out / "unet" / "step.onnx").is_file()
     assert (out / "unet" / "step.context_kv.onnx").is_file() == context_kv
-    pipe = Pipeline.load(out, "cpu", threads=THREADS)
+    pipe = Pipeline.load(out, "cpu", threads=THREADS, merged_step=False)
     optimized = pipe(scheduler="dpm++2m", progress=False, **b.request())
     assert optimized.timings["step"] == "unet/step.onnx" + (" + step.context_kv.onnx" if context_kv else "")
     step_inputs = {i.name for i in pipe.sessions["step"].get_inputs()}
     assert ("encoder_hidden_states" in step_inputs) == (not context_kv)
+    if kind == "sdxl":  # the added conditioning once per prompt too: the step reads add_embedding's output
+        assert ("text_embeds" in step_inputs) == (not context_kv) == ("add_embedding.linear_2.out" not in step_inputs)
     if kind == "sd15-controlnet":  # the hint once per image: the ControlNet's step reads it, not the image
         assert (out / "controlnet" / "step.hint.onnx").is_file() and "hint" in pipe.sessions
+        # by default the ControlNet and the step graph run as one graph (tests/test_pipeline_merged_step.py)
+        merged = Pipeline.load(out, "cpu", threads=THREADS)(scheduler="dpm++2m", progress=False, **b.request())
+        assert merged.timings["step"].startswith("merged_step.onnx")
+        np.testing.assert_allclose(merged.latents, optimized.latents, rtol=0, atol=1e-6 * np.abs(optimized.latents).max())
         assert {i.name for i in pipe.sessions["controlnet"].get_inputs()} >= {"controlnet_hint", "sample"}
         assert "controlnet_cond" not in {i.name for i in pipe.sessions["controlnet"].get_inputs()}
-        bound = Pipeline.load(out, "cpu", io_binding=True, threads=THREADS)(scheduler="dpm++2m", progress=False,
-                                                                          **b.request())
+        bound = Pipeline.load(out, "cpu", io_binding=True, threads=THREADS, merged_step=False)(
+            scheduler="dpm++2m", progress=False, **b.request())
         np.testing.assert_allclose(bound.latents, optimized.latents, rtol=0, atol=1e-6 * np.abs(optimized.latents).max())
     source = b.onnx()(scheduler="dpm++2m", progress=False, **b.request())
     scale = float(np.abs(source.latents).max())

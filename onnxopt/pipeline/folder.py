@@ -16,6 +16,7 @@ The layout (what optimum-cli and ``models/pipelines.py`` write)::
     text_encoder/  text_encoder_2/ (SDXL)  unet/  vae_decoder/  [vae_encoder/]  [controlnet/]
                             each a model.onnx, external data in model.onnx_data | model.onnx.data |
                             weights.pb, and optionally config.json
+    [merged_step.onnx]      written by onnxopt: the ControlNet and the UNet step graph merged
 
 Every problem with the folder (missing, not a pipeline, a required component absent) raises
 :class:`PipelineFolderError`, a one-line :class:`~onnxopt.errors.OnnxoptError` (exit code 2).
@@ -36,6 +37,7 @@ MODEL_FILE = "model.onnx"
 STEP_FILE = "step.onnx"  # the fused step graph (onnxopt.pipeline.step_graph.write_step_graph)
 CONTEXT_FILE = "step.context_kv.onnx"  # its context-kv companion, run once per prompt
 HINT_FILE = "step.hint.onnx"  # a ControlNet's conditioning embedding, run once per image
+MERGED_STEP_FILE = "merged_step.onnx"  # at the root: ControlNet + UNet step graph in one (onnxopt.pipeline.merged_step)
 
 # What each kind needs to generate an image; vae_encoder is optional everywhere.
 REQUIRED_MODELS = {
@@ -150,6 +152,15 @@ class PipelineFolder:
                 raise PipelineFolderError(f"{self.root}: missing {name}/ ({self.kind} pipeline)")
         if not (self.root / "scheduler" / "scheduler_config.json").is_file():
             raise PipelineFolderError(f"{self.root}: missing scheduler/scheduler_config.json")
+
+    @property
+    def merged_step_model(self) -> Path | None:
+        """merged_step.onnx: the ControlNet and the UNet step graph as one graph (one run, one
+        captured CUDA graph per step), written at the root by onnxopt.pipeline.merged_step; None
+        when absent or when the UNet has no step graph."""
+        path = self.root / MERGED_STEP_FILE
+        unet = self.components.get("unet")
+        return path if path.is_file() and unet is not None and unet.step_model is not None else None
 
     def has(self, name: str) -> bool:
         return name in self.components

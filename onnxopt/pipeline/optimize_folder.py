@@ -32,7 +32,9 @@ symbolic link leaving it is refused).
 The step graph: after the UNet is written, :func:`onnxopt.pipeline.step_graph.write_step_graph` writes
 ``unet/step.onnx`` beside it (guidance and the scheduler update appended; the UNet's weights referred
 to, not copied); with ``cfg_late`` (``--cfg-late``, off by default until measured on a GPU) what both
-guidance halves share is computed once in it (:mod:`onnxopt.pipeline.cfg_late`).
+guidance halves share is computed once in it (:mod:`onnxopt.pipeline.cfg_late`). With a ControlNet,
+``merged_step.onnx`` at the root holds the ControlNet and that step graph in one graph
+(:mod:`onnxopt.pipeline.merged_step`; weights referred to as well).
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ import numpy as np
 
 from onnxopt.errors import ModelSaveError, OnnxoptError, VerificationError
 from onnxopt.pipeline.controlnet_hint import write_hint_graph
+from onnxopt.pipeline.merged_step import write_merged_step
 from onnxopt.pipeline.step_graph import write_step_graph
 from onnxopt.report import OptimizationReport
 
@@ -354,7 +357,7 @@ def _copy_unchanged(src: Path, tmp: Path, skip: set[Path]) -> int:
 def optimize_folder(src, dst, target: str = "ort-cuda", fp16: bool = False, verify: bool = False, *,
                     tolerance=None, fp16_options: dict | None = None,
                     vae_max_rel_l2: float = VAE_FP16_MAX_REL_L2, step_graph: bool = True,
-                    context_kv: bool = True, cfg_late: bool = False) -> FolderReport:
+                    context_kv: bool = True, cfg_late: bool = False, merged_step: bool = True) -> FolderReport:
     """Optimize every ONNX component of the pipeline folder ``src`` into the new folder ``dst``.
 
     ``target``: "ort-cuda" or "tensorrt", the preset of every component. ``fp16``: add the fp16
@@ -363,7 +366,9 @@ def optimize_folder(src, dst, target: str = "ort-cuda", fp16: bool = False, veri
     ``fp16_options``: extra options of the fp16 pass for every component. ``step_graph``: write
     ``unet/step.onnx``; ``context_kv``: with its cross-attention K/V cut into
     ``unet/step.context_kv.onnx``, run once per prompt (:func:`write_step_graph`); ``cfg_late``:
-    with what both guidance halves share computed once (:mod:`onnxopt.pipeline.cfg_late`).
+    with what both guidance halves share computed once (:mod:`onnxopt.pipeline.cfg_late`);
+    ``merged_step``: with a ControlNet, also ``merged_step.onnx`` at the root, the ControlNet and the
+    step graph in one graph (:func:`onnxopt.pipeline.merged_step.write_merged_step`).
     Raises OnnxoptError (exit 2) for a bad folder or destination; ``dst`` then does not exist.
     """
     src, dst = Path(src), Path(dst)
@@ -396,6 +401,8 @@ def optimize_folder(src, dst, target: str = "ort-cuda", fp16: bool = False, veri
             if c.name == "controlnet" and step_graph and write_hint_graph(tmp / "controlnet") is not None:
                 report.components[-1].notes.append("hint once per image: step.hint.onnx + step.onnx "
                                                    "(onnxopt.pipeline.controlnet_hint)")
+        if step_graph and merged_step and any(c.name == "controlnet" for c in optimized):
+            report.component("controlnet").notes.append(_merge_step(tmp))
         if dst.exists():
             dst.rmdir()                 # empty (checked); rename cannot replace a folder on every OS
         os.replace(tmp, dst)
@@ -413,6 +420,19 @@ def _cfg_late_note(step_path: Path) -> str:
 
     props = {p.key: p.value for p in onnx.load(str(step_path), load_external_data=False).metadata_props}
     return props.get(CFG_LATE_METADATA, "nothing moved")
+
+
+def _merge_step(folder: Path) -> str:
+    """Write merged_step.onnx; the report's note (a merge that does not fit leaves the graphs separate)."""
+    from onnxopt.errors import UnsupportedModelError
+
+    try:
+        path = write_merged_step(folder)
+    except UnsupportedModelError as exc:
+        return f"ControlNet and step graph kept separate: {exc}"
+    if path is None:
+        return "ControlNet and step graph kept separate: no unet/step.onnx"
+    return "one graph per step: merged_step.onnx (ControlNet + unet/step.onnx, onnxopt.pipeline.merged_step)"
 
 
 # ----------------------------------------------------------------------------------- CLI

@@ -29,10 +29,16 @@ steps, guidance and size as the torch pipeline built from the same weights: the 
 
 Where the step graph comes from (``fused_step=True``, the default): ``unet/step.onnx`` when the
 folder has it (with ``unet/step.context_kv.onnx`` beside it, run once per prompt: every
-cross-attention's K/V of the prompt, which the step graph then reads instead of the text); else built in memory from ``unet/model.onnx`` by
-``onnxopt.pipeline.step_graph.build_step_graph`` when the UNet is under 1.8 GB (run from its
-serialized bytes, weights inline); else the unfused loop, which is also what ``fused_step=False``
-runs (the reference for the fused path, and an ablation).
+cross-attention's K/V of the prompt and SDXL's added conditioning, which the step graph then
+reads instead of the text); else built in memory from ``unet/model.onnx`` by
+``onnxopt.pipeline.step_graph.build_step_graph`` (serialized with its weights referring to the
+UNet's data files; an inline UNet under 1.8 GB with them inline); else the unfused loop, which is
+also what ``fused_step=False`` runs (the reference for the fused path, and an ablation).
+
+With a ControlNet, ``merged_step.onnx`` at the folder's root (when present) is the ControlNet and
+the step graph in one graph: one session run, one captured CUDA graph per step
+(:mod:`onnxopt.pipeline.merged_step`). ``Pipeline.load``'s switches turn each pipeline rewrite off
+for the ablation.
 """
 
 from __future__ import annotations
@@ -47,7 +53,7 @@ import numpy as np
 from onnxopt.errors import MissingDependencyError, OnnxoptError
 from onnxopt.pipeline import images
 from onnxopt.pipeline.bound_session import BoundSession
-from onnxopt.pipeline.folder import PipelineFolder
+from onnxopt.pipeline.folder import MERGED_STEP_FILE, PipelineFolder
 from onnxopt.pipeline.sessions import (
     DeviceStepLoop,
     HostStepLoop,
@@ -102,6 +108,9 @@ class Pipeline:
         self.step_source, self.cuda_graph, self.io_binding = step_source, cuda_graph, io_binding
         self.device_id, self.threads = device_id, threads
         self.creation_s = creation_s  # Pipeline.load: opening the folder and creating every session
+        self.controlnet_model: Path | None = None  # the ControlNet graph the step runs (set by load)
+        self.merged_step = False  # the step session is merged_step.onnx (ControlNet inside)
+        self.launch_timing = False  # time each step's launch apart from its wait (DeviceStepLoop)
         self.calls = 0
         self._plans: dict = {}  # (scheduler, steps) -> StepPlan
         self._device_loops: dict = {}  # DeviceStepLoop.key -> a loop whose buffers (and captured graphs) stay put
@@ -113,7 +122,9 @@ class Pipeline:
 
     @classmethod
     def load(cls, folder, provider: str = "cpu", *, fused_step: bool = True, cuda_graph: bool = True, device_id: int = 0,
-             threads: int | None = None, io_binding: bool | None = None, step_file: str | None = None) -> "Pipeline":
+             threads: int | None = None, io_binding: bool | None = None, context_kv: bool = True,
+             controlnet_hint: bool = True, merged_step: bool = True, launch_timing: bool = False,
+             step_file: str | None = None) -> "Pipeline":
         """Open ``folder`` and create its sessions on ``provider`` (cpu | cuda | tensorrt).
 
         ``cuda_graph`` (cuda/tensorrt): capture the step graph as CUDA graphs. ``fused_step=False``
@@ -124,6 +135,22 @@ class Pipeline:
         CPU buffers). ``step_file``: another step graph in ``unet/`` than ``step.onnx`` (with its
         ``<stem>.context_kv.onnx`` when present), e.g. the ``step.cfg_late.onnx`` that
         ``write_step_graph(unet_dir, file_name=..., cfg_late=True)`` writes: for ablations.
+
+        The pipeline rewrites an optimized folder holds, each used when present and switched on
+        (switching one off is the ablation of issue 14; a rewrite that is off never needs a file):
+
+        * ``context_kv``: ``unet/step.context_kv.onnx`` once per prompt (cross-attention K/V, and
+          SDXL's added conditioning) and ``unet/step.onnx`` reading them; off: the step graph of
+          the whole UNet, built in memory from ``unet/model.onnx`` (a UNet under 1.8 GB).
+        * ``controlnet_hint``: ``controlnet/step.hint.onnx`` once per image and
+          ``controlnet/step.onnx`` reading the hint; off: ``controlnet/model.onnx`` at every step.
+        * ``merged_step``: ``merged_step.onnx``, ControlNet and UNet step graph in one graph (one
+          run per step), used when it was built from the very graphs the other switches select.
+
+        ``launch_timing`` (bound-buffer loop): each step's run returns once the step is queued and
+        the loop then waits for the device; ``timings["step_launch_mean_s"]`` is the host's part of
+        a step (the step's CPU-side overhead is at most that plus the wait's return), beside
+        ``step_mean_s``, the whole step.
         """
         start = time.perf_counter()
         folder = folder if isinstance(folder, PipelineFolder) else PipelineFolder.open(folder)
@@ -149,47 +176,77 @@ class Pipeline:
                                 device_id=device_id, cuda_graph=captured)
 
         sessions = {name: once(name) for name in ("text_encoder", "text_encoder_2", "vae_decoder") if folder.has(name)}
+        controlnet_model = None
         if folder.has("controlnet"):
-            hint = folder.component("controlnet").hint_model if fused_step else None
+            component = folder.component("controlnet")
+            hint = component.hint_model if fused_step and controlnet_hint else None
+            controlnet_model = component.model
             if hint is not None:  # the conditioning embedding once per image (onnxopt.pipeline.controlnet_hint)
                 sessions["hint"] = once("controlnet", hint)
-                sessions["controlnet"] = make("controlnet", folder.component("controlnet").step_model)
-            else:
-                sessions["controlnet"] = make("controlnet")
-        step_source = "unfused"
+                controlnet_model = component.step_model
+        step_source, merged = "unfused", None
         if fused_step:
-            step_model, step_source = _step_graph(folder, step_file)
+            step_model, step_source = _step_graph(folder, context_kv, step_file)
             context = folder.component("unet").context_model if step_source == "unet/step.onnx" else None
             if step_file is not None:
                 context = Path(step_model).with_suffix(".context_kv.onnx")
                 context = context if context.is_file() else None
+            if controlnet_model is not None and merged_step:
+                merged = _merged_step_graph(folder, controlnet_model, step_source)
             if context is not None:  # cross-attention K/V once per prompt (step.context_kv.onnx)
                 sessions["context"] = once("unet", context)
+            if merged is not None:  # ControlNet + UNet step graph: one run per step
+                step_model, step_source = merged, f"{MERGED_STEP_FILE} ({step_source} + {_relative(folder, controlnet_model)})"
+            if context is not None:
                 step_source += f" + {context.name}"
             if step_model is not None:
+                beside = {"external_data_folder": folder.component("unet").folder} if isinstance(step_model, bytes) else {}
                 try:
-                    sessions["step"] = make("unet", step_model, cuda_graph=graph)
+                    sessions["step"] = make("unet", step_model, cuda_graph=graph, **beside)
                 except OnnxoptError as exc:  # ORT refuses capture when a node is not on the GPU EP
                     if not graph:
                         raise
                     print(f"onnxopt: step graph without CUDA graph capture: {exc}", file=sys.stderr)
                     graph = False
-                    sessions["step"] = make("unet", step_model)
+                    sessions["step"] = make("unet", step_model, **beside)
+        if controlnet_model is not None and merged is None:
+            sessions["controlnet"] = make("controlnet", controlnet_model)
         if "step" in sessions:
             from onnxopt.pipeline.step_reuse import reuse_step_model
 
             sessions["reuse"] = create_session(reuse_step_model(), provider, name="reuse step", device_id=device_id)
         else:
             sessions["unet"] = make("unet")
-        if io_binding and "controlnet" in sessions:
+        if io_binding and "controlnet" in sessions and "step" in sessions:
             cn = sessions["controlnet"]
             timestep = next(i for i in cn.get_inputs() if i.name == "timestep")
             sessions["controlnet_prepare"] = create_session(
                 controlnet_prepare_model(input_types(cn)["sample"], input_types(cn)["timestep"],
                                          tuple(timestep.shape or ())), provider, name="controlnet input",
                 device_id=device_id)
-        return cls(folder, provider, sessions, step_source=step_source, cuda_graph=graph and "step" in sessions,
+        pipe = cls(folder, provider, sessions, step_source=step_source, cuda_graph=graph and "step" in sessions,
                    io_binding=io_binding, device_id=device_id, threads=threads, creation_s=time.perf_counter() - start)
+        pipe.controlnet_model, pipe.merged_step = controlnet_model, merged is not None and "step" in sessions
+        pipe.launch_timing = launch_timing
+        return pipe
+
+    def _controlnet_session(self):
+        """The ControlNet's own session: at load, unless the merged step graph holds the ControlNet;
+        then made on first use (the unfused loop, for a scheduler the step graph cannot run)."""
+        if "controlnet" not in self.sessions:
+            self.sessions["controlnet"] = create_session(self.controlnet_model, self.provider,
+                                                         name=str(self.folder.root / "controlnet"),
+                                                         device_id=self.device_id, threads=self.threads)
+        return self.sessions["controlnet"]
+
+    def session_runs_per_step(self) -> int:
+        """How many sessions one computed denoising step runs (1 with the merged step graph; the
+        fused step, the ControlNet and its input graph otherwise; the unfused loop: UNet [+ ControlNet])."""
+        if "step" not in self.sessions:
+            return 1 + ("controlnet" in self.sessions or self.controlnet_model is not None)
+        if self.merged_step or self.controlnet_model is None:
+            return 1
+        return 3 if self.io_binding else 2
 
     # --- the text side, once per prompt ---------------------------------------------------------
 
@@ -244,7 +301,8 @@ class Pipeline:
         height, width = height or default_h, width or default_w
         _check_size(height, width, factor)
 
-        timings: dict = {"provider": self.provider, "step": self.step_source, "cuda_graph": self.cuda_graph}
+        timings: dict = {"provider": self.provider, "step": self.step_source, "cuda_graph": self.cuda_graph,
+                         "session_runs_per_step": self.session_runs_per_step()}
         start = time.perf_counter()
         t0 = time.perf_counter()
         cond = self.encode_prompt(prompt, negative_prompt)
@@ -269,7 +327,8 @@ class Pipeline:
                 t0 = time.perf_counter()
                 controlnet.update(run_host(self.sessions["hint"], controlnet))
                 timings["controlnet_hint_s"] = time.perf_counter() - t0
-            controlnet = {k: v for k, v in controlnet.items() if k in input_types(self.sessions["controlnet"])}
+            reads = input_types(self.sessions["step"] if self.merged_step else self._controlnet_session())
+            controlnet = {k: v for k, v in controlnet.items() if k in reads}
 
         bar = _progress(steps, progress)
         plan = None
@@ -280,8 +339,11 @@ class Pipeline:
                 timings["step"] = f"unfused: {exc}"
         if plan is not None:
             latents = (noise * plan.init_noise_sigma).numpy()
-            loop = self._step_loop(latents, cond, controlnet, len(plan))
-            loop.start(plan, latents, cond, guidance, controlnet)
+            static, step_controlnet = cond, controlnet
+            if self.merged_step and controlnet is not None:  # the ControlNet's inputs are the step graph's
+                static, step_controlnet = {**cond, **controlnet}, None
+            loop = self._step_loop(latents, static, step_controlnet, len(plan))
+            loop.start(plan, latents, static, guidance, step_controlnet)
             t1 = time.perf_counter()
             loop.step()  # the first step alone: it includes the graph capture
             timings["first_step_s"] = time.perf_counter() - t1
@@ -295,6 +357,9 @@ class Pipeline:
             timings["step_mean_s"] = float(np.mean(computed)) if computed else timings["first_step_s"]
             if reused_times:
                 timings["reused_step_mean_s"] = float(np.mean(reused_times))
+            launches = getattr(loop, "launches", [])[1:]  # computed steps after the first (capture)
+            if launches:
+                timings["step_launch_mean_s"] = float(np.mean(launches))
             latents = loop.latents().astype(np.float32)
             timings["steps"] = len(plan)
         else:
@@ -341,7 +406,8 @@ class Pipeline:
         return latents / np.float32(scaling)
 
     def _step_loop(self, latents, cond, controlnet, steps: int):
-        step, controlnet_session = self.sessions["step"], self.sessions.get("controlnet")
+        step = self.sessions["step"]
+        controlnet_session = None if self.merged_step else self.sessions.get("controlnet")
         if not self.io_binding:
             return HostStepLoop(step, controlnet_session, self.sessions["reuse"])
         # diffusers' schedulers take at most num_train_timesteps steps: one table size serves every run
@@ -352,7 +418,7 @@ class Pipeline:
             loop = DeviceStepLoop(require_provider(self.provider), step, controlnet_session,
                                   self.sessions.get("controlnet_prepare"), self.sessions["reuse"], cuda_graph=self.cuda_graph,
                                   graph_ids=(2 * n, 2 * n + 1), device_id=self.device_id,
-                                  device="cpu" if self.provider == "cpu" else "cuda")
+                                  device="cpu" if self.provider == "cpu" else "cuda", launch_timing=self.launch_timing)
             loop.bind(latents, cond, capacity, controlnet)
             self._device_loops[key] = loop
         return self._device_loops[key]
@@ -381,7 +447,7 @@ class Pipeline:
             model_in = sched.scale_model_input(torch.cat([latents] * 2), t).numpy()
             feeds = dict(cond, sample=model_in, timestep=timestep_feed(unet, t.item(), model_in.shape[0]))
             if controlnet is not None:
-                cn = self.sessions["controlnet"]
+                cn = self._controlnet_session()
                 feeds.update(run_host(cn, dict(controlnet, sample=model_in,
                                                timestep=timestep_feed(cn, t.item(), model_in.shape[0]))))
             eps2 = run_host(unet, feeds)["out_sample"].astype(np.float32)
@@ -436,27 +502,52 @@ def _check_size(height, width, factor: int, allow_none: bool = False) -> None:
             raise GenerationError(f"{name} must be a positive multiple of {multiple}, got {value}")
 
 
-def _step_graph(folder: PipelineFolder, step_file: str | None = None):
-    """(model path or serialized bytes, where it came from), or (None, why not) -> unfused loop."""
+def _step_graph(folder: PipelineFolder, context_kv: bool = True, step_file: str | None = None):
+    """(model path or serialized bytes, where it came from), or (None, why not) -> unfused loop.
+    ``context_kv=False`` passes over a step.onnx that reads the K/V of step.context_kv.onnx;
+    ``step_file`` names another step graph in unet/."""
     unet = folder.component("unet")
     if step_file is not None:
         path = unet.folder / step_file
         if Path(step_file).name != step_file or path.suffix != ".onnx" or not path.is_file():
             raise GenerationError(f"{path}: no step graph of that name in {unet.folder}")
         return path, f"unet/{step_file}"
-    if unet.step_model is not None:
+    if unet.step_model is not None and (context_kv or unet.context_model is None):
         return unet.step_model, "unet/step.onnx"
     try:
         from onnxopt.pipeline.step_graph import build_step_graph
     except ImportError:
         return None, "unfused (onnxopt.pipeline.step_graph is not available)"
-    if unet.nbytes() >= INMEMORY_STEP_GRAPH_MAX_BYTES:
-        print(f"onnxopt: {unet.folder} has no step.onnx and its UNet is over 1.8 GB: running the unfused step "
+    if not unet.external_data and unet.nbytes() >= INMEMORY_STEP_GRAPH_MAX_BYTES:
+        print(f"onnxopt: {unet.folder} has no step.onnx and its UNet is over 1.8 GB inline: running the unfused step "
               "(write the fused one once with onnxopt.pipeline.step_graph.write_step_graph)", file=sys.stderr)
         return None, "unfused (UNet over 1.8 GB without unet/step.onnx)"
-    from onnxopt.loading import load_model
+    import io
 
-    return build_step_graph(load_model(unet.model)).to_onnx().SerializeToString(), "built in memory from unet/model.onnx"
+    from onnxopt.loading import load_model
+    from onnxopt.saving import _write
+
+    # Serialized with its weights referring to the UNet's own data files (ORT reads them from the
+    # UNet's folder: create_session's external_data_folder), so a UNet of any size fits in memory
+    # once; inline weights are written inline, as they were in model.onnx.
+    serialized = io.BytesIO()
+    _write(build_step_graph(load_model(unet.model)), serialized, None, "", unet.folder.resolve())
+    return serialized.getvalue(), "built in memory from unet/model.onnx"
+
+
+def _merged_step_graph(folder: PipelineFolder, controlnet_model: Path, step_source: str) -> Path | None:
+    """merged_step.onnx when the folder has it and it was built from the UNet step graph and the
+    ControlNet graph this load selected (``step_source``, ``controlnet_model``); else None."""
+    from onnxopt.pipeline.merged_step import merged_parts
+
+    merged = folder.merged_step_model
+    if merged is None or step_source != "unet/step.onnx":
+        return None
+    return merged if set(merged_parts(merged)) == {step_source, _relative(folder, controlnet_model)} else None
+
+
+def _relative(folder: PipelineFolder, path: Path) -> str:
+    return Path(path).relative_to(folder.root).as_posix()
 
 
 class _SimpleBar:

@@ -34,6 +34,7 @@ per-image inputs, ``step`` once per timestep, ``latents`` at the end.
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import numpy as np
@@ -77,11 +78,14 @@ def provider_list(provider: str, *, cuda_graph: bool = False, device_id: int = 0
 
 
 def create_session(model: Path | bytes, provider: str, *, name: str, cuda_graph: bool = False, device_id: int = 0,
-                   threads: int | None = None):
-    """An InferenceSession for ``model`` (a path, or serialized bytes with weights inline)."""
+                   threads: int | None = None, external_data_folder: Path | None = None):
+    """An InferenceSession for ``model`` (a path, or serialized bytes: weights inline, or external
+    data whose locations are relative to ``external_data_folder``)."""
     ort = require_provider(provider)
     so = ort.SessionOptions()
     so.log_severity_level = 3
+    if external_data_folder is not None:
+        so.add_session_config_entry("session.model_external_initializers_file_folder_path", str(external_data_folder))
     if threads:
         so.intra_op_num_threads = threads
     if provider == "cpu":  # idle worker threads must not spin between runs: the loop's host work shares the cores
@@ -196,8 +200,14 @@ class DeviceStepLoop:
     """
 
     def __init__(self, ort, step_session, controlnet_session=None, prepare_session=None, reuse_session=None, *,
-                 cuda_graph: bool = False, graph_ids: tuple[int, int] = (0, 1), device_id: int = 0, device: str = "cuda"):
+                 cuda_graph: bool = False, graph_ids: tuple[int, int] = (0, 1), device_id: int = 0, device: str = "cuda",
+                 launch_timing: bool = False):
         self.ort, self.step_session, self.cuda_graph, self.device_id = ort, step_session, cuda_graph, device_id
+        # The step's host side (issue 14 item 6, "CPU-side overhead"): the step graph's run returns
+        # once its work is queued, and the loop then waits for it (synchronize_outputs), so a step
+        # still ends when the device is done; ``launches`` holds each step's time to that return.
+        self.launch_timing = launch_timing
+        self.launches: list[float] = []
         self.device = device  # "cpu" runs the same bindings on the CPU EP (how CI tests this loop)
         self.controlnet_session, self.prepare_session = controlnet_session, prepare_session
         self.reuse_session = reuse_session
@@ -240,6 +250,7 @@ class DeviceStepLoop:
         self.guided = self._zeros(shape, np.float32)  # the last computed step's guided output (step reuse)
         self.residuals = self._bind_controlnet(latents, static, controlnet, capacity) if self.controlnet_session else {}
         self.options = [self._run_options(parity) for parity in (0, 1)]
+        self.step_options = [self._step_options(parity) for parity in (0, 1)]
         self._bind_steps()
         self._bind_reuse()
         self.bound = True
@@ -296,6 +307,7 @@ class DeviceStepLoop:
         for target, value, dtype in writes:
             target.update_inplace(np.ascontiguousarray(np.asarray(value).astype(dtype or value.dtype, copy=False)))
         self.index = 0
+        self.launches = []
 
     def _bind_controlnet(self, latents, static, controlnet, capacity) -> dict:
         """Bind the input graph and the ControlNet on fixed buffers; returns the residual buffers."""
@@ -349,6 +361,14 @@ class DeviceStepLoop:
         options.add_run_config_entry("gpu_graph_id", "-1")
         return options
 
+    def _step_options(self, parity: int):
+        """The step graph's run: with ``launch_timing`` it returns once queued (only this run: a
+        separate ControlNet session, on its own stream, must finish before the step reads it)."""
+        options = self._run_options(parity)
+        if self.launch_timing:
+            options.add_run_config_entry("disable_synchronize_execution_providers", "1")
+        return options
+
     def step(self, reuse: bool = False) -> None:
         """Run step ``index`` (returns when the device has finished it); ``reuse``: the update alone,
         on the last computed step's guided output (no UNet, no ControlNet)."""
@@ -357,9 +377,13 @@ class DeviceStepLoop:
             self.reuse_session.run_with_iobinding(self.reuse_bindings[parity])
             self.index += 1
             return
-        if self.controlnet_session is not None:
+        start = time.perf_counter()
+        if self.controlnet_session is not None:  # separate sessions (own streams): each run waits
             self.controlnet_step(parity)
-        self.step_session.run_with_iobinding(self.bindings[parity], self.options[parity])
+        self.step_session.run_with_iobinding(self.bindings[parity], self.step_options[parity])
+        if self.launch_timing:
+            self.launches.append(time.perf_counter() - start)
+            self.bindings[parity].synchronize_outputs()
         self.index += 1
 
     def controlnet_step(self, parity: int) -> None:
@@ -374,47 +398,29 @@ class DeviceStepLoop:
 
 
 def controlnet_prepare_model(dtype=np.float32, timestep_dtype=np.float32, timestep_shape: tuple = (1,)) -> bytes:
-    """The ControlNet's per-step inputs, computed where the latents live (as the step graph does)::
-
-        step_index ─ Gather(schedule_coefficients)[0] ─ c_in ─┐
-        latents (float32) ──────────────────────────────── Mul ─ Cast ─ Concat([scaled] * 2) ─ sample
-        step_index ─ Gather(schedule_timesteps) ─ [Reshape to [] | Expand to [2b]] ─ timestep
-
-    ``timestep_shape`` is the ControlNet's timestep: () a scalar, (1,) one value, else one per row.
-    """
+    """The ControlNet's per-step inputs ``sample`` and ``timestep`` as a graph of their own, on the
+    bound buffers: :func:`onnxopt.pipeline.merged_step.emit_controlnet_inputs`'s nodes (the merged
+    step graph holds the same ones). ``timestep_shape`` is the ControlNet's timestep: () a scalar,
+    (1,) one value, else one per row."""
     import onnx
-    from onnx import TensorProto, helper
+    import onnx_graphsurgeon as gs
 
-    elem = helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
-    t_elem = helper.np_dtype_to_tensor_dtype(np.dtype(timestep_dtype))
-    nodes = [
-        helper.make_node("Gather", ["schedule_coefficients", "step_index"], ["row"], axis=0),
-        helper.make_node("Slice", ["row", "zero", "one", "one"], ["c_in"]),  # [1, 1]: column 0
-        helper.make_node("Mul", ["latents", "c_in"], ["scaled"]),
-        helper.make_node("Cast", ["scaled"], ["scaled_cast"], to=elem),
-        helper.make_node("Concat", ["scaled_cast", "scaled_cast"], ["sample"], axis=0),
-        helper.make_node("Gather", ["schedule_timesteps", "step_index"], ["t"], axis=0),
-    ]
-    if len(timestep_shape) == 0:
-        nodes.append(helper.make_node("Reshape", ["t", "scalar"], ["timestep"]))
-    elif tuple(timestep_shape) == (1,):
-        nodes.append(helper.make_node("Identity", ["t"], ["timestep"]))
-    else:
-        nodes += [helper.make_node("Shape", ["sample"], ["sample_shape"], start=0, end=1),
-                  helper.make_node("Expand", ["t", "sample_shape"], ["timestep"])]
-    graph = helper.make_graph(
-        nodes, "controlnet_prepare",
-        [helper.make_tensor_value_info("latents", TensorProto.FLOAT, ["batch", 4, "height", "width"]),
-         helper.make_tensor_value_info("step_index", TensorProto.INT64, [1]),
-         helper.make_tensor_value_info("schedule_timesteps", t_elem, ["schedule"]),
-         helper.make_tensor_value_info("schedule_coefficients", TensorProto.FLOAT, ["schedule", 6])],
-        [helper.make_tensor_value_info("sample", elem, ["batch2", 4, "height", "width"]),
-         helper.make_tensor_value_info("timestep", t_elem, [] if len(timestep_shape) == 0
-                                       else [1] if tuple(timestep_shape) == (1,) else ["batch2"])],
-        initializer=[helper.make_tensor("zero", TensorProto.INT64, [1], [0]),
-                     helper.make_tensor("one", TensorProto.INT64, [1], [1]),
-                     helper.make_tensor("scalar", TensorProto.INT64, [0], [])])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    from onnxopt.fusion import Emit, NameAuthority
+    from onnxopt.pipeline.merged_step import emit_controlnet_inputs
+
+    inputs = [gs.Variable("latents", np.float32, ["batch", 4, "height", "width"]),
+              gs.Variable("step_index", np.int64, [1]),
+              gs.Variable("schedule_timesteps", np.dtype(timestep_dtype), ["schedule"]),
+              gs.Variable("schedule_coefficients", np.float32, ["schedule", 6])]
+    graph = gs.Graph(inputs=inputs, name="controlnet_prepare", opset=17)
+    make = Emit(graph, NameAuthority(graph), "prepare")
+    sample, timestep = emit_controlnet_inputs(make, *inputs, sample_dtype=dtype, timestep_dtype=timestep_dtype,
+                                              timestep_shape=tuple(timestep_shape))
+    sample.name, sample.shape = "sample", ["batch2", 4, "height", "width"]
+    timestep.name = "timestep"
+    timestep.shape = [] if len(timestep_shape) == 0 else [1] if tuple(timestep_shape) == (1,) else ["batch2"]
+    graph.nodes, graph.outputs = make.nodes, [sample, timestep]
+    model = gs.export_onnx(graph)
     model.ir_version = 8
     onnx.checker.check_model(model)
     return model.SerializeToString()
