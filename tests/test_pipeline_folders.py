@@ -183,8 +183,10 @@ def test_optimize_ort_cuda_folder_matches_source(folders, tmp_path, kind):
     # same layout, same data names; plus the fused step graph beside the UNet (onnxopt.pipeline.step_graph)
     # and its once-per-prompt cross-attention K/V graph, both reading the UNet's own data file
     # and a ControlNet's step graph with its once-per-image hint graph (onnxopt.pipeline.controlnet_hint),
-    # merged with the UNet's step graph at the root (onnxopt.pipeline.merged_step)
-    hint = {"controlnet/step.onnx", "controlnet/step.hint.onnx", "merged_step.onnx"} if kind == "sd15-controlnet" else set()
+    # merged with the UNet's step graph at the root (onnxopt.pipeline.merged_step), and the UNet's step
+    # graph split for two streams (onnxopt.pipeline.two_streams, opt-in at generate)
+    hint = {"controlnet/step.onnx", "controlnet/step.hint.onnx", "merged_step.onnx", "unet/step.streams.onnx",
+            "unet/step.streams.down.onnx"} if kind == "sd15-controlnet" else set()
     assert after.keys() == before.keys() | {"unet/step.onnx", "unet/step.context_kv.onnx"} | hint
     for rel, digest in before.items():
         if not rel.endswith(("model.onnx", "model.onnx_data")):

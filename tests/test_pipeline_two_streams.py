@@ -132,3 +132,51 @@ def test_two_stream_loop_equals_the_one_graph_loop(folders, exporter):
             two.step()
             np.testing.assert_allclose(two.latents(), one.latents(), rtol=0, atol=1e-5 * float(np.abs(one.latents()).max()))
     assert not np.allclose(two.latents(), latents)
+
+
+def test_generate_with_two_streams_gives_the_same_image(folders):
+    """Pipeline.load(two_streams=True) on the bound-buffer loop (CPU buffers): the separate graphs'
+    image, for two prompts/seeds on the same buffers; four session runs per step."""
+    from PIL import Image
+
+    from onnxopt.pipeline import Pipeline
+
+    root = folders("torchscript")
+    edges = (np.random.default_rng(7).random((64, 64)) > 0.8).astype(np.uint8) * 255
+    request = dict(negative_prompt="blurry", steps=3, guidance=7.5, scheduler="dpm++2m", height=64, width=64,
+                   controlnet_image=Image.fromarray(np.stack([edges] * 3, axis=-1)), progress=False)
+    two = Pipeline.load(root, "cpu", io_binding=True, threads=1, two_streams=True)
+    one = Pipeline.load(root, "cpu", io_binding=True, threads=1)
+    assert "down" in two.sessions and "down" not in one.sessions
+    for prompt, seed in (("a house", 0), ("a tree", 3)):
+        a, b = two(prompt, seed=seed, **request), one(prompt, seed=seed, **request)
+        assert a.timings["session_runs_per_step"] == 4 and "two streams" in a.timings["step"]
+        np.testing.assert_allclose(a.latents, b.latents, rtol=0, atol=1e-5 * float(np.abs(b.latents).max()))
+        np.testing.assert_allclose(a.pixels, b.pixels, rtol=0, atol=1e-5)
+
+
+def _cuda() -> bool:
+    return "CUDAExecutionProvider" in ort.get_available_providers()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _cuda(), reason="needs onnxruntime-gpu and a CUDA device")
+def test_two_streams_on_the_cuda_ep_with_capture(folders, tmp_path):
+    """The ort-cuda folder on the CUDA EP with CUDA graphs: two streams (down, ControlNet and its input
+    graph, rest: each captured) give the merged step's image within fp32 GPU rounding, twice."""
+    from PIL import Image
+
+    from onnxopt.pipeline import Pipeline, optimize_folder
+
+    out = tmp_path / "ort-cuda"
+    optimize_folder(folders("torchscript"), out, target="ort-cuda")
+    edges = (np.random.default_rng(7).random((64, 64)) > 0.8).astype(np.uint8) * 255
+    request = dict(negative_prompt="blurry", steps=4, guidance=7.5, scheduler="ddim", height=64, width=64,
+                   controlnet_image=Image.fromarray(np.stack([edges] * 3, axis=-1)), progress=False)
+    two = Pipeline.load(out, "cuda", two_streams=True)
+    merged = Pipeline.load(out, "cuda")
+    assert two.cuda_graph and "down" in two.sessions
+    for prompt, seed in (("a house", 0), ("a tree", 3)):
+        a, b = two(prompt, seed=seed, **request), merged(prompt, seed=seed, **request)
+        scale = float(np.abs(b.latents).max())
+        np.testing.assert_allclose(a.latents, b.latents, rtol=0, atol=2e-3 * scale)

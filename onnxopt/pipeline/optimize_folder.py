@@ -403,6 +403,8 @@ def optimize_folder(src, dst, target: str = "ort-cuda", fp16: bool = False, veri
                                                    "(onnxopt.pipeline.controlnet_hint)")
         if step_graph and merged_step and any(c.name == "controlnet" for c in optimized):
             report.component("controlnet").notes.append(_merge_step(tmp))
+        if step_graph and any(c.name == "controlnet" for c in optimized):
+            report.component("unet").notes.append(_split_for_two_streams(tmp))
         if dst.exists():
             dst.rmdir()                 # empty (checked); rename cannot replace a folder on every OS
         os.replace(tmp, dst)
@@ -420,6 +422,25 @@ def _cfg_late_note(step_path: Path) -> str:
 
     props = {p.key: p.value for p in onnx.load(str(step_path), load_external_data=False).metadata_props}
     return props.get(CFG_LATE_METADATA, "nothing moved")
+
+
+def _split_for_two_streams(folder: Path) -> str:
+    """Write unet/step.streams[.down].onnx (the opt-in two-stream step); the report's note."""
+    import onnx
+
+    from onnxopt.errors import UnsupportedModelError
+    from onnxopt.pipeline.two_streams import write_two_stream_graphs
+
+    step = folder / "unet" / "step.onnx"
+    controlnet = folder / "controlnet" / ("step.onnx" if (folder / "controlnet" / "step.onnx").is_file() else "model.onnx")
+    if not step.is_file():
+        return "two streams: no unet/step.onnx"
+    residuals = [o.name for o in onnx.load(str(controlnet), load_external_data=False).graph.output]
+    try:
+        write_two_stream_graphs(folder / "unet", residuals)
+    except UnsupportedModelError as exc:
+        return f"two streams: not split: {exc}"
+    return "two streams (opt-in): step.streams.down.onnx beside the ControlNet, then step.streams.onnx"
 
 
 def _merge_step(folder: Path) -> str:

@@ -54,6 +54,7 @@ from onnxopt.errors import MissingDependencyError, OnnxoptError
 from onnxopt.pipeline import images
 from onnxopt.pipeline.bound_session import BoundSession
 from onnxopt.pipeline.folder import MERGED_STEP_FILE, PipelineFolder
+from onnxopt.pipeline.two_streams import TwoStreamStepLoop
 from onnxopt.pipeline.sessions import (
     DeviceStepLoop,
     HostStepLoop,
@@ -124,7 +125,7 @@ class Pipeline:
     def load(cls, folder, provider: str = "cpu", *, fused_step: bool = True, cuda_graph: bool = True, device_id: int = 0,
              threads: int | None = None, io_binding: bool | None = None, context_kv: bool = True,
              controlnet_hint: bool = True, merged_step: bool = True, launch_timing: bool = False,
-             step_file: str | None = None) -> "Pipeline":
+             step_file: str | None = None, two_streams: bool = False) -> "Pipeline":
         """Open ``folder`` and create its sessions on ``provider`` (cpu | cuda | tensorrt).
 
         ``cuda_graph`` (cuda/tensorrt): capture the step graph as CUDA graphs. ``fused_step=False``
@@ -146,6 +147,9 @@ class Pipeline:
           ``controlnet/step.onnx`` reading the hint; off: ``controlnet/model.onnx`` at every step.
         * ``merged_step``: ``merged_step.onnx``, ControlNet and UNet step graph in one graph (one
           run per step), used when it was built from the very graphs the other switches select.
+        * ``two_streams`` (off by default; the alternative to ``merged_step``, bound-buffer loop
+          only): ``unet/step.streams.down.onnx`` beside the ControlNet on a second thread and
+          stream, then ``unet/step.streams.onnx`` (:mod:`onnxopt.pipeline.two_streams`).
 
         ``launch_timing`` (bound-buffer loop): each step's run returns once the step is queued and
         the loop then waits for the device; ``timings["step_launch_mean_s"]`` is the host's part of
@@ -175,6 +179,15 @@ class Pipeline:
             return BoundSession(require_provider(provider), session, device="cpu" if provider == "cpu" else "cuda",
                                 device_id=device_id, cuda_graph=captured)
 
+        def captured(name, model):
+            """A session captured as CUDA graphs when ORT can (else plain)."""
+            try:
+                return make(name, model, cuda_graph=graph)
+            except OnnxoptError:  # ORT refuses capture when a node is not on the GPU EP
+                if not graph:
+                    raise
+                return make(name, model)
+
         sessions = {name: once(name) for name in ("text_encoder", "text_encoder_2", "vae_decoder") if folder.has(name)}
         controlnet_model = None
         if folder.has("controlnet"):
@@ -191,12 +204,18 @@ class Pipeline:
             if step_file is not None:
                 context = Path(step_model).with_suffix(".context_kv.onnx")
                 context = context if context.is_file() else None
-            if controlnet_model is not None and merged_step:
+            streams = None
+            if two_streams and controlnet_model is not None and io_binding and step_source == "unet/step.onnx":
+                streams = _two_stream_graphs(folder)
+            if controlnet_model is not None and merged_step and streams is None:
                 merged = _merged_step_graph(folder, controlnet_model, step_source)
             if context is not None:  # cross-attention K/V once per prompt (step.context_kv.onnx)
                 sessions["context"] = once("unet", context)
             if merged is not None:  # ControlNet + UNet step graph: one run per step
                 step_model, step_source = merged, f"{MERGED_STEP_FILE} ({step_source} + {_relative(folder, controlnet_model)})"
+            if streams is not None:  # down beside the ControlNet, then the rest
+                sessions["down"] = captured("unet", streams[1])
+                step_model, step_source = streams[0], f"{streams[0].name} + {streams[1].name} (two streams)"
             if context is not None:
                 step_source += f" + {context.name}"
             if step_model is not None:
@@ -209,8 +228,9 @@ class Pipeline:
                     print(f"onnxopt: step graph without CUDA graph capture: {exc}", file=sys.stderr)
                     graph = False
                     sessions["step"] = make("unet", step_model, **beside)
-        if controlnet_model is not None and merged is None:
-            sessions["controlnet"] = make("controlnet", controlnet_model)
+        two = "down" in sessions
+        if controlnet_model is not None and merged is None:  # captured too when it runs on a stream of its own
+            sessions["controlnet"] = captured("controlnet", controlnet_model) if two else make("controlnet", controlnet_model)
         if "step" in sessions:
             from onnxopt.pipeline.step_reuse import reuse_step_model
 
@@ -223,7 +243,7 @@ class Pipeline:
             sessions["controlnet_prepare"] = create_session(
                 controlnet_prepare_model(input_types(cn)["sample"], input_types(cn)["timestep"],
                                          tuple(timestep.shape or ())), provider, name="controlnet input",
-                device_id=device_id)
+                device_id=device_id, cuda_graph=graph and two)
         pipe = cls(folder, provider, sessions, step_source=step_source, cuda_graph=graph and "step" in sessions,
                    io_binding=io_binding, device_id=device_id, threads=threads, creation_s=time.perf_counter() - start)
         pipe.controlnet_model, pipe.merged_step = controlnet_model, merged is not None and "step" in sessions
@@ -246,6 +266,8 @@ class Pipeline:
             return 1 + ("controlnet" in self.sessions or self.controlnet_model is not None)
         if self.merged_step or self.controlnet_model is None:
             return 1
+        if "down" in self.sessions:  # input graph + ControlNet beside down, then rest
+            return 4
         return 3 if self.io_binding else 2
 
     # --- the text side, once per prompt ---------------------------------------------------------
@@ -408,6 +430,7 @@ class Pipeline:
     def _step_loop(self, latents, cond, controlnet, steps: int):
         step = self.sessions["step"]
         controlnet_session = None if self.merged_step else self.sessions.get("controlnet")
+        down = self.sessions.get("down")
         if not self.io_binding:
             return HostStepLoop(step, controlnet_session, self.sessions["reuse"])
         # diffusers' schedulers take at most num_train_timesteps steps: one table size serves every run
@@ -415,10 +438,15 @@ class Pipeline:
         key = DeviceStepLoop.key(latents, cond, controlnet, capacity)
         if key not in self._device_loops:
             n = len(self._device_loops)
-            loop = DeviceStepLoop(require_provider(self.provider), step, controlnet_session,
-                                  self.sessions.get("controlnet_prepare"), self.sessions["reuse"], cuda_graph=self.cuda_graph,
-                                  graph_ids=(2 * n, 2 * n + 1), device_id=self.device_id,
-                                  device="cpu" if self.provider == "cpu" else "cuda", launch_timing=self.launch_timing)
+            where = dict(cuda_graph=self.cuda_graph, graph_ids=(2 * n, 2 * n + 1), device_id=self.device_id,
+                         device="cpu" if self.provider == "cpu" else "cuda")
+            if down is not None:
+                loop = TwoStreamStepLoop(require_provider(self.provider), down, step, controlnet_session,
+                                         self.sessions["controlnet_prepare"], self.sessions["reuse"], **where)
+            else:
+                loop = DeviceStepLoop(require_provider(self.provider), step, controlnet_session,
+                                      self.sessions.get("controlnet_prepare"), self.sessions["reuse"],
+                                      launch_timing=self.launch_timing, **where)
             loop.bind(latents, cond, capacity, controlnet)
             self._device_loops[key] = loop
         return self._device_loops[key]
@@ -544,6 +572,16 @@ def _merged_step_graph(folder: PipelineFolder, controlnet_model: Path, step_sour
     if merged is None or step_source != "unet/step.onnx":
         return None
     return merged if set(merged_parts(merged)) == {step_source, _relative(folder, controlnet_model)} else None
+
+
+def _two_stream_graphs(folder: PipelineFolder) -> tuple[Path, Path] | None:
+    """(rest, down) of onnxopt.pipeline.two_streams beside unet/step.onnx, when the folder has them."""
+    from onnxopt.companions import companion_path
+    from onnxopt.pipeline.two_streams import COMPANION, FILE
+
+    rest = folder.component("unet").folder / FILE
+    down = companion_path(rest, COMPANION)
+    return (rest, down) if rest.is_file() and down.is_file() else None
 
 
 def _relative(folder: PipelineFolder, path: Path) -> str:
