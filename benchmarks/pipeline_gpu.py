@@ -23,10 +23,11 @@ present; the script stops between steps after --budget seconds, so a run spans s
   onnxopt         Pipeline.load(optimized folder, "cuda", cuda_graph=True); cold start = load +
                   session creation + first image (with the graph capture); then as above
 
+  cfg-late graph  with --ablation (not SDXL): unet/step.cfg_late.onnx beside step.onnx
   onnxopt: <row>  with --ablation: the rows of ABLATION (fused step alone, + text side once per
-                  prompt, + hint once per image, ..., + step reuse), each a Pipeline.load of the same
-                  optimized folder with that row's switches; a row whose switch this Pipeline.load
-                  lacks is recorded as skipped.
+                  prompt, + hint once per image, + one graph per step, two streams, cfg-late,
+                  launch timing, + step reuse), each a Pipeline.load of the same optimized folder
+                  with that row's switches; ControlNet rows only for ControlNet kinds.
 
 ControlNet (sd15-controlnet): a seeded edge map as the control image on every side; diffusers'
 StableDiffusionControlNetPipeline with the UNet and the ControlNet under torch.compile, and its
@@ -57,13 +58,18 @@ SETTINGS = {
     "sd15-controlnet": dict(height=512, width=512, steps=50, scheduler="ddim"),
 }
 # The ablation (--ablation): the onnxopt pipeline as each rewrite is added, from one optimized folder.
-# name -> (Pipeline.load keyword arguments, call keyword arguments). Rows a folder cannot run are skipped.
+# name -> (Pipeline.load keyword arguments, call keyword arguments, ControlNet kinds only).
+SEPARATE = dict(merged_step=False)
 ABLATION = {
-    "unfused (UNet graph + diffusers' step on the host)": (dict(fused_step=False), {}),
-    "fused step, CUDA graph": (dict(context_kv=False, controlnet_hint=False), {}),
-    "+ text side once per prompt": (dict(context_kv=True, controlnet_hint=False), {}),
-    "+ hint once per image": (dict(context_kv=True, controlnet_hint=True), {}),
-    "+ step reuse: every 2nd of the last 40% (opt-in)": ({}, dict(reuse="late")),
+    "unfused (UNet graph + diffusers' step on the host)": (dict(fused_step=False), {}, False),
+    "fused step, CUDA graph": (dict(context_kv=False, controlnet_hint=False, **SEPARATE), {}, False),
+    "+ text side once per prompt": (dict(context_kv=True, controlnet_hint=False, **SEPARATE), {}, False),
+    "+ hint once per image": (dict(context_kv=True, controlnet_hint=True, **SEPARATE), {}, True),
+    "+ one graph per step (the default)": (dict(merged_step=True), {}, True),
+    "two streams instead of one graph": (dict(two_streams=True, **SEPARATE), {}, True),
+    "+ cfg-late (step.cfg_late.onnx)": (dict(step_file="step.cfg_late.onnx", **SEPARATE), {}, False),
+    "default, launch timing (host part of a step)": (dict(launch_timing=True), {}, False),
+    "+ step reuse: every 2nd of the last 40% (opt-in)": ({}, dict(reuse="late"), False),
 }
 DRY = dict(height=32, width=32, steps=3)
 PROMPT = "a photograph of an astronaut riding a horse on the moon, highly detailed"
@@ -289,16 +295,27 @@ class Bench:
         last = results[-1][0]
         totals = [t for _, t in results]
         stages = {k: statistics.median(r.timings[k] for r, _ in results)
-                  for k in ("text_encoder_s", "step_mean_s", "vae_decode_s", "controlnet_hint_s", "reused_step_mean_s")
+                  for k in ("text_encoder_s", "step_mean_s", "vae_decode_s", "controlnet_hint_s", "reused_step_mean_s",
+                            "step_launch_mean_s")
                   if k in last.timings}
         sessions, creation_s = sorted(pipe.sessions), pipe.creation_s
         del pipe
         return {"end_to_end_s": statistics.median(totals), "runs_s": totals, "cold_start_s": cold,
                 "sessions": sessions, "unet_steps": last.timings.get("unet_steps"),
+                "session_runs_per_step": last.timings.get("session_runs_per_step"),
                 "session_creation_s": creation_s, "first_image_s": first.timings["total_s"],
                 "first_step_s": first.timings["first_step_s"], "step": last.timings["step"],
                 "cuda_graph": last.timings["cuda_graph"], "stages": stages,
                 **self.quality(last.latents, last.pixels)}
+
+    def cfg_late_graph(self) -> dict:
+        """unet/step.cfg_late.onnx beside the optimized folder's step.onnx (the ablation's cfg-late row)."""
+        from onnxopt.pipeline.step_graph import write_step_graph
+
+        t0 = time.perf_counter()
+        path = write_step_graph((self.src if self.dry else self.opt) / "unet", file_name="step.cfg_late.onnx",
+                                cfg_late=True)
+        return {"path": str(path), "seconds": time.perf_counter() - t0}
 
     def quality(self, latents: np.ndarray, image: np.ndarray) -> dict:
         ref_latents = np.load(self.work / "fp32_latents.npy")
@@ -342,19 +359,21 @@ def table(kind: str, results: dict, dry: bool = False) -> str:
 def ablation_table(kind: str, results: dict) -> str:
     """End to end and per stage as each rewrite is added (the --ablation rows)."""
     lines = [f"### {kind}: ablation (onnxopt ort-cuda fp16, one optimized folder)", "",
-             "| pipeline | end to end | text side | mean step | hint | VAE decode | UNet steps | PSNR vs fp32 | latents max abs |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| pipeline | end to end | text side | mean step | host part of a step | runs per step | hint | VAE decode | UNet steps | PSNR vs fp32 | latents max abs |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     compiled = (results.get("torch-compile") or {}).get("end_to_end_s")
     for label in ABLATION:
         r = results.get(f"onnxopt: {label}")
+        if r is None and ABLATION[label][2] and not kind.endswith("controlnet"):
+            continue  # a ControlNet row
         if not r or "skipped" in r:
-            lines.append(f"| {label} | {(r or {}).get('skipped', 'not run')} | | | | | | | |")
+            lines.append(f"| {label} | {(r or {}).get('skipped', 'not run')} | | | | | | | | | |")
             continue
         st = r["stages"]
         ms = lambda k: f"{st[k] * 1e3:.2f} ms" if k in st else ""  # noqa: E731
         ratio = f" ({r['end_to_end_s'] / compiled:.2f}x)" if compiled else ""
         lines.append(f"| {label} | {r['end_to_end_s']:.3f} s{ratio} | {ms('text_encoder_s')} | {ms('step_mean_s')} | "
-                     f"{ms('controlnet_hint_s')} | {ms('vae_decode_s')} | {r.get('unet_steps')} | {r['psnr_db']:.1f} dB | "
+                     f"{ms('step_launch_mean_s')} | {r.get('session_runs_per_step', '')} | {ms('controlnet_hint_s')} | {ms('vae_decode_s')} | {r.get('unet_steps')} | {r['psnr_db']:.1f} dB | "
                      f"{r['latents_max_abs']:.3g} |")
     if compiled:
         lines += ["", f"(x: end to end / diffusers + torch.compile's {compiled:.3f} s from the same run)"]
@@ -378,8 +397,11 @@ def main(argv=None) -> int:
             ("torch-eager", lambda: bench.torch_timed(False)), ("torch-compile", lambda: bench.torch_timed(True)),
             ("onnxopt", bench.onnxopt)]
     if args.ablation:
+        controlnet = args.kind.endswith("controlnet")
+        if args.kind != "sdxl":  # cfg-late moves 0.5 % of SDXL's FLOPs (the time embedding meets text_embeds)
+            plan.append(("cfg-late graph", bench.cfg_late_graph))
         plan += [(f"onnxopt: {label}", lambda load=load, call=call: bench.onnxopt(load, call))
-                 for label, (load, call) in ABLATION.items()]
+                 for label, (load, call, only_controlnet) in ABLATION.items() if controlnet or not only_controlnet]
     skip = set(filter(None, args.skip.split(",")))
     try:
         for key, fn in plan:
