@@ -128,7 +128,8 @@ class TwoStreamStepLoop(DeviceStepLoop):
     Each ORT session runs on a stream of its own and ``run_with_iobinding`` releases the GIL, so the
     two threads' GPU work can overlap; ``rest`` starts when both have returned (each run waits for
     its stream). The cut tensors (down's outputs, rest's inputs) are fixed buffers like every other,
-    so each of the four graphs can be captured. Everything else is :class:`DeviceStepLoop`'s.
+    so each of the four graphs can be captured; the two steps that capture run one graph at a time.
+    Everything else is :class:`DeviceStepLoop`'s.
     """
 
     def __init__(self, ort, down_session, rest_session, controlnet_session, prepare_session, reuse_session=None, **kw):
@@ -136,6 +137,7 @@ class TwoStreamStepLoop(DeviceStepLoop):
         self.down_session = down_session
         self.types = {**input_types(down_session), **input_types(rest_session)}
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="onnxopt-controlnet")
+        self._captured: set[int] = set()  # parities whose graphs are captured: those run in parallel
 
     def step_inputs(self, parity: int) -> dict:
         return {**super().step_inputs(parity), **getattr(self, "cut", {})}
@@ -159,8 +161,15 @@ class TwoStreamStepLoop(DeviceStepLoop):
         if reuse:
             return super().step(reuse=True)
         parity = self.index % 2
-        controlnet = self._worker.submit(self.controlnet_step, parity)
-        self.down_session.run_with_iobinding(self.down_bindings[parity], self.options[parity])
-        controlnet.result()
+        if parity in self._captured:
+            controlnet = self._worker.submit(self.controlnet_step, parity)
+            self.down_session.run_with_iobinding(self.down_bindings[parity], self.options[parity])
+            controlnet.result()
+        else:  # the runs that capture: one at a time (ORT captures in CUDA's global mode, which fails
+            # when another thread launches meanwhile; measured on the H100: "operation failed due to a
+            # previous error during capture")
+            self.controlnet_step(parity)
+            self.down_session.run_with_iobinding(self.down_bindings[parity], self.options[parity])
+            self._captured.add(parity)
         self.step_session.run_with_iobinding(self.bindings[parity], self.options[parity])
         self.index += 1
