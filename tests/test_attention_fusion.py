@@ -13,6 +13,7 @@ that fails if the pass fused them wrongly (the outputs are compared with the sou
 from __future__ import annotations
 
 import math
+from collections import Counter
 
 import numpy as np
 import onnx
@@ -304,6 +305,21 @@ def test_self_attention_with_biases_becomes_attention_with_every_bias():
     assert node.op == "Attention"
     expected = np.concatenate([numpy_helper.to_array(i) for t in "qkv" for i in model.graph.initializer if i.name == f"b{t}"])
     np.testing.assert_array_equal(node.inputs[2].values, expected)
+    assert_same_computation(model, fused, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("layout, ops", [
+    ("split", {"MatMul": 1, "Add": 1, "Split": 1, "MultiHeadAttention": 1}),  # one GEMM, one bias Add, split into Q, K, V
+    ("separate", {"MatMul": 3, "Add": 3, "MultiHeadAttention": 1}),  # one projection (and bias) each
+])
+def test_biased_self_attention_is_written_in_the_layout_asked_for(layout, ops):
+    """A self-attention with Q/K/V biases (VAE, CLIP) under layout split/separate: MHA reads
+    q, k, v with every bias added (it used to become the packed Attention op whatever the layout)."""
+    model = attention_model(biases=True)
+    fused, report = optimize(model, ["fuse-attention"], options={"fuse-attention": {"layout": layout}})
+    (mha,) = fused_nodes(fused)
+    assert mha.op == "MultiHeadAttention" and len(mha.inputs) == 3
+    assert dict(Counter(n.op for n in fused.graph.nodes)) == ops
     assert_same_computation(model, fused, atol=1e-5, rtol=1e-4)
 
 

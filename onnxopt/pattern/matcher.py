@@ -14,7 +14,8 @@ bindings, so operand orders of commutative ops, ``OneOf`` alternatives and
 
 A complete assignment is accepted only after the safety check (no value
 computed inside the match escapes it, unless its node says
-``_external_uses=True``) and the pattern's own ``check``. ``find`` skips
+``_external_uses=True``, or names the outside readers it allows with a predicate)
+and the pattern's own ``check``. ``find`` skips
 candidates that would overlap an earlier match.
 """
 
@@ -508,10 +509,10 @@ class _Search:
         (Everything else is checked on the complete match.)
         """
         out, tensor = operand.value, operand.tensor
-        if out.node.external_uses or id(out) in self.pattern.output_values:
+        if out.node.external_uses is True or id(out) in self.pattern.output_values:
             return None
         if self.pattern.use_counts.get(id(out), 0) == 1:
-            return self._escape_reason(tensor, {id(operand.graph_node)})
+            return self._escape_reason(tensor, {id(operand.graph_node)}, out.node.external_uses)
         if id(tensor) in self.graph_outputs:
             return f"intermediate {_name(tensor)} is a graph output"
         return None
@@ -657,21 +658,23 @@ class _Search:
         matched = {id(g) for _, g, _ in state.nodes.values()}
         output_ids = {id(t) for t in outputs}
         for pnode, gnode, operand in state.nodes.values():
-            if pnode.external_uses:
+            if pnode.external_uses is True:
                 continue
             for tensor in gnode.outputs:
                 if id(tensor) in output_ids:
                     continue
-                reason = self._escape_reason(tensor, matched)
+                reason = self._escape_reason(tensor, matched, pnode.external_uses)
                 if reason is not None:
                     self._fail_node(operand, gnode, state, reason, dependent=True)
                     return reason
         return None
 
-    def _escape_reason(self, tensor, matched: set[int]) -> str | None:
+    def _escape_reason(self, tensor, matched: set[int], allowed=False) -> str | None:
+        """Why ``tensor`` escapes the match; ``allowed(consumer)`` (a node's ``_external_uses``
+        predicate) names the outside readers that do not count (e.g. "reads only its shape")."""
         if id(tensor) in self.graph_outputs:
             return f"intermediate {_name(tensor)} is a graph output"
-        outside = [c for c in tensor.outputs if id(c) not in matched]
+        outside = [c for c in tensor.outputs if id(c) not in matched and not (callable(allowed) and allowed(c))]
         if outside:
             names = ", ".join(f"'{c.name}'" for c in outside[:4])
             return f"intermediate {_name(tensor)} has {len(outside)} consumer(s) outside the match: {names}"
