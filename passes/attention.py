@@ -51,9 +51,10 @@ Conditions (a site that fits the diagram but fails one is refused, with the reas
     * A NaN guard after Softmax only where no row can be all -inf.
     * Casts inside are float upcasts (MHA computes in fp32 anyway).
     * Values computed inside are read outside only by Shape nodes (nothing is computed twice):
-      the pattern says so (``_external_uses=reads_only_shape``). The query projection of a
-      cross-attention stays (MHA reads it); that of a self-attention is recomputed by the new
-      projection, so it too may be read outside only for its shape.
+      the pattern says so (``_external_uses=reads_only_shape``: a candidate that breaks it does
+      not match, and ``--explain`` names the reader). The query projection of a cross-attention
+      stays (MHA reads it); that of a self-attention is recomputed by the new projection, so it
+      too may be read outside only for its shape (a refusal).
 """
 
 from __future__ import annotations

@@ -45,6 +45,8 @@ from .builder import (
     format_number,
     normalize_domain,
 )
+from onnxopt.graph_edit import is_absent
+
 from .constants import constant_shape, constant_value, is_constant
 from .tracer import CandidateTrace, Failure, Tracer
 
@@ -419,9 +421,9 @@ class _Search:
 
     def _var(self, operand: _Operand, state: _State) -> Iterator[_State]:
         var, tensor = operand.value, operand.tensor
-        if _missing(tensor) and not var.optional:
+        if is_absent(tensor) and not var.optional:
             return self._fail_operand(operand, state, f"input is missing; Var {var.name} needs a tensor", fit=FIT_WRONG_KIND)
-        tensor = None if _missing(tensor) else tensor
+        tensor = None if is_absent(tensor) else tensor
         if var.name in state.values:
             bound = state.values[var.name]
             if bound is not tensor:
@@ -477,7 +479,7 @@ class _Search:
         return None
 
     def _absent(self, operand: _Operand, state: _State) -> Iterator[_State]:
-        if not _missing(operand.tensor):
+        if not is_absent(operand.tensor):
             return self._fail_operand(operand, state, f"input is {_name(operand.tensor)}; pattern wants it absent", fit=FIT_WRONG_KIND)
         return iter((state,))
 
@@ -488,7 +490,7 @@ class _Search:
     def _node_output(self, operand: _Operand, state: _State) -> Iterator[_State]:
         out, tensor = operand.value, operand.tensor
         pnode = out.node
-        if _missing(tensor):
+        if is_absent(tensor):
             return self._fail_operand(
                 operand, state, f"input is missing; pattern wants the output of {pnode.qualified_op}", fit=FIT_WRONG_KIND
             )
@@ -773,14 +775,9 @@ def _all_close(actual: np.ndarray, expected: np.ndarray, rtol: float, atol: floa
 def _present_inputs(node: gs.Node) -> list:
     """The node's inputs without trailing missing optional ones."""
     inputs = list(node.inputs)
-    while inputs and _missing(inputs[-1]):
+    while inputs and is_absent(inputs[-1]):
         inputs.pop()
     return inputs
-
-
-def _missing(tensor) -> bool:
-    """A missing optional input: absent from the list, or gs's empty-named Variable."""
-    return tensor is None or (isinstance(tensor, gs.Variable) and not tensor.name and not tensor.inputs)
 
 
 def _distinct(tensors) -> list:
@@ -836,7 +833,7 @@ def _name(tensor) -> str:
 
 def _describe(tensor) -> str:
     """What a tensor is, in a few words, for failure reasons."""
-    if _missing(tensor):
+    if is_absent(tensor):
         return "the input is missing"
     if isinstance(tensor, gs.Constant):
         return f"{_name(tensor)} is an initializer"
