@@ -21,7 +21,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from onnxopt import optimize
 from onnxopt.verify import assert_same_computation
-from tests.conftest import EXPORT_VARIANTS, op_counts
+from tests.conftest import EXPORT_VARIANTS, export_cases, op_counts
 
 ATTENTION_FAMILIES = [
     "unet-sd15", "unet-sd21", "unet-sdxl", "vae-encoder", "vae-decoder", "clip-text", "openclip-text", "controlnet",
@@ -56,23 +56,11 @@ RAW_DEFAULT = {
 
 
 def _cases(default: dict) -> list:
-    cases = []
-    for family in ATTENTION_FAMILIES:
-        for variant in EXPORT_VARIANTS:
-            fast = variant in default.get(family, [TS_DYNAMIC])
-            marks = [pytest.mark.models] + ([] if fast else [pytest.mark.slow])
-            cases.append(pytest.param(family, variant, marks=marks, id=f"{family}-{'-'.join(variant)}"))
-    return cases
+    return export_cases(ATTENTION_FAMILIES, lambda family, variant: variant in default.get(family, [TS_DYNAMIC]))
 
 
 def _raw_cases() -> list:
-    cases = []
-    for family in ATTENTION_FAMILIES:
-        for variant in EXPORT_VARIANTS:
-            fast = (family, variant) in RAW_DEFAULT
-            marks = [pytest.mark.models] + ([] if fast else [pytest.mark.slow])
-            cases.append(pytest.param(family, variant, marks=marks, id=f"raw-{family}-{'-'.join(variant)}"))
-    return cases
+    return export_cases(ATTENTION_FAMILIES, lambda family, variant: (family, variant) in RAW_DEFAULT, prefix="raw-")
 
 
 def fusion_result(report):
