@@ -131,6 +131,9 @@ class Emit:
         x_nhwc = make.op.Transpose(x, perm=TO_NHWC)                     # shape permuted
         y = make.ms.GroupNorm(x_nhwc, gamma, beta, groups=32, ...)      # domain com.microsoft
         s = make.op.Flatten(skip, axis=1, _shape=[n, c])                # shape where it is not the input's
+
+    A pass that is not a :class:`Fusion` (it rewires by hand) writes the same way, with one
+    ``NameAuthority(graph)`` per run, and adds what it wrote with :meth:`into`.
     """
 
     def __init__(self, graph: gs.Graph, names: NameAuthority, prefix: str):
