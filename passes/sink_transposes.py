@@ -67,7 +67,7 @@ class SinkTransposes(Pass):
         graph = model.graph
         result = PassResult(modified=False)
         transposes_before = sum(1 for n in graph.nodes if is_layout_transpose(n))
-        names = NameAuthority(graph)
+        names = _Names(graph)
         for _ in range(MAX_ROUNDS):
             changed = cancel_inverse_pairs(graph) + read_shapes_before_transposes(graph, names) + sink_once(graph, names)
             if not changed:
@@ -80,6 +80,23 @@ class SinkTransposes(Pass):
         result.sites_rewritten = max(transposes_before - transposes_after, 0)
         result.details = {"transposes_before": transposes_before, "transposes_after": transposes_after}
         return result
+
+
+class _Names(NameAuthority):
+    """The run's names, and every constant already brought into another layout: made once and
+    shared by the nodes that need it (two ops reading one constant sink the same way)."""
+
+    def __init__(self, graph: gs.Graph):
+        super().__init__(graph)
+        self._relaid: dict[tuple, tuple[gs.Tensor, gs.Constant]] = {}
+
+    def relaid(self, make: Emit, operand: gs.Tensor, how: tuple, compute) -> gs.Constant:
+        """``operand`` in another layout (``how`` says which), written by ``make`` the first time."""
+        key = (id(operand), how)
+        known = self._relaid.get(key)
+        if known is None or known[0] is not operand:
+            known = self._relaid[key] = (operand, make.constant("x".join(map(str, how[-1])), compute()))
+        return known[1]
 
 
 def cancel_inverse_pairs(graph: gs.Graph) -> int:
@@ -102,7 +119,7 @@ def cancel_inverse_pairs(graph: gs.Graph) -> int:
     return cancelled
 
 
-def read_shapes_before_transposes(graph: gs.Graph, names: NameAuthority) -> int:
+def read_shapes_before_transposes(graph: gs.Graph, names: _Names) -> int:
     """A Shape of a transposed tensor reads the untransposed one and permutes the result instead.
 
     Dynamic exports take many Shapes; without this they would pin Transposes in place.
@@ -128,7 +145,7 @@ def read_shapes_before_transposes(graph: gs.Graph, names: NameAuthority) -> int:
     return rewritten
 
 
-def sink_once(graph: gs.Graph, names: NameAuthority) -> int:
+def sink_once(graph: gs.Graph, names: _Names) -> int:
     """Sink each Transpose one op down. A Transpose read by several ops is cloned for each op it
     can sink through (the others keep sharing it), so a residual branch does not pin it."""
     moved = 0
@@ -154,7 +171,7 @@ def sink_once(graph: gs.Graph, names: NameAuthority) -> int:
     return moved
 
 
-def _sink_through(graph: gs.Graph, names: NameAuthority, transpose: gs.Node, consumer: gs.Node, dry_run: bool = False) -> bool:
+def _sink_through(graph: gs.Graph, names: _Names, transpose: gs.Node, consumer: gs.Node, dry_run: bool = False) -> bool:
     """Rewrite ``consumer(Transpose(P)(x), ...)`` as ``Transpose(P)(consumer'(x, ...))``.
 
     With ``dry_run``, only say whether it can be done; the graph is not touched.
@@ -207,7 +224,7 @@ def _sink_through(graph: gs.Graph, names: NameAuthority, transpose: gs.Node, con
     return True
 
 
-def _to_inner_layout(graph: gs.Graph, names: NameAuthority, operand: gs.Tensor, perm: list[int], broadcast: bool,
+def _to_inner_layout(graph: gs.Graph, names: _Names, operand: gs.Tensor, perm: list[int], broadcast: bool,
                      beside: gs.Tensor, dry_run: bool = False) -> gs.Tensor | None:
     """``operand`` as seen before Transpose(P): the same values in the other layout, or None."""
     rank = len(perm)
@@ -220,7 +237,7 @@ def _to_inner_layout(graph: gs.Graph, names: NameAuthority, operand: gs.Tensor, 
         if value.size == 1 and value.ndim <= 1:
             return operand  # a scalar broadcasts the same way in any layout
         aligned = value.reshape((1,) * (rank - value.ndim) + value.shape)
-        return make.constant("x".join(map(str, inv)), aligned.transpose(inv))
+        return names.relaid(make, operand, ("transposed", tuple(inv)), lambda: aligned.transpose(inv))
     if len(operand.inputs) == 1 and is_layout_transpose(operand.inputs[0]) and _perm(operand.inputs[0]) == perm:
         return operand.inputs[0].inputs[0]
     for reader in operand.outputs:  # the other layout may already be computed for another reader
@@ -275,7 +292,7 @@ def _resize_inputs(make: Emit, resize: gs.Node, perm: list[int]) -> list[gs.Tens
             continue
         if value.ndim != 1 or value.size != len(perm):
             return None
-        out.append(make.constant(f"in{index}_{'x'.join(map(str, inv))}", value[inv]))
+        out.append(make.names.relaid(make, tensor, ("permuted", tuple(inv)), lambda: value[inv]))
     if resize.attrs.get("axes") is not None:
         return None
     return out
