@@ -86,7 +86,13 @@ SAME_SHAPE_OPS = frozenset({
 
 
 class _OpWriter:
-    """``make.op.Transpose(x, perm=[...])``: one node of the writer's domain per call."""
+    """``make.op.Transpose(x, perm=[...])``: one node of the writer's domain per call.
+
+    Options (the rest are attributes): ``_dtype`` / ``_shape`` annotate the outputs where they are
+    not the first input's; ``_outputs`` is a count of new tensors or the existing tensors the node
+    computes; ``_label`` names the node ``{prefix}/{label}`` instead of ``{prefix}/{Op}``; ``_name``
+    is a fixed node name. An input ``None`` is an optional input left out (trailing ones dropped).
+    """
 
     def __init__(self, make: "Emit", domain: str | None):
         self._make, self._domain = make, domain
@@ -95,7 +101,12 @@ class _OpWriter:
         if op_type.startswith("_"):
             raise AttributeError(op_type)
 
-        def write(*inputs, _dtype=None, _shape=None, _outputs: int = 1, **attrs):
+        def write(*inputs, _dtype=None, _shape=None, _outputs: int | Sequence[gs.Tensor] = 1,
+                  _label: str | None = None, _name: str | None = None, **attrs):
+            inputs = list(inputs)
+            while inputs and inputs[-1] is None:
+                inputs.pop()
+            inputs = [self._make.absent() if t is None else t for t in inputs]
             first = inputs[0] if inputs else None
             dtype = _dtype if _dtype is not None else getattr(first, "dtype", None)
             shape = _shape
@@ -104,7 +115,8 @@ class _OpWriter:
                     shape = permuted(first.shape, attrs["perm"])
                 elif op_type in SAME_SHAPE_OPS:
                     shape = first.shape
-            return self._make.node(op_type, inputs, dtype, shape, outputs=_outputs, domain=self._domain, **attrs)
+            return self._make.node(op_type, inputs, dtype, shape, outputs=_outputs, domain=self._domain,
+                                   name=_name, label=_label, **attrs)
 
         return write
 
@@ -119,6 +131,9 @@ class Emit:
         x_nhwc = make.op.Transpose(x, perm=TO_NHWC)                     # shape permuted
         y = make.ms.GroupNorm(x_nhwc, gamma, beta, groups=32, ...)      # domain com.microsoft
         s = make.op.Flatten(skip, axis=1, _shape=[n, c])                # shape where it is not the input's
+
+    A pass that is not a :class:`Fusion` (it rewires by hand) writes the same way, with one
+    ``NameAuthority(graph)`` per run, and adds what it wrote with :meth:`into`.
     """
 
     def __init__(self, graph: gs.Graph, names: NameAuthority, prefix: str):
@@ -138,18 +153,27 @@ class Emit:
         return gs.Constant(self.names(f"{self.prefix}/{suffix}"), values)
 
     def node(self, op_type: str, inputs, dtype, shape, *, outputs: int | Sequence[gs.Tensor] = 1,
-             domain: str | None = None, name: str | None = None, **attrs):
+             domain: str | None = None, name: str | None = None, label: str | None = None, **attrs):
         """One node; ``outputs`` is a count of new annotated tensors, or the tensors themselves.
-        ``name``: a fixed node name, for a node later rewrites look up by it (it must be free)."""
+        ``name``: a fixed node name, for a node later rewrites look up by it (it must be free);
+        ``label``: the node is named ``{prefix}/{label}`` (default: the op type)."""
+        label = label or op_type
         if name is not None:
             self.names.taken.add(name)
-        node_name = name if name is not None else self.names(f"{self.prefix}/{op_type}")
+        node_name = name if name is not None else self.names(f"{self.prefix}/{label}")
         if isinstance(outputs, int):
-            outs = [self.tensor(f"{op_type}_out{'' if k == 0 else k}", dtype, shape) for k in range(outputs)]
+            outs = [self.tensor(f"{label}_out{'' if k == 0 else k}", dtype, shape) for k in range(outputs)]
         else:
             outs = list(outputs)
         self.nodes.append(gs.Node(op_type, node_name, attrs, list(inputs), outs, domain=domain))
         return outs[0] if len(outs) == 1 else outs
+
+    def into(self, graph: gs.Graph) -> list[gs.Node]:
+        """Append the nodes written so far to ``graph`` (passes that rewire by hand, not through
+        :func:`onnxopt.pattern.replace`); returns them."""
+        graph.nodes.extend(self.nodes)
+        written, self.nodes = self.nodes, []
+        return written
 
     def absent(self) -> gs.Variable:
         """An optional input or output left out (the empty name)."""

@@ -33,6 +33,20 @@ def replace_inputs(node: gs.Node, replacement: dict[int, gs.Tensor]) -> None:
             node.inputs[i] = replacement[id(t)]
 
 
+def is_absent(tensor) -> bool:
+    """An optional input left out: not given (None), or graphsurgeon's empty-named Variable that
+    no node computes. The one meaning of "absent" in the core and the passes."""
+    return tensor is None or (isinstance(tensor, gs.Variable) and not tensor.name and not tensor.inputs)
+
+
+def set_input(node: gs.Node, index: int, tensor: gs.Tensor) -> None:
+    """``node`` reads ``tensor`` as input ``index``; optional inputs before it that are not given
+    are left out (the empty name)."""
+    while len(node.inputs) <= index:
+        node.inputs.append(gs.Variable.empty())
+    node.inputs[index] = tensor
+
+
 def replace_output(producer: gs.Node, old: gs.Tensor, new: gs.Tensor) -> None:
     """``producer`` computes ``new`` in the slot where it computed ``old`` (the other slots keep their place)."""
     for index, out in enumerate(producer.outputs):
@@ -57,6 +71,20 @@ def bypass(graph: gs.Graph, old: gs.Tensor, new: gs.Tensor) -> list[gs.Node]:
     for producer in list(old.inputs):
         replace_output(producer, old, gs.Variable(f"{old.name}__bypassed"))
     return [gs.Node("Identity", name=f"{old.name}__identity", inputs=[new], outputs=[old])]
+
+
+def copy_tensor(tensor: gs.Tensor, name: str | None = None, shape=...) -> gs.Variable:
+    """A new tensor of ``tensor``'s dtype, named ``name`` (default: the same name, for another
+    graph) with ``shape`` (default: the same shape): a graph input standing for ``tensor``."""
+    return gs.Variable(tensor.name if name is None else name, dtype=tensor.dtype,
+                       shape=tensor.shape if shape is ... else shape)
+
+
+def clone_node(node: gs.Node) -> gs.Node:
+    """A copy of ``node`` for another graph: the same op, name, attributes and inputs, and new
+    output tensors of the same names (``node`` keeps its own)."""
+    return gs.Node(node.op, node.name, attrs=dict(node.attrs), domain=node.domain, inputs=list(node.inputs),
+                   outputs=[copy_tensor(t) for t in node.outputs])
 
 
 def detach(node: gs.Node) -> None:

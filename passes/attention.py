@@ -12,31 +12,29 @@ What it matches, after canonicalize-attention (which it requires)::
     more Reshape, [Cast] may sit on q and k (upcast_attention), K^T is Transpose(0,2,1), and the
     result is unfolded by Reshape(B,N,S,H) before the Transpose.
 
-What it writes (``layout="packed"``, the default)::
+What it writes: every form above is first read into one canonical :class:`AttentionSite` (the
+check); one small lowering per kind and layout then writes it (``layout`` for self-attention,
+default "packed"; ``cross_layout`` for cross-attention, default "separate")::
 
-    self-attention, no projection bias (UNet attn1):
+    self, packed, no projection bias (UNet attn1):
         x ─ MatMul(W_qkv) ─ Reshape(0,0,N,3,H) ─ MultiHeadAttention(packed QKV) ─ out
-    self-attention with projection biases (VAE mid-block, CLIP):
+    self, packed, projection biases (VAE mid-block, CLIP):
         x ─ Attention(weights [Wq|Wk|Wv], bias [bq|bk|bv]) ─ out
-    cross-attention (UNet attn2; ``cross_layout="packed"``):
+    cross, packed:
         q_proj ───────────────────────────────────────────────┐
         ctx ─ MatMul(W_kv) [+ b_kv] ─ Reshape(0,0,N,2,H) ─ MultiHeadAttention(query, packed KV) ─ out
-    cross-attention, ``cross_layout="separate"`` (the default):
-        q_proj ──────────────────────────┐
-        ctx ─ MatMul(W_k) [+ b_k] ─────── MultiHeadAttention(query, key, value) ─ out
-        ctx ─ MatMul(W_v) [+ b_v] ───────┘
+    split (self: Q, K, V from x; cross: K, V from ctx, the query is q_proj):
+        x ─ MatMul([W_q|]W_k|W_v) [+ [b_q|]b_k|b_v] ─ Split ─ MultiHeadAttention(q, k, v) ─ out
+    separate (self: query x @ W_q [+ b_q]; cross: the query is q_proj):
+        query ──────────────────────┐
+        x ─ MatMul(W_k) [+ b_k] ──── MultiHeadAttention(query, key, value) ─ out
+        x ─ MatMul(W_v) [+ b_v] ────┘
 
     W_qkv is laid out so its output reshapes to (B, S, N, 3, H): column n*3H + t*H + h is column
-    n*H + h of W_t (t = q, k, v); W_kv likewise with 2. ``layout="split"`` keeps the one GEMM but
-    splits its output and hands MHA (B, S, N*H) q, k, v, which ORT's cuDNN kernel reads in place
-    (packed inputs are first unpacked by AddBiasUnpack). On an H100 that won in isolation (158 vs
-    174 us per 4096-token attention, benchmarks/micro_gpu.py) but lost in the full SD1.5 UNet
-    (6.55 vs 6.49 ms with CUDA graph: ORT's Split kernel took 0.21 ms where the unpacking took
-    0.16 ms), so packed stays the default. ``layout="separate"`` writes one MatMul per projection.
-    ``cross_layout`` is the same choice for cross-attention alone; its default is "separate": the
-    K and V projections of the shared text context then all join one MatMul in fuse-parallel-gemm,
-    whose Split hands MHA K and V that it reads in place (6.41 against 6.48 ms for packed KV,
-    full SD1.5 UNet on an H100 with CUDA graph).
+    n*H + h of W_t (t = q, k, v); W_kv likewise with 2. Packed and concatenated weights are
+    derived lazily (onnxopt.weights.DerivedValues): computed when saved, never held twice.
+    Why these defaults (packed self-attention, separate cross K/V that fuse-parallel-gemm then
+    joins): benchmarks/results/layout-choices.md.
     Attributes: num_heads=N, scale only when it differs from 1/sqrt(H), unidirectional=1 only for
     a mask proven exactly causal; any other mask goes, unchanged, to attention_bias (unsqueezed
     to 4-D).
@@ -51,52 +49,54 @@ Conditions (a site that fits the diagram but fails one is refused, with the reas
       would broadcast a batch of 1; MHA does not).
     * The mask is absent, exactly causal, or of a shape attention_bias takes: (.., S, L).
     * A NaN guard after Softmax only where no row can be all -inf.
-    * Casts inside are float upcasts (MHA computes in fp32 anyway); values computed inside are
-      read outside only by Shape nodes (nothing is computed twice).
+    * Casts inside are float upcasts (MHA computes in fp32 anyway).
+    * Values computed inside are read outside only by Shape nodes (nothing is computed twice):
+      the pattern says so (``_external_uses=reads_only_shape``: a candidate that breaks it does
+      not match, and ``--explain`` names the reader). The query projection of a cross-attention
+      stays (MHA reads it); that of a self-attention is recomputed by the new projection, so it
+      too may be read outside only for its shape (a refusal).
 """
 
 from __future__ import annotations
 
 import math
-from collections import Counter
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 
 from onnxopt.attention_masks import any_same, is_causal, nan_free_scores
-from onnxopt.domains import MS_DOMAIN
 from onnxopt.errors import PassOptionError
 from onnxopt.fusion import Emit, Fusion, FusionRun, Refusal, Rule
-from onnxopt.fusion import Site as FusionSite
-from onnxopt.layout import LAYOUT_OPS
 from onnxopt.pass_infra import ATTENTION_CANONICAL, SHAPES_INFERRED, OrtFusion
-from onnxopt.pattern import Const, Match, Maybe, OneOf, OpBuilder, Pattern, Var, constant_shape, constant_value, is_constant
+from onnxopt.pattern import Const, Match, Maybe, OneOf, OpBuilder, Pattern, Var, constant_shape, constant_value, is_constant, reads_only_shape
 from onnxopt.pattern.dims import Dim, Dims, same, text
 from onnxopt.registry import register_pass
+from onnxopt.weights import DerivedValues, read_uncached
 
 
-
-class _OpenOps(OpBuilder):
-    """``op.X(...)`` whose outputs may also be read outside a match: the pass checks those reads
-    itself (``outside_reads``) so that a refused site gets a reason."""
+class _ReadForShape(OpBuilder):
+    """``op.X(...)`` whose outputs may also be read outside the match, by Shape nodes only."""
 
     def __getattr__(self, op_type: str):
         build = super().__getattr__(op_type)
-        return lambda *inputs, **kwargs: build(*inputs, **{"_external_uses": True, **kwargs})
+        return lambda *inputs, **kwargs: build(*inputs, **{"_external_uses": reads_only_shape, **kwargs})
 
 
-op = _OpenOps()
+op = _ReadForShape()
 
 
 # ---------------------------------------------------------------- the pattern
 
 
 def projection(x, t: str):
-    """x @ W_t [+ b_t]"""
-    matmul = op.MatMul(x, Const.named(f"w{t}"), _name=f"{t}_matmul")
-    return OneOf(op.Add(matmul, Const.named(f"b{t}"), _name=f"{t}_bias"), matmul)
+    """x @ W_t [+ b_t]. The query projection may be read outside (cross-attention keeps it;
+    the check limits self-attention's to Shape readers)."""
+    reads = {"_external_uses": True} if t == "q" else {}
+    matmul = op.MatMul(x, Const.named(f"w{t}"), _name=f"{t}_matmul", **reads)
+    return OneOf(op.Add(matmul, Const.named(f"b{t}"), _name=f"{t}_bias", **reads), matmul)
 
 
 def split_heads(x, t: str, perm=(0, 2, 1, 3)):
@@ -151,30 +151,42 @@ def attention_heads_in_batch(x_q, x_k, x_v):
 ATTENTION = Pattern(attention, attention_heads_in_batch, name="attention")
 
 
-# ---------------------------------------------------------------- what a site needs
+# ---------------------------------------------------------------- the canonical site (the check)
 
 
 @dataclass
-class Site:
-    """What the check proved about one match: enough to write the fused node."""
+class AttentionSite:
+    """One attention, whatever form it was exported in: what every lowering needs."""
 
-    name: str
     cross: bool
+    x: gs.Tensor  # what K and V (and Q, for self-attention) project: (B, L, Din)
+    query: gs.Tensor | None  # cross-attention: the projected query (B, S, N*H), which stays
+    weights: dict[str, gs.Tensor]  # "q", "k", "v": (Din, N*H) constants
+    biases: dict[str, gs.Tensor | None]  # (N*H,) constants, or None
     heads: int
     head_dim: int
     scale: float | None  # None: MHA's default 1/sqrt(head_dim)
     causal: bool
     attention_bias: gs.Tensor | None
-    mask_rank: int = 4
-    match: Match | None = None  # set before the rewrite (fuse-attention checks every site first)
-    layout: str = "packed"  # the layout it is written in (the pass's options)
+    mask_rank: int
+    out_dtype: object
+    out_shape: object
+    layout: str = "packed"  # the lowering (the pass's options)
 
     @property
     def kind(self) -> str:
         return "cross" if self.cross else "self"
 
+    @property
+    def biased(self) -> bool:
+        return any(b is not None for b in self.biases.values())
 
-def check_site(graph: gs.Graph, m: Match, dims: Dims) -> Site:
+    @property
+    def width(self) -> int:
+        return self.heads * self.head_dim
+
+
+def check_site(graph: gs.Graph, m: Match, dims: Dims) -> "AttentionSite":
     """Prove the conditions of the module docstring for ``m``, or raise Refusal."""
     x_q, x_k, x_v = m["x_q"], m["x_k"], m["x_v"]
     if x_k is not x_v:
@@ -242,8 +254,13 @@ def check_site(graph: gs.Graph, m: Match, dims: Dims) -> Site:
         reason = nan_free_scores(m.node("softmax").inputs[0])
         if reason is not None and not causal:
             raise Refusal(f"Softmax is NaN-guarded and {reason}")
-    _check_outside_reads(graph, m, cross)
-    return Site(_site_name(m), cross, n, h, scale, causal, bias, mask_rank)
+    if not cross:
+        _check_query_read_only_for_shape(m)
+    return AttentionSite(
+        cross=cross, x=x_k, query=m.node("q_split").inputs[0] if cross else None,
+        weights={t: m[f"w{t}"] for t in "qkv"}, biases={t: m.get(f"b{t}") for t in "qkv"},
+        heads=n, head_dim=h, scale=scale, causal=causal, attention_bias=bias, mask_rank=mask_rank,
+        out_dtype=m.output.dtype, out_shape=m.output.shape)
 
 
 def _heads_of_split(t: str, source, result, d: int) -> tuple[int, int]:
@@ -325,182 +342,190 @@ def _mask(graph, m: Match, dims: Dims, *, cross, rank, seq_q, seq_k, batch, head
     return False, mask, len(shape)
 
 
-def _check_outside_reads(graph: gs.Graph, m: Match, cross: bool) -> None:
-    """Values computed inside the match may be read outside it only for their shape."""
+def _check_query_read_only_for_shape(m: Match) -> None:
+    """Self-attention: the new projection recomputes Q, so the old one may be read outside only for its shape."""
     inside = {id(node) for node in m.nodes}
-    outputs = {id(t) for t in graph.outputs}
-    reused = {id(m.node("q_split").inputs[0])} if cross else set()  # the query MHA reads
-    for node in m.nodes:
-        if node is m.root:
+    for name in ("q_matmul", "q_bias"):
+        if not m.has_node(name):
             continue
-        for t in node.outputs:
-            if id(t) in reused:
-                continue
-            if id(t) in outputs:
-                raise Refusal(f"'{t.name}' (inside the attention) is a graph output")
+        for t in m.node(name).outputs:
             for consumer in t.outputs:
-                if id(consumer) not in inside and not _reads_shape_only(consumer):
-                    raise Refusal(f"'{t.name}' (inside the attention) is also read by {consumer.op} '{consumer.name}'")
+                if id(consumer) not in inside and not reads_only_shape(consumer):
+                    raise Refusal(f"the query projection '{t.name}' is also read by {consumer.op} '{consumer.name}'")
+
+# ---------------------------------------------------------------- the lowerings (the emit)
 
 
+def lower_packed_self(make: Emit, s: AttentionSite) -> gs.Tensor:
+    """x ─ MatMul(W_qkv) ─ Reshape(0,0,N,3,H) ─ MultiHeadAttention(packed QKV)"""
+    qkv = make.op.MatMul(s.x, make.constant("qkv.weight", _packed_weight(s, "qkv")), _label="qkv",
+                         _shape=[*_leading(s.x), 3 * s.width])
+    qkv = _reshape(make, qkv, [0, 0, s.heads, 3, s.head_dim], "qkv_packed")
+    return _mha(make, s, qkv)
 
 
-def _reads_shape_only(node: gs.Node, depth: int = 0) -> bool:
-    """``node`` is a Shape, or moves data only towards Shape nodes (TorchScript's mask sizes)."""
-    if node.op == "Shape":
-        return True
-    if node.op not in LAYOUT_OPS or depth > 4:
-        return False
-    return all(_reads_shape_only(c, depth + 1) for out in node.outputs for c in out.outputs)
+def lower_attention_op(make: Emit, s: AttentionSite) -> gs.Tensor:
+    """x ─ Attention(weights [Wq|Wk|Wv], bias [bq|bk|bv])"""
+    w = make.constant("Attention.weights", _concatenated_weight(s, "qkv"))
+    b = make.constant("Attention.bias", _concatenated_bias(s, "qkv"))
+    return make.ms.Attention(s.x, w, b, None, None, _attention_bias(make, s), _dtype=s.out_dtype, _shape=s.out_shape,
+                             **_attributes(s))
 
 
-# ---------------------------------------------------------------- the rewrite
+def lower_packed_cross(make: Emit, s: AttentionSite) -> gs.Tensor:
+    """ctx ─ MatMul(W_kv) [+ b_kv] ─ Reshape(0,0,N,2,H) ─ MultiHeadAttention(query, packed KV)"""
+    kv = make.op.MatMul(s.x, make.constant("kv.weight", _packed_weight(s, "kv")), _label="kv",
+                        _shape=[*_leading(s.x), 2 * s.width])
+    if s.biases["k"] is not None or s.biases["v"] is not None:
+        kv = make.op.Add(kv, make.constant("kv_bias.bias", _packed_bias(s, "kv")), _label="kv_bias")
+    kv = _reshape(make, kv, [0, 0, s.heads, 2, s.head_dim], "kv_packed")
+    return _mha(make, s, s.query, kv)
 
 
-def fused_nodes(m: Match, site: Site, layout: str = "packed") -> list[gs.Node]:
-    """The nodes that compute ``m.output`` in place of the match.
+def lower_split(make: Emit, s: AttentionSite) -> gs.Tensor:
+    """x ─ MatMul([W_q|]W_k|W_v) [+ bias] ─ Split ─ MultiHeadAttention(q, k, v)"""
+    roles = "kv" if s.cross else "qkv"
+    projected = make.op.MatMul(s.x, make.constant(f"{roles}.weight", _concatenated_weight(s, roles)), _label=roles,
+                               _shape=[*_leading(s.x), len(roles) * s.width])
+    if any(s.biases[t] is not None for t in roles):
+        projected = make.op.Add(projected, make.constant(f"{roles}_bias.bias", _concatenated_bias(s, roles)),
+                                _label=f"{roles}_bias")
+    sizes = make.constant("split.sizes", np.full(len(roles), s.width, np.int64))
+    heads = dict(zip(roles, make.op.Split(projected, sizes, axis=-1, _outputs=len(roles), _label="split",
+                                          _shape=[*_leading(s.x), s.width])))
+    return _mha(make, s, s.query if s.cross else heads["q"], heads["k"], heads["v"])
 
-    ``layout="packed"`` writes one projection MatMul for QKV (self) or KV (cross) and hands MHA
-    the packed tensor; ``"split"`` splits that MatMul's output and hands MHA (B, S, N*H) query,
-    key and value; ``"separate"`` keeps one MatMul per projection.
-    """
-    n, h = site.heads, site.head_dim
-    name = site.name
-    x = m["x_k"]
-    weights = {t: constant_value(m[f"w{t}"]) for t in "qkv"}
-    biases = {t: constant_value(m[f"b{t}"]) if m.get(f"b{t}") is not None else None for t in "qkv"}
-    dtype = weights["q"].dtype
-    nodes: list[gs.Node] = []
-    bias_input = _attention_bias(m, site, nodes)
-    attrs = {"num_heads": n}
-    if site.scale is not None:
-        attrs["scale"] = float(site.scale)
-    if site.causal:
+
+def lower_separate(make: Emit, s: AttentionSite) -> gs.Tensor:
+    """x ─ MatMul(W_t) [+ b_t] per projection ─ MultiHeadAttention(query, key, value)"""
+    k, v = _projected(make, s, "k"), _projected(make, s, "v")
+    return _mha(make, s, s.query if s.cross else _projected(make, s, "q"), k, v)
+
+
+# (kind, layout, biased) -> the lowering; biased self-attention packs into Attention, which
+# takes its biases, only in the packed layout.
+LOWERINGS: dict[tuple[str, str], Callable[[Emit, AttentionSite], gs.Tensor]] = {
+    ("self", "packed"): lower_packed_self,
+    ("self, biased", "packed"): lower_attention_op,
+    ("cross", "packed"): lower_packed_cross,
+    ("self", "split"): lower_split,
+    ("self, biased", "split"): lower_split,
+    ("cross", "split"): lower_split,
+    ("self", "separate"): lower_separate,
+    ("self, biased", "separate"): lower_separate,
+    ("cross", "separate"): lower_separate,
+}
+
+
+def lowering_for(s: AttentionSite) -> Callable[[Emit, AttentionSite], gs.Tensor]:
+    kind = "self, biased" if not s.cross and s.biased else s.kind
+    return LOWERINGS[(kind, s.layout)]
+
+
+def emit_attention(make: Emit, s: AttentionSite) -> list[gs.Tensor]:
+    return [lowering_for(s)(make, s)]
+
+
+def _attributes(s: AttentionSite) -> dict:
+    attrs = {"num_heads": s.heads}
+    if s.scale is not None:
+        attrs["scale"] = float(s.scale)
+    if s.causal:
         attrs["unidirectional"] = 1
-    out = gs.Variable(f"{name}/attention_out", dtype=m.output.dtype, shape=m.output.shape)
-
-    if layout == "split" and (site.cross or all(b is None for b in biases.values())):
-        roles = "kv" if site.cross else "qkv"
-        projected = _matmul(nodes, f"{name}/{roles}", x, np.concatenate([weights[t] for t in roles], axis=1),
-                            [*_leading(x), len(roles) * n * h])
-        if any(biases[t] is not None for t in roles):
-            bias = np.concatenate([_or_zeros(biases[t], n * h, dtype) for t in roles])
-            projected = _add(nodes, f"{name}/{roles}_bias", projected, bias)
-        heads = _split(nodes, name, projected, roles, n * h)
-        q = m.node("q_split").inputs[0] if site.cross else heads["q"]
-        nodes.append(_node("MultiHeadAttention", f"{name}/MultiHeadAttention", [q, heads["k"], heads["v"], None, None, bias_input], out, attrs))
-    elif layout == "separate" and (site.cross or all(b is None for b in biases.values())):
-        q = m.node("q_split").inputs[0] if site.cross else _matmul_by(nodes, f"{name}/q", x, m["wq"])
-        k = _matmul_by(nodes, f"{name}/k", x, m["wk"])
-        v = _matmul_by(nodes, f"{name}/v", x, m["wv"])
-        if biases["k"] is not None:
-            k = _add(nodes, f"{name}/k_bias", k, biases["k"].astype(dtype))
-        if biases["v"] is not None:
-            v = _add(nodes, f"{name}/v_bias", v, biases["v"].astype(dtype))
-        nodes.append(_node("MultiHeadAttention", f"{name}/MultiHeadAttention", [q, k, v, None, None, bias_input], out, attrs))
-    elif site.cross:
-        packed = _pack([weights["k"], weights["v"]], n, h)
-        kv = _matmul(nodes, f"{name}/kv", x, packed, [*_leading(x), 2 * n * h])
-        if biases["k"] is not None or biases["v"] is not None:
-            b = _pack_bias([biases["k"], biases["v"]], n, h, dtype)
-            kv = _add(nodes, f"{name}/kv_bias", kv, b)
-        kv = _reshape(nodes, f"{name}/kv_packed", kv, [0, 0, n, 2, h], [*_leading(x), n, 2, h])
-        query = m.node("q_split").inputs[0]
-        nodes.append(_node("MultiHeadAttention", f"{name}/MultiHeadAttention", [query, kv, None, None, None, bias_input], out, attrs))
-    elif all(b is None for b in biases.values()):
-        packed = _pack([weights["q"], weights["k"], weights["v"]], n, h)
-        qkv = _matmul(nodes, f"{name}/qkv", x, packed, [*_leading(x), 3 * n * h])
-        qkv = _reshape(nodes, f"{name}/qkv_packed", qkv, [0, 0, n, 3, h], [*_leading(x), n, 3, h])
-        nodes.append(_node("MultiHeadAttention", f"{name}/MultiHeadAttention", [qkv, None, None, None, None, bias_input], out, attrs))
-    else:
-        w = gs.Constant(f"{name}/Attention.weights", np.concatenate([weights[t] for t in "qkv"], axis=1))
-        b = gs.Constant(f"{name}/Attention.bias", np.concatenate([_or_zeros(biases[t], n * h, dtype) for t in "qkv"]))
-        nodes.append(_node("Attention", f"{name}/Attention", [x, w, b, None, None, bias_input], out, attrs))
-    return nodes
+    return attrs
 
 
-def _pack(matrices: list[np.ndarray], n: int, h: int) -> np.ndarray:
-    """(Din, N*H) each -> (Din, N * len * H), so the product reshapes to (.., N, len, H)."""
-    d_in = matrices[0].shape[0]
-    return np.stack([w.reshape(d_in, n, h) for w in matrices], axis=2).reshape(d_in, -1)
+def _mha(make: Emit, s: AttentionSite, query, key=None, value=None) -> gs.Tensor:
+    return make.ms.MultiHeadAttention(query, key, value, None, None, _attention_bias(make, s),
+                                      _dtype=s.out_dtype, _shape=s.out_shape, **_attributes(s))
 
 
-def _pack_bias(biases: list, n: int, h: int, dtype) -> np.ndarray:
-    return np.stack([_or_zeros(b, n * h, dtype).reshape(n, h) for b in biases], axis=1).reshape(-1)
-
-
-def _or_zeros(b, size: int, dtype) -> np.ndarray:
-    return np.zeros(size, dtype) if b is None else b.astype(dtype)
-
-
-def _attention_bias(m: Match, site: Site, nodes: list) -> gs.Tensor | None:
+def _attention_bias(make: Emit, s: AttentionSite) -> gs.Tensor | None:
     """The mask as (.., .., S, L): unsqueezed in front to 4-D."""
-    mask = site.attention_bias
-    if mask is None or site.mask_rank == 4:
+    mask = s.attention_bias
+    if mask is None or s.mask_rank == 4:
         return mask
-    axes = gs.Constant(f"{site.name}/attention_bias.axes", np.arange(4 - site.mask_rank, dtype=np.int64))
-    shape = [1] * (4 - site.mask_rank) + list(mask.shape) if mask.shape is not None else None
-    out = gs.Variable(f"{site.name}/attention_bias", dtype=mask.dtype, shape=shape)
-    nodes.append(gs.Node("Unsqueeze", f"{site.name}/attention_bias", inputs=[mask, axes], outputs=[out]))
-    return out
+    axes = make.constant("attention_bias.axes", np.arange(4 - s.mask_rank, dtype=np.int64))
+    shape = [1] * (4 - s.mask_rank) + list(mask.shape) if mask.shape is not None else None
+    return make.op.Unsqueeze(mask, axes, _label="attention_bias", _shape=shape)
+
+
+def _projected(make: Emit, s: AttentionSite, t: str) -> gs.Tensor:
+    """x @ W_t [+ b_t], with the exported weight itself (not a copy)."""
+    w = s.weights[t]
+    y = make.op.MatMul(s.x, w, _label=t, _shape=[*_leading(s.x), w.shape[-1]] if w.shape is not None else None)
+    if s.biases[t] is not None:
+        y = make.op.Add(y, make.constant(f"{t}_bias.bias", _concatenated_bias(s, t)), _label=f"{t}_bias")
+    return y
+
+
+def _reshape(make: Emit, x: gs.Tensor, target: list[int], label: str) -> gs.Tensor:
+    leading = _leading(x)
+    shape = [*leading, *target[2:]]
+    return make.op.Reshape(x, make.constant(f"{label}.shape", np.array(target, np.int64)), _label=label, _shape=shape)
 
 
 def _leading(x: gs.Tensor) -> list:
     return list(x.shape[:-1]) if x.shape is not None else [None, None]
 
 
-def _matmul(nodes, name, x, w: np.ndarray, shape) -> gs.Variable:
-    out = gs.Variable(name, dtype=w.dtype, shape=shape)
-    nodes.append(gs.Node("MatMul", name, inputs=[x, gs.Constant(f"{name}.weight", w)], outputs=[out]))
-    return out
+# Derived weights: described here, computed when read or saved (never held twice).
 
 
-def _matmul_by(nodes, name, x, w: gs.Tensor) -> gs.Variable:
-    """x @ w with the exported weight tensor itself (not a copy)."""
-    out = gs.Variable(name, dtype=x.dtype, shape=[*_leading(x), w.shape[-1]] if w.shape is not None else None)
-    nodes.append(gs.Node("MatMul", name, inputs=[x, w], outputs=[out]))
-    return out
+def _read(t: gs.Tensor) -> np.ndarray:
+    return read_uncached(t) if isinstance(t, gs.Constant) else constant_value(t)
 
 
-def _add(nodes, name, x, b: np.ndarray) -> gs.Variable:
-    out = gs.Variable(name, dtype=x.dtype, shape=x.shape)
-    nodes.append(gs.Node("Add", name, inputs=[x, gs.Constant(f"{name}.bias", b)], outputs=[out]))
-    return out
+def _packed_weight(s: AttentionSite, roles: str) -> DerivedValues:
+    """(Din, N*H) per role -> (Din, N * len(roles) * H): the product reshapes to (.., N, len, H)."""
+    ws = [s.weights[t] for t in roles]
+    d_in = constant_shape(ws[0])[0]
+
+    def pack():
+        return np.stack([_read(w).reshape(d_in, s.heads, s.head_dim) for w in ws], axis=2).reshape(d_in, -1)
+
+    return DerivedValues((d_in, len(roles) * s.width), _dtype(ws[0]), pack, name=f"{roles}.weight")
 
 
-def _split(nodes, name, x, roles: str, width: int) -> dict[str, gs.Variable]:
-    """x (.., len(roles) * width) -> one (.., width) tensor per role, named <name>/<role>."""
-    outs = {t: gs.Variable(f"{name}/{t}", dtype=x.dtype, shape=[*_leading(x), width]) for t in roles}
-    sizes = gs.Constant(f"{name}/split.sizes", np.full(len(roles), width, np.int64))
-    nodes.append(gs.Node("Split", f"{name}/split", attrs={"axis": -1}, inputs=[x, sizes], outputs=list(outs.values())))
-    return outs
+def _concatenated_weight(s: AttentionSite, roles: str) -> DerivedValues:
+    ws = [s.weights[t] for t in roles]
+    d_in = constant_shape(ws[0])[0]
+    return DerivedValues((d_in, len(roles) * s.width), _dtype(ws[0]),
+                         lambda: np.concatenate([_read(w) for w in ws], axis=1), name=f"{roles}.weight")
 
 
-def _reshape(nodes, name, x, target: list[int], shape) -> gs.Variable:
-    out = gs.Variable(name, dtype=x.dtype, shape=shape)
-    nodes.append(gs.Node("Reshape", name, inputs=[x, gs.Constant(f"{name}.shape", np.array(target, np.int64))], outputs=[out]))
-    return out
+def _bias_or_zeros(s: AttentionSite, t: str, dtype) -> np.ndarray:
+    b = s.biases[t]
+    return np.zeros(s.width, dtype) if b is None else _read(b).astype(dtype)
 
 
-def _node(op_type: str, name: str, inputs: list, out: gs.Variable, attrs: dict) -> gs.Node:
-    while inputs and inputs[-1] is None:
-        inputs = inputs[:-1]
-    inputs = [gs.Variable.empty() if t is None else t for t in inputs]
-    return gs.Node(op_type, name, attrs=attrs, inputs=inputs, outputs=[out], domain=MS_DOMAIN)
+def _concatenated_bias(s: AttentionSite, roles: str) -> DerivedValues:
+    dtype = _dtype(s.weights["q"])
+    return DerivedValues((len(roles) * s.width,), dtype,
+                         lambda: np.concatenate([_bias_or_zeros(s, t, dtype) for t in roles]), name=f"{roles}.bias")
+
+
+def _packed_bias(s: AttentionSite, roles: str) -> DerivedValues:
+    dtype = _dtype(s.weights["q"])
+
+    def pack():
+        return np.stack([_bias_or_zeros(s, t, dtype).reshape(s.heads, s.head_dim) for t in roles], axis=1).reshape(-1)
+
+    return DerivedValues((len(roles) * s.width,), dtype, pack, name=f"{roles}.bias")
 
 
 # ---------------------------------------------------------------- the pass
 
 
-def read_site(m: Match, run: FusionRun) -> Site:
-    """check_site with the run's shared Dims (dims proven equal across sites)."""
-    return check_site(run.graph, m, run.memo.setdefault("dims", Dims()))
-
-
-def emit_attention(make: Emit, site: Site) -> list[gs.Tensor]:
-    nodes = fused_nodes(site.match, site, site.layout)
-    make.nodes.extend(nodes)
-    return list(nodes[-1].outputs)
+def read_site(m: Match, run: FusionRun) -> AttentionSite:
+    """check_site with the run's shared Dims (dims proven equal across sites), in the pass's layout."""
+    site = check_site(run.graph, m, run.memo.setdefault("dims", Dims()))
+    site.layout = run.fusion.cross_layout if site.cross else run.fusion.layout
+    run.details[site.kind] += 1
+    run.details["with projection bias"] += site.biased
+    run.details["causal"] += site.causal
+    run.details["attention_bias"] += site.attention_bias is not None
+    return site
 
 
 @register_pass
@@ -519,19 +544,8 @@ class FuseAttention(Fusion, OrtFusion):
         self.layout = layout
         self.cross_layout = cross_layout
 
-    def before_rewrites(self, run: FusionRun, sites: list[FusionSite]) -> list[FusionSite]:
-        names = {n.name for n in run.graph.nodes} | set(run.graph.tensors())
-        kinds: Counter = Counter()
-        for fusion_site in sites:
-            site, m = fusion_site.facts, fusion_site.match
-            site.name = _unused(site.name, names)  # prefixes the new nodes' and tensors' names
-            site.match, site.layout = m, self.cross_layout if site.cross else self.layout
-            kinds[site.kind] += 1
-            kinds["with projection bias"] += any(m.get(f"b{t}") is not None for t in "qkv")
-            kinds["causal"] += site.causal
-            kinds["attention_bias"] += site.attention_bias is not None
-        run.result.details = {k: v for k, v in kinds.items() if v}
-        return sites
+    def finish(self, run: FusionRun) -> None:
+        run.result.details = {k: v for k, v in run.details.items() if v}
 
 
 # ---------------------------------------------------------------- small helpers
@@ -543,25 +557,6 @@ def _site_name(m: Match) -> str:
     return name.rsplit("/", 1)[0] if "/" in name.strip("/") else name
 
 
-# Names fused_nodes gives new nodes and tensors, after the site's prefix.
-CREATED_NAMES = (
-    "MultiHeadAttention", "Attention", "Attention.weights", "Attention.bias", "attention_out", "attention_bias",
-    "attention_bias.axes", "qkv", "qkv.weight", "qkv_packed", "qkv_packed.shape", "kv", "kv.weight", "kv_bias",
-    "kv_bias.bias", "kv_packed", "kv_packed.shape", "q", "k", "v", "k_bias", "k_bias.bias", "v_bias", "v_bias.bias",
-    "qkv_bias", "qkv_bias.bias", "split", "split.sizes",
-)
-
-
-def _unused(base: str, names: set) -> str:
-    """``base``, or ``base_2``, ``base_3`` ...: a prefix under which no name fused_nodes makes exists."""
-    candidate, k = base, 1
-    while any(f"{candidate}/{suffix}" in names for suffix in CREATED_NAMES):
-        k += 1
-        candidate = f"{base}_{k}"
-    names.update(f"{candidate}/{suffix}" for suffix in CREATED_NAMES)
-    return candidate
-
-
 def _dtype(constant: gs.Tensor) -> np.dtype:
     """A constant's dtype, without loading an initializer's data."""
     if isinstance(constant, gs.Constant):
@@ -571,5 +566,3 @@ def _dtype(constant: gs.Tensor) -> np.dtype:
 
 def _times(a: Dim | None, b: Dim | None) -> Dim | None:
     return None if a is None or b is None else a * b
-
-

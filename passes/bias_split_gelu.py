@@ -34,7 +34,7 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from onnxopt.domains import MS_DOMAIN
-from onnxopt.fusion import Emit, Fusion, FusionRun, Refusal, Rule
+from onnxopt.fusion import Emit, Fusion, FusionRun, NameAuthority, Refusal, Rule
 from onnxopt.graph_edit import detach, is_standard
 from onnxopt.model import Model
 from onnxopt.pass_infra import CONSTANTS_FOLDED, SHAPES_INFERRED, OrtFusion, Pass, PassResult
@@ -76,6 +76,7 @@ class SlicesToSplit(Pass):
     def run(self, model: Model) -> PassResult:
         graph = model.graph
         result = PassResult(modified=False)
+        names = NameAuthority(graph)
         for data in _tensors_sliced_twice(graph):
             if data.dtype is None or not np.issubdtype(np.dtype(data.dtype), np.floating):
                 continue  # shape plumbing (int64 vectors) stays as the exporter wrote it
@@ -89,9 +90,10 @@ class SlicesToSplit(Pass):
                 parts.sort(key=lambda p: (p[0], p[1]))
                 if len(parts) < 2 or not _tile(parts, static_dim(data, axis)):
                     continue  # not a chunk: shape plumbing slices parts of a shape vector, a gap leaves a part out
-                graph.nodes.append(_split_node(graph, data, axis, parts))
+                outputs = [node.outputs[0] for _, _, node in parts]
                 for _, _, node in parts:
                     detach(node)
+                _split(Emit(graph, names, parts[0][2].name), data, axis, parts, outputs)
                 result.sites_matched += 1
                 result.sites_rewritten += 1
         result.modified = result.sites_rewritten > 0
@@ -142,13 +144,14 @@ def _tile(parts: list[tuple[int, int, gs.Node]], size: int | None) -> bool:
     return position == size
 
 
-def _split_node(graph: gs.Graph, data: gs.Tensor, axis: int, parts) -> gs.Node:
+def _split(make: Emit, data: gs.Tensor, axis: int, parts, outputs: list[gs.Tensor]) -> None:
+    """Split(data) into the parts' sizes, computing ``outputs`` (the Slices' outputs)."""
     sizes = np.array([end - start for start, end, _ in parts], dtype=np.int64)
-    name = f"{parts[0][2].name}__split"
-    outputs = [node.outputs[0] for _, _, node in parts]
-    if graph.opset >= 13:
-        return gs.Node("Split", name, attrs={"axis": axis}, inputs=[data, gs.Constant(f"{name}_sizes", sizes)], outputs=outputs)
-    return gs.Node("Split", name, attrs={"axis": axis, "split": sizes.tolist()}, inputs=[data], outputs=outputs)
+    if make.graph.opset >= 13:
+        make.op.Split(data, make.constant("split_sizes", sizes), axis=axis, _outputs=outputs)
+    else:
+        make.op.Split(data, axis=axis, split=sizes.tolist(), _outputs=outputs)
+    make.into(make.graph)
 
 
 # ---------------------------------------------------------------- fuse-bias-split-gelu

@@ -71,8 +71,8 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from onnxopt.domains import MS_DOMAIN
-from onnxopt.fusion import Refusal
-from onnxopt.graph_edit import replace_inputs
+from onnxopt.fusion import Emit, NameAuthority, Refusal
+from onnxopt.graph_edit import clone_node, copy_tensor, detach, is_absent, replace_inputs, replace_output
 from onnxopt.layout import LAYOUT_OPS
 from onnxopt.model import Model
 from onnxopt.pass_infra import CONSTANTS_FOLDED, SHAPES_INFERRED, Pass, PassResult
@@ -212,7 +212,7 @@ class Split:
                 continue
             kinds = []
             for t in node.inputs:
-                if not t.name and not isinstance(t, gs.Constant):  # an omitted optional input
+                if is_absent(t):
                     continue
                 k = STATIC if isinstance(t, gs.Constant) else kind.get(id(t))
                 if k is None:
@@ -324,20 +324,18 @@ class Split:
         context_ids = {id(n) for n in self.context_nodes}
         keep_input = self.keep_input_reason is not None
 
-        new_inputs = {id(t): gs.Variable(names[id(t)], dtype=t.dtype, shape=self._input_shape(t)) for t in self.cut}
+        new_inputs = {id(t): copy_tensor(t, names[id(t)], self._input_shape(t)) for t in self.cut}
 
         # Companion: the context region, with its own input and its own copies of what the
         # denoiser also needs (shape plumbing, small constants shared with the denoiser).
         read = {id(t) for n in self.context_nodes for t in n.inputs}
-        context_inputs = [gs.Variable(t.name, dtype=t.dtype, shape=t.shape) for t in self.inputs
-                          if t is self.input or id(t) in read]
-        replacement = {id(t): c for t, c in zip([t for t in self.inputs if t is self.input or id(t) in read], context_inputs)}
+        companion_reads = [t for t in self.inputs if t is self.input or id(t) in read]
+        context_inputs = [copy_tensor(t) for t in companion_reads]
+        replacement = {id(t): c for t, c in zip(companion_reads, context_inputs)}
         context_nodes = []
         for node in self.context_nodes:
             if id(node) in denoiser_ids:  # needed by both: the companion gets a clone
-                clone = gs.Node(node.op, node.name, attrs=dict(node.attrs), domain=node.domain,
-                                inputs=list(node.inputs),
-                                outputs=[gs.Variable(t.name, dtype=t.dtype, shape=t.shape) for t in node.outputs])
+                clone = clone_node(node)
                 replacement.update({id(a): b for a, b in zip(node.outputs, clone.outputs)})
                 context_nodes.append(clone)
             else:
@@ -361,12 +359,13 @@ class Split:
         for node in self.denoiser_nodes:
             replace_inputs(node, new_inputs)
         resolution_nodes = []
+        taken = NameAuthority(graph)
         for node in self.shape_reads:
             pieces = self.resolutions[id(node)]
             if pieces is None:
                 continue  # a Shape of the context input itself, which the denoiser keeps reading
             pieces = [p if isinstance(p, int) else (new_inputs.get(id(p[0]), p[0]), p[1]) for p in pieces]
-            resolution_nodes += shape_from(pieces, node, self.model.opset)
+            resolution_nodes += shape_from(pieces, node, self.model.opset, Emit(graph, taken, node.name or node.outputs[0].name))
 
         # Everything else goes: nodes neither part needs are disconnected so no tensor keeps a
         # reader in the other graph.
@@ -375,8 +374,7 @@ class Split:
         kept_ids = {id(n) for n in kept}
         for node in graph.nodes:
             if id(node) not in kept_ids and id(node) not in context_ids:
-                node.inputs.clear()
-                node.outputs.clear()
+                detach(node)
         graph.nodes = kept + resolution_nodes
         moved = {id(t) for t in self.inputs[1:] if id(t) in read and id(t) not in self.kept_constant_inputs}
         if not keep_input:
@@ -523,18 +521,18 @@ def _strip_wrapper(layers: list[Layer]) -> None:
             layer.module = layer.module.split(".", 1)[1]
 
 
-def shape_from(pieces: list, node: gs.Node, opset: int) -> list[gs.Node]:
+def shape_from(pieces: list, node: gs.Node, opset: int, make: Emit) -> list[gs.Node]:
     """Nodes computing into ``node``'s output what ``pieces`` say (ints, or (tensor, axis)),
-    detaching ``node``; consecutive ints become one constant."""
+    detaching ``node``; consecutive ints become one constant. Written by ``make`` (prefix: the
+    node's name), returned, not added to the graph."""
     out = node.outputs[0]
-    node.inputs.clear()
-    node.outputs.clear()
-    nodes, parts, ints = [], [], []
-    name = node.name or out.name
+    name = make.prefix
+    detach(node)
+    parts, ints = [], []
 
     def flush():
         if ints:
-            parts.append(gs.Constant(f"{name}/dims{len(parts)}", np.array(ints, dtype=np.int64)))
+            parts.append(make.constant(f"dims{len(parts)}", np.array(ints, dtype=np.int64)))
             ints.clear()
 
     for piece in pieces:
@@ -543,24 +541,21 @@ def shape_from(pieces: list, node: gs.Node, opset: int) -> list[gs.Node]:
             continue
         flush()
         t, axis = piece
-        part = gs.Variable(f"{name}/dim{len(parts)}", dtype=np.int64, shape=[1])
         if opset >= 15:
-            nodes.append(gs.Node("Shape", f"{name}/dim{len(parts)}", attrs={"start": axis, "end": axis + 1},
-                                 inputs=[t], outputs=[part]))
+            part = make.op.Shape(t, start=axis, end=axis + 1, _label=f"dim{len(parts)}", _dtype=np.int64, _shape=[1])
         else:
-            whole = gs.Variable(f"{name}/shape{len(parts)}", dtype=np.int64, shape=[len(t.shape or ())])
-            nodes.append(gs.Node("Shape", f"{name}/shape{len(parts)}", inputs=[t], outputs=[whole]))
-            index = gs.Constant(f"{name}/axis{len(parts)}", np.array([axis], dtype=np.int64))
-            nodes.append(gs.Node("Gather", f"{name}/dim{len(parts)}", attrs={"axis": 0}, inputs=[whole, index], outputs=[part]))
+            whole = make.op.Shape(t, _label=f"shape{len(parts)}", _dtype=np.int64, _shape=[len(t.shape or ())])
+            index = make.constant(f"axis{len(parts)}", np.array([axis], dtype=np.int64))
+            part = make.op.Gather(whole, index, axis=0, _label=f"dim{len(parts)}", _shape=[1])
         parts.append(part)
     flush()
-    if len(parts) == 1 and nodes:
-        nodes[-1].outputs[0] = out
+    if len(parts) == 1 and make.nodes:
+        replace_output(make.nodes[-1], parts[0], out)
     elif len(parts) == 1:  # all constant: an Identity keeps the tensor's producer (folding removes it)
-        nodes.append(gs.Node("Identity", name, inputs=[parts[0]], outputs=[out]))
+        make.op.Identity(parts[0], _name=name, _outputs=[out])
     else:
-        nodes.append(gs.Node("Concat", name, attrs={"axis": 0}, inputs=parts, outputs=[out]))
-    return nodes
+        make.op.Concat(*parts, axis=0, _name=name, _outputs=[out])
+    return make.nodes
 
 
 def _size(nbytes: int) -> str:

@@ -1,7 +1,7 @@
 """fold-conv-bias: a channels-last convolution's bias moves into the fused op that reads its output.
 
-ONNX Runtime's NhwcConv adds its bias in a cuDNN kernel of its own (``op_generic_tensor_kernel``:
-98 launches and ~9% of the GPU time of an SD1.5 UNet on an H100), and a pointwise conv written as
+ONNX Runtime's NhwcConv adds its bias in a cuDNN kernel of its own (``op_generic_tensor_kernel``,
+a launch per conv: benchmarks/results/layout-choices.md), and a pointwise conv written as
 MatMul (``nhwc-conv pointwise=matmul``) in an Add of its own. Most of these outputs go straight into
 an op that takes a per-channel bias anyway::
 
@@ -31,6 +31,8 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from onnxopt.domains import MS_DOMAIN
+from onnxopt.fusion import Emit, NameAuthority
+from onnxopt.graph_edit import detach, is_absent, replace_output, set_input
 from onnxopt.model import Model
 from onnxopt.pass_infra import OrtFusion, PassResult
 from onnxopt.pattern import constant_value, is_constant
@@ -59,11 +61,9 @@ class BiasedProducer:
         if self.add is None:
             self.node.inputs.pop(2)
             return
-        out = self.add.outputs[0]  # the MatMul now writes the tensor the Add wrote
-        self.add.inputs.clear()
-        self.add.outputs.clear()
-        self.node.outputs.clear()
-        self.node.outputs.append(out)
+        out, product = self.add.outputs[0], self.node.outputs[0]  # the MatMul now writes the tensor the Add wrote
+        detach(self.add)
+        replace_output(self.node, product, out)
 
 
 def biased_producer(tensor: gs.Tensor) -> BiasedProducer | None:
@@ -92,6 +92,7 @@ class FoldConvBias(OrtFusion):
     def run(self, model: Model) -> PassResult:
         graph = model.graph
         result = PassResult(modified=False)
+        names = NameAuthority(graph)
         counts = {"into SkipGroupNorm": 0, "into BiasAdd": 0, "shortcut biases joined": 0}
         for node in list(graph.nodes):
             if node.op not in ("NhwcConv", "Add"):  # the conv itself, or the bias Add after a pointwise MatMul
@@ -106,7 +107,7 @@ class FoldConvBias(OrtFusion):
             reader = readers[0]
             if reader.op == "SkipGroupNorm" and reader.domain == MS_DOMAIN:
                 result.sites_matched += 1
-                _into_skip_group_norm(reader, producer)
+                _into_skip_group_norm(Emit(graph, names, reader.name), reader, producer)
                 counts["into SkipGroupNorm"] += 1
                 result.sites_rewritten += 1
             elif reader.op == "Add" and reader.domain in ("", None) and len(reader.inputs) == 2 and reader.inputs[0] is not reader.inputs[1]:
@@ -115,7 +116,7 @@ class FoldConvBias(OrtFusion):
                 if reason:
                     result.refuse(reader.name, reason)
                     continue
-                joined = _into_bias_add(graph, reader, producer)
+                joined = _into_bias_add(Emit(graph, names, reader.name or reader.outputs[0].name), reader, producer)
                 counts["into BiasAdd"] += 1
                 counts["shortcut biases joined"] += joined
                 result.sites_rewritten += 1
@@ -126,14 +127,12 @@ class FoldConvBias(OrtFusion):
         return result
 
 
-def _into_skip_group_norm(sgn: gs.Node, producer: BiasedProducer) -> None:
+def _into_skip_group_norm(make: Emit, sgn: gs.Node, producer: BiasedProducer) -> None:
+    """SkipGroupNorm(y, γ, β, skip[, c]) -> SkipGroupNorm(y', γ, β, skip, c + b)."""
     bias = producer.bias_values()
-    if len(sgn.inputs) > 4 and sgn.inputs[4] is not None and not _is_empty(sgn.inputs[4]):
+    if len(sgn.inputs) > 4 and not is_absent(sgn.inputs[4]):
         bias = bias + np.asarray(constant_value(sgn.inputs[4])).reshape(-1).astype(bias.dtype)
-    new_bias = gs.Constant(f"{sgn.name}/bias", bias)
-    while len(sgn.inputs) < 5:
-        sgn.inputs.append(gs.Variable.empty())
-    sgn.inputs[4] = new_bias
+    set_input(sgn, 4, make.constant("bias", bias))
     producer.strip_bias()
 
 
@@ -150,8 +149,9 @@ def _bias_add_refusal(y: gs.Tensor, add: gs.Node) -> str | None:
     return None
 
 
-def _into_bias_add(graph: gs.Graph, add: gs.Node, producer: BiasedProducer) -> int:
+def _into_bias_add(make: Emit, add: gs.Node, producer: BiasedProducer) -> int:
     """Replace ``add`` by Reshape/BiasAdd/Reshape; returns 1 when the residual's own bias joined."""
+    graph = make.graph
     y = producer.output
     r = add.inputs[1] if add.inputs[0] is y else add.inputs[0]
     bias = producer.bias_values()
@@ -163,24 +163,14 @@ def _into_bias_add(graph: gs.Graph, add: gs.Node, producer: BiasedProducer) -> i
         joined = 1
     producer.strip_bias()
     z = add.outputs[0]
-    c = int(bias.shape[0])
-    name = add.name or z.name
-    to_3d = gs.Constant(f"{name}/to_nsc", np.array([0, -1, c], np.int64))
-    y3 = gs.Variable(f"{name}/x_nsc", dtype=y.dtype, shape=_nsc(y.shape))
-    r3 = gs.Variable(f"{name}/skip_nsc", dtype=r.dtype, shape=_nsc(r.shape))
-    z3 = gs.Variable(f"{name}/sum_nsc", dtype=z.dtype, shape=_nsc(z.shape))
-    shape = gs.Variable(f"{name}/shape", dtype=np.int64, shape=[4])
-    nodes = [
-        gs.Node("Reshape", f"{name}/x_to_nsc", inputs=[y, to_3d], outputs=[y3]),
-        gs.Node("Reshape", f"{name}/skip_to_nsc", inputs=[r, to_3d], outputs=[r3]),
-        gs.Node("BiasAdd", f"{name}/BiasAdd", domain=MS_DOMAIN,
-                inputs=[y3, gs.Constant(f"{name}/conv_bias", bias), r3], outputs=[z3]),
-        gs.Node("Shape", f"{name}/shape", inputs=[y], outputs=[shape]),
-        gs.Node("Reshape", f"{name}/to_nhwc", inputs=[z3, shape], outputs=[z]),
-    ]
-    add.inputs.clear()
-    add.outputs.clear()
-    graph.nodes.extend(nodes)
+    to_3d = make.constant("to_nsc", np.array([0, -1, int(bias.shape[0])], np.int64))
+    y3 = make.op.Reshape(y, to_3d, _label="x_to_nsc", _shape=_nsc(y.shape))
+    r3 = make.op.Reshape(r, to_3d, _label="skip_to_nsc", _shape=_nsc(r.shape))
+    z3 = make.ms.BiasAdd(y3, make.constant("conv_bias", bias), r3, _dtype=z.dtype, _shape=_nsc(z.shape))
+    shape = make.op.Shape(y, _dtype=np.int64, _shape=[4])
+    detach(add)
+    make.op.Reshape(z3, shape, _label="to_nhwc", _outputs=[z])
+    make.into(graph)
     return joined
 
 
@@ -191,9 +181,6 @@ def _nsc(shape):
     hw = h * w if isinstance(h, int) and isinstance(w, int) else None
     return [n, hw, c]
 
-
-def _is_empty(t) -> bool:
-    return isinstance(t, gs.Variable) and not t.name
 
 
 __all__ = ["FoldConvBias", "biased_producer"]

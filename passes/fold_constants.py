@@ -21,7 +21,8 @@ import numpy as np
 import onnx_graphsurgeon as gs
 from onnx_graphsurgeon.logger import G_LOGGER
 
-from onnxopt.graph_edit import detach, is_standard
+from onnxopt.fusion import Emit, NameAuthority
+from onnxopt.graph_edit import detach, is_standard, replace_output
 from onnxopt.model import Model
 from onnxopt.pass_infra import CONSTANTS_FOLDED, Pass, PassResult
 from onnxopt.registry import register_pass
@@ -82,22 +83,22 @@ def quiet_onnxruntime() -> None:
 def split_ranged_shapes(graph: gs.Graph) -> list[gs.Node]:
     """Rewrite ``Shape(x, start, end)`` as ``Slice(Shape(x))``; returns the new Slice nodes."""
     slices = []
+    names = NameAuthority(graph)
     for node in [n for n in graph.nodes if n.op == "Shape" and is_standard(n)]:
         start = int(node.attrs.get("start", 0))
         end = node.attrs.get("end")
         if start == 0 and end is None:
             continue
-        full = gs.Variable(f"{node.outputs[0].name}__full_shape", dtype=np.int64, shape=None)
         ranged = node.outputs[0]
+        make = Emit(graph, names, node.name or ranged.name)
+        full = make.tensor("full_shape", np.int64, None)
         node.attrs.pop("start", None)
         node.attrs.pop("end", None)
-        node.outputs[0] = full
-        consts = [
-            gs.Constant(f"{ranged.name}__{label}", np.array([value], dtype=np.int64))
-            for label, value in (("starts", start), ("ends", INT64_MAX if end is None else int(end)), ("axes", 0))
-        ]
-        slice_node = gs.Node("Slice", name=f"{node.name}__range", inputs=[full, *consts], outputs=[ranged])
-        graph.nodes.append(slice_node)
+        replace_output(node, ranged, full)
+        consts = [make.constant(label, np.array([value], dtype=np.int64))
+                  for label, value in (("starts", start), ("ends", INT64_MAX if end is None else int(end)), ("axes", 0))]
+        make.op.Slice(full, *consts, _label="range", _outputs=[ranged])
+        (slice_node,) = make.into(graph)
         slices.append(slice_node)
     return slices
 
@@ -121,7 +122,7 @@ def join_ranged_shapes(graph: gs.Graph, slices: list[gs.Node]) -> int:
             shape_node.attrs["end"] = end
         ranged = slice_node.outputs[0]
         detach(slice_node)
-        shape_node.outputs[0] = ranged
+        replace_output(shape_node, full, ranged)
         joined += 1
     return joined
 

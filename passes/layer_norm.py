@@ -46,9 +46,8 @@ fuse-skip-layer-norm (ort-cuda):
     inference loses).
 
 fuse-bias-layer-norm (ort-cuda; after fuse-skip-layer-norm and nhwc-conv): the LayerNorms left
-without a residual Add. ORT's CUDA LayerNormalization kernel is about twice as slow as its
-SkipLayerNormalization (H100, fp16: MatMul + bias Add + LayerNorm 37.3 us, MatMul +
-SkipLayerNorm 16.9 us at (2, 4096, 320)). In a UNet these are the first norm1 of every
+without a residual Add, onto ORT's faster SkipLayerNormalization kernel (measurements:
+benchmarks/results/layout-choices.md). In a UNet these are the first norm1 of every
 Transformer2DModel, reading proj_in: a 1x1 conv (after nhwc-conv a channels-last MatMul + bias Add,
 then a Reshape (B, H, W, C) -> (B, H*W, C)) or, with use_linear_projection, a Linear (MatMul + bias
 Add on (B, S, C)). The kernel wants skip's last two dims equal to input's and broadcasts a 2-D

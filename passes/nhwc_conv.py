@@ -10,9 +10,8 @@ fuse-group-norm emits in the same wrapped form): Transposes remain only at the e
 regions, where ONNX Runtime's own NHWC pass leaves two per Conv.
 
 A 1x1 convolution (stride 1, no padding, one group) is written as what it is on channels-last
-data, a MatMul over the channel axis (cuBLAS instead of cuDNN; on an H100 the SD1.5 UNet's 46
-pointwise convs took 0.28 ms less as MatMuls, benchmarks/results/h100-2026-11-22-kernels-ts-dynamic.md;
-``pointwise="conv"`` keeps them NhwcConv)::
+data, a MatMul over the channel axis (cuBLAS instead of cuDNN: faster, see
+benchmarks/results/layout-choices.md; ``pointwise="conv"`` keeps them NhwcConv)::
 
     x ─ Transpose(0,2,3,1) ─ MatMul(W[:, :, 0, 0]ᵀ) ─ [Add(B)] ─ Transpose(0,3,1,2) ─ y
 

@@ -15,9 +15,8 @@ Where it fires: in SD UNets and ControlNets the time embedding ``SiLU(temb)`` (B
 Linear per ResnetBlock2D (``time_emb_proj``: 22 in SD 1.5). Both exporters write them as
 ``Gemm(transB=1)`` reading one SiLU output (every block computes the same SiLU(temb); TorchScript
 and dynamo both keep one: the first block's Sigmoid-Mul, dynamo's ``silu``). Tiny models: SD 1.5
-8 members, SD 2.1 8, SDXL 11, ControlNet 4, one group each, nothing else merged. On an H100 (ORT
-1.31 CUDA EP, fp16, CUDA graph) the 22 Gemms of SD 1.5 took 164 us, the merged Gemm and its
-Split 73 us. The pass writes standard ops only, for ORT and TensorRT alike.
+8 members, SD 2.1 8, SDXL 11, ControlNet 4, one group each, nothing else merged. The pass writes
+standard ops only, for ORT and TensorRT alike. Measurements: benchmarks/results/layout-choices.md.
 
 Members (each a Linear reading x; a *site* is a Linear whose input another Linear also reads):
 
@@ -33,12 +32,9 @@ product, as MultiHeadAttention's key or value, with a query not projected from t
 the K and V projections of the text context (``encoder_hidden_states``, 77 tokens), which every
 transformer block reads. fuse-attention writes them apart (its ``cross_layout="separate"``) and
 this pass computes all of them (32 in SD 1.5) with one MatMul and a Split, so MultiHeadAttention
-reads K and V in place, without unpacking: on an H100 the full SD 1.5 UNet went from 6.48 to
-6.41 ms (CUDA graph; benchmarks/probe_gpu.sh), the 16 MatMuls from 92 to 71 us
-(benchmarks/micro_gpu.py ``crosskv``). Other N-D MatMuls are not sites: self-attention's Q/K/V
-read thousands of image tokens, and a Split copying their product costs more than the launches
-it saves (fuse-attention ``layout="split"``: 6.55 against 6.49 ms); packing those is
-fuse-attention's job.
+reads K and V in place, without unpacking. Other N-D MatMuls are not sites: self-attention's
+Q/K/V read thousands of image tokens, and a Split copying their product costs more than the
+launches it saves; packing those is fuse-attention's job.
 
 Conditions: the members of a group read the same tensor x, with one dtype and one K; a member
 failing a condition above is refused with the reason and left as it was; a group left with one
@@ -63,12 +59,12 @@ and ControlNet fixtures).
 
 from __future__ import annotations
 
-from collections import Counter
 from dataclasses import dataclass
 
 import numpy as np
 import onnx_graphsurgeon as gs
 
+from onnxopt.fusion import Emit, NameAuthority
 from onnxopt.graph_edit import detach
 from onnxopt.model import Model
 from onnxopt.pass_infra import CONSTANTS_FOLDED, SHAPES_INFERRED, Pass, PassResult
@@ -165,7 +161,7 @@ class FuseParallelGemm(Pass):
         for linear in _linears(graph):
             by_input.setdefault(id(linear.x), []).append(linear)
         position = {id(n): i for i, n in enumerate(graph.nodes)}
-        names: Counter = Counter()
+        names = NameAuthority(graph)
         groups = members = from_matmul = 0
         for readers in by_input.values():
             if len(readers) < 2:
@@ -183,10 +179,7 @@ class FuseParallelGemm(Pass):
                 if len(group) < 2:
                     result.refuse(group[0].name, f"no other mergeable Linear reads {group[0].x.name} (with this dtype and K)")
                     continue
-                x = group[0].x
-                base = f"{x.name}__parallel_gemm"
-                names[base] += 1
-                _merge(graph, group, base if names[base] == 1 else f"{base}{names[base]}")
+                _merge(Emit(graph, names, f"{group[0].x.name}__parallel_gemm"), group)
                 groups += 1
                 members += len(group)
                 from_matmul += sum(m.node.op == "MatMul" for m in group)
@@ -257,7 +250,7 @@ def _refusal(linear: Linear) -> str | None:
     return None
 
 
-def _merge(graph: gs.Graph, group: list[Linear], name: str) -> None:
+def _merge(make: Emit, group: list[Linear]) -> None:
     """One Gemm (MatMul [+ Add] for an N-D input) computes every member's columns; a Split hands
     each member its output tensor."""
     x = group[0].x
@@ -265,26 +258,24 @@ def _merge(graph: gs.Graph, group: list[Linear], name: str) -> None:
     two_d = rank_of(x) == 2
     trans_b = 1 if two_d and 2 * sum(m.trans_b for m in group) >= len(group) else 0  # MatMul: (K, N) only
     dtype = _dtype(group[0].w)
-    weight = gs.Constant(f"{name}.weight", _concatenated_weight(group, trans_b, f"{name}.weight"))
+    weight = make.constant("weight", _concatenated_weight(group, trans_b, f"{make.prefix}.weight"))
     bias = None
     if any(m.bias is not None for m in group):
-        bias = gs.Constant(f"{name}.bias", _concatenated_bias(group, dtype, f"{name}.bias"))
+        bias = make.constant("bias", _concatenated_bias(group, dtype, f"{make.prefix}.bias"))
     leading = list(x.shape[:-1]) if x.shape is not None else None
-    merged = gs.Variable(f"{name}.out", dtype=x.dtype, shape=[*leading, sum(sizes)] if leading is not None else None)
+    shape = [*leading, sum(sizes)] if leading is not None else None
     outputs = [m.output for m in group]
     for member in group:
         for node in member.nodes:
             detach(node)  # its output is handed to the Split below; cleanup drops the node and its weight
     if two_d:
-        inputs = [x, weight] if bias is None else [x, weight, bias]
-        graph.nodes.append(gs.Node("Gemm", name, attrs={"transB": trans_b}, inputs=inputs, outputs=[merged]))
+        merged = make.op.Gemm(x, weight, bias, transB=trans_b, _shape=shape)
     else:
-        product = merged if bias is None else gs.Variable(f"{name}.product", dtype=x.dtype, shape=merged.shape)
-        graph.nodes.append(gs.Node("MatMul", name, inputs=[x, weight], outputs=[product]))
+        merged = make.op.MatMul(x, weight, _shape=shape)
         if bias is not None:
-            graph.nodes.append(gs.Node("Add", f"{name}__bias", inputs=[product, bias], outputs=[merged]))
-    sizes_constant = gs.Constant(f"{name}.split_sizes", np.array(sizes, dtype=np.int64))
-    graph.nodes.append(gs.Node("Split", f"{name}__split", attrs={"axis": -1}, inputs=[merged, sizes_constant], outputs=outputs))
+            merged = make.op.Add(merged, bias)
+    make.op.Split(merged, make.constant("split_sizes", np.array(sizes, dtype=np.int64)), axis=-1, _outputs=outputs)
+    make.into(make.graph)
 
 
 def _concatenated_weight(group: list[Linear], trans_b: int, name: str) -> DerivedValues:

@@ -35,7 +35,8 @@ from __future__ import annotations
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from onnxopt.graph_edit import detach, is_standard, redirect_consumers
+from onnxopt.fusion import Emit, NameAuthority
+from onnxopt.graph_edit import detach, is_absent, is_standard, redirect_consumers, replace_output, set_input
 from onnxopt.layout import inverse
 from onnxopt.model import Model
 from onnxopt.pass_infra import Pass, PassResult
@@ -66,8 +67,9 @@ class SinkTransposes(Pass):
         graph = model.graph
         result = PassResult(modified=False)
         transposes_before = sum(1 for n in graph.nodes if is_layout_transpose(n))
+        names = _Names(graph)
         for _ in range(MAX_ROUNDS):
-            changed = cancel_inverse_pairs(graph) + read_shapes_before_transposes(graph) + sink_once(graph)
+            changed = cancel_inverse_pairs(graph) + read_shapes_before_transposes(graph, names) + sink_once(graph, names)
             if not changed:
                 break
             result.modified = True
@@ -78,6 +80,23 @@ class SinkTransposes(Pass):
         result.sites_rewritten = max(transposes_before - transposes_after, 0)
         result.details = {"transposes_before": transposes_before, "transposes_after": transposes_after}
         return result
+
+
+class _Names(NameAuthority):
+    """The run's names, and every constant already brought into another layout: made once and
+    shared by the nodes that need it (two ops reading one constant sink the same way)."""
+
+    def __init__(self, graph: gs.Graph):
+        super().__init__(graph)
+        self._relaid: dict[tuple, tuple[gs.Tensor, gs.Constant]] = {}
+
+    def relaid(self, make: Emit, operand: gs.Tensor, how: tuple, compute) -> gs.Constant:
+        """``operand`` in another layout (``how`` says which), written by ``make`` the first time."""
+        key = (id(operand), how)
+        known = self._relaid.get(key)
+        if known is None or known[0] is not operand:
+            known = self._relaid[key] = (operand, make.constant("x".join(map(str, how[-1])), compute()))
+        return known[1]
 
 
 def cancel_inverse_pairs(graph: gs.Graph) -> int:
@@ -100,7 +119,7 @@ def cancel_inverse_pairs(graph: gs.Graph) -> int:
     return cancelled
 
 
-def read_shapes_before_transposes(graph: gs.Graph) -> int:
+def read_shapes_before_transposes(graph: gs.Graph, names: _Names) -> int:
     """A Shape of a transposed tensor reads the untransposed one and permutes the result instead.
 
     Dynamic exports take many Shapes; without this they would pin Transposes in place.
@@ -113,20 +132,20 @@ def read_shapes_before_transposes(graph: gs.Graph) -> int:
             start = int(shape_node.attrs.get("start", 0))
             end = shape_node.attrs.get("end")
             indices = perm[start: None if end is None else int(end)]
-            full = gs.Variable(f"{shape_node.name}__untransposed", dtype=np.int64, shape=[len(perm)])
+            make = Emit(graph, names, shape_node.name)
+            full = make.tensor("untransposed", np.int64, [len(perm)])
             shape_node.attrs.pop("start", None)
             shape_node.attrs.pop("end", None)
-            shape_node.inputs[0] = transpose.inputs[0]
+            set_input(shape_node, 0, transpose.inputs[0])
             result = shape_node.outputs[0]
-            shape_node.outputs[0] = full
-            graph.nodes.append(gs.Node("Gather", name=f"{shape_node.name}__permuted", attrs={"axis": 0},
-                                       inputs=[full, gs.Constant(f"{shape_node.name}__perm", np.array(indices, np.int64))],
-                                       outputs=[result]))
+            replace_output(shape_node, result, full)
+            make.op.Gather(full, make.constant("perm", np.array(indices, np.int64)), axis=0, _label="permuted", _outputs=[result])
+            make.into(graph)
             rewritten += 1
     return rewritten
 
 
-def sink_once(graph: gs.Graph) -> int:
+def sink_once(graph: gs.Graph, names: _Names) -> int:
     """Sink each Transpose one op down. A Transpose read by several ops is cloned for each op it
     can sink through (the others keep sharing it), so a residual branch does not pin it."""
     moved = 0
@@ -138,21 +157,21 @@ def sink_once(graph: gs.Graph) -> int:
             continue
         consumers = list(t.outputs)
         if len(consumers) == 1:
-            moved += _sink_through(graph, node, consumers[0])
+            moved += _sink_through(graph, names, node, consumers[0])
             continue
         for consumer in consumers:
-            if not _sink_through(graph, node, consumer, dry_run=True):
+            if not _sink_through(graph, names, node, consumer, dry_run=True):
                 continue
-            clone_out = gs.Variable(f"{t.name}__for_{consumer.name}", dtype=t.dtype, shape=t.shape)
-            clone = gs.Node("Transpose", name=f"{node.name}__for_{consumer.name}", attrs=dict(node.attrs),
-                            inputs=[node.inputs[0]], outputs=[clone_out])
-            graph.nodes.append(clone)
+            make = Emit(graph, names, node.name)
+            clone_out = make.op.Transpose(node.inputs[0], **dict(node.attrs), _label=f"for_{consumer.name}",
+                                          _dtype=t.dtype, _shape=t.shape)
+            make.into(graph)
             redirect_consumers(t, clone_out, only=consumer)
-            moved += _sink_through(graph, clone, consumer)
+            moved += _sink_through(graph, names, clone_out.inputs[0], consumer)
     return moved
 
 
-def _sink_through(graph: gs.Graph, transpose: gs.Node, consumer: gs.Node, dry_run: bool = False) -> bool:
+def _sink_through(graph: gs.Graph, names: _Names, transpose: gs.Node, consumer: gs.Node, dry_run: bool = False) -> bool:
     """Rewrite ``consumer(Transpose(P)(x), ...)`` as ``Transpose(P)(consumer'(x, ...))``.
 
     With ``dry_run``, only say whether it can be done; the graph is not touched.
@@ -176,12 +195,12 @@ def _sink_through(graph: gs.Graph, transpose: gs.Node, consumer: gs.Node, dry_ru
             if operand is t:
                 new_inputs[i] = transpose.inputs[0]
                 continue
-            converted = _to_inner_layout(graph, operand, perm, broadcast=op != "Concat", beside=t, dry_run=dry_run)
+            converted = _to_inner_layout(graph, names, operand, perm, broadcast=op != "Concat", beside=t, dry_run=dry_run)
             if converted is None:
                 return False
             new_inputs[i] = converted
     elif op == "Resize":
-        converted = _resize_inputs(consumer, perm)
+        converted = _resize_inputs(Emit(graph, names, consumer.name), consumer, perm)
         if converted is None:
             return False
         new_inputs = [transpose.inputs[0]] + converted
@@ -191,23 +210,26 @@ def _sink_through(graph: gs.Graph, transpose: gs.Node, consumer: gs.Node, dry_ru
         return True
 
     y = consumer.outputs[0]
-    y_inner = gs.Variable(f"{y.name}__{'x'.join(map(str, inverse(perm)))}", dtype=y.dtype,
-                          shape=[y.shape[i] for i in inverse(perm)] if y.shape is not None and len(y.shape) == rank else None)
-    consumer.inputs.clear()
-    consumer.inputs.extend(new_inputs)
+    y_inner = Emit(graph, names, y.name).tensor(
+        "x".join(map(str, inverse(perm))), y.dtype,
+        [y.shape[i] for i in inverse(perm)] if y.shape is not None and len(y.shape) == rank else None)
+    for i, operand in enumerate(new_inputs):
+        set_input(consumer, i, operand)
     consumer.attrs.clear()
     consumer.attrs.update(new_attrs)
-    consumer.outputs[0] = y_inner
-    sunk = gs.Node("Transpose", name=f"{transpose.name}__sunk", attrs={"perm": perm}, inputs=[y_inner], outputs=[y])
-    graph.nodes.append(sunk)
+    replace_output(consumer, y, y_inner)
+    make = Emit(graph, names, transpose.name)
+    make.op.Transpose(y_inner, perm=perm, _label="sunk", _outputs=[y])
+    make.into(graph)
     return True
 
 
-def _to_inner_layout(graph: gs.Graph, operand: gs.Tensor, perm: list[int], broadcast: bool, beside: gs.Tensor,
-                     dry_run: bool = False) -> gs.Tensor | None:
+def _to_inner_layout(graph: gs.Graph, names: _Names, operand: gs.Tensor, perm: list[int], broadcast: bool,
+                     beside: gs.Tensor, dry_run: bool = False) -> gs.Tensor | None:
     """``operand`` as seen before Transpose(P): the same values in the other layout, or None."""
     rank = len(perm)
     inv = inverse(perm)
+    make = Emit(graph, names, operand.name)
     if is_constant(operand):
         value = constant_value(operand)
         if value.ndim > rank or (not broadcast and value.ndim != rank):
@@ -215,7 +237,7 @@ def _to_inner_layout(graph: gs.Graph, operand: gs.Tensor, perm: list[int], broad
         if value.size == 1 and value.ndim <= 1:
             return operand  # a scalar broadcasts the same way in any layout
         aligned = value.reshape((1,) * (rank - value.ndim) + value.shape)
-        return gs.Constant(f"{operand.name}__{'x'.join(map(str, inv))}", np.ascontiguousarray(aligned.transpose(inv)))
+        return names.relaid(make, operand, ("transposed", tuple(inv)), lambda: aligned.transpose(inv))
     if len(operand.inputs) == 1 and is_layout_transpose(operand.inputs[0]) and _perm(operand.inputs[0]) == perm:
         return operand.inputs[0].inputs[0]
     for reader in operand.outputs:  # the other layout may already be computed for another reader
@@ -228,8 +250,8 @@ def _to_inner_layout(graph: gs.Graph, operand: gs.Tensor, perm: list[int], broad
         return None
     if dry_run:
         return operand
-    out = gs.Variable(f"{operand.name}__{'x'.join(map(str, inv))}", dtype=operand.dtype, shape=[shape[i] for i in inv])
-    graph.nodes.append(gs.Node("Transpose", name=f"{operand.name}__to_inner_layout", attrs={"perm": inv}, inputs=[operand], outputs=[out]))
+    out = make.op.Transpose(operand, perm=inv, _label="to_inner_layout")
+    make.into(graph)
     return out
 
 
@@ -249,12 +271,12 @@ def _is_small_broadcast(shape, beside: gs.Tensor) -> bool:
     return broadcasts and known <= SMALL_OPERAND
 
 
-def _resize_inputs(resize: gs.Node, perm: list[int]) -> list[gs.Tensor] | None:
+def _resize_inputs(make: Emit, resize: gs.Node, perm: list[int]) -> list[gs.Tensor] | None:
     """Resize's roi/scales/sizes, permuted for the other layout; None if they are not constant."""
     inv = inverse(perm)
     out: list[gs.Tensor] = []
     for index, tensor in enumerate(resize.inputs[1:], start=1):
-        if tensor is None or (isinstance(tensor, gs.Variable) and tensor.name == ""):
+        if is_absent(tensor):
             out.append(tensor)
             continue
         if not is_constant(tensor):
@@ -270,7 +292,7 @@ def _resize_inputs(resize: gs.Node, perm: list[int]) -> list[gs.Tensor] | None:
             continue
         if value.ndim != 1 or value.size != len(perm):
             return None
-        out.append(gs.Constant(f"{tensor.name}__{'x'.join(map(str, inv))}", np.ascontiguousarray(value[inv])))
+        out.append(make.names.relaid(make, tensor, ("permuted", tuple(inv)), lambda: value[inv]))
     if resize.attrs.get("axes") is not None:
         return None
     return out

@@ -55,6 +55,7 @@ import onnx
 import onnx_graphsurgeon as gs
 
 from onnxopt.fusion import Emit, Fusion, FusionRun, NameAuthority, Refusal, Rule, Site
+from onnxopt.graph_edit import set_input
 from onnxopt.group_norm_form import (
     check_instance_norm_is_plain,
     check_restores_shape,
@@ -145,7 +146,7 @@ def upgrade_to_target_opset(graph: gs.Graph, opset: int, names: NameAuthority) -
         for node in graph.nodes:
             if node.op in AXES_BECAME_INPUT_IN_18 and node.domain in ("", "ai.onnx", None) and "axes" in node.attrs:
                 axes = np.asarray(node.attrs.pop("axes"), dtype=np.int64).reshape(-1)
-                node.inputs.append(gs.Constant(names(f"{node.name or node.op}/axes"), axes))
+                set_input(node, len(node.inputs), Emit(graph, names, node.name or node.op).constant("axes", axes))
                 moved += 1
     graph.opset = TARGET_OPSET
     if graph.import_domains is not None:

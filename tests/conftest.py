@@ -99,5 +99,17 @@ def op_counts(model):
     return Counter(n.op for n in model.graph.nodes)
 
 
+def export_cases(families, fast, prefix: str = "") -> list:
+    """pytest params ``(family, variant)`` for every family x EXPORT_VARIANTS, each marked
+    ``models``; those ``fast(family, variant)`` refuses are marked ``slow`` too (the default run
+    skips them). Ids read ``{prefix}{family}-{exporter}-{shapes}-{attention}``."""
+    cases = []
+    for family in families:
+        for variant in EXPORT_VARIANTS:
+            marks = [pytest.mark.models] + ([] if fast(family, variant) else [pytest.mark.slow])
+            cases.append(pytest.param(family, variant, marks=marks, id=f"{prefix}{family}-{'-'.join(variant)}"))
+    return cases
+
+
 def nodes_of(model, op_type):
     return [n for n in model.graph.nodes if n.op == op_type]

@@ -21,7 +21,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from onnxopt import optimize
 from onnxopt.verify import assert_same_computation
-from tests.conftest import EXPORT_VARIANTS
+from tests.conftest import EXPORT_VARIANTS, export_cases, op_counts
 
 ATTENTION_FAMILIES = [
     "unet-sd15", "unet-sd21", "unet-sdxl", "vae-encoder", "vae-decoder", "clip-text", "openclip-text", "controlnet",
@@ -56,23 +56,11 @@ RAW_DEFAULT = {
 
 
 def _cases(default: dict) -> list:
-    cases = []
-    for family in ATTENTION_FAMILIES:
-        for variant in EXPORT_VARIANTS:
-            fast = variant in default.get(family, [TS_DYNAMIC])
-            marks = [pytest.mark.models] + ([] if fast else [pytest.mark.slow])
-            cases.append(pytest.param(family, variant, marks=marks, id=f"{family}-{'-'.join(variant)}"))
-    return cases
+    return export_cases(ATTENTION_FAMILIES, lambda family, variant: variant in default.get(family, [TS_DYNAMIC]))
 
 
 def _raw_cases() -> list:
-    cases = []
-    for family in ATTENTION_FAMILIES:
-        for variant in EXPORT_VARIANTS:
-            fast = (family, variant) in RAW_DEFAULT
-            marks = [pytest.mark.models] + ([] if fast else [pytest.mark.slow])
-            cases.append(pytest.param(family, variant, marks=marks, id=f"raw-{family}-{'-'.join(variant)}"))
-    return cases
+    return export_cases(ATTENTION_FAMILIES, lambda family, variant: (family, variant) in RAW_DEFAULT, prefix="raw-")
 
 
 def fusion_result(report):
@@ -304,6 +292,21 @@ def test_self_attention_with_biases_becomes_attention_with_every_bias():
     assert node.op == "Attention"
     expected = np.concatenate([numpy_helper.to_array(i) for t in "qkv" for i in model.graph.initializer if i.name == f"b{t}"])
     np.testing.assert_array_equal(node.inputs[2].values, expected)
+    assert_same_computation(model, fused, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("layout, ops", [
+    ("split", {"MatMul": 1, "Add": 1, "Split": 1, "MultiHeadAttention": 1}),  # one GEMM, one bias Add, split into Q, K, V
+    ("separate", {"MatMul": 3, "Add": 3, "MultiHeadAttention": 1}),  # one projection (and bias) each
+])
+def test_biased_self_attention_is_written_in_the_layout_asked_for(layout, ops):
+    """A self-attention with Q/K/V biases (VAE, CLIP) under layout split/separate: MHA reads
+    q, k, v with every bias added (it used to become the packed Attention op whatever the layout)."""
+    model = attention_model(biases=True)
+    fused, report = optimize(model, ["fuse-attention"], options={"fuse-attention": {"layout": layout}})
+    (mha,) = fused_nodes(fused)
+    assert mha.op == "MultiHeadAttention" and len(mha.inputs) == 3
+    assert dict(op_counts(fused)) == ops
     assert_same_computation(model, fused, atol=1e-5, rtol=1e-4)
 
 

@@ -6,17 +6,10 @@ import onnx_graphsurgeon as gs
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from onnxopt import load_model, optimize
-from onnxopt.manager import PassManager
+from onnxopt import optimize
 from onnxopt.verify import assert_same_computation
-from tests.conftest import fixture_models
+from tests.conftest import fixture_models, run_passes
 from tests.graphs import linear_model, make_model
-
-
-def _run(pass_names, proto):
-    model = load_model(proto)
-    report = PassManager(pass_names).run(model)
-    return model, report
 
 
 def _ops(model):
@@ -27,7 +20,7 @@ def _ops(model):
 
 def test_identity_before_graph_output_keeps_output_name():
     proto, _, _ = linear_model()
-    model, report = _run(["remove-identity"], proto)
+    model, report = run_passes(proto, ["remove-identity"])
     assert _ops(model) == ["MatMul", "Add"]
     assert [t.name for t in model.graph.outputs] == ["out"]
     assert model.graph.nodes[-1].outputs[0].name == "out"
@@ -40,7 +33,7 @@ def test_identity_joining_input_to_output_is_kept():
         [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
         [helper.make_tensor_value_info("out", TensorProto.FLOAT, [2])],
     )
-    model, report = _run(["remove-identity"], proto)
+    model, report = run_passes(proto, ["remove-identity"])
     assert _ops(model) == ["Identity"]
     assert report.passes[0].result.refused
 
@@ -73,7 +66,7 @@ F16, F32, I32, I64 = TensorProto.FLOAT16, TensorProto.FLOAT, TensorProto.INT32, 
 )
 def test_cast_chains(src, first, second, casts_left):
     proto = _cast_chain(src, first, second)
-    model, _ = _run(["remove-redundant-casts"], proto)
+    model, _ = run_passes(proto, ["remove-redundant-casts"])
     assert _ops(model).count("Cast") == casts_left
     assert_same_computation(proto, model, atol=0, rtol=0)
 
@@ -109,7 +102,7 @@ def _ranged_shape_model(dims):
 
 def test_fold_respects_shape_start_end_on_static_graph():
     proto = _ranged_shape_model([2, 3, 4, 5])
-    model, report = _run(["fold-constants"], proto)
+    model, report = run_passes(proto, ["fold-constants"])
     assert "Shape" not in _ops(model)
     shape = next(n for n in model.graph.nodes if n.op == "Reshape").inputs[1]
     assert list(shape.values) == [3, 4, -1]
@@ -128,7 +121,7 @@ def test_graphsurgeon_alone_gets_ranged_shape_wrong():
 
 def test_fold_keeps_dynamic_ranged_shape_as_one_node():
     proto = _ranged_shape_model(["n", "c", "h", "w"])
-    model, _ = _run(["fold-constants"], proto)
+    model, _ = run_passes(proto, ["fold-constants"])
     shape_nodes = [n for n in model.graph.nodes if n.op == "Shape"]
     assert len(shape_nodes) == 1 and shape_nodes[0].attrs == {"start": 1, "end": 3}
     assert "Slice" not in _ops(model)
@@ -145,7 +138,7 @@ def test_fold_does_not_materialise_huge_constants():
         [helper.make_tensor_value_info("out", F32, [1024, 8192])],
         [numpy_helper.from_array(np.array([1024, 8192], np.int64), "big_shape")],
     )
-    model, _ = _run(["fold-constants"], proto)  # 32 MB of zeros: over the 16 MB threshold
+    model, _ = run_passes(proto, ["fold-constants"])  # 32 MB of zeros: over the 16 MB threshold
     assert "ConstantOfShape" in _ops(model)
     assert model.weights_nbytes() < 1024
 
@@ -191,7 +184,7 @@ def _binary(op, x_first, const, x_shape=(2, 3, 4, 4), x_type=F32):
 )
 def test_neutral_arithmetic(op, x_first, const, removed):
     proto = _binary(op, x_first, const)
-    model, _ = _run(["remove-neutral-arithmetic"], proto)
+    model, _ = run_passes(proto, ["remove-neutral-arithmetic"])
     assert (op not in _ops(model)) == removed
     if const.dtype == np.float32:
         assert_same_computation(proto, model, atol=0, rtol=0)

@@ -30,7 +30,7 @@ from onnx import TensorProto, helper, numpy_helper
 from onnxopt import load_model, optimize
 from onnxopt.passes.bias_split_gelu import FuseBiasSplitGelu
 from onnxopt.verify import assert_same_computation
-from tests.conftest import EXPORT_VARIANTS, op_counts
+from tests.conftest import EXPORT_VARIANTS, export_cases, op_counts
 
 RNG = np.random.default_rng(7)
 
@@ -54,12 +54,7 @@ EVERY_EXPORTER_AND_SHAPES = [v for v in EXPORT_VARIANTS if v[2] == "sdpa"]  # at
 
 def _variants(families, always: dict[str, list]) -> list:
     """Every family x EXPORT_VARIANTS; those outside ``always`` are marked slow."""
-    params = []
-    for family in families:
-        for variant in EXPORT_VARIANTS:
-            marks = [pytest.mark.models] + ([] if variant in always.get(family, [TORCHSCRIPT_DYNAMIC]) else [pytest.mark.slow])
-            params.append(pytest.param(family, variant, marks=marks, id=f"{family}-{'-'.join(variant)}"))
-    return params
+    return export_cases(families, lambda family, variant: variant in always.get(family, [TORCHSCRIPT_DYNAMIC]))
 
 
 GEGLU_CASES = _variants(GEGLU_FAMILIES, {"unet-sd15": EVERY_EXPORTER_AND_SHAPES})

@@ -34,7 +34,7 @@ from onnx import TensorProto, numpy_helper
 
 from models import FAMILIES
 from onnxopt import optimize
-from tests.conftest import EXPORT_VARIANTS
+from tests.conftest import EXPORT_VARIANTS, export_cases
 from tests.test_fp16 import ERROR_BOUND, assert_valid, assert_within_bound, convert, elem_types, errors, ort_session, run
 
 TS_DYNAMIC = ("torchscript", "dynamic", "sdpa")
@@ -57,12 +57,7 @@ DEFAULT = {
 
 
 def _cases(prefix: str) -> list:
-    cases = []
-    for family in FAMILIES:
-        for variant in EXPORT_VARIANTS:
-            marks = [pytest.mark.models] + ([] if (family, variant) in DEFAULT else [pytest.mark.slow])
-            cases.append(pytest.param(family, variant, marks=marks, id=f"{prefix}{family}-{'-'.join(variant)}"))
-    return cases
+    return export_cases(FAMILIES, lambda family, variant: (family, variant) in DEFAULT, prefix=prefix)
 
 
 _FP32: dict = {}

@@ -22,6 +22,7 @@ from onnxopt.pattern import (
     Var,
     constant_value,
     op,
+    reads_only_shape,
     replace,
 )
 
@@ -252,6 +253,32 @@ def test_an_intermediate_consumed_outside_the_match_is_refused_unless_the_patter
 
     (m,) = Pattern(erf_gelu_shared_erf).find(graph)
     assert m.root.name == "root"
+
+
+def test_an_escape_predicate_allows_only_the_outside_readers_it_names():
+    """``_external_uses=reads_only_shape``: an intermediate read outside by Shape (directly or
+    through a Reshape) still matches; read by anything that computes on it, it does not."""
+
+    def erf_gelu_erf_sized_outside(x):
+        return 0.5 * (x * (op.Erf(x / SQRT2, _external_uses=reads_only_shape) + 1.0))
+
+    pattern = Pattern(erf_gelu_erf_sized_outside)
+    for leak_through_layout in (False, True):
+        b = GraphBuilder()
+        x = b.input("x")
+        erf = b.Erf(b.Div(x, SQRT2), name="erf")
+        y = b.Mul(0.5, b.Mul(x, b.Add(erf, 1.0)), name="root")
+        read = b.Reshape(erf, b.const(np.array([-1], np.int64))) if leak_through_layout else erf
+        (m,) = pattern.find(b.graph(y, b.Shape(read, name="size")))
+        assert m.root.name == "root"
+
+    b = GraphBuilder()
+    x = b.input("x")
+    erf = b.Erf(b.Div(x, SQRT2), name="erf")
+    y = b.Mul(0.5, b.Mul(x, b.Add(erf, 1.0)), name="root")
+    matches = pattern.find(b.graph(y, b.Shape(erf), b.Relu(erf, name="other_user")), trace=True)
+    assert len(matches) == 0
+    assert candidate(matches, "root").reason == f"intermediate '{erf.name}' has 1 consumer(s) outside the match: 'other_user'"
 
 
 def test_an_intermediate_that_is_a_graph_output_is_refused():

@@ -30,16 +30,12 @@ from onnxopt.runners import tensorrt as trt_runner
 from onnxopt.runners.tensorrt import ShapeRange, parse_profile, resolve_profiles
 from onnxopt.saving import save_model
 from onnxopt.verify import assert_same_computation
-from tests.conftest import fixture_models, result_of, run_passes
+from tests.conftest import fixture_models, op_counts, result_of, run_passes
 
 TRT_MISSING = "TensorRT is not installable on this machine (wheels only from NVIDIA's index): engine tests need it and a GPU"
 
 
 # ---------------------------------------------------------------- helpers
-
-
-def ops(model) -> Counter:
-    return Counter(n.op for n in model.graph.nodes)
 
 
 def producer(tensor):
@@ -76,13 +72,13 @@ def assert_tensorrt_form(source, model, report):
 
     src = load_model(source)
     assert {n.domain for n in model.graph.nodes} <= {None, "", "ai.onnx"}
-    group_norms = ops(src)["InstanceNormalization"]
-    assert ops(model)["InstanceNormalization"] == 0
-    assert ops(model)["GroupNormalization"] == group_norms
+    group_norms = op_counts(src)["InstanceNormalization"]
+    assert op_counts(model)["InstanceNormalization"] == 0
+    assert op_counts(model)["GroupNormalization"] == group_norms
     assert result_of(report, "trt-group-norm").refused == []
     if group_norms:
         assert model.opset == 21
-    softmaxes = ops(src)["Softmax"]
+    softmaxes = op_counts(src)["Softmax"]
     assert attention_forms(model) == Counter({"MatMul(Mul(q, s), Transpose)": softmaxes})
     assert result_of(report, "trt-attention-scale").sites_rewritten == softmaxes
     proto = model.to_onnx()
@@ -134,8 +130,8 @@ def test_tensorrt_preset_on_tiny_exports_fuses_every_group_norm_and_attention(ex
     model, report = run_passes(exported.path, ["tensorrt"])
 
     assert_tensorrt_form(exported.path, model, report)
-    assert ops(model)["GroupNormalization"] == exported.sites["group_norm"]
-    assert ops(model)["Softmax"] == exported.sites["attention"]
+    assert op_counts(model)["GroupNormalization"] == exported.sites["group_norm"]
+    assert op_counts(model)["Softmax"] == exported.sites["attention"]
     assert_same_computation(exported.path, model, inputs=exported.input_spec())
 
 
@@ -186,7 +182,7 @@ def test_opset_17_group_norm_becomes_group_normalization_with_gamma_beta_and_the
     result = result_of(report, "trt-group-norm")
     assert (result.sites_matched, result.sites_rewritten) == (1, 1)
     assert model.opset == 21 and result.details["opset"] == "17 -> 21" and model.graph.ir_version >= 10
-    assert ops(model) == Counter({"GroupNormalization": 1})  # γ and β absorbed
+    assert op_counts(model) == Counter({"GroupNormalization": 1})  # γ and β absorbed
     (gn,) = model.graph.nodes
     assert gn.attrs["num_groups"] == 4 and gn.attrs["epsilon"] == pytest.approx(1e-5)
     gamma = numpy_helper.to_array(source.graph.initializer[3]).reshape(-1)
@@ -215,7 +211,7 @@ def test_an_op_that_changed_meaning_keeps_the_model_at_its_opset_and_the_instanc
 
     result = result_of(report, "trt-group-norm")
     assert result.sites_rewritten == 0 and "GridSample" in result.refused[0][1]
-    assert model.opset == 17 and ops(model)["InstanceNormalization"] == 1
+    assert model.opset == 17 and op_counts(model)["InstanceNormalization"] == 1
 
 
 def test_a_gamma_that_is_not_per_channel_stays_outside_the_op():
@@ -223,7 +219,7 @@ def test_a_gamma_that_is_not_per_channel_stays_outside_the_op():
     model, report = run_passes(source, ["trt-group-norm"])
 
     assert result_of(report, "trt-group-norm").details["affine_absorbed"] == 0
-    assert ops(model) == Counter({"GroupNormalization": 1, "Mul": 1, "Add": 1})
+    assert op_counts(model) == Counter({"GroupNormalization": 1, "Mul": 1, "Add": 1})
     (gn,) = [n for n in model.graph.nodes if n.op == "GroupNormalization"]
     assert np.all(gn.inputs[1].values == 1) and gn.inputs[1].values.shape == (8,) and not np.any(gn.inputs[2].values)
     assert_same_computation(source, model)
@@ -257,7 +253,7 @@ def test_group_norm_lookalikes_are_refused_with_the_reason_and_left_alone(kwargs
     result = result_of(report, "trt-group-norm")
     assert (result.sites_matched, result.sites_rewritten) == (1, 0)
     assert reason in result.refused[0][1]
-    assert ops(model)["InstanceNormalization"] == 1 and ops(model)["GroupNormalization"] == 0
+    assert op_counts(model)["InstanceNormalization"] == 1 and op_counts(model)["GroupNormalization"] == 0
     assert model.opset == 17  # no move to opset 21 without a rewrite
     assert_same_computation(source, model)
 
@@ -301,7 +297,7 @@ def test_attention_scale_moves_onto_q(kwargs):
 
     assert result_of(report, "trt-attention-scale").sites_rewritten == 1
     assert attention_forms(model) == Counter({"MatMul(Mul(q, s), Transpose)": 1})
-    assert ops(model)["Div"] == 0
+    assert op_counts(model)["Div"] == 0
     (mul,) = [n for n in model.graph.nodes if n.op == "Mul"]
     assert mul.inputs[0].name == "q" and mul.inputs[1].values.size == 1 and np.isclose(mul.inputs[1].values.item(), 0.125)
     assert_same_computation(source, model, atol=1e-5)

@@ -30,7 +30,8 @@ input. Attributes: a value (exact), a callable (predicate), ``Var("eps")``
 match in every operand order.
 
 A match is refused when a value computed inside it is used outside it (or is
-a graph output), unless its node says ``_external_uses=True``; matches found
+a graph output), unless its node says ``_external_uses=True`` (or names the
+outside readers it allows: ``_external_uses=reads_only_shape``); matches found
 by one ``find`` do not share nodes.
 
 Pieces: ``builder`` (op builder and pattern values), ``matcher`` (Pattern,
@@ -38,7 +39,7 @@ Match, the search), ``tracer`` (failure records), ``rewrite`` (replace),
 ``constants`` (reading constant tensors lazily).
 """
 
-from .builder import COMMUTATIVE_OPS, Const, Literal, Maybe, OneOf, OpBuilder, PatternValue, Var, op
+from .builder import COMMUTATIVE_OPS, Const, Literal, Maybe, OneOf, OpBuilder, PatternValue, Var, op, reads_only_shape
 from .constants import constant_shape, constant_value, is_constant, is_zero_constant
 from .matcher import Match, Matches, Pattern
 from .rewrite import replace
@@ -64,5 +65,6 @@ __all__ = [
     "is_constant",
     "is_zero_constant",
     "op",
+    "reads_only_shape",
     "replace",
 ]

@@ -29,6 +29,8 @@ Node options are keyword arguments that start with ``_``:
 - ``_extra_inputs=True``: the graph node may have more inputs than the pattern.
 - ``_external_uses=True``: this node's outputs may also feed nodes outside the
   match (by default a match is refused when an intermediate value escapes).
+  ``_external_uses=predicate``: only outside readers ``predicate(node)`` accepts
+  (``onnxopt.pattern.reads_only_shape``: values read outside only for their shape).
 
 Attribute patterns (keyword arguments): a plain value matches exactly (floats
 to fp32 precision), a callable is a predicate, ``Var("eps")`` captures the
@@ -43,6 +45,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
+import onnx_graphsurgeon as gs
+
+from onnxopt.layout import LAYOUT_OPS
 
 # Ops whose operands may be permuted: the matcher tries every operand order.
 COMMUTATIVE_OPS = frozenset({"Add", "Mul", "Max", "Min", "Sum", "Equal", "And", "Or", "Xor"})
@@ -432,3 +437,13 @@ def format_number(value) -> str:
 def _callable_name(fn) -> str:
     name = getattr(fn, "__name__", None) or repr(fn)
     return "<lambda>" if name == "<lambda>" else name
+
+
+def reads_only_shape(node: gs.Node, depth: int = 0) -> bool:
+    """An ``_external_uses`` predicate: ``node`` is a Shape, or only moves data on towards Shape
+    nodes (TorchScript reads sizes for masks that way); such a reader needs no value computed."""
+    if node.op == "Shape":
+        return True
+    if node.op not in LAYOUT_OPS or depth > 4:
+        return False
+    return all(reads_only_shape(c, depth + 1) for out in node.outputs for c in out.outputs)

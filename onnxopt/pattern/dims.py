@@ -31,6 +31,8 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_graphsurgeon as gs
 
+from onnxopt.graph_edit import is_absent
+
 from .constants import constant_shape, constant_value, is_constant
 
 # Ops whose output has the shape of their first input.
@@ -239,8 +241,8 @@ class Dims:
         shape = self.shape(node.inputs[0])
         if shape is None:
             return None
-        scales = node.inputs[2] if len(node.inputs) > 2 and not _missing(node.inputs[2]) else None
-        sizes = node.inputs[3] if len(node.inputs) > 3 and not _missing(node.inputs[3]) else None
+        scales = node.inputs[2] if len(node.inputs) > 2 and not is_absent(node.inputs[2]) else None
+        sizes = node.inputs[3] if len(node.inputs) > 3 and not is_absent(node.inputs[3]) else None
         if sizes is not None:
             return self.vector(sizes)
         value = constant_value(scales) if scales is not None else None
@@ -254,7 +256,7 @@ class Dims:
         if shape is None:
             return None
         axes_t = node.inputs[3] if len(node.inputs) > 3 else None
-        axes = constant_value(axes_t) if axes_t is not None and not _missing(axes_t) else np.arange(len(shape))
+        axes = constant_value(axes_t) if axes_t is not None and not is_absent(axes_t) else np.arange(len(shape))
         if axes is None:
             return None
         touched = {int(a) % len(shape) for a in axes.reshape(-1)}
@@ -445,7 +447,7 @@ class Dims:
 
     def _slice(self, inputs) -> list | None:
         data = self.vector(inputs[0])
-        bounds = [constant_value(t) if t is not None and not _missing(t) else None for t in inputs[1:5]]
+        bounds = [constant_value(t) if t is not None and not is_absent(t) else None for t in inputs[1:5]]
         while len(bounds) < 4:
             bounds.append(None)
         starts, ends, axes, steps = bounds
@@ -493,5 +495,3 @@ def _integral(value: np.ndarray) -> bool:
     return np.issubdtype(value.dtype, np.floating) and bool(np.all(np.mod(value, 1) == 0))
 
 
-def _missing(tensor) -> bool:
-    return isinstance(tensor, gs.Variable) and not tensor.name and not tensor.inputs

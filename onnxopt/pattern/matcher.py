@@ -14,7 +14,8 @@ bindings, so operand orders of commutative ops, ``OneOf`` alternatives and
 
 A complete assignment is accepted only after the safety check (no value
 computed inside the match escapes it, unless its node says
-``_external_uses=True``) and the pattern's own ``check``. ``find`` skips
+``_external_uses=True``, or names the outside readers it allows with a predicate)
+and the pattern's own ``check``. ``find`` skips
 candidates that would overlap an earlier match.
 """
 
@@ -44,6 +45,8 @@ from .builder import (
     format_number,
     normalize_domain,
 )
+from onnxopt.graph_edit import is_absent
+
 from .constants import constant_shape, constant_value, is_constant
 from .tracer import CandidateTrace, Failure, Tracer
 
@@ -418,9 +421,9 @@ class _Search:
 
     def _var(self, operand: _Operand, state: _State) -> Iterator[_State]:
         var, tensor = operand.value, operand.tensor
-        if _missing(tensor) and not var.optional:
+        if is_absent(tensor) and not var.optional:
             return self._fail_operand(operand, state, f"input is missing; Var {var.name} needs a tensor", fit=FIT_WRONG_KIND)
-        tensor = None if _missing(tensor) else tensor
+        tensor = None if is_absent(tensor) else tensor
         if var.name in state.values:
             bound = state.values[var.name]
             if bound is not tensor:
@@ -476,7 +479,7 @@ class _Search:
         return None
 
     def _absent(self, operand: _Operand, state: _State) -> Iterator[_State]:
-        if not _missing(operand.tensor):
+        if not is_absent(operand.tensor):
             return self._fail_operand(operand, state, f"input is {_name(operand.tensor)}; pattern wants it absent", fit=FIT_WRONG_KIND)
         return iter((state,))
 
@@ -487,7 +490,7 @@ class _Search:
     def _node_output(self, operand: _Operand, state: _State) -> Iterator[_State]:
         out, tensor = operand.value, operand.tensor
         pnode = out.node
-        if _missing(tensor):
+        if is_absent(tensor):
             return self._fail_operand(
                 operand, state, f"input is missing; pattern wants the output of {pnode.qualified_op}", fit=FIT_WRONG_KIND
             )
@@ -508,10 +511,10 @@ class _Search:
         (Everything else is checked on the complete match.)
         """
         out, tensor = operand.value, operand.tensor
-        if out.node.external_uses or id(out) in self.pattern.output_values:
+        if out.node.external_uses is True or id(out) in self.pattern.output_values:
             return None
         if self.pattern.use_counts.get(id(out), 0) == 1:
-            return self._escape_reason(tensor, {id(operand.graph_node)})
+            return self._escape_reason(tensor, {id(operand.graph_node)}, out.node.external_uses)
         if id(tensor) in self.graph_outputs:
             return f"intermediate {_name(tensor)} is a graph output"
         return None
@@ -657,21 +660,23 @@ class _Search:
         matched = {id(g) for _, g, _ in state.nodes.values()}
         output_ids = {id(t) for t in outputs}
         for pnode, gnode, operand in state.nodes.values():
-            if pnode.external_uses:
+            if pnode.external_uses is True:
                 continue
             for tensor in gnode.outputs:
                 if id(tensor) in output_ids:
                     continue
-                reason = self._escape_reason(tensor, matched)
+                reason = self._escape_reason(tensor, matched, pnode.external_uses)
                 if reason is not None:
                     self._fail_node(operand, gnode, state, reason, dependent=True)
                     return reason
         return None
 
-    def _escape_reason(self, tensor, matched: set[int]) -> str | None:
+    def _escape_reason(self, tensor, matched: set[int], allowed=False) -> str | None:
+        """Why ``tensor`` escapes the match; ``allowed(consumer)`` (a node's ``_external_uses``
+        predicate) names the outside readers that do not count (e.g. "reads only its shape")."""
         if id(tensor) in self.graph_outputs:
             return f"intermediate {_name(tensor)} is a graph output"
-        outside = [c for c in tensor.outputs if id(c) not in matched]
+        outside = [c for c in tensor.outputs if id(c) not in matched and not (callable(allowed) and allowed(c))]
         if outside:
             names = ", ".join(f"'{c.name}'" for c in outside[:4])
             return f"intermediate {_name(tensor)} has {len(outside)} consumer(s) outside the match: {names}"
@@ -770,14 +775,9 @@ def _all_close(actual: np.ndarray, expected: np.ndarray, rtol: float, atol: floa
 def _present_inputs(node: gs.Node) -> list:
     """The node's inputs without trailing missing optional ones."""
     inputs = list(node.inputs)
-    while inputs and _missing(inputs[-1]):
+    while inputs and is_absent(inputs[-1]):
         inputs.pop()
     return inputs
-
-
-def _missing(tensor) -> bool:
-    """A missing optional input: absent from the list, or gs's empty-named Variable."""
-    return tensor is None or (isinstance(tensor, gs.Variable) and not tensor.name and not tensor.inputs)
 
 
 def _distinct(tensors) -> list:
@@ -833,7 +833,7 @@ def _name(tensor) -> str:
 
 def _describe(tensor) -> str:
     """What a tensor is, in a few words, for failure reasons."""
-    if _missing(tensor):
+    if is_absent(tensor):
         return "the input is missing"
     if isinstance(tensor, gs.Constant):
         return f"{_name(tensor)} is an initializer"

@@ -25,6 +25,8 @@ import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 
+from onnxopt.graph_edit import is_absent
+
 from .constants import constant_shape, constant_value, is_constant
 
 MAX_ELEMENTS = 64  # shape arithmetic is tiny; anything larger is not what static_value is for
@@ -149,7 +151,7 @@ def _evaluate_uncached(tensor, memo, depth) -> Partial | None:
         return None
 
     def operand(i: int) -> Partial | None:
-        if i >= len(node.inputs) or _missing(node.inputs[i]):
+        if i >= len(node.inputs) or is_absent(node.inputs[i]):
             return None
         return _evaluate(node.inputs[i], memo, depth + 1)
 
@@ -162,9 +164,6 @@ def _evaluate_uncached(tensor, memo, depth) -> Partial | None:
         return None
     return result
 
-
-def _missing(tensor) -> bool:
-    return tensor is None or (isinstance(tensor, gs.Variable) and not tensor.name and not tensor.inputs)
 
 
 def _known_ints(partial: Partial | None) -> list[int] | None:
@@ -213,8 +212,8 @@ def _slice(node, operand):
     starts, ends = _known_ints(operand(1)), _known_ints(operand(2))
     if data is None or starts is None or ends is None:
         return None
-    axes = _known_ints(operand(3)) if len(node.inputs) > 3 and not _missing(node.inputs[3]) else list(range(len(starts)))
-    steps = _known_ints(operand(4)) if len(node.inputs) > 4 and not _missing(node.inputs[4]) else [1] * len(starts)
+    axes = _known_ints(operand(3)) if len(node.inputs) > 3 and not is_absent(node.inputs[3]) else list(range(len(starts)))
+    steps = _known_ints(operand(4)) if len(node.inputs) > 4 and not is_absent(node.inputs[4]) else [1] * len(starts)
     if axes is None or steps is None or any(s <= 0 for s in steps):
         return None  # negative steps clamp differently from Python slices; shape code does not use them
     index = [slice(None)] * data[0].ndim
@@ -234,7 +233,7 @@ def _concat(node, operand):
 def _axes(node, operand) -> list[int] | None:
     if "axes" in node.attrs:
         return [int(a) for a in node.attrs["axes"]]
-    if len(node.inputs) > 1 and not _missing(node.inputs[1]):
+    if len(node.inputs) > 1 and not is_absent(node.inputs[1]):
         return _known_ints(operand(1))
     return []
 
