@@ -267,7 +267,7 @@ def cmd_optimize(args) -> int:
     if not args.quiet:
         print(f"wrote {where}: {info.weights_nbytes / 1e6:.1f} MB of weights, {time.perf_counter() - start:.1f} s in all")
         print(f"  load {load_seconds:.1f} s, passes {report.seconds:.1f} s, save {report.save_seconds:.1f} s; "
-              f"peak RSS {report.memory_after_save.peak_bytes / 1e6:.0f} MB")
+              f"peak RSS {report.memory_after_save.peak_bytes / 1e6:.0f} MB; CPU {time.process_time():.1f} s (this process, in all)")
         for name, part in info.companions.items():  # context-kv: the graph run once per prompt, beside it
             print(f"wrote {part.path}" + (f" (+ {part.data_path.name})" if part.data_path else "") + f": companion '{name}'")
     return EXIT_OK

@@ -93,17 +93,19 @@ class PassManager:
     def _step(self, p: Pass, model: Model, report: OptimizationReport, properties: set[str], auto: str | None = None) -> bool:
         nodes_before = len(model.graph.nodes)
         companions = list(model.companions.items()) if p.applies_to_companions else []  # not those p makes
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.process_time()
         result = p(model)
         seconds = time.perf_counter() - t0
-        step = PassReport(p.name, result, nodes_before, len(model.graph.nodes), seconds, auto=auto, memory=process_memory())
+        step = PassReport(p.name, result, nodes_before, len(model.graph.nodes), seconds, auto=auto, memory=process_memory(),
+                          cpu_seconds=time.process_time() - cpu0)
         report.passes.append(step)
         modified = result.modified
         for name, companion in companions:
-            nodes, t0 = len(companion.graph.nodes), time.perf_counter()
+            nodes, t0, cpu0 = len(companion.graph.nodes), time.perf_counter(), time.process_time()
             part = p(companion)
             report.passes.append(PassReport(p.name, part, nodes, len(companion.graph.nodes), time.perf_counter() - t0,
-                                            auto=auto, companion=name, memory=process_memory()))
+                                            auto=auto, companion=name, memory=process_memory(),
+                                            cpu_seconds=time.process_time() - cpu0))
             modified = modified or part.modified
         if companions and modified:
             narrow_interface_casts(model)

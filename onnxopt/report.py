@@ -58,6 +58,8 @@ class PassReport:
     verification: Verification | None = None
     companion: str | None = None  # the companion model it ran on (None: the main model)
     memory: MemoryUse | None = None  # after the pass
+    cpu_seconds: float | None = None  # this process's CPU time (user + system) in the pass: on a
+    # shared machine the wall time also counts the others' work, the CPU time does not
 
     @property
     def label(self) -> str:
@@ -77,6 +79,7 @@ class PassReport:
             "nodes_before": self.nodes_before,
             "nodes_after": self.nodes_after,
             "seconds": round(self.seconds, 4),
+            "cpu_seconds": _round(self.cpu_seconds),
             "rss_mb": _mb(self.memory.rss_bytes) if self.memory else None,
             "peak_rss_mb": _mb(self.memory.peak_bytes) if self.memory else None,
             "details": r.details,
@@ -137,7 +140,7 @@ class OptimizationReport:
 
     def table(self) -> str:
         verified = any(p.verification for p in self.passes)
-        header = ["pass", "matched", "rewritten", "refused", "nodes", "ms", "peak MB"] + (["verify (max abs err)"] if verified else [])
+        header = ["pass", "matched", "rewritten", "refused", "nodes", "ms", "cpu ms", "peak MB"] + (["verify (max abs err)"] if verified else [])
         rows = []
         for p in self.passes:
             r = p.result
@@ -148,6 +151,7 @@ class OptimizationReport:
                 str(len(r.refused)),
                 f"{p.nodes_before} -> {p.nodes_after}",
                 f"{p.seconds * 1000:.0f}",
+                f"{p.cpu_seconds * 1000:.0f}" if p.cpu_seconds is not None else "-",
                 f"{_mb(p.memory.peak_bytes):.0f}" if p.memory else "-",
             ]
             if verified:
@@ -155,9 +159,10 @@ class OptimizationReport:
                 row.append("-" if v is None else f"{'ok' if v.ok else 'FAIL'} {v.max_abs_error:.2e}")
             rows.append(row)
         rows.append(["total", "", "", "", f"{self.nodes_before} -> {self.nodes_after}", f"{self.seconds * 1000:.0f}",
+                     f"{sum(p.cpu_seconds or 0 for p in self.passes) * 1000:.0f}",
                      f"{max((_mb(p.memory.peak_bytes) for p in self.passes if p.memory), default=0):.0f}"] + ([""] if verified else []))
         widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(header)]
-        numeric = {1, 2, 3, 5, 6}
+        numeric = {1, 2, 3, 5, 6, 7}
 
         def fmt(row):
             return "  ".join(c.rjust(w) if i in numeric else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))).rstrip()

@@ -10,10 +10,15 @@ onnxopt never loads a model's weights up front. Initializers stay where they are
 
 So a pass that rewires a 3.4 GB UNet touches only the tensors it changes, and saving streams each
 tensor from its source to its destination.
+
+This module is the only one that touches graphsurgeon's private ``Constant._values``: the rest
+of onnxopt reads a constant with :func:`read_uncached` (never ``Constant.values``, which keeps
+what it loads for good) and moves data sources with :func:`stored_values` / :func:`store_values`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +30,11 @@ from onnx import external_data_helper, helper
 from onnx_graphsurgeon.ir.tensor import Constant, LazyValues, SparseValues
 
 CHUNK_BYTES = 64 << 20
+# External tensors from this size on are mapped, not read: a read copies the bytes into fresh
+# memory, and on a VM every fresh page is a fault (reading a 1 GiB weight slice took 1.5-1.9 s
+# of CPU that way, mapping it 0.13 s; benchmarks/results/cpu-2core-2026-11-25-sdxl-optimizer.md).
+# Smaller ones are read: thousands of tiny mappings would crowd the process's map count.
+MAP_FROM_BYTES = 1 << 20
 
 
 def onnx_dtype_to_numpy(data_type: int) -> np.dtype:
@@ -73,14 +83,34 @@ class ExternalValues(LazyValues):
         self.location = external_location(tensor, base_dir)
 
     def load(self) -> np.ndarray:
+        """The tensor's array; from :data:`MAP_FROM_BYTES` on a read-only view of the file mapped
+        into memory (onnxopt never writes its input, and replaces outputs by renaming, so the
+        mapped bytes stay what they were)."""
         dtype = onnx_dtype_to_numpy(self.tensor.data_type)
         count = self.location.length // dtype.itemsize
+        if self.location.length >= MAP_FROM_BYTES:
+            return self._mapped(dtype, count).reshape(tuple(self.tensor.dims))
         with open(self.location.path, "rb") as f:
             f.seek(self.location.offset)
             array = np.fromfile(f, dtype=dtype, count=count)
         return array.reshape(tuple(self.tensor.dims))
 
-    def iter_bytes(self) -> Iterator[bytes]:
+    def _mapped(self, dtype: np.dtype, count: int) -> np.ndarray:
+        self._check_file_length()
+        mapped = np.memmap(self.location.path, dtype=dtype, mode="r", offset=self.location.offset, shape=(count,))
+        return np.asarray(mapped)  # a plain ndarray view; the mapping lives as long as it does
+
+    def _check_file_length(self) -> None:
+        """A mapping past the file's end would fault (SIGBUS) on access: refuse it up front, as a read would."""
+        if file_size(self.location.path) < self.location.offset + self.location.length:
+            raise OSError(f"external data file {self.location.path} ended early")
+
+    def iter_bytes(self) -> Iterator[bytes | memoryview]:
+        if self.location.length >= MAP_FROM_BYTES:
+            view = memoryview(self._mapped(np.dtype(np.uint8), self.location.length))
+            for start in range(0, len(view), CHUNK_BYTES):
+                yield view[start : start + CHUNK_BYTES]
+            return
         remaining = self.location.length
         with open(self.location.path, "rb") as f:
             f.seek(self.location.offset)
@@ -129,6 +159,46 @@ def read_uncached(values) -> np.ndarray:
     if isinstance(values, Constant):
         values = values._values
     return values.load() if isinstance(values, LazyValues) else np.asarray(values)
+
+
+def stored_values(constant: Constant) -> LazyValues | np.ndarray:
+    """What holds the constant's data now, not read: a lazy source (protobuf, file, derived) or an array."""
+    return constant._values
+
+
+def store_values(constant: Constant, values: LazyValues | np.ndarray) -> None:
+    """Give ``constant`` new data, an array or a lazy source; the old one is not read."""
+    constant._values = values
+
+
+@contextlib.contextmanager
+def values_replaced(replacements: list[tuple[Constant, LazyValues | np.ndarray]]) -> Iterator[None]:
+    """Give each constant the values paired with it for the duration, then put the old ones back."""
+    saved = [(constant, constant._values) for constant, _ in replacements]
+    try:
+        for constant, values in replacements:
+            constant._values = values
+        yield
+    finally:
+        for constant, values in saved:
+            constant._values = values
+
+
+def is_sparse(constant: Constant) -> bool:
+    return isinstance(constant._values, SparseValues)
+
+
+def is_external(constant: Constant) -> bool:
+    """True while the constant's data is still in an external data file (not read)."""
+    return isinstance(constant._values, ExternalValues)
+
+
+def load_external_attribute(constant: Constant, base_dir: Path) -> None:
+    """Read into memory a tensor attribute (a Constant node's ``value``) kept in external data."""
+    values = constant._values
+    if isinstance(values, LazyValues) and external_data_helper.uses_external_data(values.tensor):
+        constant._values = ExternalValues(values.tensor, base_dir).load()
+        constant.data_location = None  # else graphsurgeon stamps EXTERNAL on the inline tensor
 
 
 def attach_external_values(constants, base_dir: Path) -> int:

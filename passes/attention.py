@@ -72,9 +72,11 @@ from onnxopt.fusion import Emit, Fusion, FusionRun, Refusal, Rule
 from onnxopt.fusion import Site as FusionSite
 from onnxopt.layout import LAYOUT_OPS
 from onnxopt.pass_infra import ATTENTION_CANONICAL, SHAPES_INFERRED, OrtFusion
-from onnxopt.pattern import Const, Match, Maybe, OneOf, OpBuilder, Pattern, Var, constant_shape, constant_value, is_constant
+from onnxopt.pattern import (Const, Match, Maybe, OneOf, OpBuilder, Pattern, Var, constant_reader, constant_shape,
+                             constant_value, is_constant)
 from onnxopt.pattern.dims import Dim, Dims, same, text
 from onnxopt.registry import register_pass
+from onnxopt.weights import DerivedValues
 
 
 
@@ -367,9 +369,13 @@ def fused_nodes(m: Match, site: Site, layout: str = "packed") -> list[gs.Node]:
     n, h = site.heads, site.head_dim
     name = site.name
     x = m["x_k"]
-    weights = {t: constant_value(m[f"w{t}"]) for t in "qkv"}
+    weights = {t: constant_reader(m[f"w{t}"]) for t in "qkv"}
     biases = {t: constant_value(m[f"b{t}"]) if m.get(f"b{t}") is not None else None for t in "qkv"}
-    dtype = weights["q"].dtype
+    dtype = _dtype(m["wq"])
+
+    def packed(roles: str, combine) -> DerivedValues:  # read when needed (fp16 scan, save), never all held
+        d_in = constant_shape(m[f"w{roles[0]}"])[0]
+        return DerivedValues((d_in, len(roles) * n * h), dtype, lambda: combine([weights[t]() for t in roles]), f"{name}/{roles}")
     nodes: list[gs.Node] = []
     bias_input = _attention_bias(m, site, nodes)
     attrs = {"num_heads": n}
@@ -381,7 +387,7 @@ def fused_nodes(m: Match, site: Site, layout: str = "packed") -> list[gs.Node]:
 
     if layout == "split" and (site.cross or all(b is None for b in biases.values())):
         roles = "kv" if site.cross else "qkv"
-        projected = _matmul(nodes, f"{name}/{roles}", x, np.concatenate([weights[t] for t in roles], axis=1),
+        projected = _matmul(nodes, f"{name}/{roles}", x, packed(roles, lambda ws: np.concatenate(ws, axis=1)),
                             [*_leading(x), len(roles) * n * h])
         if any(biases[t] is not None for t in roles):
             bias = np.concatenate([_or_zeros(biases[t], n * h, dtype) for t in roles])
@@ -399,8 +405,7 @@ def fused_nodes(m: Match, site: Site, layout: str = "packed") -> list[gs.Node]:
             v = _add(nodes, f"{name}/v_bias", v, biases["v"].astype(dtype))
         nodes.append(_node("MultiHeadAttention", f"{name}/MultiHeadAttention", [q, k, v, None, None, bias_input], out, attrs))
     elif site.cross:
-        packed = _pack([weights["k"], weights["v"]], n, h)
-        kv = _matmul(nodes, f"{name}/kv", x, packed, [*_leading(x), 2 * n * h])
+        kv = _matmul(nodes, f"{name}/kv", x, packed("kv", lambda ws: _pack(ws, n, h)), [*_leading(x), 2 * n * h])
         if biases["k"] is not None or biases["v"] is not None:
             b = _pack_bias([biases["k"], biases["v"]], n, h, dtype)
             kv = _add(nodes, f"{name}/kv_bias", kv, b)
@@ -408,12 +413,11 @@ def fused_nodes(m: Match, site: Site, layout: str = "packed") -> list[gs.Node]:
         query = m.node("q_split").inputs[0]
         nodes.append(_node("MultiHeadAttention", f"{name}/MultiHeadAttention", [query, kv, None, None, None, bias_input], out, attrs))
     elif all(b is None for b in biases.values()):
-        packed = _pack([weights["q"], weights["k"], weights["v"]], n, h)
-        qkv = _matmul(nodes, f"{name}/qkv", x, packed, [*_leading(x), 3 * n * h])
+        qkv = _matmul(nodes, f"{name}/qkv", x, packed("qkv", lambda ws: _pack(ws, n, h)), [*_leading(x), 3 * n * h])
         qkv = _reshape(nodes, f"{name}/qkv_packed", qkv, [0, 0, n, 3, h], [*_leading(x), n, 3, h])
         nodes.append(_node("MultiHeadAttention", f"{name}/MultiHeadAttention", [qkv, None, None, None, None, bias_input], out, attrs))
     else:
-        w = gs.Constant(f"{name}/Attention.weights", np.concatenate([weights[t] for t in "qkv"], axis=1))
+        w = gs.Constant(f"{name}/Attention.weights", packed("qkv", lambda ws: np.concatenate(ws, axis=1)))
         b = gs.Constant(f"{name}/Attention.bias", np.concatenate([_or_zeros(biases[t], n * h, dtype) for t in "qkv"]))
         nodes.append(_node("Attention", f"{name}/Attention", [x, w, b, None, None, bias_input], out, attrs))
     return nodes
