@@ -38,7 +38,7 @@ from onnx import TensorProto
 
 from onnxopt.domains import MS_DOMAIN
 from onnxopt.model import Model
-from onnxopt.weights import constant_data_type, iter_constant_bytes
+from onnxopt.weights import constant_data_type, element_sources, iter_values_bytes
 
 FLOAT = TensorProto.FLOAT
 
@@ -370,7 +370,9 @@ def value_stats(values, low: LowPrecision, chunk_elems: int = 1 << 20) -> ValueS
     if isinstance(values, gs.Constant):
         dtype = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(constant_data_type(values)))
         size = int(np.prod(values.shape, dtype=np.int64))
-        chunks = _typed_chunks(iter_constant_bytes(values), dtype)
+        # a tensor that rearranges others (packed Q/K/V, a transposed conv weight) is not computed:
+        # its elements are its sources'
+        chunks = (chunk for source in element_sources(values) for chunk in _typed_chunks(iter_values_bytes(source), dtype))
     else:
         array = np.asarray(values).reshape(-1)
         size = array.size

@@ -76,7 +76,7 @@ from onnxopt.pattern import (Const, Match, Maybe, OneOf, OpBuilder, Pattern, Var
                              constant_value, is_constant)
 from onnxopt.pattern.dims import Dim, Dims, same, text
 from onnxopt.registry import register_pass
-from onnxopt.weights import DerivedValues
+from onnxopt.weights import DerivedValues, stored_values
 
 
 
@@ -374,8 +374,10 @@ def fused_nodes(m: Match, site: Site, layout: str = "packed") -> list[gs.Node]:
     dtype = _dtype(m["wq"])
 
     def packed(roles: str, combine) -> DerivedValues:  # read when needed (fp16 scan, save), never all held
-        d_in = constant_shape(m[f"w{roles[0]}"])[0]
-        return DerivedValues((d_in, len(roles) * n * h), dtype, lambda: combine([weights[t]() for t in roles]), f"{name}/{roles}")
+        d_in, sources = constant_shape(m[f"w{roles[0]}"])[0], [m[f"w{t}"] for t in roles]
+        elements = [stored_values(w) for w in sources] if all(isinstance(w, gs.Constant) for w in sources) else None
+        return DerivedValues((d_in, len(roles) * n * h), dtype, lambda: combine([weights[t]() for t in roles]), f"{name}/{roles}",
+                             elements_of=elements)
     nodes: list[gs.Node] = []
     bias_input = _attention_bias(m, site, nodes)
     attrs = {"num_heads": n}

@@ -238,3 +238,43 @@ def test_a_derived_scalar_keeps_rank_zero():
     assert values.load().shape == () and values.load() == 3.0
     with pytest.raises(ValueError, match="declared"):
         DerivedValues((1,), np.float32, lambda: np.zeros(2, np.float32), name="v").load()
+
+
+def test_large_external_weights_are_mapped_read_only_and_never_cached(tmp_path):
+    """A weight of 1 MB or more is a read-only view of the mapped file (no copy into fresh memory);
+    reading it through constant_value leaves it on disk."""
+    from onnxopt.pattern import constant_value
+    from onnxopt.weights import MAP_FROM_BYTES, read_uncached
+
+    proto, w_expected, _ = linear_model(n_in=512, n_out=1024)  # 2 MB
+    assert w_expected.nbytes >= MAP_FROM_BYTES
+    src = tmp_path / "model.onnx"
+    onnx.save(proto, src, save_as_external_data=True, location="model.onnx.data", size_threshold=0)
+    w = load_model(src).graph.tensors()["W"]
+    array = read_uncached(w)
+    np.testing.assert_array_equal(array, w_expected)
+    assert not array.flags.owndata and not array.flags.writeable
+    np.testing.assert_array_equal(constant_value(w), w_expected)
+    assert isinstance(w._values, ExternalValues)
+
+
+def test_range_scan_of_a_rearranged_tensor_reads_its_sources_not_the_result():
+    """fp16's range scan of packed/transposed weights (DerivedValues with elements_of) gives what
+    scanning the computed tensor gives, without computing it."""
+    import onnx_graphsurgeon as gs
+
+    from onnxopt.precision import low_precision, value_stats
+    from onnxopt.weights import DerivedValues
+
+    a = np.array([[1.0, -7e4], [3.0, 4.0]], np.float32)
+    b = np.array([[2e-3, 0.0], [5.0, -6.0]], np.float32)
+    packed = np.concatenate([a, b], axis=1)
+
+    def not_computed():
+        raise AssertionError("the scan computed the derived tensor")
+
+    derived = gs.Constant("packed", DerivedValues(packed.shape, np.float32, not_computed, name="packed", elements_of=[a, b]))
+    computed = gs.Constant("computed", DerivedValues(packed.shape, np.float32, lambda: packed, name="computed"))
+    low = low_precision("float16")
+    assert value_stats(derived, low) == value_stats(computed, low) == value_stats(packed, low)
+    assert value_stats(derived, low).neg_overflow
