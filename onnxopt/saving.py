@@ -29,6 +29,7 @@ from onnxopt.weights import (
     constant_data_type,
     constant_dims,
     constant_nbytes,
+    computed_ahead,
     is_raw_encodable,
     iter_constant_bytes,
     read_uncached,
@@ -273,9 +274,13 @@ def _write(model: Model, out: BinaryIO, data: BinaryIO | None, data_name: str, r
     _drop_outer_copies(skeleton.graph, {t.name for t in skeleton.graph.initializer} | stubbed)
 
     by_name = {c.name: c for c in model.constants()}
-    initializers = [(None if name in inline else _external_reference(c, referenced))
-                    or _plan(c, data if name not in inline else None, data_name)
-                    for name, c in by_name.items() if name in stubbed]
+    # the data file is written in this order: the next derived tensor is computed while one is written
+    streamed = [c for name, c in by_name.items() if name in stubbed and name not in inline and data is not None
+                and constant_nbytes(c) >= EXTERNAL_MIN_BYTES]
+    with computed_ahead(streamed):
+        initializers = [(None if name in inline else _external_reference(c, referenced))
+                        or _plan(c, data if name not in inline else None, data_name)
+                        for name, c in by_name.items() if name in stubbed]
 
     graph_bytes = skeleton.graph.SerializeToString()
     skeleton.ClearField("graph")

@@ -158,6 +158,60 @@ class DerivedValues(LazyValues):
         return f"DerivedValues(shape={self.shape}, dtype={self.dtype})"
 
 
+class _ComputedAhead(DerivedValues):
+    """A derived tensor whose computation a worker thread started before anyone asked for it."""
+
+    def __init__(self, original: DerivedValues, result: Callable[[], np.ndarray]):
+        # the original's TensorProto and facts as they are (graphsurgeon would re-derive them, and
+        # complain per tensor about bfloat16)
+        self.tensor, self.shape, self.dtype, self.nbytes = original.tensor, original.shape, original.dtype, original.nbytes
+        self._compute = result
+        self.elements_of = original.elements_of
+
+
+# How many derived tensors :func:`computed_ahead` computes before they are read. One overlaps the
+# computation of the next tensor (reading its sources, packing, converting to fp16; NumPy
+# releases the GIL) with the writing of the current one, holding one extra tensor at a time.
+COMPUTE_AHEAD = 1
+
+
+@contextlib.contextmanager
+def computed_ahead(constants: list[Constant]) -> Iterator[None]:
+    """While a saver reads ``constants`` in this order, compute each derived one on a worker
+    thread :data:`COMPUTE_AHEAD` tensors before it is read. Reading out of order is allowed
+    (a tensor not started yet is started when read), only slower; the values are put back after."""
+    derived = [c for c in constants if isinstance(c._values, DerivedValues)]
+    if COMPUTE_AHEAD < 1 or len(derived) < 2:
+        yield
+        return
+    from concurrent.futures import ThreadPoolExecutor
+
+    originals = [c._values for c in derived]
+    futures: dict[int, object] = {}
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="onnxopt-compute-ahead")
+
+    def start(i: int) -> None:
+        if i < len(originals) and i not in futures:
+            futures[i] = pool.submit(originals[i].load)
+
+    def result(i: int) -> np.ndarray:
+        start(i)
+        for ahead in range(i + 1, i + 1 + COMPUTE_AHEAD):
+            start(ahead)
+        return futures.pop(i).result()
+
+    try:
+        for i, constant in enumerate(derived):
+            constant._values = _ComputedAhead(originals[i], lambda i=i: result(i))
+        start(0)
+        yield
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+        futures.clear()
+        for constant, values in zip(derived, originals):
+            constant._values = values
+
+
 def read_uncached(values) -> np.ndarray:
     """The array behind a Constant (or its ``_values``) without caching it on the constant.
 

@@ -278,3 +278,42 @@ def test_range_scan_of_a_rearranged_tensor_reads_its_sources_not_the_result():
     low = low_precision("float16")
     assert value_stats(derived, low) == value_stats(computed, low) == value_stats(packed, low)
     assert value_stats(derived, low).neg_overflow
+
+
+def test_save_computes_the_next_derived_tensor_on_a_worker_while_writing(tmp_path, monkeypatch):
+    """The saver overlaps computing derived weights (fp16 conversion, packing) with writing:
+    they are computed off the main thread, and the file is byte for byte the one written without."""
+    import threading
+
+    import onnx_graphsurgeon as gs
+
+    from onnxopt import weights
+    from onnxopt.weights import DerivedValues
+
+    proto, _, _ = linear_model(n_in=256, n_out=256)
+    threads = []
+
+    def derive(model, scale):
+        for constant in model.constants():
+            source = constant._values
+
+            def compute(source=source, scale=scale):
+                threads.append(threading.current_thread())
+                return weights.read_uncached(source) * scale
+
+            constant._values = DerivedValues(constant.shape, constant.dtype, compute, name=constant.name)
+        return model
+
+    def save(ahead: int, name: str) -> bytes:
+        monkeypatch.setattr(weights, "COMPUTE_AHEAD", ahead)
+        model = derive(load_model(proto), 2.0)
+        save_model(model, tmp_path / f"{name}.onnx", external_data=True)
+        return (tmp_path / f"{name}.onnx").read_bytes() + (tmp_path / f"{name}.onnx.data").read_bytes()
+
+    assert isinstance(load_model(proto).graph.tensors()["W"], gs.Constant)
+    plain = save(0, "plain")
+    assert threads and all(t is threading.main_thread() for t in threads)
+    threads.clear()
+    ahead = save(1, "ahead")
+    assert threads and all(t is not threading.main_thread() for t in threads)
+    assert ahead.replace(b"ahead", b"plain") == plain
