@@ -317,3 +317,20 @@ def test_save_computes_the_next_derived_tensor_on_a_worker_while_writing(tmp_pat
     ahead = save(1, "ahead")
     assert threads and all(t is not threading.main_thread() for t in threads)
     assert ahead.replace(b"ahead", b"plain") == plain
+
+
+def test_range_scan_on_threads_gives_each_constant_its_own_stats_in_order(monkeypatch):
+    """fp16's range scan runs on two threads; results come back in the sources' order, each
+    the stats a scan on the main thread gives."""
+    from onnxopt import precision
+
+    rng = np.random.default_rng(0)
+    arrays = [rng.standard_normal(n).astype(np.float32) * scale for n, scale in
+              [(10, 1.0), (70000, 1e5), (3, 1e-9), (5000, 2.0)] * 5]
+    low = precision.low_precision("float16")
+    expected = [precision.value_stats(a, low) for a in arrays]
+    monkeypatch.setattr(precision, "SCAN_THREADS", 2)
+    got = list(precision.values_stats(enumerate(arrays), low))
+    assert [i for i, _ in got] == list(range(len(arrays)))
+    assert [s for _, s in got] == expected
+    assert any(s.pos_overflow for s in expected) and any(s.vanishes for s in expected)
