@@ -169,10 +169,11 @@ class _ComputedAhead(DerivedValues):
         self.elements_of = original.elements_of
 
 
-# How many derived tensors :func:`computed_ahead` computes before they are read. One overlaps the
-# computation of the next tensor (reading its sources, packing, converting to fp16; NumPy
-# releases the GIL) with the writing of the current one, holding one extra tensor at a time.
-COMPUTE_AHEAD = 1
+# How many derived tensors :func:`computed_ahead` computes (on as many threads) before they are
+# read. Their computation (reading sources, packing, converting to fp16; NumPy releases the GIL)
+# overlaps the writing of the current one; each holds one extra tensor in memory. Two keep both
+# cores of a 2-core machine busy, and on a crowded one give this process more of its share.
+COMPUTE_AHEAD = 2
 
 
 @contextlib.contextmanager
@@ -188,7 +189,7 @@ def computed_ahead(constants: list[Constant]) -> Iterator[None]:
 
     originals = [c._values for c in derived]
     futures: dict[int, object] = {}
-    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="onnxopt-compute-ahead")
+    pool = ThreadPoolExecutor(max_workers=COMPUTE_AHEAD, thread_name_prefix="onnxopt-compute-ahead")
 
     def start(i: int) -> None:
         if i < len(originals) and i not in futures:
