@@ -132,11 +132,10 @@ class DerivedValues(LazyValues):
     fp16) describe the result instead of computing it, so a 3.4 GB model is rewritten without
     loading it; the save streams each derived tensor as it is computed.
 
-
     ``elements_of``: when the result only rearranges other tensors' elements (a transpose, a
     concatenation, Q/K/V packing), their stored values (:func:`stored_values`, of the same dtype).
     Whoever needs only facts about the elements, such as fp16's range scan, then reads the sources
-    and never computes the result: on SDXL that spares computing 1.5 GB of concatenated K/V
+    and never computes the result: on SDXL that spares computing 1.36 GB of concatenated K/V
     weights once more before the save computes it.
     """
 
