@@ -223,6 +223,7 @@ def cmd_optimize(args) -> int:
     from onnxopt.api import optimize
     from onnxopt.fusion import explaining
     from onnxopt.loading import load_model
+    from onnxopt.report import process_memory
     from onnxopt.saving import check_destination, check_writes, planned_writes, save_model
     from onnxopt.verify import InputSpec, Tolerance, check_dim_names
 
@@ -239,7 +240,9 @@ def cmd_optimize(args) -> int:
     expanded = registry.expand(passes)  # unknown names and unwritable outputs fail before any work
     _check_fp16_flags(args, expanded)
     check_destination(args.output, args.input)
+    load_start = time.perf_counter()
     source = load_model(args.input)  # lazy: weights stay on disk; optimize() works on a copy
+    load_seconds = time.perf_counter() - load_start
     check_dim_names(source, dict(args.dim))
     check_writes(planned_writes(source, args.output, external_data=args.external_data) + [p for p in [args.report_json] if p], source)
     inputs = InputSpec(shapes=dict(args.shape), dims=dict(args.dim))
@@ -250,19 +253,26 @@ def cmd_optimize(args) -> int:
             source, passes, verify=args.verify, tolerance=Tolerance(args.atol, args.rtol), inputs=inputs, strict=args.strict,
             options={"fp16": _fp16_options(args)},
         )
-    if args.report_json:
-        write_report(args.report_json, report.to_json())
+    report.load_seconds = load_seconds
     if not args.quiet:
         print(report.table())
     if explained:
         print(report.explain(explained))
     if report.first_broken_pass:
+        if args.report_json:
+            write_report(args.report_json, report.to_json())
         print(f"onnxopt: verification failed at pass '{report.first_broken_pass}'; {args.output} not written", file=sys.stderr)
         return EXIT_VERIFY_FAILED
+    save_start = time.perf_counter()
     info = save_model(model, args.output, external_data=args.external_data)
+    report.save_seconds, report.memory_after_save = time.perf_counter() - save_start, process_memory()
+    if args.report_json:
+        write_report(args.report_json, report.to_json())
     where = f"{info.path}" + (f" (+ {info.data_path.name})" if info.data_path else "")
     if not args.quiet:
         print(f"wrote {where}: {info.weights_nbytes / 1e6:.1f} MB of weights, {time.perf_counter() - start:.1f} s in all")
+        print(f"  load {load_seconds:.1f} s, passes {report.seconds:.1f} s, save {report.save_seconds:.1f} s; "
+              f"peak RSS {report.memory_after_save.peak_bytes / 1e6:.0f} MB; CPU {time.process_time():.1f} s (this process, in all)")
         for name, part in info.companions.items():  # context-kv: the graph run once per prompt, beside it
             print(f"wrote {part.path}" + (f" (+ {part.data_path.name})" if part.data_path else "") + f": companion '{name}'")
     return EXIT_OK

@@ -58,7 +58,7 @@ import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 
-from onnxopt.precision import LowPrecision, ValueStats, value_stats
+from onnxopt.precision import LowPrecision, ValueStats, values_stats
 
 # Ops that move or select values without arithmetic: a value passes through them unchanged.
 DATA_MOVEMENT_OPS = frozenset({
@@ -145,9 +145,9 @@ def constant_hazards(graph: gs.Graph, low: LowPrecision, is_float32: Callable[[g
     """Rules 1 and 2: scan every float32 constant (a chunk at a time) and decide what each use needs."""
     out = ConstantHazards()
     graph_outputs = {id(t) for t in graph.outputs}
-    for tensor, values, label in constant_sources(graph, is_float32):
+    sources = (((tensor, label), values) for tensor, values, label in constant_sources(graph, is_float32))
+    for (tensor, label), stats in values_stats(sources, low):
         out.scanned += 1
-        stats = value_stats(values, low)
         if stats.vanishes:
             compute, movers = _compute_uses(tensor)
             reason = f"constant '{label}' rounds to zero in {low.name}"

@@ -13,12 +13,12 @@ import onnx
 import onnx_graphsurgeon as gs
 from google.protobuf.message import DecodeError
 from onnx import external_data_helper
-from onnx_graphsurgeon.ir.tensor import Constant, LazyValues
+from onnx_graphsurgeon.ir.tensor import Constant
 
 from onnxopt.errors import ModelLoadError, UnsupportedModelError
 from onnxopt.model import Model, all_nodes
 from onnxopt.validity import check_model_structure
-from onnxopt.weights import ExternalValues, attach_external_values, external_location, file_size
+from onnxopt.weights import attach_external_values, external_location, file_size, load_external_attribute
 
 MIN_OPSET = 13  # LayerNormalization-era exports; older graphs should be re-exported or converted
 MAX_OPSET = onnx.defs.onnx_opset_version()
@@ -95,10 +95,8 @@ def _load_external_attributes(model: Model, base_dir: Path) -> None:
     """
     for node in all_nodes(model.graph):
         for value in node.attrs.values():
-            if isinstance(value, Constant) and isinstance(value._values, LazyValues) \
-                    and external_data_helper.uses_external_data(value._values.tensor):
-                value._values = ExternalValues(value._values.tensor, base_dir).load()
-                value.data_location = None  # else graphsurgeon stamps EXTERNAL on the inline tensor
+            if isinstance(value, Constant):
+                load_external_attribute(value, base_dir)
 
 
 def _split_input_defaults(proto: onnx.ModelProto) -> tuple[onnx.ModelProto, dict]:

@@ -11,7 +11,7 @@ from onnxopt.companions import narrow_interface_casts
 from onnxopt.errors import PassNotApplicableError, PassOrderError
 from onnxopt.model import Model
 from onnxopt.pass_infra import Pass
-from onnxopt.report import OptimizationReport, PassReport, Verification
+from onnxopt.report import OptimizationReport, PassReport, Verification, process_memory
 
 # A verifier compares the current model with the source and says how far apart they are, at a
 # tolerance (atol, rtol) no tighter than the one given (None: its own).
@@ -55,6 +55,7 @@ class PassManager:
     def run(self, model: Model) -> OptimizationReport:
         report = OptimizationReport(model=str(model.source or model.graph.name or "model"))
         report.nodes_before = len(model.graph.nodes)
+        report.memory_before = process_memory()
         properties: set[str] = set()
         self._tolerance: tuple[float, float] | None = None  # loosened by passes that change numerics
         start = time.perf_counter()
@@ -92,17 +93,19 @@ class PassManager:
     def _step(self, p: Pass, model: Model, report: OptimizationReport, properties: set[str], auto: str | None = None) -> bool:
         nodes_before = len(model.graph.nodes)
         companions = list(model.companions.items()) if p.applies_to_companions else []  # not those p makes
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.process_time()
         result = p(model)
         seconds = time.perf_counter() - t0
-        step = PassReport(p.name, result, nodes_before, len(model.graph.nodes), seconds, auto=auto)
+        step = PassReport(p.name, result, nodes_before, len(model.graph.nodes), seconds, auto=auto, memory=process_memory(),
+                          cpu_seconds=time.process_time() - cpu0)
         report.passes.append(step)
         modified = result.modified
         for name, companion in companions:
-            nodes, t0 = len(companion.graph.nodes), time.perf_counter()
+            nodes, t0, cpu0 = len(companion.graph.nodes), time.perf_counter(), time.process_time()
             part = p(companion)
             report.passes.append(PassReport(p.name, part, nodes, len(companion.graph.nodes), time.perf_counter() - t0,
-                                            auto=auto, companion=name))
+                                            auto=auto, companion=name, memory=process_memory(),
+                                            cpu_seconds=time.process_time() - cpu0))
             modified = modified or part.modified
         if companions and modified:
             narrow_interface_casts(model)

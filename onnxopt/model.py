@@ -23,9 +23,17 @@ from typing import Iterator
 
 import onnx
 import onnx_graphsurgeon as gs
-from onnx_graphsurgeon.ir.tensor import Constant, LazyValues, SparseValues
+from onnx_graphsurgeon.ir.tensor import Constant, LazyValues
 
-from onnxopt.weights import constant_data_type, constant_dims, constant_nbytes, needs_materialising
+from onnxopt.weights import (
+    constant_data_type,
+    constant_dims,
+    constant_nbytes,
+    is_sparse,
+    needs_materialising,
+    read_uncached,
+    values_replaced,
+)
 
 # Initializers at least this large are left out of skeletons (and go to external data on save).
 SKELETON_THRESHOLD_BYTES = 1024
@@ -63,7 +71,7 @@ class Model:
         return [
             t
             for t in self.graph.tensors().values()
-            if isinstance(t, Constant) and not isinstance(t._values, SparseValues)
+            if isinstance(t, Constant) and not is_sparse(t)
         ] + self._live_defaults()
 
     def _live_defaults(self) -> list[Constant]:
@@ -81,7 +89,7 @@ class Model:
         found: list[Constant] = []
         for subgraph in subgraphs(self.graph):
             for tensor in subgraph.tensors().values():
-                if isinstance(tensor, Constant) and not isinstance(tensor._values, SparseValues) and id(tensor) not in seen:
+                if isinstance(tensor, Constant) and not is_sparse(tensor) and id(tensor) not in seen:
                     seen.add(id(tensor))
                     found.append(tensor)
         return found
@@ -132,7 +140,7 @@ class Model:
         tensors = {**self.graph.tensors(), **{c.name: c for c in self._live_defaults()}}
         for tensor in proto.graph.initializer:
             if needs_materialising(tensors[tensor.name]):
-                tensor.CopyFrom(onnx.numpy_helper.from_array(tensors[tensor.name].values, tensor.name))
+                tensor.CopyFrom(onnx.numpy_helper.from_array(read_uncached(tensors[tensor.name]), tensor.name))
         self._apply_metadata(proto)
         return proto
 
@@ -178,27 +186,14 @@ def stub_tensor(constant: Constant) -> onnx.TensorProto:
 @contextlib.contextmanager
 def _materialised(constants: list[Constant]) -> Iterator[None]:
     """Temporarily give external or derived constants their values in memory (for a full export)."""
-    swapped = [(c, c._values) for c in constants if needs_materialising(c)]
-    try:
-        for constant, values in swapped:
-            constant._values = values.load()
+    with values_replaced([(c, read_uncached(c)) for c in constants if needs_materialising(c)]):
         yield
-    finally:
-        for constant, values in swapped:
-            constant._values = values
 
 
 @contextlib.contextmanager
 def stubbed_constants(constants: list[Constant], threshold: int) -> Iterator[list[Constant]]:
     """Temporarily replace the values of large constants with stubs, then put them back."""
-    swapped: list[tuple[Constant, object]] = []
-    try:
-        for constant in constants:
-            # A derived or external tensor's TensorProto carries no data: always stub it, whatever its size.
-            if constant_nbytes(constant) >= threshold or needs_materialising(constant):
-                swapped.append((constant, constant._values))
-                constant._values = LazyValues(stub_tensor(constant))
-        yield [c for c, _ in swapped]
-    finally:
-        for constant, values in swapped:
-            constant._values = values
+    # A derived or external tensor's TensorProto carries no data: always stub it, whatever its size.
+    stubbed = [c for c in constants if constant_nbytes(c) >= threshold or needs_materialising(c)]
+    with values_replaced([(c, LazyValues(stub_tensor(c))) for c in stubbed]):
+        yield stubbed

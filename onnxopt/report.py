@@ -3,6 +3,10 @@
 A pass's ``details["listing"]`` (lines of text, e.g. context-kv's cross-attention layers and the
 input each now reads) is printed under the table; the rest of ``details`` goes to JSON only.
 A pass run on a companion model (see :mod:`onnxopt.model`) is its own row, ``fp16 [context_kv]``.
+
+Memory: each row carries the process's resident set size after the pass and its peak so far
+(:func:`process_memory`); the peak only grows, so the pass where it jumps is the one that needed
+the memory. Loading and saving are timed by their callers (``load_seconds``, ``save_seconds``).
 """
 
 from __future__ import annotations
@@ -12,6 +16,26 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from onnxopt.pass_infra import PassResult
+
+
+@dataclass(frozen=True)
+class MemoryUse:
+    rss_bytes: int   # resident now (0 where the system does not say)
+    peak_bytes: int  # the process's peak resident set size so far
+
+
+def process_memory() -> MemoryUse:
+    """This process's resident set size now and at its peak (Linux ``/proc/self/status``
+    VmRSS/VmHWM; elsewhere the peak from ``getrusage`` and no current value)."""
+    try:
+        fields = dict(line.split(":", 1) for line in open("/proc/self/status") if line.startswith(("VmRSS", "VmHWM")))
+        return MemoryUse(int(fields["VmRSS"].split()[0]) * 1024, int(fields["VmHWM"].split()[0]) * 1024)
+    except (OSError, KeyError, ValueError):
+        import resource
+        import sys
+
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return MemoryUse(0, peak if sys.platform == "darwin" else peak * 1024)  # macOS says bytes, Linux KiB
 
 
 @dataclass
@@ -33,6 +57,9 @@ class PassReport:
     auto: str | None = None  # why the manager inserted it (a requirement of another pass)
     verification: Verification | None = None
     companion: str | None = None  # the companion model it ran on (None: the main model)
+    memory: MemoryUse | None = None  # after the pass
+    cpu_seconds: float | None = None  # this process's CPU time (user + system) in the pass: on a
+    # shared machine the wall time also counts the others' work, the CPU time does not
 
     @property
     def label(self) -> str:
@@ -52,6 +79,9 @@ class PassReport:
             "nodes_before": self.nodes_before,
             "nodes_after": self.nodes_after,
             "seconds": round(self.seconds, 4),
+            "cpu_seconds": _round(self.cpu_seconds),
+            "rss_mb": _mb(self.memory.rss_bytes) if self.memory else None,
+            "peak_rss_mb": _mb(self.memory.peak_bytes) if self.memory else None,
             "details": r.details,
             "verification": asdict(self.verification) if self.verification else None,
         }
@@ -67,6 +97,10 @@ class OptimizationReport:
     first_broken_pass: str | None = None
     final_verification: Verification | None = None
     notes: list[str] = field(default_factory=list)
+    load_seconds: float | None = None   # set by whoever loaded the model (the CLI)
+    save_seconds: float | None = None   # set by whoever saved it
+    memory_before: MemoryUse | None = None  # when the first pass started (the model loaded)
+    memory_after_save: MemoryUse | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -74,6 +108,10 @@ class OptimizationReport:
             "nodes_before": self.nodes_before,
             "nodes_after": self.nodes_after,
             "seconds": round(self.seconds, 4),
+            "load_seconds": _round(self.load_seconds),
+            "save_seconds": _round(self.save_seconds),
+            "peak_rss_mb_before_passes": _mb(self.memory_before.peak_bytes) if self.memory_before else None,
+            "peak_rss_mb_after_save": _mb(self.memory_after_save.peak_bytes) if self.memory_after_save else None,
             "first_broken_pass": self.first_broken_pass,
             "final_verification": asdict(self.final_verification) if self.final_verification else None,
             "passes": [p.as_dict() for p in self.passes],
@@ -102,7 +140,7 @@ class OptimizationReport:
 
     def table(self) -> str:
         verified = any(p.verification for p in self.passes)
-        header = ["pass", "matched", "rewritten", "refused", "nodes", "ms"] + (["verify (max abs err)"] if verified else [])
+        header = ["pass", "matched", "rewritten", "refused", "nodes", "ms", "cpu ms", "peak MB"] + (["verify (max abs err)"] if verified else [])
         rows = []
         for p in self.passes:
             r = p.result
@@ -113,14 +151,18 @@ class OptimizationReport:
                 str(len(r.refused)),
                 f"{p.nodes_before} -> {p.nodes_after}",
                 f"{p.seconds * 1000:.0f}",
+                f"{p.cpu_seconds * 1000:.0f}" if p.cpu_seconds is not None else "-",
+                f"{_mb(p.memory.peak_bytes):.0f}" if p.memory else "-",
             ]
             if verified:
                 v = p.verification
                 row.append("-" if v is None else f"{'ok' if v.ok else 'FAIL'} {v.max_abs_error:.2e}")
             rows.append(row)
-        rows.append(["total", "", "", "", f"{self.nodes_before} -> {self.nodes_after}", f"{self.seconds * 1000:.0f}"] + ([""] if verified else []))
+        rows.append(["total", "", "", "", f"{self.nodes_before} -> {self.nodes_after}", f"{self.seconds * 1000:.0f}",
+                     f"{sum(p.cpu_seconds or 0 for p in self.passes) * 1000:.0f}",
+                     f"{max((_mb(p.memory.peak_bytes) for p in self.passes if p.memory), default=0):.0f}"] + ([""] if verified else []))
         widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(header)]
-        numeric = {1, 2, 3, 5}
+        numeric = {1, 2, 3, 5, 6, 7}
 
         def fmt(row):
             return "  ".join(c.rjust(w) if i in numeric else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))).rstrip()
@@ -139,3 +181,11 @@ class OptimizationReport:
         if self.first_broken_pass:
             lines.append(f"  VERIFICATION FAILED: first pass to break the tolerance: {self.first_broken_pass}")
         return "\n".join(lines)
+
+
+def _mb(nbytes: int) -> float:
+    return round(nbytes / 1e6, 1)
+
+
+def _round(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds, 4)

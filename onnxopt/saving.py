@@ -29,8 +29,12 @@ from onnxopt.weights import (
     constant_data_type,
     constant_dims,
     constant_nbytes,
+    computed_ahead,
     is_raw_encodable,
     iter_constant_bytes,
+    read_uncached,
+    store_values,
+    stored_values,
 )
 
 # Above this much weight data the output goes to external data on its own. Kept under 2 GiB so
@@ -270,9 +274,13 @@ def _write(model: Model, out: BinaryIO, data: BinaryIO | None, data_name: str, r
     _drop_outer_copies(skeleton.graph, {t.name for t in skeleton.graph.initializer} | stubbed)
 
     by_name = {c.name: c for c in model.constants()}
-    initializers = [(None if name in inline else _external_reference(c, referenced))
-                    or _plan(c, data if name not in inline else None, data_name)
-                    for name, c in by_name.items() if name in stubbed]
+    # the data file is written in this order: the next derived tensor is computed while one is written
+    streamed = [c for name, c in by_name.items() if name in stubbed and name not in inline and data is not None
+                and constant_nbytes(c) >= EXTERNAL_MIN_BYTES]
+    with computed_ahead(streamed):
+        initializers = [(None if name in inline else _external_reference(c, referenced))
+                        or _plan(c, data if name not in inline else None, data_name)
+                        for name, c in by_name.items() if name in stubbed]
 
     graph_bytes = skeleton.graph.SerializeToString()
     skeleton.ClearField("graph")
@@ -293,7 +301,7 @@ def _plan(constant, data: BinaryIO | None, data_name: str) -> _Initializer:
     """Build the header of one initializer; for external output, write its bytes to the data file now."""
     nbytes = constant_nbytes(constant)
     if not is_raw_encodable(constant):
-        full = onnx.numpy_helper.from_array(constant.values, constant.name)
+        full = onnx.numpy_helper.from_array(read_uncached(constant), constant.name)
         return _Initializer(full.SerializeToString(), constant, 0)
     header = onnx.TensorProto(name=constant.name, data_type=constant_data_type(constant))
     header.dims.extend(constant_dims(constant))
@@ -323,12 +331,12 @@ def _placed(constants: list[Constant], data: BinaryIO | None, data_name: str, in
                 header.raw_data = b"".join(bytes(chunk) for chunk in iter_constant_bytes(constant))
             else:
                 _write_external(header, constant, data, data_name, nbytes)
-            swapped.append((constant, constant._values))
-            constant._values = LazyValues(header)
+            swapped.append((constant, stored_values(constant)))
+            store_values(constant, LazyValues(header))
         yield
     finally:
         for constant, values in swapped:
-            constant._values = values
+            store_values(constant, values)
 
 
 def _drop_outer_copies(graph: onnx.GraphProto, outer: set[str]) -> None:
@@ -357,7 +365,7 @@ def _external_reference(constant, folder: Path | None) -> _Initializer | None:
     inside ``folder`` (the destination's, resolved), pointing at them; None for any other constant."""
     from onnxopt.weights import ExternalValues
 
-    values = constant._values
+    values = stored_values(constant)
     if folder is None or not isinstance(values, ExternalValues):
         return None
     try:

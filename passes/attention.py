@@ -71,10 +71,11 @@ from onnxopt.attention_masks import any_same, is_causal, nan_free_scores
 from onnxopt.errors import PassOptionError
 from onnxopt.fusion import Emit, Fusion, FusionRun, Refusal, Rule
 from onnxopt.pass_infra import ATTENTION_CANONICAL, SHAPES_INFERRED, OrtFusion
-from onnxopt.pattern import Const, Match, Maybe, OneOf, OpBuilder, Pattern, Var, constant_shape, constant_value, is_constant, reads_only_shape
+from onnxopt.pattern import (Const, Match, Maybe, OneOf, OpBuilder, Pattern, Var, constant_reader, constant_shape,
+                             constant_value, is_constant, reads_only_shape)
 from onnxopt.pattern.dims import Dim, Dims, same, text
 from onnxopt.registry import register_pass
-from onnxopt.weights import DerivedValues, read_uncached
+from onnxopt.weights import DerivedValues, read_uncached, stored_values
 
 
 class _ReadForShape(OpBuilder):
@@ -476,22 +477,34 @@ def _read(t: gs.Tensor) -> np.ndarray:
     return read_uncached(t) if isinstance(t, gs.Constant) else constant_value(t)
 
 
+def _weight_sources(s: AttentionSite, roles: str):
+    """(weights, readers, elements): readers read the data each weight holds *now* (a later pass may
+    give the orphaned constant other values before the derived weight is computed, at save time);
+    ``elements`` lets the fp16 range scan read the sources instead of computing the derived weight."""
+    ws = [s.weights[t] for t in roles]
+    readers = [constant_reader(w) for w in ws]
+    elements = [stored_values(w) for w in ws] if all(isinstance(w, gs.Constant) for w in ws) else None
+    return ws, readers, elements
+
+
 def _packed_weight(s: AttentionSite, roles: str) -> DerivedValues:
     """(Din, N*H) per role -> (Din, N * len(roles) * H): the product reshapes to (.., N, len, H)."""
-    ws = [s.weights[t] for t in roles]
+    ws, readers, elements = _weight_sources(s, roles)
     d_in = constant_shape(ws[0])[0]
 
     def pack():
-        return np.stack([_read(w).reshape(d_in, s.heads, s.head_dim) for w in ws], axis=2).reshape(d_in, -1)
+        return np.stack([read().reshape(d_in, s.heads, s.head_dim) for read in readers], axis=2).reshape(d_in, -1)
 
-    return DerivedValues((d_in, len(roles) * s.width), _dtype(ws[0]), pack, name=f"{roles}.weight")
+    return DerivedValues((d_in, len(roles) * s.width), _dtype(ws[0]), pack, name=f"{roles}.weight",
+                         elements_of=elements)
 
 
 def _concatenated_weight(s: AttentionSite, roles: str) -> DerivedValues:
-    ws = [s.weights[t] for t in roles]
+    ws, readers, elements = _weight_sources(s, roles)
     d_in = constant_shape(ws[0])[0]
     return DerivedValues((d_in, len(roles) * s.width), _dtype(ws[0]),
-                         lambda: np.concatenate([_read(w) for w in ws], axis=1), name=f"{roles}.weight")
+                         lambda: np.concatenate([read() for read in readers], axis=1), name=f"{roles}.weight",
+                         elements_of=elements)
 
 
 def _bias_or_zeros(s: AttentionSite, t: str, dtype) -> np.ndarray:

@@ -41,7 +41,7 @@ from onnxopt.pass_infra import CONSTANTS_FOLDED, SHAPES_INFERRED, OrtFusion, Pas
 from onnxopt.pattern import Const, Match, OneOf, Pattern, constant_shape, constant_value, is_constant, op
 from onnxopt.pattern.tensor_facts import normalize_axis, rank_of, shape_of, static_dim, static_ints
 from onnxopt.registry import register_pass
-from onnxopt.weights import DerivedValues
+from onnxopt.weights import DerivedValues, stored_values
 
 # Property: no Slices that tile an axis of one tensor are left (they are Splits).
 SLICES_AS_SPLIT = "slices-as-split"
@@ -285,7 +285,7 @@ def _column_halves_swapped(w: gs.Tensor, half: int):
 
     if not isinstance(w, gs.Constant):  # a Constant node's value: small, computed now
         return swapped()
-    return DerivedValues(tuple(w.shape), w.dtype, swapped, name=f"{w.name}__halves_swapped")
+    return DerivedValues(tuple(w.shape), w.dtype, swapped, name=f"{w.name}__halves_swapped", elements_of=[stored_values(w)])
 
 
 __all__ = ["CUDA_HIDDEN_SIZES", "GEGLU", "GEGLU_GATING_LEFT", "FuseBiasSplitGelu", "SLICES_AS_SPLIT", "SlicesToSplit", "gelu"]

@@ -76,9 +76,9 @@ from onnxopt.graph_edit import clone_node, copy_tensor, detach, is_absent, repla
 from onnxopt.layout import LAYOUT_OPS
 from onnxopt.model import Model
 from onnxopt.pass_infra import CONSTANTS_FOLDED, SHAPES_INFERRED, Pass, PassResult
-from onnxopt.pattern.dims import Dim, Dims, same, text
+from onnxopt.pattern.dims import Dims, same, text
 from onnxopt.registry import register_pass
-from onnxopt.weights import constant_nbytes
+from onnxopt.weights import constant_nbytes, stored_values
 
 CONTEXT_INPUT = "encoder_hidden_states"
 # Further inputs constant over the denoising loop: SDXL's pooled text embedding and time ids, from
@@ -343,7 +343,7 @@ class Split:
         for node in context_nodes:
             for t in node.inputs:
                 if isinstance(t, gs.Constant) and any(id(r) in denoiser_ids for r in t.outputs):
-                    replacement.setdefault(id(t), gs.Constant(t.name, t._values))  # same values, no copy
+                    replacement.setdefault(id(t), gs.Constant(t.name, stored_values(t)))  # same values, no copy
             replace_inputs(node, replacement)
         outputs = []
         for t in self._cut_in_layer_order():

@@ -26,7 +26,7 @@ from onnxopt.graph_edit import detach, is_standard, replace_output
 from onnxopt.model import Model
 from onnxopt.pass_infra import CONSTANTS_FOLDED, Pass, PassResult
 from onnxopt.registry import register_pass
-from onnxopt.weights import ExternalValues
+from onnxopt.weights import constant_nbytes, is_external, read_uncached, store_values
 
 INT64_MAX = np.iinfo(np.int64).max
 LOAD_EXTERNAL_BELOW_BYTES = 1 << 20
@@ -129,10 +129,9 @@ def join_ranged_shapes(graph: gs.Graph, slices: list[gs.Node]) -> int:
 
 def load_small_external_constants(model: Model) -> None:
     for constant in model.constants():
-        values = constant._values
-        if isinstance(values, ExternalValues) and values.nbytes < LOAD_EXTERNAL_BELOW_BYTES:
-            constant.values = values.load()
+        if is_external(constant) and constant_nbytes(constant) < LOAD_EXTERNAL_BELOW_BYTES:
+            store_values(constant, read_uncached(constant))
 
 
 def reads_large_external_weight(node: gs.Node) -> bool:
-    return any(isinstance(t, gs.Constant) and isinstance(t._values, ExternalValues) for t in node.inputs)
+    return any(isinstance(t, gs.Constant) and is_external(t) for t in node.inputs)

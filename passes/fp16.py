@@ -104,7 +104,7 @@ from onnxopt.precision import (
     tensor_errors,
 )
 from onnxopt.registry import register_pass
-from onnxopt.weights import DerivedValues, constant_nbytes, read_uncached
+from onnxopt.weights import DerivedValues, constant_nbytes, read_uncached, store_values, stored_values
 
 LOW, F32, BOTH = "low", "float32", "both"
 
@@ -536,7 +536,7 @@ class _Conversion:
                     self.clamp_float32_mask(t)
                 continue
             if isinstance(t, gs.Constant):
-                t._values = self.low_values(t, t.name)
+                store_values(t, self.low_values(t, t.name))
                 t.export_dtype = None  # Model.copy pins the original dtype as the export dtype
                 self.stats.constants_converted += 1
             else:
@@ -643,11 +643,11 @@ class _Conversion:
             return np.asarray(np.maximum(array, np.float32(fill)), dtype=np.float32)  # an array also when 0-d
 
         if isinstance(where, gs.Constant):
-            source = where._values
+            source = stored_values(where)
             if constant_nbytes(where) < SKELETON_THRESHOLD_BYTES:
-                where._values = clamp(read_uncached(source))
+                store_values(where, clamp(read_uncached(source)))
             else:
-                where._values = DerivedValues(where.shape, np.float32, lambda: clamp(read_uncached(source)), name=where.name)
+                store_values(where, DerivedValues(where.shape, np.float32, lambda: clamp(read_uncached(source)), name=where.name))
             self.stats.masks_clamped.add(where.name)
         else:
             value = constant_node_value(where)
@@ -659,7 +659,7 @@ class _Conversion:
 
     def low_values(self, constant: gs.Constant, name: str):
         """The constant in low precision: computed now when small, else when read or saved."""
-        source = constant._values
+        source = stored_values(constant)
         low, mask = self.low, constant.name in self.masks
         if mask:
             self.stats.masks_clamped.add(constant.name)

@@ -71,7 +71,7 @@ from onnxopt.pass_infra import CONSTANTS_FOLDED, SHAPES_INFERRED, Pass, PassResu
 from onnxopt.pattern import Const, Pattern, Var, constant_shape, constant_value, is_constant, op
 from onnxopt.pattern.tensor_facts import rank_of, static_dim
 from onnxopt.registry import register_pass
-from onnxopt.weights import DerivedValues, read_uncached
+from onnxopt.weights import DerivedValues, read_uncached, stored_values
 
 
 def gemm(x, w, c=Var("c", optional=True)):
@@ -298,7 +298,9 @@ def _concatenated_weight(group: list[Linear], trans_b: int, name: str) -> Derive
             start = end
         return out
 
-    return DerivedValues(shape, dtype, compute, name=name)
+    constants = [m.w for m in group]
+    elements = [stored_values(w) for w in constants] if all(isinstance(w, gs.Constant) for w in constants) else None
+    return DerivedValues(shape, dtype, compute, name=name, elements_of=elements)
 
 
 def _concatenated_bias(group: list[Linear], dtype: np.dtype, name: str) -> DerivedValues:

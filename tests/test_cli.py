@@ -27,7 +27,11 @@ def test_optimize_prints_report_and_writes_output(tmp_path, model_path, capsys):
     text = capsys.readouterr().out
     assert "remove-identity" in text and "final model equal to the source" in text
     onnx.checker.check_model(str(out))
-    assert json.loads(js.read_text())["final_verification"]["ok"] is True
+    data = json.loads(js.read_text())
+    assert data["final_verification"]["ok"] is True
+    assert data["load_seconds"] > 0 and data["save_seconds"] > 0  # the JSON is written after the save
+    assert data["peak_rss_mb_after_save"] >= max(p["peak_rss_mb"] for p in data["passes"]) > 0
+    assert "peak RSS" in text.splitlines()[-1]
     assert model_path.read_bytes() == before
 
 

@@ -238,3 +238,99 @@ def test_a_derived_scalar_keeps_rank_zero():
     assert values.load().shape == () and values.load() == 3.0
     with pytest.raises(ValueError, match="declared"):
         DerivedValues((1,), np.float32, lambda: np.zeros(2, np.float32), name="v").load()
+
+
+def test_large_external_weights_are_mapped_read_only_and_never_cached(tmp_path):
+    """A weight of 1 MB or more is a read-only view of the mapped file (no copy into fresh memory);
+    reading it through constant_value leaves it on disk."""
+    from onnxopt.pattern import constant_value
+    from onnxopt.weights import MAP_FROM_BYTES, read_uncached
+
+    proto, w_expected, _ = linear_model(n_in=512, n_out=1024)  # 2 MB
+    assert w_expected.nbytes >= MAP_FROM_BYTES
+    src = tmp_path / "model.onnx"
+    onnx.save(proto, src, save_as_external_data=True, location="model.onnx.data", size_threshold=0)
+    w = load_model(src).graph.tensors()["W"]
+    array = read_uncached(w)
+    np.testing.assert_array_equal(array, w_expected)
+    assert not array.flags.owndata and not array.flags.writeable
+    np.testing.assert_array_equal(constant_value(w), w_expected)
+    assert isinstance(w._values, ExternalValues)
+
+
+def test_range_scan_of_a_rearranged_tensor_reads_its_sources_not_the_result():
+    """fp16's range scan of packed/transposed weights (DerivedValues with elements_of) gives what
+    scanning the computed tensor gives, without computing it."""
+    import onnx_graphsurgeon as gs
+
+    from onnxopt.precision import low_precision, value_stats
+    from onnxopt.weights import DerivedValues
+
+    a = np.array([[1.0, -7e4], [3.0, 4.0]], np.float32)
+    b = np.array([[2e-3, 0.0], [5.0, -6.0]], np.float32)
+    packed = np.concatenate([a, b], axis=1)
+
+    def not_computed():
+        raise AssertionError("the scan computed the derived tensor")
+
+    derived = gs.Constant("packed", DerivedValues(packed.shape, np.float32, not_computed, name="packed", elements_of=[a, b]))
+    computed = gs.Constant("computed", DerivedValues(packed.shape, np.float32, lambda: packed, name="computed"))
+    low = low_precision("float16")
+    assert value_stats(derived, low) == value_stats(computed, low) == value_stats(packed, low)
+    assert value_stats(derived, low).neg_overflow
+
+
+def test_save_computes_the_next_derived_tensor_on_a_worker_while_writing(tmp_path, monkeypatch):
+    """The saver overlaps computing derived weights (fp16 conversion, packing) with writing:
+    they are computed off the main thread, and the file is byte for byte the one written without."""
+    import threading
+
+    import onnx_graphsurgeon as gs
+
+    from onnxopt import weights
+    from onnxopt.weights import DerivedValues
+
+    proto, _, _ = linear_model(n_in=256, n_out=256)
+    threads = []
+
+    def derive(model, scale):
+        for constant in model.constants():
+            source = constant._values
+
+            def compute(source=source, scale=scale):
+                threads.append(threading.current_thread())
+                return weights.read_uncached(source) * scale
+
+            constant._values = DerivedValues(constant.shape, constant.dtype, compute, name=constant.name)
+        return model
+
+    def save(ahead: int, name: str) -> bytes:
+        monkeypatch.setattr(weights, "COMPUTE_AHEAD", ahead)
+        model = derive(load_model(proto), 2.0)
+        save_model(model, tmp_path / f"{name}.onnx", external_data=True)
+        return (tmp_path / f"{name}.onnx").read_bytes() + (tmp_path / f"{name}.onnx.data").read_bytes()
+
+    assert isinstance(load_model(proto).graph.tensors()["W"], gs.Constant)
+    plain = save(0, "plain")
+    assert threads and all(t is threading.main_thread() for t in threads)
+    threads.clear()
+    ahead = save(1, "ahead")
+    assert threads and all(t is not threading.main_thread() for t in threads)
+    assert ahead.replace(b"ahead", b"plain") == plain
+
+
+def test_range_scan_on_threads_gives_each_constant_its_own_stats_in_order(monkeypatch):
+    """fp16's range scan runs on two threads; results come back in the sources' order, each
+    the stats a scan on the main thread gives."""
+    from onnxopt import precision
+
+    rng = np.random.default_rng(0)
+    arrays = [rng.standard_normal(n).astype(np.float32) * scale for n, scale in
+              [(10, 1.0), (70000, 1e5), (3, 1e-9), (5000, 2.0)] * 5]
+    low = precision.low_precision("float16")
+    expected = [precision.value_stats(a, low) for a in arrays]
+    monkeypatch.setattr(precision, "SCAN_THREADS", 2)
+    got = list(precision.values_stats(enumerate(arrays), low))
+    assert [i for i, _ in got] == list(range(len(arrays)))
+    assert [s for _, s in got] == expected
+    assert any(s.pos_overflow for s in expected) and any(s.vanishes for s in expected)

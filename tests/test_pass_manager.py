@@ -3,10 +3,12 @@
 import json
 from importlib import metadata
 
+import numpy as np
 import pytest
 
 from onnxopt import PassManager, available_passes, load_model, optimize, registry
 from onnxopt.errors import PassNotApplicableError, UnknownPassError
+from onnxopt.pass_infra import Pass, PassResult
 from tests.graphs import linear_model
 from tests.plugin_passes import AddToSub, NeedsB, NeverMatches, ProvidesA, ProvidesB
 
@@ -62,6 +64,29 @@ def test_report_counts_and_json():
     assert data["nodes_before"] == 3 and data["nodes_after"] == 2
     assert {"pass", "sites_matched", "sites_rewritten", "nodes_before", "nodes_after", "seconds"} <= set(data["passes"][0])
     assert "remove-identity" in report.table()
+
+
+class _Holds64MB(Pass):
+    """Keeps 64 MB of touched memory alive on the model: its row must show it."""
+
+    name = "test-holds-64mb"
+    description = "allocates 64 MB and keeps it"
+
+    def run(self, model):
+        model.held = np.ones(64 << 20, dtype=np.uint8)
+        return PassResult(modified=False)
+
+
+def test_report_rows_show_resident_memory_after_each_pass():
+    model = load_model(linear_model()[0])
+    report = PassManager(["remove-identity", _Holds64MB()]).run(model)
+    identity, holder = report.passes
+    assert holder.memory.rss_bytes - identity.memory.rss_bytes >= 60 << 20
+    assert holder.memory.peak_bytes >= holder.memory.rss_bytes >= 60 << 20
+    assert report.memory_before.peak_bytes <= identity.memory.peak_bytes <= holder.memory.peak_bytes
+    data = json.loads(report.to_json())
+    assert data["passes"][1]["peak_rss_mb"] == round(holder.memory.peak_bytes / 1e6, 1)
+    assert "peak MB" in report.table().splitlines()[0]
 
 
 def test_verify_names_the_first_broken_pass(plugins):

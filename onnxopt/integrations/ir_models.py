@@ -29,7 +29,7 @@ from onnx_graphsurgeon.ir.tensor import Constant, LazyValues
 from onnxopt.errors import OnnxoptError
 from onnxopt.integrations import require
 from onnxopt.model import Model, _materialised
-from onnxopt.weights import DerivedValues, ExternalValues, constant_data_type, constant_dims
+from onnxopt.weights import DerivedValues, ExternalValues, constant_data_type, constant_dims, store_values, stored_values
 
 IR_INSTALL = "onnx-ir (it comes with onnxscript: pip install 'onnxopt[models]')"
 
@@ -94,7 +94,7 @@ def from_ir_model(ir_model) -> Model:
     model = load_model(proto)
     for constant in model.constants() + model.subgraph_constants():
         if constant.name in tensors:
-            constant._values = IrTensorValues(tensors[constant.name], constant.name)
+            store_values(constant, IrTensorValues(tensors[constant.name], constant.name))
     model._ir_tensors = tensors  # read back by to_ir_model (see _source_tensor)
     return model
 
@@ -104,7 +104,7 @@ def _source_tensor(constant: Constant, sources: dict):
     IrTensorValues with the array they gave (``Constant.values`` keeps what it loads) and the
     array is still that tensor's buffer, unchanged in shape and type; else None."""
     tensor = sources.get(constant.name)
-    values = constant._values
+    values = stored_values(constant)
     if tensor is None or not isinstance(values, np.ndarray):
         return None
     original = tensor.numpy()
@@ -115,7 +115,7 @@ def _source_tensor(constant: Constant, sources: dict):
 
 def _ir_tensor_for(constant: Constant, sources: dict):
     ir = require("onnx_ir", IR_INSTALL)
-    values = constant._values
+    values = stored_values(constant)
     if isinstance(values, IrTensorValues):
         return values.ir_tensor
     if (source := _source_tensor(constant, sources)) is not None:

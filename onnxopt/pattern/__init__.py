@@ -40,7 +40,7 @@ Match, the search), ``tracer`` (failure records), ``rewrite`` (replace),
 """
 
 from .builder import COMMUTATIVE_OPS, Const, Literal, Maybe, OneOf, OpBuilder, PatternValue, Var, op, reads_only_shape
-from .constants import constant_shape, constant_value, is_constant, is_zero_constant
+from .constants import constant_reader, constant_shape, constant_value, is_constant, is_zero_constant
 from .matcher import Match, Matches, Pattern
 from .rewrite import replace
 from .tracer import CandidateTrace, Failure, Tracer
@@ -61,6 +61,7 @@ __all__ = [
     "Tracer",
     "Var",
     "constant_shape",
+    "constant_reader",
     "constant_value",
     "is_constant",
     "is_zero_constant",

@@ -9,14 +9,18 @@ writes initializers.
     True
     >>> constant_shape(tensor)        # no data is loaded
     (1,)
-    >>> constant_value(tensor)        # loads the data
+    >>> constant_value(tensor)        # reads the data (not kept: see onnxopt.weights.read_uncached)
     array([0.5], dtype=float32)
 """
 
 from __future__ import annotations
 
+from typing import Callable
+
 import numpy as np
 import onnx_graphsurgeon as gs
+
+from onnxopt.weights import read_uncached, stored_values
 
 # Attributes of an ONNX ``Constant`` node, other than ``value``, and their numpy dtype.
 _CONSTANT_NODE_SCALAR_ATTRS = {
@@ -60,16 +64,32 @@ def is_zero_constant(tensor: gs.Tensor | None) -> bool:
 
 
 def constant_value(tensor: gs.Tensor) -> np.ndarray | None:
-    """The numpy value of a constant tensor (loads it); None if the tensor is not constant."""
+    """The numpy value of a constant tensor, read each time and not kept on the tensor (a pass
+    that looks at every weight of a 10 GB UNet must not end up holding them); None if the
+    tensor is not constant."""
     if isinstance(tensor, gs.Constant):
-        return np.asarray(tensor.values)
+        return read_uncached(tensor)
     payload = _constant_node_payload(tensor)
     if payload is None:
         return None
     if isinstance(payload, gs.Constant):
-        return np.asarray(payload.values)
+        return read_uncached(payload)
     attr_name, raw = payload
     return np.asarray(raw, dtype=_CONSTANT_NODE_SCALAR_ATTRS[attr_name])
+
+
+def constant_reader(tensor: gs.Tensor) -> Callable[[], np.ndarray] | None:
+    """A function that reads the constant's value when called (each time, uncached), from the data
+    the tensor holds *now*: a rewrite that derives a weight lazily (packing Q/K/V) reads its
+    sources at save time, after later passes may have given the tensor other values. None if
+    the tensor is not constant."""
+    if isinstance(tensor, gs.Constant):
+        source = stored_values(tensor)
+        return lambda: read_uncached(source)
+    if not is_constant(tensor):
+        return None
+    value = constant_value(tensor)  # a Constant node's attribute: small, kept as it is now
+    return lambda: value
 
 
 def _constant_node_payload(tensor: gs.Tensor):
