@@ -59,16 +59,16 @@ SETTINGS = {
 }
 # The ablation (--ablation): the onnxopt pipeline as each rewrite is added, from one optimized folder.
 # name -> (Pipeline.load keyword arguments, call keyword arguments, ControlNet kinds only).
-SEPARATE = dict(merged_step=False)
+SEPARATE = dict(merged_step=False, two_streams=False)
 ABLATION = {
     "unfused (UNet graph + diffusers' step on the host)": (dict(fused_step=False), {}, False),
     "fused step, CUDA graph": (dict(context_kv=False, controlnet_hint=False, **SEPARATE), {}, False),
     "+ text side once per prompt": (dict(context_kv=True, controlnet_hint=False, **SEPARATE), {}, False),
     "+ hint once per image": (dict(context_kv=True, controlnet_hint=True, **SEPARATE), {}, True),
-    "+ one graph per step (the default)": (dict(merged_step=True), {}, True),
-    "two streams instead of one graph": (dict(two_streams=True, **SEPARATE), {}, True),
+    "+ one graph per step": (dict(merged_step=True, two_streams=False), {}, True),
+    "two streams instead of one graph (the default)": (dict(two_streams=True, merged_step=False), {}, True),
     "+ cfg-late (step.cfg_late.onnx)": (dict(step_file="step.cfg_late.onnx", **SEPARATE), {}, False),
-    "default, launch timing (host part of a step)": (dict(launch_timing=True), {}, False),
+    "one graph per step, launch timing (host part of a step)": (dict(launch_timing=True, two_streams=False), {}, False),
     "+ step reuse: every 2nd of the last 40% (opt-in)": ({}, dict(reuse="late"), False),
 }
 DRY = dict(height=32, width=32, steps=3)

@@ -283,7 +283,7 @@ def test_merged_step_on_the_cuda_ep_with_cuda_graph(tmp_path):
     optimize_folder(src, folder, target="ort-cuda")
     results = {}
     for merged in (True, False):
-        pipe = Pipeline.load(folder, "cuda", cuda_graph=True, merged_step=merged, launch_timing=True)
+        pipe = Pipeline.load(folder, "cuda", cuda_graph=True, merged_step=merged, launch_timing=True, two_streams=False)
         pipe(**request("sd15-controlnet", steps=10))
         results[merged] = pipe(**request("sd15-controlnet", steps=10))  # replays the captured graphs
         assert results[merged].timings["cuda_graph"] is True

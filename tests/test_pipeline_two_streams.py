@@ -174,7 +174,7 @@ def test_two_streams_on_the_cuda_ep_with_capture(folders, tmp_path):
     request = dict(negative_prompt="blurry", steps=4, guidance=7.5, scheduler="ddim", height=64, width=64,
                    controlnet_image=Image.fromarray(np.stack([edges] * 3, axis=-1)), progress=False)
     two = Pipeline.load(out, "cuda", two_streams=True)
-    merged = Pipeline.load(out, "cuda")
+    merged = Pipeline.load(out, "cuda", two_streams=False)
     assert two.cuda_graph and "down" in two.sessions
     for prompt, seed in (("a house", 0), ("a tree", 3)):
         a, b = two(prompt, seed=seed, **request), merged(prompt, seed=seed, **request)

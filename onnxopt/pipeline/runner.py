@@ -125,7 +125,7 @@ class Pipeline:
     def load(cls, folder, provider: str = "cpu", *, fused_step: bool = True, cuda_graph: bool = True, device_id: int = 0,
              threads: int | None = None, io_binding: bool | None = None, context_kv: bool = True,
              controlnet_hint: bool = True, merged_step: bool = True, launch_timing: bool = False,
-             step_file: str | None = None, two_streams: bool = False) -> "Pipeline":
+             step_file: str | None = None, two_streams: bool | None = None) -> "Pipeline":
         """Open ``folder`` and create its sessions on ``provider`` (cpu | cuda | tensorrt).
 
         ``cuda_graph`` (cuda/tensorrt): capture the step graph as CUDA graphs. ``fused_step=False``
@@ -147,9 +147,10 @@ class Pipeline:
           ``controlnet/step.onnx`` reading the hint; off: ``controlnet/model.onnx`` at every step.
         * ``merged_step``: ``merged_step.onnx``, ControlNet and UNet step graph in one graph (one
           run per step), used when it was built from the very graphs the other switches select.
-        * ``two_streams`` (off by default; the alternative to ``merged_step``, bound-buffer loop
-          only): ``unet/step.streams.down.onnx`` beside the ControlNet on a second thread and
-          stream, then ``unet/step.streams.onnx`` (:mod:`onnxopt.pipeline.two_streams`).
+        * ``two_streams`` (default: on for cuda/tensorrt, where it measured faster than
+          ``merged_step``: benchmarks/results/h100-2026-11-25-session7/; bound-buffer loop only):
+          ``unet/step.streams.down.onnx`` beside the ControlNet on a second thread and stream, then
+          ``unet/step.streams.onnx`` (:mod:`onnxopt.pipeline.two_streams`); ``merged_step`` when off.
 
         ``launch_timing`` (bound-buffer loop): each step's run returns once the step is queued and
         the loop then waits for the device; ``timings["step_launch_mean_s"]`` is the host's part of
@@ -165,6 +166,7 @@ class Pipeline:
             model or folder.component(name).model, provider, name=f"{folder.root / name}", device_id=device_id,
             threads=threads, **kw)
         io_binding = provider != "cpu" if io_binding is None else io_binding
+        two_streams = provider != "cpu" if two_streams is None else two_streams
 
         def once(name, model=None):
             """A graph run once per prompt or image: on bound buffers, captured when ORT can."""
