@@ -161,75 +161,59 @@ class Bench:
         if self.device == "cuda":
             torch.cuda.synchronize()
 
+    def timed(self, fn, record):
+        """``fn`` with device syncs around it, handing each call's seconds to ``record``."""
+        def call(*a, **k):
+            self.sync()
+            t0 = time.perf_counter()
+            out = fn(*a, **k)
+            self.sync()
+            record(time.perf_counter() - t0)
+            return out
+
+        return call
+
     def torch_stages(self, pipe) -> dict:
-        """One run with synchronizing timers around the text encoder(s), the UNet and the VAE decode."""
-        times = {"text_encoder": 0.0, "vae_decode": 0.0}
+        """One run with synchronizing timers around the text encoder(s), the UNet and the VAE decode.
 
-        def wrap(module, attr, key):
-            original = getattr(module, attr)
+        A step is the UNet call plus, in a ControlNet pipeline, the ControlNet call before it."""
+        times = {"text_encoder": [], "vae_decode": [], "unet": [], "controlnet": []}
+        patched = []  # (object, attribute, its own value before, or None when it had none)
 
-            def timed(*a, **k):
-                self.sync()
-                t0 = time.perf_counter()
-                out = original(*a, **k)
-                self.sync()
-                times[key] += time.perf_counter() - t0
-                return out
+        def patch(obj, attr, key):
+            patched.append((obj, attr, obj.__dict__.get(attr)))
+            setattr(obj, attr, self.timed(getattr(obj, attr), times[key].append))
 
-            setattr(module, attr, timed)
-            return original
-
-        undo = [(pipe.text_encoder, "forward", wrap(pipe.text_encoder, "forward", "text_encoder"))]
+        patch(pipe.text_encoder, "forward", "text_encoder")
         if getattr(pipe, "text_encoder_2", None) is not None:
-            undo.append((pipe.text_encoder_2, "forward", wrap(pipe.text_encoder_2, "forward", "text_encoder")))
-        undo.append((pipe.vae, "decode", wrap(pipe.vae, "decode", "vae_decode")))
-        calls: dict[str, list] = {}
-        bench = self
+            patch(pipe.text_encoder_2, "forward", "text_encoder")
+        patch(pipe.vae, "decode", "vae_decode")
+        # The ControlNet is timed by its forward: diffusers checks that pipe.controlnet is a ControlNetModel.
+        if getattr(pipe, "controlnet", None) is not None:
+            patch(pipe.controlnet, "forward", "controlnet")
+        original_unet = pipe.unet
+        timed_unet = self.timed(original_unet, times["unet"].append)
 
-        class Timed:  # pipe.unet may be a compiled module: time calls around it
-            def __init__(self, module, key):
-                self.module, self.key = module, key
-                calls[key] = []
-
+        class TimedUNet:  # pipe.unet may be a compiled module: time calls around it
             def __getattr__(self, name):
-                return getattr(self.module, name)
+                return getattr(original_unet, name)
 
             def __call__(self, *a, **k):
-                bench.sync()
-                t0 = time.perf_counter()
-                out = self.module(*a, **k)
-                bench.sync()
-                calls[self.key].append(time.perf_counter() - t0)
-                return out
+                return timed_unet(*a, **k)
 
-        # A step is the UNet call plus, in a ControlNet pipeline, the ControlNet call before it. The
-        # ControlNet is timed by its forward: diffusers checks that pipe.controlnet is a ControlNetModel.
-        controlnet = getattr(pipe, "controlnet", None)
-        if controlnet is not None:
-            calls["controlnet"] = []
-            forward = controlnet.forward
-
-            def timed_forward(*a, **k):
-                self.sync()
-                t0 = time.perf_counter()
-                out = forward(*a, **k)
-                self.sync()
-                calls["controlnet"].append(time.perf_counter() - t0)
-                return out
-
-            controlnet.forward = timed_forward
-        original_unet = pipe.unet
-        object.__setattr__(pipe, "unet", Timed(original_unet, "unet"))  # not DiffusionPipeline.__setattr__
+        object.__setattr__(pipe, "unet", TimedUNet())  # not DiffusionPipeline.__setattr__
         try:
             self.torch_call(pipe)
         finally:
             object.__setattr__(pipe, "unet", original_unet)
-            if controlnet is not None:
-                del controlnet.forward
-            for module, attr, original in undo:
-                setattr(module, attr, original)
-        step = sum(statistics.mean(c[1:] or c) for c in calls.values())
-        return {"text_encoder_s": times["text_encoder"], "step_mean_s": step, "vae_decode_s": times["vae_decode"]}
+            for obj, attr, own in reversed(patched):
+                if own is None:
+                    delattr(obj, attr)
+                else:
+                    setattr(obj, attr, own)
+        step = sum(statistics.mean(c[1:] or c) for c in (times["unet"], times["controlnet"]) if c)
+        return {"text_encoder_s": sum(times["text_encoder"]), "step_mean_s": step,
+                "vae_decode_s": sum(times["vae_decode"])}
 
     def torch_fp32(self) -> dict:
         import torch

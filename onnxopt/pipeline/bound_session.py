@@ -23,8 +23,7 @@ from __future__ import annotations
 
 import numpy as np
 
-_NUMPY_OF = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(int64)": np.int64,
-             "tensor(int32)": np.int32, "tensor(double)": np.float64, "tensor(bool)": np.bool_}
+from onnxopt.pipeline.sessions import ORT_TYPES
 
 
 class _Bound:
@@ -73,7 +72,7 @@ class BoundSession:
         self.session.run_with_iobinding(binding, probe)
         shapes = {name: (value.shape(), value.data_type()) for name, value in zip(names, binding.get_outputs())}
         binding.clear_binding_outputs()
-        outputs = {name: ort.OrtValue.ortvalue_from_shape_and_type(list(shape), _NUMPY_OF.get(kind, np.float32),
+        outputs = {name: ort.OrtValue.ortvalue_from_shape_and_type(list(shape), ORT_TYPES.get(kind, np.float32),
                                                                    device, device_id)
                    for name, (shape, kind) in shapes.items()}
         for name, value in outputs.items():

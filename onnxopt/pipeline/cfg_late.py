@@ -766,35 +766,35 @@ def _gather(s, node):
     s.axis_not_batch(node, int(node.attrs.get("axis", 0)), s.rank(x))
 
 
+def _axes(s, node, index: int, missing: str) -> list[int]:
+    """The node's axes: its ``axes`` attribute (older opsets) or its constant input ``index``."""
+    if "axes" in node.attrs:
+        return [int(a) for a in node.attrs["axes"]]
+    if len(node.inputs) > index and s.present(node.inputs[index]):
+        return s.constant_ints(node, index, "axes")
+    raise _Refuse(missing)
+
+
 def _slice(s, node):
     x = s.need(node, 0, DUP)
     s.free_rest(node, 1)
-    if s.opset < 10:
-        axes = [int(a) for a in node.attrs.get("axes", range(len(node.attrs.get("starts", []))))]
-    elif len(node.inputs) > 3 and s.present(node.inputs[3]):
-        axes = s.constant_ints(node, 3, "axes")
+    if s.opset < 10 and "axes" not in node.attrs:  # Slice-1: every axis starts lists, from 0
+        axes = list(range(len(node.attrs.get("starts", []))))
     else:
-        raise _Refuse("no axes: it slices from axis 0")
+        axes = _axes(s, node, 3, "no axes: it slices from axis 0")
     for axis in axes:
         s.axis_not_batch(node, axis, s.rank(x))
 
 
 def _unsqueeze(s, node):
     s.need(node, 0, DUP)
-    axes = [int(a) for a in node.attrs["axes"]] if "axes" in node.attrs else s.constant_ints(node, 1, "axes")
-    for axis in axes:
+    for axis in _axes(s, node, 1, "no axes"):
         s.axis_not_batch(node, axis, s.rank(node.outputs[0]))
 
 
 def _squeeze(s, node):
     x = s.need(node, 0, DUP)
-    if "axes" in node.attrs:
-        axes = [int(a) for a in node.attrs["axes"]]
-    elif len(node.inputs) > 1 and s.present(node.inputs[1]):
-        axes = s.constant_ints(node, 1, "axes")
-    else:
-        raise _Refuse("squeezes every size-1 axis (the batch may be one)")
-    for axis in axes:
+    for axis in _axes(s, node, 1, "squeezes every size-1 axis (the batch may be one)"):
         s.axis_not_batch(node, axis, s.rank(x))
 
 

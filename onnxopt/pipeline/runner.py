@@ -168,27 +168,25 @@ class Pipeline:
         io_binding = provider != "cpu" if io_binding is None else io_binding
         two_streams = provider != "cpu" if two_streams is None else two_streams
 
+        def captured(name, model, say: bool = False, **kw):
+            """(session, whether it captures): CUDA graphs when asked and ORT can, else a plain session
+            (``say``: tell the user; the step's capture is what the speed depends on)."""
+            try:
+                return make(name, model, cuda_graph=graph, **kw), graph
+            except OnnxoptError as exc:  # ORT refuses capture when a node is not on the GPU EP
+                if not graph:
+                    raise
+                if say:
+                    print(f"onnxopt: step graph without CUDA graph capture: {exc}", file=sys.stderr)
+                return make(name, model, **kw), False
+
         def once(name, model=None):
             """A graph run once per prompt or image: on bound buffers, captured when ORT can."""
             if not io_binding:
                 return make(name, model)
-            try:
-                session, captured = make(name, model, cuda_graph=graph), graph
-            except OnnxoptError:  # ORT refuses capture when a node is not on the GPU EP
-                if not graph:
-                    raise
-                session, captured = make(name, model), False
+            session, capturing = captured(name, model)
             return BoundSession(require_provider(provider), session, device="cpu" if provider == "cpu" else "cuda",
-                                device_id=device_id, cuda_graph=captured)
-
-        def captured(name, model):
-            """A session captured as CUDA graphs when ORT can (else plain)."""
-            try:
-                return make(name, model, cuda_graph=graph)
-            except OnnxoptError:  # ORT refuses capture when a node is not on the GPU EP
-                if not graph:
-                    raise
-                return make(name, model)
+                                device_id=device_id, cuda_graph=capturing)
 
         sessions = {name: once(name) for name in ("text_encoder", "text_encoder_2", "vae_decoder") if folder.has(name)}
         controlnet_model = None
@@ -216,23 +214,16 @@ class Pipeline:
             if merged is not None:  # ControlNet + UNet step graph: one run per step
                 step_model, step_source = merged, f"{MERGED_STEP_FILE} ({step_source} + {_relative(folder, controlnet_model)})"
             if streams is not None:  # down beside the ControlNet, then the rest
-                sessions["down"] = captured("unet", streams[1])
+                sessions["down"], _ = captured("unet", streams[1])
                 step_model, step_source = streams[0], f"{streams[0].name} + {streams[1].name} (two streams)"
             if context is not None:
                 step_source += f" + {context.name}"
             if step_model is not None:
                 beside = {"external_data_folder": folder.component("unet").folder} if isinstance(step_model, bytes) else {}
-                try:
-                    sessions["step"] = make("unet", step_model, cuda_graph=graph, **beside)
-                except OnnxoptError as exc:  # ORT refuses capture when a node is not on the GPU EP
-                    if not graph:
-                        raise
-                    print(f"onnxopt: step graph without CUDA graph capture: {exc}", file=sys.stderr)
-                    graph = False
-                    sessions["step"] = make("unet", step_model, **beside)
+                sessions["step"], graph = captured("unet", step_model, say=True, **beside)
         two = "down" in sessions
         if controlnet_model is not None and merged is None:  # captured too when it runs on a stream of its own
-            sessions["controlnet"] = captured("controlnet", controlnet_model) if two else make("controlnet", controlnet_model)
+            sessions["controlnet"] = captured("controlnet", controlnet_model)[0] if two else make("controlnet", controlnet_model)
         if "step" in sessions:
             from onnxopt.pipeline.step_reuse import reuse_step_model
 

@@ -43,8 +43,8 @@ from onnxopt.errors import MissingDependencyError, OnnxoptError
 from onnxopt.runtime import import_onnxruntime
 
 PROVIDERS = ("cpu", "cuda", "tensorrt")
-_ORT_TYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(int64)": np.int64,
-              "tensor(int32)": np.int32, "tensor(double)": np.float64, "tensor(bool)": np.bool_}
+ORT_TYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(int64)": np.int64,
+             "tensor(int32)": np.int32, "tensor(double)": np.float64, "tensor(bool)": np.bool_}
 
 
 def require_provider(provider: str):
@@ -103,7 +103,7 @@ def create_session(model: Path | bytes, provider: str, *, name: str, cuda_graph:
 
 
 def input_types(session) -> dict[str, np.dtype]:
-    return {i.name: np.dtype(_ORT_TYPES.get(i.type, np.float32)) for i in session.get_inputs()}
+    return {i.name: np.dtype(ORT_TYPES.get(i.type, np.float32)) for i in session.get_inputs()}
 
 
 def run_host(session, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -118,7 +118,7 @@ def run_host(session, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
 def timestep_feed(session, value, batch: int) -> np.ndarray:
     """The timestep as ``session`` takes it: a scalar, [1], or [batch] (exports differ), in its dtype."""
     spec = next(i for i in session.get_inputs() if i.name == "timestep")
-    dtype = _ORT_TYPES.get(spec.type, np.float32)
+    dtype = ORT_TYPES.get(spec.type, np.float32)
     if len(spec.shape) == 0:
         return np.asarray(value, dtype=dtype)
     return np.full([1 if spec.shape[0] == 1 else batch], value, dtype=dtype)

@@ -91,7 +91,7 @@ def build_step_graph(unet: Model, *, cfg_late: bool = False) -> Model:
     result shares its weights. ``cfg_late``: compute what both guidance halves share once
     (:mod:`onnxopt.pipeline.cfg_late`). Raises :class:`UnsupportedModelError` for a graph without
     the UNet inputs ``sample``, ``timestep`` and ``encoder_hidden_states``."""
-    graph = _copy_sharing_constants(unet.graph)
+    graph = copy_sharing_constants(unet.graph)
     inputs = {t.name: t for t in graph.inputs}
     where = str(unet.source) if unet.source else "UNet"
     # a context-kv denoiser takes the K/V its companion computes from encoder_hidden_states instead
@@ -211,7 +211,7 @@ def write_step_graph(unet_dir: str | os.PathLike, *, file_name: str = "step.onnx
     return save_model(step, unet_dir / file_name, reference_external=True).path
 
 
-def _copy_sharing_constants(graph: gs.Graph) -> gs.Graph:
+def copy_sharing_constants(graph: gs.Graph) -> gs.Graph:
     """A structural copy of ``graph`` whose nodes read the original Constants (weights not duplicated)."""
     originals = {name: t for name, t in graph.tensors().items() if isinstance(t, gs.Constant)}
     copied = graph.copy()

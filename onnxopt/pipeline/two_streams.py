@@ -37,7 +37,7 @@ import onnx_graphsurgeon as gs
 
 from onnxopt.errors import UnsupportedModelError
 from onnxopt.model import Model
-from onnxopt.pipeline.sessions import _ORT_TYPES, DeviceStepLoop, input_types
+from onnxopt.pipeline.sessions import ORT_TYPES, DeviceStepLoop, input_types
 
 FILE = "step.streams.onnx"
 COMPANION = "down"
@@ -84,15 +84,15 @@ def split_step_graph(step: Model, residual_inputs) -> Model:
 
 
 def _parts(step: Model, early: set[int], free: set[int], cut: list[str]) -> Model:
-    from onnxopt.pipeline.step_graph import _copy_sharing_constants
+    from onnxopt.pipeline.step_graph import copy_sharing_constants
 
-    down_graph = _copy_sharing_constants(step.graph)  # a copy keeps the node order: indices hold
+    down_graph = copy_sharing_constants(step.graph)  # a copy keeps the node order: indices hold
     down_graph.nodes = [n for i, n in enumerate(down_graph.nodes) if i in early or i in free]
     tensors = down_graph.tensors()
     down_graph.outputs = [tensors[name] for name in cut]
     down_graph.cleanup(remove_unused_graph_inputs=True)
 
-    rest_graph = _copy_sharing_constants(step.graph)
+    rest_graph = copy_sharing_constants(step.graph)
     tensors = rest_graph.tensors()
     for name in cut:  # the cut tensors become inputs: their producers are in down
         tensors[name].inputs.clear()
@@ -151,7 +151,7 @@ class TwoStreamStepLoop(DeviceStepLoop):
         for name in names:
             probe.bind_output(name, self.device, self.device_id)
         self.down_session.run_with_iobinding(probe, self._probe_options())
-        self.cut = {name: self._empty(value.shape(), _ORT_TYPES.get(value.data_type(), np.float32))
+        self.cut = {name: self._empty(value.shape(), ORT_TYPES.get(value.data_type(), np.float32))
                     for name, value in zip(names, probe.get_outputs())}
         self.down_bindings = [self._binding(self.down_session, self.step_inputs(parity), self.cut) for parity in (0, 1)]
         self.bindings = [self._binding(self.step_session, self.step_inputs(parity), self.step_outputs(parity))
