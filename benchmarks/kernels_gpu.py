@@ -24,8 +24,9 @@ from collections import Counter
 import numpy as np
 
 FAMILIES = [  # first match wins
+    ("fused elementwise", r"biasSplitGelu|BiasSplitGelu|BiasAddKernel|BiasGelu"),  # before "Split" below
     ("attention", r"flash|fmha|attention|Attention|cutlass.*Kernel|mha|softmax|Softmax|sdpa"),
-    ("transpose/copy", r"[Tt]ranspose|[Cc]opy|nchwToNhwc|nhwcToNchw|Concat|Split|Slice|Gather|Pad|Expand"),
+    ("transpose/copy", r"[Tt]ranspose|Unpack|[Cc]opy|nchwToNhwc|nhwcToNchw|Concat|Split|Slice|Gather|Pad|Expand"),
     ("convolution", r"conv|Conv|implicit|xmma_fprop|sm90_xmma|dgrad|fprop|winograd|cudnn"),
     ("gemm", r"gemm|Gemm|cutlass|sm90_|ampere_|cublas|nvjet"),
     ("normalization", r"[Nn]orm|GroupNorm|LayerNorm|InstanceNorm"),
