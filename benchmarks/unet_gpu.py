@@ -11,6 +11,13 @@ For each export variant (same seeded random weights), it builds:
 and times each with IO binding, CUDA graph off and on (batch 2, 64x64 latent, 77 tokens), and
 compares its output with torch's fp32 output on the GPU (max abs error, relative L2).
 
+The torch peers, from the same weights and inputs (``--torch``, on by default with CUDA; rows
+"torch eager" and "torch.compile"): the fp16 module in channels_last, eager (plain, and replayed as
+one captured torch.cuda.CUDAGraph) and under ``torch.compile(mode="reduce-overhead", fullgraph=True)``
+with ``torch._inductor.config.conv_1x1_as_mm = True`` (as the pipeline benchmark compiles the UNet).
+The ratio column is against the best peer of the run: the fastest of ONNX Runtime's optimizer's
+model (any export, CUDA graph or not) and the torch rows.
+
 Steps are resumable: each writes its result under --work and is skipped when it exists, and the
 script stops between steps once --budget seconds have passed, so a run can be split over several
 calls of a time-limited machine. Results accumulate in <work>/results.json; the markdown table is
@@ -111,6 +118,75 @@ def torch_reference(work: Path, size: str, family: str = "unet-sd15") -> dict:
     return {"output_shape": list(out.shape)}
 
 
+def torch_timed(work: Path, size: str, family: str, compiled: bool, runs: int) -> dict:
+    """The torch fp16 module on the reference inputs: eager (plain and CUDA graph), or compiled."""
+    import torch
+
+    from models import build
+
+    built = build(family, size=size)
+    ref = np.load(work / "reference.npz")
+    inputs = [torch.from_numpy(ref[f"in_{n}"]).cuda() for n in built.input_names]
+    inputs = [t.half() if t.is_floating_point() else t for t in inputs]
+    inputs = [t.contiguous(memory_format=torch.channels_last) if t.dim() == 4 else t for t in inputs]
+    module = built.module.cuda().half().eval().to(memory_format=torch.channels_last)
+
+    def first(out):
+        return out[0] if isinstance(out, (tuple, list)) else out
+
+    def timed(fn) -> dict:
+        for _ in range(10):
+            fn()
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(runs):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        return {"median_ms": float(np.median(times)), "min_ms": float(np.min(times)), "max_ms": float(np.max(times)),
+                "clock": "cuda-events"}
+
+    def accuracy(output) -> dict:
+        output, expected = output.float().cpu().numpy(), ref["output"]
+        return {"max_abs": float(np.abs(output - expected).max()),
+                "rel_l2": float(np.linalg.norm(output - expected) / np.linalg.norm(expected)),
+                "finite": bool(np.isfinite(output).all())}
+
+    with torch.no_grad():
+        if compiled:
+            import torch._inductor.config as inductor
+
+            inductor.conv_1x1_as_mm = True
+            t0 = time.perf_counter()
+            fn = torch.compile(module, mode="reduce-overhead", fullgraph=True)
+            for _ in range(3):
+                output = first(fn(*inputs)).clone()  # reduce-overhead reuses its output buffers
+            torch.cuda.synchronize()
+            result = {"compile_s": time.perf_counter() - t0, **accuracy(output)}
+            return {"1": dict(timed(lambda: fn(*inputs)), **result)}
+        output = first(module(*inputs)).clone()
+        plain = dict(timed(lambda: module(*inputs)), **accuracy(output))
+        stream = torch.cuda.Stream()  # warm up off the default stream before capture, as torch's docs do
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(3):
+                module(*inputs)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = first(module(*inputs))
+        graph.replay()
+        torch.cuda.synchronize()
+        replayed = dict(timed(graph.replay), **accuracy(captured))
+        return {"0": plain, "1": replayed}
+
+
+TORCH_LABELS = {"torch-eager": False, "torch-compile": True}
+
+
 def ort_cuda_chain(leave_out=()) -> list[str]:
     """The ort-cuda preset, or its passes less ``leave_out``."""
     from onnxopt.registry import PRESETS
@@ -184,11 +260,13 @@ def parse_extra(text: str) -> tuple[str, dict]:
 
 
 def table(results: dict, variants: list[str], labels=("raw", "ort", "onnxopt")) -> str:
-    """One row per (export, model). The ratio is against ONNX Runtime's best case: the fastest time
-    (CUDA graph or not) its optimizer's model reached on any export of this run (the issue's bar)."""
-    lines = ["| export | model | fused | ms | ms, CUDA graph | best vs ORT's best case | max abs | rel L2 |", "|---|---|---|---|---|---|---|---|"]
-    ort_all = [_ms(results.get(f"time:{v}:ort:{g}")) for v in variants for g in (0, 1)]
-    ort_best = min((t for t in ort_all if t == t), default=float("nan"))
+    """One row per (export, model), then the torch rows. The ratio is against the best peer: the
+    fastest time (CUDA graph or not) that ONNX Runtime's optimizer's model reached on any export of
+    this run, or torch eager / torch.compile."""
+    lines = ["| export | model | fused | ms | ms, CUDA graph | best vs best peer | max abs | rel L2 |", "|---|---|---|---|---|---|---|---|"]
+    peers = [_ms(results.get(f"time:{v}:ort:{g}")) for v in variants for g in (0, 1)]
+    peers += [_ms((results.get(f"torch:{label}") or {}).get(g)) for label in TORCH_LABELS for g in ("0", "1")]
+    ort_best = min((t for t in peers if t == t), default=float("nan"))
     for variant in variants:
         for label in labels:
             built = results.get(f"build:{variant}:{label}", {})
@@ -203,6 +281,18 @@ def table(results: dict, variants: list[str], labels=("raw", "ort", "onnxopt")) 
                 f"| {variant} | {label} | {built.get('fused', '')} | {_ms(off):.2f} | {_ms(on):.2f} | "
                 f"{min(times) / ort_best:.2f}x | {acc['max_abs']:.3g} | {acc['rel_l2']:.3g} |"
             )
+    for label in TORCH_LABELS:
+        entry = results.get(f"torch:{label}")
+        if not entry:
+            continue
+        if "error" in entry:
+            lines.append(f"| torch | {label} | failed: {str(entry['error'])[:90]} | | | | | |")
+            continue
+        off, on = entry.get("0"), entry.get("1")
+        times = [t for t in (_ms(off), _ms(on)) if t == t]
+        acc = on or off
+        lines.append(f"| torch | {label} | {'compile %.0f s' % acc['compile_s'] if 'compile_s' in acc else ''} | "
+                     f"{_ms(off):.2f} | {_ms(on):.2f} | {min(times) / ort_best:.2f}x | {acc['max_abs']:.3g} | {acc['rel_l2']:.3g} |")
     return "\n".join(lines)
 
 
@@ -219,7 +309,7 @@ def main(argv=None) -> int:
     ap.add_argument("--size", default="full", choices=["full", "tiny"], help="tiny: a quick rehearsal of every step")
     ap.add_argument("--extra", action="append", default=[], metavar="LABEL:PASS.OPTION=VALUE,...",
                     help="another onnxopt build with pass options, e.g. sep:fuse-attention.layout=separate")
-    ap.add_argument("--skip", default="", help="comma-separated labels not to build or time (e.g. raw)")
+    ap.add_argument("--skip", default="", help="comma-separated labels not to build or time (e.g. raw, torch-compile)")
     args = ap.parse_args(argv)
     args.work.mkdir(parents=True, exist_ok=True)
     steps = Steps(args.work, args.budget)
@@ -254,6 +344,16 @@ def main(argv=None) -> int:
                         except Exception as exc:  # keep the other rows
                             return {"error": str(exc).splitlines()[0][:200]}
                     steps.run(f"time:{variant}:{label}:{graph}", timed)
+        for label, compiled in TORCH_LABELS.items():
+            if label in skip or args.size == "tiny":
+                continue
+
+            def torch_row(compiled=compiled):
+                try:
+                    return torch_timed(args.work, args.size, args.family, compiled, args.runs)
+                except Exception as exc:  # keep the other rows
+                    return {"error": str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__}
+            steps.run(f"torch:{label}", torch_row)
         done = True
     except TimeoutError as stop:
         print(f"budget spent before step {stop}; rerun to continue", flush=True)
