@@ -487,7 +487,7 @@ def calibrate(model: Model, feeds: list[dict[str, np.ndarray]], *, outputs_per_r
     Runs with every intermediate tensor added as a graph output on ONNX Runtime's CUDA EP when this
     ONNX Runtime has it (every contrib op has a kernel there, and it is where an ``ort-cuda`` model
     runs: a VAE calibrates in seconds instead of minutes of NumPy convolutions), else on its CPU EP,
-    or on onnxopt's reference evaluator (``intermediate=True``) when the CPU EP lacks a kernel for
+    or on onnxopt's reference evaluator (streaming: each value observed, then dropped) when the CPU EP lacks a kernel for
     one of the model's contrib ops. ``ONNXOPT_CALIBRATION_DEVICE=cpu`` keeps it off the GPU.
     ``outputs_per_run`` bounds how many intermediates one ORT run returns (memory on big models);
     the model then runs once per group. The ranges only need magnitudes: TF32 is turned off anyway.
@@ -510,11 +510,14 @@ def calibrate(model: Model, feeds: list[dict[str, np.ndarray]], *, outputs_per_r
     if proto is not None and reference.unsupported_on_ort_cpu(proto):
         result.runner = "onnxopt-reference"
         evaluator = reference.evaluator(proto)
+        wanted = set(names)
+
+        def observe(name, value):
+            if name in wanted and isinstance(value, np.ndarray):
+                result.ranges.setdefault(name, TensorRange()).update(value)
+
         for feed in feeds:
-            values = evaluator.run(None, feed, intermediate=True)  # {name: value} of every result
-            for name in names:
-                if isinstance(values.get(name), np.ndarray):
-                    result.ranges.setdefault(name, TensorRange()).update(values[name])
+            evaluator.run_observed(feed, observe)  # each value seen once, then dropped
             result.runs += 1
         return result
     result.runner = "onnxruntime-cuda" if on_cuda else "onnxruntime-cpu"
