@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import math
+import re
 import sys
 import time
 from pathlib import Path
@@ -445,8 +446,23 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:  # a bug in onnxopt: still one line, the traceback on request
         if args.debug:
             raise
+        if (why := out_of_memory(exc)) is not None:  # the request is too big for this machine, not a bug
+            print(f"onnxopt: error: {why}", file=sys.stderr)
+            return EXIT_BAD_INPUT
         print(f"onnxopt: internal error: {type(exc).__name__}: {exc} (rerun with --debug for the traceback)", file=sys.stderr)
         return EXIT_INTERNAL
+
+
+def out_of_memory(exc: BaseException) -> str | None:
+    """One line for an allocation that failed in ONNX Runtime or NumPy, else None."""
+    text = str(exc)
+    if isinstance(exc, MemoryError):
+        return f"out of memory ({text or 'MemoryError'}): try a smaller size"
+    if "Failed to allocate memory" not in text and "out of memory" not in text.lower():
+        return None
+    size = re.search(r"buffer of size (\d+)", text)
+    need = f" (one buffer of {int(size.group(1)) / 2**30:.1f} GiB)" if size else ""
+    return f"ONNX Runtime ran out of memory{need}: try a smaller image size or batch"
 
 
 @contextlib.contextmanager

@@ -312,8 +312,10 @@ def test_cli_writes_the_png_and_the_timings(tmp_path):
     (lambda d, o: [d, "--prompt", "a", "-o", Path("/no/such/dir/x.png")], "does not exist"),
     (lambda d, o: [d, "--prompt", "a", "--controlnet-image", o, "-o", o], "has no controlnet"),
     (lambda d, o: [d, "--prompt", "a", "--provider", "tensorrt", "-o", o], "needs TensorRT"),
+    (lambda d, o: [d, "--prompt", "a", "--guidance", "nan", "--steps", "1", "-o", o], "guidance must be a finite number"),
+    (lambda d, o: [d, "--prompt", "a", "--seed", str(2**64), "--steps", "1", "-o", o], "seed must be an integer"),
 ], ids=["missing-folder", "not-a-pipeline", "height", "steps", "scheduler", "unwritable-output", "controlnet-image",
-        "tensorrt-missing"])
+        "tensorrt-missing", "nan-guidance", "seed-overflow"])
 def test_cli_bad_input_exits_2_with_one_line(tmp_path, capsys, case, expected):
     from onnxopt.cli import main
 
@@ -323,6 +325,27 @@ def test_cli_bad_input_exits_2_with_one_line(tmp_path, capsys, case, expected):
     err = capsys.readouterr().err.strip()
     assert code == 2
     assert len(err.splitlines()) == 1 and expected in err and "Traceback" not in err
+
+
+def test_cli_out_of_memory_is_a_one_line_error_not_a_bug(tmp_path, capsys, monkeypatch):
+    """An allocation ONNX Runtime cannot make (a size too big for the machine) exits 2 with the size it
+    wanted, not 3 ("internal error"); the message is ORT's own, from a 4096x64 image on this machine."""
+    import onnxopt.pipeline.runner as runner
+    from onnxopt.cli import main, out_of_memory
+
+    ort_message = ("[ONNXRuntimeError] : 1 : FAIL : Non-zero status code returned while running FusedMatMul node. "
+                   "Status Message: bfc_arena.cc:360 Failed to allocate memory for requested buffer of size 68719476736")
+
+    def fails(*args, **kwargs):
+        raise RuntimeError(ort_message)
+
+    monkeypatch.setattr(runner.Pipeline, "__call__", fails)
+    out = tmp_path / "x.png"
+    assert main(["generate", str(COMMITTED_SD15), "--prompt", "a", "-q", "-o", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "onnxopt: error: ONNX Runtime ran out of memory (one buffer of 64.0 GiB): try a smaller image size or batch"
+    assert not out.exists()
+    assert out_of_memory(RuntimeError("Non-zero status code returned while running Conv node")) is None
 
 
 def test_cli_missing_component_and_missing_control_image(built, tmp_path, capsys):

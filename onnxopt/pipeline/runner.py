@@ -43,6 +43,7 @@ for the ablation.
 
 from __future__ import annotations
 
+import math
 import sys
 import time
 from dataclasses import dataclass, field
@@ -306,6 +307,7 @@ class Pipeline:
         folder = self.folder
         check_request(folder, steps=steps, scheduler=scheduler, height=height, width=width,
                       controlnet_image=controlnet_image)
+        check_numbers(guidance=guidance, seed=seed)
         reused = reuse_steps(reuse, steps)
         factor = folder.vae_scale_factor
         control = None
@@ -498,6 +500,18 @@ def check_request(folder: PipelineFolder, *, steps: int = 50, scheduler: str = "
     if isinstance(controlnet_image, (str, Path)) and not Path(controlnet_image).is_file():
         raise GenerationError(f"{controlnet_image}: no such image")
     _check_size(height, width, folder.vae_scale_factor, allow_none=True)
+
+
+# torch.Generator.manual_seed's range: what --seed means is torch's seed (see the module docstring)
+SEED_RANGE = (-(2**63), 2**64 - 1)
+
+
+def check_numbers(*, guidance: float, seed: int) -> None:
+    """A finite guidance scale and a seed torch's generator takes, or a one-line GenerationError."""
+    if not math.isfinite(guidance):
+        raise GenerationError(f"guidance must be a finite number, got {guidance}")
+    if not isinstance(seed, int) or not SEED_RANGE[0] <= seed <= SEED_RANGE[1]:
+        raise GenerationError(f"seed must be an integer in {SEED_RANGE[0]}..{SEED_RANGE[1]}, got {seed}")
 
 
 def reuse_steps(reuse, steps: int) -> frozenset:
