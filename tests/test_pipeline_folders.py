@@ -328,7 +328,7 @@ def test_failure_leaves_no_output_and_no_temporary_folder(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("case", ["output exists", "output inside input", "input inside output", "passes",
-                                  "not a pipeline"])
+                                  "not a pipeline", "broken model_index.json"])
 def test_bad_folder_usage_exits_2(tmp_path, case, capsys):
     src = COMMITTED_SD15
     out = tmp_path / "out"
@@ -345,6 +345,10 @@ def test_bad_folder_usage_exits_2(tmp_path, case, capsys):
         shutil.copytree(COMMITTED_SD15, src)
     elif case == "passes":
         extra = ["--passes", "ort-cuda"]
+    elif case == "broken model_index.json":  # it would be copied as is, and generate refuses it
+        src = tmp_path / "src"
+        shutil.copytree(COMMITTED_SD15, src)
+        (src / "model_index.json").write_text("{not json")
     else:
         src = tmp_path / "empty"
         src.mkdir()
@@ -356,6 +360,8 @@ def test_bad_folder_usage_exits_2(tmp_path, case, capsys):
     assert not list(out.parent.glob(".out.tmp-*"))
     if case == "output exists":
         assert [p.name for p in out.iterdir()] == ["keep.txt"]
+    if case == "broken model_index.json":
+        assert "model_index.json: not valid JSON" in err and not out.exists()
 
 
 def test_file_input_with_target_and_passes_exits_2(tmp_path, capsys):

@@ -88,7 +88,8 @@ class Component:
         return self.model.stat().st_size + sum(p.stat().st_size for p in self.external_data)
 
 
-def _read_json(path: Path) -> dict:
+def read_json(path: Path) -> dict:
+    """A JSON object from ``path``, or a one-line PipelineFolderError (unreadable, not JSON, not an object)."""
     try:
         value = json.loads(path.read_text())
     except OSError as exc:
@@ -129,7 +130,7 @@ class PipelineFolder:
         index_path = root / "model_index.json"
         if not index_path.is_file():
             raise PipelineFolderError(f"{root}: not a pipeline folder (no model_index.json)")
-        index = _read_json(index_path)
+        index = read_json(index_path)
         kind = kind_of(index, root)
         components = {}
         for name in MODEL_COMPONENTS:
@@ -137,7 +138,7 @@ class PipelineFolder:
             if model.is_file():
                 data = [root / name / n for n in EXTERNAL_DATA_NAMES if (root / name / n).is_file()]
                 config_path = root / name / "config.json"
-                config = _read_json(config_path) if config_path.is_file() else {}
+                config = read_json(config_path) if config_path.is_file() else {}
                 components[name] = Component(name, root / name, model, data, config)
         folder = cls(root, index, kind, components)
         folder._check_complete()
@@ -175,7 +176,7 @@ class PipelineFolder:
         return self.components[name].config if name in self.components else {}
 
     def scheduler_config(self) -> dict:
-        return _read_json(self.root / "scheduler" / "scheduler_config.json")
+        return read_json(self.root / "scheduler" / "scheduler_config.json")
 
     def tokenizer(self, name: str = "tokenizer"):
         """transformers' CLIPTokenizer from ``<folder>/<name>/`` (the real tokenizer code)."""

@@ -51,6 +51,7 @@ import numpy as np
 
 from onnxopt.errors import ModelSaveError, OnnxoptError, VerificationError
 from onnxopt.pipeline.controlnet_hint import write_hint_graph
+from onnxopt.pipeline.folder import read_json
 from onnxopt.pipeline.merged_step import write_merged_step
 from onnxopt.pipeline.step_graph import write_step_graph
 from onnxopt.report import OptimizationReport
@@ -159,6 +160,7 @@ def read_components(folder: Path) -> list[PipelineComponent]:
         raise OnnxoptError(f"{folder}: not a folder")
     if not (folder / "model_index.json").is_file():
         raise OnnxoptError(f"{folder}: no model_index.json: not a diffusers/optimum pipeline folder")
+    read_json(folder / "model_index.json")  # a broken index would be copied, and generate refuses it
     out = []
     for sub in sorted(p for p in folder.iterdir() if p.is_dir()):
         path = sub / MODEL_FILE
@@ -181,6 +183,7 @@ def read_components(folder: Path) -> list[PipelineComponent]:
 
 
 def _read_json(path: Path) -> dict:
+    """A component's config.json, or {} where it is missing or unreadable (the defaults then apply)."""
     try:
         return json.loads(path.read_text())
     except (OSError, ValueError):
