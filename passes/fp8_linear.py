@@ -106,7 +106,8 @@ def check(match: Match, run: FusionRun) -> Fp8Site:
         raise Refusal(f"x's last dim is {shape_of(x)[-1]!r}, not the weight's K={k}")
     bad = [f"{name}={v}" for name, v in (("K", k), ("N", n)) if v % FP8_ALIGNMENT]
     if bad:
-        raise Refusal(f"{' and '.join(bad)} not a multiple of {FP8_ALIGNMENT} (cuBLASLt FP8 alignment)")
+        raise Refusal(f"{' and '.join(bad)} {'is not a multiple' if len(bad) == 1 else 'are not multiples'} of "
+                      f"{FP8_ALIGNMENT} (cuBLASLt FP8 alignment)")
     min_macs = run.fusion.min_macs
     if min_macs:
         if any(d is None for d in dims[:-1]):
