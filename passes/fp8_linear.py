@@ -170,6 +170,9 @@ class Fp8Linear(Fusion, OrtFusion):
     preserves = frozenset({SHAPES_INFERRED, CONSTANTS_FOLDED})
     rules = (Rule(LINEAR, check, emit),)
     defer_rewrites = True  # one calibration run and one opset move for every site
+    # --verify from here on: float8 rounds each operand by up to 2^-4 relative (tiny SD 1.5 UNet:
+    # max abs 0.03 against fp16 on outputs up to 1.3)
+    verify_tolerance = (1e-1, 1e-1)
 
     def __init__(self, calibration=None, calibration_inputs=None, min_macs: int = DEFAULT_MIN_MACS,
                  outputs_per_run: int = 32):

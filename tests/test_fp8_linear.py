@@ -53,10 +53,11 @@ def gaussian_feed(k=64, rows=(2, 32), seed=0):
     return {"x": np.random.default_rng(seed).standard_normal((*rows, k)).astype(np.float16)}
 
 
-def fp8_linear(model, **options):
+def fp8_linear(model, verify=False, **options):
     """(model, fp8-linear's PassResult), calibrated on one Gaussian feed of another seed unless told."""
     options.setdefault("calibration", [gaussian_feed(seed=99)])
-    out, report = optimize(model, ["fp8-linear"], options={"fp8-linear": options})
+    out, report = optimize(model, ["fp8-linear"], verify=verify, options={"fp8-linear": options})
+    assert report.first_broken_pass is None  # --verify: within the pass's float8 tolerance
     return out, next(p.result for p in report.passes if p.name == "fp8-linear")
 
 
@@ -89,7 +90,7 @@ def test_reference_gemm_float8_is_the_scaled_product_of_its_float8_inputs(trans_
 
 def test_a_linear_becomes_quantize_and_gemm_float8_within_the_error_of_float8():
     source = linear_model(opset=17)
-    model, result = fp8_linear(source, min_macs=0)
+    model, result = fp8_linear(source, verify=True, min_macs=0)
     assert (result.sites_matched, result.sites_rewritten) == (1, 1)
     proto = model.to_onnx()
     ops = [(n.domain or "", n.op_type) for n in proto.graph.node]
