@@ -26,7 +26,9 @@ Activation scales come from one calibration run of the model as it is when the p
 fp16: the scales are those of the tensors the GEMMs will read), with onnxopt.precision.calibrate:
 on ORT's CUDA EP when there is one, else ORT's CPU EP or onnxopt's reference kernels (tiny models).
 Only the sites' inputs are read out, ``outputs_per_run`` of them per run, so memory stays bounded on
-SDXL. Inputs: ``calibration`` (an .npz of graph inputs or a list of feed dicts; default random
+SDXL (each group of outputs is one more run; a model over 2 GB is written once per group for ORT).
+A fused full-size UNet calibrates on the CUDA EP only (ORT's CPU EP has no GroupNorm or BiasSplitGelu
+kernel, and NumPy is too slow for it): run the pass on the GPU host. Inputs: ``calibration`` (an .npz of graph inputs or a list of feed dicts; default random
 inputs of ``calibration_inputs``' shapes) -- a pipeline should give real ones (latents, prompts).
 
 Conditions (each refusal says which): x float16; W a constant 2-D float16 (K, N); K and N known and
@@ -175,7 +177,7 @@ class Fp8Linear(Fusion, OrtFusion):
     verify_tolerance = (1e-1, 1e-1)
 
     def __init__(self, calibration=None, calibration_inputs=None, min_macs: int = DEFAULT_MIN_MACS,
-                 outputs_per_run: int = 32):
+                 outputs_per_run: int = 256):
         """calibration: None (random inputs; ``calibration_inputs`` an onnxopt.verify.InputSpec for
         their shapes), an .npz path of graph inputs, or a list of feed dicts. min_macs: the smallest
         M*K*N rewritten (0: all, M unknown included). outputs_per_run: site inputs read per
