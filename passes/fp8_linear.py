@@ -11,7 +11,10 @@
 
 What reads y is left as it was: the bias Add, or the BiasAdd / SkipLayerNorm / BiasSplitGelu /
 MultiHeadAttention the ``ort-cuda`` fusions wrote around the MatMul (a packed QKV weight is one
-site). GemmFloat8's C input is not a bias: cuBLASLt reads it as a full (M, N) matrix.
+site). GemmFloat8's C input is not a bias: cuBLASLt reads it as a full (M, N) matrix. Gemm nodes
+are left alone: in these graphs they are the time embedding's Linears, M = the batch, far too small.
+ORT 1.32's MatMulBlockQuantizedFp8Weight is no alternative for speed: its CUDA kernel dequantizes the
+weight to fp16 and runs an fp16 GEMM.
 
 Scales are per tensor. ORT's CUDA kernel hands cuBLASLt one scale pointer per matrix
 (``CUBLASLT_MATMUL_DESC_A/B_SCALE_POINTER``), and cuBLASLt's Hopper FP8 path scales whole tensors
