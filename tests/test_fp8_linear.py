@@ -106,6 +106,15 @@ def test_a_linear_becomes_quantize_and_gemm_float8_within_the_error_of_float8():
     assert 0.01 < rel_l2(got, expected) < 0.06
 
 
+def test_an_sd_sized_projection_passes_the_default_min_macs_and_the_time_embedding_size_does_not():
+    big = linear_model(k=320, n=320, rows=(2, 1024))  # 2048 rows x 320 x 320 = 210M MACs
+    _, result = fp8_linear(big, calibration=[gaussian_feed(k=320, rows=(2, 1024), seed=99)])
+    assert result.sites_rewritten == 1
+    small = linear_model(k=320, n=1280, rows=(2,))  # a time-embedding-sized Linear: 819k MACs
+    _, result = fp8_linear(small, calibration=[gaussian_feed(k=320, rows=(2,), seed=99)])
+    assert result.sites_rewritten == 0 and "below min_macs" in result.refused[0][1]
+
+
 def test_the_float8_weight_survives_a_save_and_a_reload(tmp_path):
     from onnxopt.saving import save_model
 
