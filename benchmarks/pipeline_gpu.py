@@ -4,6 +4,7 @@
     python -m benchmarks.pipeline_gpu --kind sdxl --work /tmp/pipe-bench --budget 540 --out benchmarks/results/pipeline-sdxl
     python -m benchmarks.pipeline_gpu --kind sd15-controlnet --ablation --work /tmp/pipe-bench --out ...
     python -m benchmarks.pipeline_gpu --kind sd15 --dry-run --work /tmp/pipe-dry   # CPU, tiny, fp32: every step once
+    python -m benchmarks.pipeline_gpu --kind sdxl --fp8 --skip torch-eager --work /tmp/pipe-bench --out ...  # + the fp8 row
 
 Same random weights (``models.pipelines.build_torch_pipeline(kind, "full", seed)``) and seed on
 every side; SD 1.5 at 512x512, DDIM, 50 steps; SDXL at 1024x1024, Euler (its own scheduler; its
@@ -24,6 +25,9 @@ present; the script stops between steps after --budget seconds, so a run spans s
                   session creation + first image (with the graph capture); then as above
 
   cfg-late graph  with --ablation (not SDXL): unet/step.cfg_late.onnx beside step.onnx
+  fp8 step graph  with --fp8 (opt-in lever): unet/step.fp8.onnx, step.onnx with fp8-linear, calibrated on
+                  the step inputs of one image of another prompt and seed (recorded on the host loop);
+                  then the ablation row FP8_ROW, timed and compared with fp32 like the others
   onnxopt: <row>  with --ablation: the rows of ABLATION (fused step alone, + text side once per
                   prompt, + hint once per image, + one graph per step, two streams, cfg-late,
                   launch timing, + step reuse), each a Pipeline.load of the same optimized folder
@@ -44,6 +48,7 @@ This module needs CUDA (except --dry-run) and is never imported by the tests.
 from __future__ import annotations
 
 import argparse
+import shutil
 import statistics
 import time
 from pathlib import Path
@@ -71,6 +76,11 @@ ABLATION = {
     "one graph per step, launch timing (host part of a step)": (dict(launch_timing=True, two_streams=False), {}, False),
     "+ step reuse: every 2nd of the last 40% (opt-in)": ({}, dict(reuse="late"), False),
 }
+# --fp8: the opt-in float8 Linears (passes/fp8_linear.py) as one more ablation row.
+FP8_ROW = "fp16 + fp8 Linear (opt-in)"
+FP8_STEP_FILE = "step.fp8.onnx"
+CALIBRATION_PROMPT = "a watercolor painting of a lighthouse on a cliff at sunset"  # not the timed prompt
+CALIBRATION_FEEDS = 6  # step inputs recorded for the fp8 scales, spread over the steps
 DRY = dict(height=32, width=32, steps=3)
 PROMPT = "a photograph of an astronaut riding a horse on the moon, highly detailed"
 NEGATIVE = "blurry, low quality"
@@ -301,6 +311,47 @@ class Bench:
                                 cfg_late=True)
         return {"path": str(path), "seconds": time.perf_counter() - t0}
 
+    def fp8_step_graph(self) -> dict:
+        """unet/step.fp8.onnx: the optimized step graph with fp8-linear, its activation scales calibrated
+        on the step inputs of one image of CALIBRATION_PROMPT and seed SEED + 1."""
+        if self.dry:
+            return {"skipped": "dry run (GemmFloat8 runs on the CUDA EP only)"}
+        import onnxopt
+        from onnxopt.pipeline import Pipeline
+
+        t0 = time.perf_counter()
+        s = self.settings
+        pipe = Pipeline.load(self.opt, "cuda", cuda_graph=False, io_binding=False)  # the host loop: feeds in numpy
+        recorder = StepFeedRecorder(pipe.sessions["step"], every=max(1, s["steps"] // CALIBRATION_FEEDS))
+        pipe.sessions["step"] = recorder
+        pipe(CALIBRATION_PROMPT, negative_prompt=NEGATIVE, steps=s["steps"], guidance=GUIDANCE, scheduler=s["scheduler"],
+             seed=SEED + 1, height=s["height"], width=s["width"], progress=False)
+        del pipe
+        model, report = onnxopt.optimize(str(self.opt / "unet" / "step.onnx"), ["fp8-linear"],
+                                         options={"fp8-linear": {"calibration": recorder.feeds}})
+        path = self.opt / "unet" / FP8_STEP_FILE
+        onnxopt.save_model(model, path, external_data=True)
+        # Pipeline.load(step_file=...) runs <step file stem>.context_kv.onnx once per prompt: the same graph
+        # as step.onnx's (its external data sits beside it, under the name the copy still refers to)
+        context = self.opt / "unet" / "step.context_kv.onnx"
+        if context.is_file():
+            shutil.copyfile(context, path.with_suffix(".context_kv.onnx"))
+        result = next(p.result for p in report.passes if p.name == "fp8-linear")
+        return {"path": str(path), "seconds": time.perf_counter() - t0, "calibration_feeds": len(recorder.feeds),
+                "sites": f"{result.sites_rewritten}/{result.sites_matched}", "refused": dict(result.refusal_counts())}
+
+    def fp8_row(self) -> dict:
+        """The pipeline on unet/step.fp8.onnx; without CUDA graphs (said in the row) when the capture fails:
+        ORT's GemmFloat8 kernel synchronizes its stream on every call, which a capture forbids."""
+        if self.dry:
+            return {"skipped": "dry run"}
+        try:
+            return self.onnxopt(dict(step_file=FP8_STEP_FILE))
+        except Exception as exc:  # noqa: BLE001 - keep the row, say why
+            result = self.onnxopt(dict(step_file=FP8_STEP_FILE, cuda_graph=False))
+            result["note"] = f"no CUDA graph: {str(exc).splitlines()[0][:160]}"
+            return result
+
     def quality(self, latents: np.ndarray, image: np.ndarray) -> dict:
         ref_latents = np.load(self.work / "fp32_latents.npy")
         ref_image = np.load(self.work / "fp32_image.npy")
@@ -310,6 +361,23 @@ class Bench:
         psnr = float("inf") if mse == 0 else 10 * np.log10(255.0 ** 2 / mse)
         return {"psnr_db": psnr, "latents_max_abs": float(np.abs(latents - ref_latents).max()),
                 "image_max_abs": float(np.abs(image - ref_image).max())}
+
+
+class StepFeedRecorder:
+    """The step session, keeping (copies of) the feeds of every ``every``-th call, at most ``limit``."""
+
+    def __init__(self, session, every: int, limit: int = CALIBRATION_FEEDS):
+        self.session, self.every, self.limit = session, every, limit
+        self.calls, self.feeds = 0, []
+
+    def run(self, output_names, feeds):
+        if self.calls % self.every == 0 and len(self.feeds) < self.limit:
+            self.feeds.append({name: np.array(value) for name, value in feeds.items()})
+        self.calls += 1
+        return self.session.run(output_names, feeds)
+
+    def __getattr__(self, name):  # get_inputs, get_outputs, ... of the session
+        return getattr(self.session, name)
 
 
 def table(kind: str, results: dict, dry: bool = False) -> str:
@@ -340,14 +408,16 @@ def table(kind: str, results: dict, dry: bool = False) -> str:
     return "\n".join(lines)
 
 
-def ablation_table(kind: str, results: dict) -> str:
-    """End to end and per stage as each rewrite is added (the --ablation rows)."""
+def ablation_table(kind: str, results: dict, fp8_only: bool = False) -> str:
+    """End to end and per stage as each rewrite is added (the --ablation rows; ``fp8_only``: --fp8 alone)."""
     lines = [f"### {kind}: ablation (onnxopt ort-cuda fp16, one optimized folder)", "",
              "| pipeline | end to end | text side | mean step | host part of a step | runs per step | hint | VAE decode | UNet steps | PSNR vs fp32 | latents max abs |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     compiled = (results.get("torch-compile") or {}).get("end_to_end_s")
-    for label in ABLATION:
+    for label in [FP8_ROW] if fp8_only else [*ABLATION, FP8_ROW]:
         r = results.get(f"onnxopt: {label}")
+        if label == FP8_ROW and r is None:
+            continue  # --fp8 not asked for
         if r is None and (ABLATION[label][2] and not kind.endswith("controlnet")
                           or kind == "sdxl" and "step_file" in ABLATION[label][0]):
             continue  # a ControlNet row; cfg-late on SDXL (not measured: 0.5 % of its FLOPs move)
@@ -357,6 +427,7 @@ def ablation_table(kind: str, results: dict) -> str:
         st = r["stages"]
         ms = lambda k: f"{st[k] * 1e3:.2f} ms" if k in st else ""  # noqa: E731
         ratio = f" ({r['end_to_end_s'] / compiled:.2f}x)" if compiled else ""
+        label = f"{label} [{r['note']}]" if r.get("note") else label
         lines.append(f"| {label} | {r['end_to_end_s']:.3f} s{ratio} | {ms('text_encoder_s')} | {ms('step_mean_s')} | "
                      f"{ms('step_launch_mean_s')} | {r.get('session_runs_per_step', '')} | {ms('controlnet_hint_s')} | {ms('vae_decode_s')} | {r.get('unet_steps')} | {r['psnr_db']:.1f} dB | "
                      f"{r['latents_max_abs']:.3g} |")
@@ -375,6 +446,7 @@ def main(argv=None) -> int:
     ap.add_argument("--dry-run", action="store_true", help="CPU, tiny weights, fp32, one run of each step (no compile)")
     ap.add_argument("--skip", default="", help="comma-separated steps not to run (e.g. torch-compile)")
     ap.add_argument("--ablation", action="store_true", help="also the onnxopt pipeline as each rewrite is added")
+    ap.add_argument("--fp8", action="store_true", help=f"also the row '{FP8_ROW}': unet/{FP8_STEP_FILE} (fp8-linear)")
     args = ap.parse_args(argv)
     bench = Bench(args)
     steps = Steps(bench.work, args.budget)
@@ -388,6 +460,9 @@ def main(argv=None) -> int:
         plan += [(f"onnxopt: {label}", lambda load=load, call=call: bench.onnxopt(load, call))
                  for label, (load, call, only_controlnet) in ABLATION.items() if controlnet or not only_controlnet
                  if args.kind != "sdxl" or "step_file" not in load]
+    if args.fp8:
+        plan += [("fp8 step graph", bench.fp8_step_graph),
+                 (f"onnxopt: {FP8_ROW}", bench.fp8_row)]
     skip = set(filter(None, args.skip.split(",")))
     try:
         for key, fn in plan:
@@ -396,8 +471,8 @@ def main(argv=None) -> int:
     except TimeoutError as exc:
         print(f"budget spent before step '{exc}': rerun the same command to continue", flush=True)
     text = table(args.kind, steps.results, args.dry_run)
-    if args.ablation:
-        text += "\n\n" + ablation_table(args.kind, steps.results)
+    if args.ablation or args.fp8:
+        text += "\n\n" + ablation_table(args.kind, steps.results, fp8_only=not args.ablation)
     print(text)
     steps.save(args.out, text)
     return 0

@@ -1,6 +1,7 @@
 """SD1.5-architecture UNet on the ORT CUDA EP: raw fp16 vs ONNX Runtime's optimizer vs onnxopt.
 
     python -m benchmarks.unet_gpu --work /tmp/unet-bench --budget 540 [--variants ts-dynamic,ts-static,dynamo-dynamic]
+    python -m benchmarks.unet_gpu --family unet-sdxl --variants ts-static --skip ort --fp8 --work /tmp/sdxl-fp8
 
 For each export variant (same seeded random weights), it builds:
   raw        the export converted to fp16 by onnxopt's fp16 pass, no fusion;
@@ -8,6 +9,9 @@ For each export variant (same seeded random weights), it builds:
              QKV/KV and BiasAdd on, then its convert_float_to_float16); run in a subprocess with
              ``--ort-pythonpath`` first on sys.path (numpy 1.26: it crashes under numpy >= 2.4);
   onnxopt    ``ort-cuda`` preset, then fp16;
+  fp8        (``--fp8``, opt-in) onnxopt, then fp8-linear: the Linears as float8 GemmFloat8, activation
+             scales calibrated on the family's inputs of another seed than the timed ones (min_macs=0:
+             dynamic exports have no static token count to judge by);
 and times each with IO binding, CUDA graph off and on (batch 2, 64x64 latent, 77 tokens), and
 compares its output with torch's fp32 output on the GPU (max abs error, relative L2).
 
@@ -208,6 +212,24 @@ def onnxopt_fp16(src: Path, dst: Path, passes: list[str], options: dict | None =
     return {"path": str(dst), "fused": fused, "seconds": report.seconds}
 
 
+def onnxopt_fp8(src: Path, dst: Path, passes: list[str], size: str, family: str, built: dict | None = None) -> dict:
+    """onnxopt's ort-cuda + fp16 (``built``: that model, already written), then fp8-linear calibrated on
+    one input of seed 1 (the timed one is seed 0)."""
+    from models import build
+
+    import onnxopt
+
+    if built and "path" in built:  # the onnxopt row's model: no second ort-cuda,fp16 run (169 s on SDXL)
+        src, passes = Path(built["path"]), []
+    calibration = build(family, size=size, seed=1).make_feeds(FAMILY_DIMS[family] if size == "full" else None)
+    model, report = onnxopt.optimize(str(src), [*passes, "fp8-linear"],
+                                     options={"fp8-linear": {"calibration": [calibration], "min_macs": 0}})
+    onnxopt.save_model(model, dst, external_data=True)
+    fused = {p.name: f"{p.result.sites_rewritten}/{p.result.sites_matched}" for p in report.passes
+             if p.name.startswith(("fuse", "nhwc", "fp8"))}
+    return {"path": str(dst), "fused": fused, "seconds": report.seconds}
+
+
 def ort_optimizer(src: Path, dst: Path, ort_pythonpath: str) -> dict:
     env = dict(os.environ, PYTHONPATH=f"{ort_pythonpath}:{os.environ.get('PYTHONPATH', '')}")
     t0 = time.time()
@@ -310,13 +332,14 @@ def main(argv=None) -> int:
     ap.add_argument("--extra", action="append", default=[], metavar="LABEL:PASS.OPTION=VALUE,...",
                     help="another onnxopt build with pass options, e.g. sep:fuse-attention.layout=separate")
     ap.add_argument("--skip", default="", help="comma-separated labels not to build or time (e.g. raw, torch-compile)")
+    ap.add_argument("--fp8", action="store_true", help="also onnxopt + fp8-linear (opt-in float8 Linears), label fp8")
     args = ap.parse_args(argv)
     args.work.mkdir(parents=True, exist_ok=True)
     steps = Steps(args.work, args.budget)
     variants = args.variants.split(",")
     extras = dict(parse_extra(e) for e in args.extra)
     skip = set(filter(None, args.skip.split(",")))
-    labels = [label for label in ("raw", "ort", "onnxopt", *extras) if label not in skip]
+    labels = [label for label in ("raw", "ort", "onnxopt", *(["fp8"] if args.fp8 else []), *extras) if label not in skip]
     try:
         steps.run("reference", lambda: torch_reference(args.work, args.size, args.family))
         for variant in variants:
@@ -328,6 +351,10 @@ def main(argv=None) -> int:
                 steps.run(f"build:{variant}:ort", lambda: ort_optimizer(raw, d / "ort_fp16.onnx", args.ort_pythonpath))
             if "onnxopt" in labels:
                 steps.run(f"build:{variant}:onnxopt", lambda: onnxopt_fp16(raw, d / "onnxopt_fp16.onnx", ["ort-cuda", args.fp16_pass]))
+            if "fp8" in labels:
+                steps.run(f"build:{variant}:fp8",
+                          lambda: onnxopt_fp8(raw, d / "fp8.onnx", ["ort-cuda", args.fp16_pass], args.size, args.family,
+                                              steps.results.get(f"build:{variant}:onnxopt")))
             for label, options in extras.items():
                 steps.run(f"build:{variant}:{label}",
                           lambda: onnxopt_fp16(raw, d / f"{label}_fp16.onnx", [*ort_cuda_chain(options.get("-", ())), args.fp16_pass],

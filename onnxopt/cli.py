@@ -90,6 +90,10 @@ def build_parser() -> argparse.ArgumentParser:
     fp16.add_argument("--no-keep-io-types", dest="keep_io_types", action="store_false", help="model inputs/outputs become float16")
     fp16.add_argument("--fp32-auto", action="store_true", help="keep float32 the nodes whose values leave the fp16 range on calibration inputs")
     fp16.add_argument("--calibration", help=".npz of calibration inputs for --fp32-auto (default: random inputs)")
+    fp8 = opt.add_argument_group("fp8-linear pass (opt-in, Hopper: costs accuracy)")
+    fp8.add_argument("--fp8", action="store_true",
+                     help="with --target ort-cuda: fp16, then fp8-linear (Linears as float8 GemmFloat8 with calibrated scales)")
+    fp8.add_argument("--fp8-calibration", help=".npz of calibration inputs for --fp8's activation scales (default: random inputs)")
     opt.add_argument("--strict", action="store_true", help="fail (exit 4) when a requested fusion finds nothing to fuse")
     opt.add_argument("--explain", action="append", default=[], metavar="PASS",
                      help="print, per candidate site of PASS, where its pattern failed or which condition refused it")
@@ -228,6 +232,9 @@ def cmd_optimize(args) -> int:
     from onnxopt.saving import check_destination, check_writes, planned_writes, save_model
     from onnxopt.verify import InputSpec, Tolerance, check_dim_names
 
+    if args.fp8 and Path(args.input).is_dir():
+        raise OnnxoptError("--fp8 rewrites one model; for a pipeline folder, run it on unet/step.onnx "
+                           "(benchmarks/pipeline_gpu.py --fp8 writes unet/step.fp8.onnx)")
     if Path(args.input).is_dir():  # a pipeline folder: each component with its preset
         from onnxopt.pipeline.optimize_folder import cli_optimize_folder
 
@@ -237,7 +244,8 @@ def cmd_optimize(args) -> int:
     if args.passes is not None and args.target:
         raise OnnxoptError("give --passes or --target, not both")
     passes = [p for p in (args.passes or args.target or "cleanup").split(",") if p.strip()]
-    passes += ["fp16"] if args.fp16 and "fp16" not in passes else []
+    passes += ["fp16"] if (args.fp16 or args.fp8) and "fp16" not in passes else []
+    passes += _fp8_passes(args, passes)
     expanded = registry.expand(passes)  # unknown names and unwritable outputs fail before any work
     _check_fp16_flags(args, expanded)
     check_destination(args.output, args.input)
@@ -252,7 +260,7 @@ def cmd_optimize(args) -> int:
     with explaining(explained):
         model, report = optimize(
             source, passes, verify=args.verify, tolerance=Tolerance(args.atol, args.rtol), inputs=inputs, strict=args.strict,
-            options={"fp16": _fp16_options(args)},
+            options={"fp16": _fp16_options(args), "fp8-linear": _fp8_options(args, inputs)},
         )
     report.load_seconds = load_seconds
     if not args.quiet:
@@ -307,6 +315,21 @@ def _check_fp16_flags(args, passes: list) -> None:
         raise OnnxoptError(f"{what} of the fp16 pass, which --passes does not run (e.g. --passes ort-cuda,fp16)")
     if args.calibration and not args.fp32_auto:
         raise OnnxoptError("--calibration goes with --fp32-auto (the inputs it calibrates on)")
+
+
+def _fp8_passes(args, passes: list[str]) -> list[str]:
+    """``--fp8``: fp8-linear after the fp16 pass, for the ort-cuda target only (opt-in, never a preset's)."""
+    if args.fp8_calibration and not args.fp8:
+        raise OnnxoptError("--fp8-calibration goes with --fp8")
+    if not args.fp8:
+        return []
+    if args.target != "ort-cuda" and "ort-cuda" not in passes:
+        raise OnnxoptError("--fp8 is for --target ort-cuda (com.microsoft GemmFloat8); TensorRT makes its own FP8 choices")
+    return [] if "fp8-linear" in passes else ["fp8-linear"]
+
+
+def _fp8_options(args, inputs) -> dict:
+    return {"calibration": args.fp8_calibration, "calibration_inputs": inputs} if args.fp8 else {}
 
 
 def _fp16_options(args) -> dict:

@@ -481,8 +481,10 @@ def calibration_feeds(model: Model, calibration=None, *, inputs=None, seed: int 
     return list(calibration)
 
 
-def calibrate(model: Model, feeds: list[dict[str, np.ndarray]], *, outputs_per_run: int | None = None) -> Calibration:
-    """Run ``model`` (float32) on ``feeds`` and record every float tensor's largest magnitude.
+def calibrate(model: Model, feeds: list[dict[str, np.ndarray]], *, outputs_per_run: int | None = None,
+              only: set[str] | None = None) -> Calibration:
+    """Run ``model`` (float32) on ``feeds`` and record every float tensor's largest magnitude
+    (``only``: of these tensors alone; an ORT run then returns only them).
 
     Runs with every intermediate tensor added as a graph output on ONNX Runtime's CUDA EP when this
     ONNX Runtime has it (every contrib op has a kernel there, and it is where an ``ort-cuda`` model
@@ -499,6 +501,7 @@ def calibrate(model: Model, feeds: list[dict[str, np.ndarray]], *, outputs_per_r
     names = [
         t.name for t in model.graph.tensors().values()
         if isinstance(t, gs.Variable) and t.inputs and types.get(t.name) in _FLOAT_TYPES
+        and (only is None or t.name in only)
     ]
     result = Calibration()
     for feed in feeds:

@@ -31,6 +31,7 @@ from ._common import MS_DOMAIN
 from .activations import BiasAdd, BiasGelu, BiasSplitGelu, FastGelu, Gelu, QuickGelu
 from .attention import Attention, MultiHeadAttention
 from .conv import NhwcConv
+from .gemm_float8 import GemmFloat8
 from .norms import GroupNorm, SkipGroupNorm, SkipLayerNormalization
 
 __all__ = ["CONTRIB_OPS", "evaluator", "run", "unsupported_on_ort_cpu"]
@@ -48,6 +49,7 @@ CONTRIB_OPS: list[type] = [
     NhwcConv,
     MultiHeadAttention,
     Attention,
+    GemmFloat8,
 ]
 
 
@@ -123,10 +125,10 @@ def run(
 
 
 # Contrib ops ORT's CPU EP can't run. GroupNorm, SkipGroupNorm, BiasSplitGelu, BiasAdd and
-# NhwcConv have CUDA/ROCm kernels only; for MultiHeadAttention and Attention only some forms fail.
+# NhwcConv (and GemmFloat8: cuBLASLt) have CUDA/ROCm kernels only; for MultiHeadAttention and Attention only some forms fail.
 # Ops outside CONTRIB_OPS are left to ORT: reporting them would route a model to the reference
 # evaluator, which cannot run them either.
-_NO_CPU_KERNEL = {"GroupNorm", "SkipGroupNorm", "BiasSplitGelu", "BiasAdd", "NhwcConv"}
+_NO_CPU_KERNEL = {"GroupNorm", "SkipGroupNorm", "BiasSplitGelu", "BiasAdd", "NhwcConv", "GemmFloat8"}
 
 
 def _has_input(node: onnx.NodeProto, i: int) -> bool:
@@ -170,7 +172,7 @@ def _known_ranks(graph: onnx.GraphProto) -> dict[str, int]:
 def unsupported_on_ort_cpu(model: onnx.ModelProto) -> set[str]:
     """Names like "com.microsoft.GroupNorm" of the contrib ops in ``model`` that ORT's CPU EP can't run.
 
-    Reports GroupNorm, SkipGroupNorm, BiasSplitGelu, BiasAdd and NhwcConv always,
+    Reports GroupNorm, SkipGroupNorm, BiasSplitGelu, BiasAdd, NhwcConv and GemmFloat8 always,
     MultiHeadAttention with packed QKV or packed KV (a key or value input absent, or a 5-D
     query/key where value_info gives ranks) and Attention without bias. Conservative: a node is
     reported whenever one of its forms might fail. Subgraphs (If/Loop/Scan bodies) are searched too.
