@@ -46,7 +46,8 @@ def linear_model(k=64, n=48, rows=(2, 32), opset=17, weight_is_input=False, x_di
     if weight_is_input:
         inputs, inits = [x, helper.make_tensor_value_info("W", TensorProto.FLOAT16, [k, n])], []
     graph = helper.make_graph([helper.make_node("MatMul", ["x", "W"], ["y"], name="proj")], "linear", inputs, [y], inits)
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+    # IR version 10: onnx 1.23 writes 14 by default, which ONNX Runtime 1.31 (the GPU host's) refuses
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], ir_version=10)
 
 
 def gaussian_feed(k=64, rows=(2, 32), seed=0):
