@@ -112,7 +112,7 @@ def controlnet_name(k: int) -> str:
     return "controlnet" if k == 0 else f"controlnet_{k}"
 
 
-def _controlnet_folders(root: Path) -> list[str]:
+def controlnet_folders(root: Path) -> list[str]:
     """The ControlNet folders holding a model.onnx, in order; a gap in the numbering is an error."""
     numbers = set()
     for sub in root.iterdir() if root.is_dir() else ():
@@ -160,7 +160,7 @@ class PipelineFolder:
         index = _read_json(index_path)
         kind = kind_of(index, root)
         components = {}
-        for name in (*MODEL_COMPONENTS, *_controlnet_folders(root)[1:]):
+        for name in (*MODEL_COMPONENTS, *controlnet_folders(root)[1:]):
             model = root / name / MODEL_FILE
             if model.is_file():
                 data = [root / name / n for n in EXTERNAL_DATA_NAMES if (root / name / n).is_file()]

@@ -24,7 +24,9 @@ Names: ControlNet k (from 0) lives in ``controlnet/`` (k = 0) or ``controlnet_<k
 ``MultiControlNetModel.save_pretrained`` writes). Its graphs keep their own tensor names; where its
 tensors meet a shared graph (the step graph's residual inputs, the merged step's ControlNet
 inputs), ControlNet k > 0's are prefixed ``controlnet_<k>.`` (:func:`interface_name`); ControlNet 0's
-keep their names, so a one-ControlNet folder's graphs are unchanged.
+keep their names, so a one-ControlNet folder's graphs are unchanged. The inputs every ControlNet
+reads with the same value (``sample``, ``timestep``, ``encoder_hidden_states``) keep their names:
+one buffer serves them all.
 """
 
 from __future__ import annotations
@@ -40,13 +42,15 @@ from onnxopt.graph_edit import redirect_consumers
 from onnxopt.model import Model
 from onnxopt.pipeline.folder import controlnet_name
 
+SHARED_INPUTS = ("sample", "timestep", "encoder_hidden_states")  # the same value for every ControlNet
 RESIDUAL_INPUT = re.compile(r"^(down_block_res_\d+|mid_block_res)$")  # the pipeline contract's residual names
 METADATA_KEY = "onnxopt.controlnets"
 
 
 def interface_name(name: str, k: int) -> str:
-    """ControlNet k's tensor ``name`` as a shared graph reads it: itself for k = 0, else ``controlnet_<k>.name``."""
-    return name if k == 0 else f"{controlnet_name(k)}.{name}"
+    """ControlNet k's tensor ``name`` as a shared graph reads it: itself for k = 0 and the shared
+    inputs, else ``controlnet_<k>.name``."""
+    return name if k == 0 or name in SHARED_INPUTS else f"{controlnet_name(k)}.{name}"
 
 
 def interface_feeds(feeds: dict, k: int) -> dict:
