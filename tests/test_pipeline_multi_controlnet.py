@@ -306,3 +306,42 @@ def test_controlnet_1_without_controlnet_is_refused(built, tmp_path, capsys):
     with pytest.raises(OnnxoptError, match="controlnet_1/ without controlnet/"):
         optimize_folder(broken, tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+# --- CUDA EP (the lead runs these on the GPU machine: pytest -m gpu tests/test_pipeline_multi_controlnet.py) ---
+
+def _cuda() -> bool:
+    return "CUDAExecutionProvider" in ort.get_available_providers()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _cuda(), reason="needs onnxruntime-gpu and a CUDA device")
+def test_two_controlnets_on_the_cuda_ep(built, tmp_path):
+    """The source folder on the CUDA EP gives the CPU image (fp32 GPU rounding, as in
+    tests/test_pipeline_generate.py); the ort-cuda folder with CUDA graphs, with two streams (down,
+    the input graph and both ControlNets, rest: each captured) and with the merged step, gives that
+    folder's image without capture, for two prompts/seeds on the same captured graphs."""
+    from onnxopt.pipeline import optimize_folder
+
+    _, folder, _ = built
+    cpu = Pipeline.load(folder, "cpu", threads=THREADS)(scheduler="ddim", **generation())
+    plain = Pipeline.load(folder, "cuda", cuda_graph=False)(scheduler="ddim", **generation())
+    scale = float(np.abs(cpu.latents).max())
+    np.testing.assert_allclose(plain.latents, cpu.latents, rtol=0, atol=1e-3 * scale)
+    np.testing.assert_allclose(plain.pixels, cpu.pixels, rtol=0, atol=2e-3)
+
+    out = tmp_path / "ort-cuda"
+    optimize_folder(folder, out, target="ort-cuda")
+    two = Pipeline.load(out, "cuda", two_streams=True)
+    merged = Pipeline.load(out, "cuda", two_streams=False)
+    uncaptured = Pipeline.load(out, "cuda", cuda_graph=False, two_streams=False, merged_step=False)
+    assert two.cuda_graph and "down" in two.sessions and {"controlnet", "controlnet_1"} <= set(two.sessions)
+    assert merged.cuda_graph and merged.merged_step and merged.session_runs_per_step() == 1
+    for prompt, seed in ((PROMPT, SEED), ("a tree", SEED + 3)):
+        expected = uncaptured(scheduler="ddim", **generation(prompt=prompt, seed=seed))
+        scale = float(np.abs(expected.latents).max())
+        for pipe in (two, merged, two):  # the second two-stream run replays its captured graphs
+            result = pipe(scheduler="ddim", **generation(prompt=prompt, seed=seed))
+            np.testing.assert_allclose(result.latents, expected.latents, rtol=0, atol=2e-3 * scale)
+            np.testing.assert_allclose(result.pixels, expected.pixels, rtol=0, atol=4e-3)
+    assert two(scheduler="ddim", **generation()).timings["session_runs_per_step"] == 5

@@ -37,7 +37,10 @@ also what ``fused_step=False`` runs (the reference for the fused path, and an ab
 
 With a ControlNet, ``merged_step.onnx`` at the folder's root (when present) is the ControlNet and
 the step graph in one graph: one session run, one captured CUDA graph per step
-(:mod:`onnxopt.pipeline.merged_step`). ``Pipeline.load``'s switches turn each pipeline rewrite off
+(:mod:`onnxopt.pipeline.merged_step`). With several (``controlnet/``, ``controlnet_1/``...: diffusers'
+MultiControlNetModel), each has its own image, scale and hint graph, and the step graph sums their
+residuals (:mod:`onnxopt.pipeline.multi_controlnet`; diffusers' own loop, ``fused_step=False``,
+sums them on the host as MultiControlNetModel does). ``Pipeline.load``'s switches turn each pipeline rewrite off
 for the ablation.
 """
 
