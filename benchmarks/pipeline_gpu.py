@@ -311,11 +311,13 @@ class Bench:
 
     def cfg_late_graph(self) -> dict:
         """unet/step.cfg_late.onnx beside the optimized folder's step.onnx (the ablation's cfg-late row)."""
+        from onnxopt.pipeline import PipelineFolder
         from onnxopt.pipeline.step_graph import write_step_graph
 
         t0 = time.perf_counter()
-        path = write_step_graph((self.src if self.dry else self.opt) / "unet", file_name="step.cfg_late.onnx",
-                                cfg_late=True)
+        folder = self.src if self.dry else self.opt
+        path = write_step_graph(folder / "unet", file_name="step.cfg_late.onnx", cfg_late=True,
+                                controlnets=max(1, len(PipelineFolder.open(folder).controlnets)))
         return {"path": str(path), "seconds": time.perf_counter() - t0}
 
     def quality(self, latents: np.ndarray, image: np.ndarray) -> dict:

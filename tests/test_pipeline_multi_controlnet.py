@@ -345,3 +345,22 @@ def test_two_controlnets_on_the_cuda_ep(built, tmp_path):
             np.testing.assert_allclose(result.latents, expected.latents, rtol=0, atol=2e-3 * scale)
             np.testing.assert_allclose(result.pixels, expected.pixels, rtol=0, atol=4e-3)
     assert two(scheduler="ddim", **generation()).timings["session_runs_per_step"] == 5
+
+
+def test_a_step_graph_for_another_controlnet_count_is_never_run(built, tmp_path, capsys):
+    """A step graph reading one residual set in a two-ControlNet folder would drop ControlNet 1's
+    residuals without a word: unet/step.onnx is passed over for one built in memory (with a note),
+    and a named step_file is refused in one line."""
+    from onnxopt.pipeline.runner import GenerationError
+    from onnxopt.pipeline.step_graph import write_step_graph
+
+    _, folder, _ = built
+    copy = tmp_path / "folder"
+    shutil.copytree(folder, copy)
+    write_step_graph(copy / "unet", context_kv=False)  # one residual set
+    write_step_graph(copy / "unet", file_name="one.onnx", context_kv=False)
+    pipe = Pipeline.load(copy, "cpu", threads=THREADS)
+    assert "reads the residuals of 1 ControlNet(s), the folder has 2" in capsys.readouterr().err
+    assert pipe.step_source == "built in memory from unet/model.onnx"
+    with pytest.raises(GenerationError, match="reads the residuals of 1 ControlNet.*controlnets=2"):
+        Pipeline.load(copy, "cpu", threads=THREADS, step_file="one.onnx")

@@ -575,15 +575,18 @@ def _step_graph(folder: PipelineFolder, context_kv: bool = True, step_file: str 
     """(model path or serialized bytes, where it came from), or (None, why not) -> unfused loop.
     ``context_kv=False`` passes over a step.onnx that reads the K/V of step.context_kv.onnx;
     ``step_file`` names another step graph in unet/."""
+    from onnxopt.pipeline.multi_controlnet import controlnet_count, sum_controlnet_residuals
+
     unet = folder.component("unet")
+    controlnets = max(1, len(folder.controlnets))
     if step_file is not None:
         path = unet.folder / step_file
         if Path(step_file).name != step_file or path.suffix != ".onnx" or not path.is_file():
             raise GenerationError(f"{path}: no step graph of that name in {unet.folder}")
+        if controlnet_count(path) != controlnets:  # the residuals of the others would be dropped
+            raise GenerationError(f"{path} reads the residuals of {controlnet_count(path)} ControlNet(s), the folder "
+                                  f"has {controlnets}: write it with write_step_graph(..., controlnets={controlnets})")
         return path, f"unet/{step_file}"
-    from onnxopt.pipeline.multi_controlnet import controlnet_count, sum_controlnet_residuals
-
-    controlnets = max(1, len(folder.controlnets))
     if unet.step_model is not None and (context_kv or unet.context_model is None):
         if controlnet_count(unet.step_model) == controlnets:
             return unet.step_model, "unet/step.onnx"
