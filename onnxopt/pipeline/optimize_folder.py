@@ -461,7 +461,7 @@ def _split_for_two_streams(folder: Path, controlnets: list[str]) -> str:
         write_two_stream_graphs(folder / "unet", residuals)
     except UnsupportedModelError as exc:
         return f"two streams: not split: {exc}"
-    return "two streams (opt-in): step.streams.down.onnx beside the ControlNet, then step.streams.onnx"
+    return "two streams (default on cuda/tensorrt): step.streams.down.onnx beside the ControlNet(s), then step.streams.onnx"
 
 
 def _merge_step(folder: Path, controlnets: list[str]) -> str:

@@ -148,7 +148,8 @@ class Pipeline:
           SDXL's added conditioning) and ``unet/step.onnx`` reading them; off: the step graph of
           the whole UNet, built in memory from ``unet/model.onnx`` (a UNet under 1.8 GB).
         * ``controlnet_hint``: ``controlnet/step.hint.onnx`` once per image and
-          ``controlnet/step.onnx`` reading the hint; off: ``controlnet/model.onnx`` at every step.
+          ``controlnet/step.onnx`` reading the hint (the same in each ``controlnet_<k>/``); off:
+          ``controlnet/model.onnx`` at every step.
         * ``merged_step``: ``merged_step.onnx``, ControlNet and UNet step graph in one graph (one
           run per step), used when it was built from the very graphs the other switches select.
         * ``two_streams`` (default: on for cuda/tensorrt, where it measured faster than
