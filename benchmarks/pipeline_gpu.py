@@ -3,6 +3,7 @@
     python -m benchmarks.pipeline_gpu --kind sd15 --work /tmp/pipe-bench --budget 540 --out benchmarks/results/pipeline-sd15
     python -m benchmarks.pipeline_gpu --kind sdxl --work /tmp/pipe-bench --budget 540 --out benchmarks/results/pipeline-sdxl
     python -m benchmarks.pipeline_gpu --kind sd15-controlnet --ablation --work /tmp/pipe-bench --out ...
+    python -m benchmarks.pipeline_gpu --kind sd15-multi-controlnet --ablation --work /tmp/pipe-bench --out ...
     python -m benchmarks.pipeline_gpu --kind sd15 --dry-run --work /tmp/pipe-dry   # CPU, tiny, fp32: every step once
     python -m benchmarks.pipeline_gpu --kind sdxl --fp8 --skip torch-eager --work /tmp/pipe-bench --out ...  # + the fp8 row
 
@@ -35,7 +36,10 @@ present; the script stops between steps after --budget seconds, so a run spans s
 
 ControlNet (sd15-controlnet): a seeded edge map as the control image on every side; diffusers'
 StableDiffusionControlNetPipeline with the UNet and the ControlNet under torch.compile, and its
-step time is the ControlNet call plus the UNet call.
+step time is the ControlNet call plus the UNet call. Two ControlNets (sd15-multi-controlnet): two
+seeded edge maps and the scales (1.0, 0.5) on every side; diffusers' MultiControlNetModel (compiled
+whole, as diffusers' recipe compiles ``pipe.controlnet``); onnxopt sums the residuals in its step
+graph (onnxopt.pipeline.multi_controlnet).
 
 Per stage: text encoder (per prompt, both CFG rows), mean denoising step, VAE decode; for torch
 from one extra run with synchronizing hooks (the timed runs have none), for onnxopt from its own
@@ -61,7 +65,9 @@ SETTINGS = {
     "sd15": dict(height=512, width=512, steps=50, scheduler="ddim"),
     "sdxl": dict(height=1024, width=1024, steps=30, scheduler="euler"),
     "sd15-controlnet": dict(height=512, width=512, steps=50, scheduler="ddim"),
+    "sd15-multi-controlnet": dict(height=512, width=512, steps=50, scheduler="ddim"),
 }
+MULTI_CONTROLNET_SCALES = [1.0, 0.5]  # sd15-multi-controlnet: one conditioning scale per ControlNet
 # The ablation (--ablation): the onnxopt pipeline as each rewrite is added, from one optimized folder.
 # name -> (Pipeline.load keyword arguments, call keyword arguments, ControlNet kinds only).
 SEPARATE = dict(merged_step=False, two_streams=False)
@@ -102,6 +108,7 @@ class Bench:
         self.work = args.work / self.kind
         self.work.mkdir(parents=True, exist_ok=True)
         self.src, self.opt = self.work / "folder", self.work / "optimized"
+        self.multi = self.kind == "sd15-multi-controlnet"
 
     # --- steps ------------------------------------------------------------------------------
 
@@ -157,7 +164,11 @@ class Bench:
         factor = pipe.vae_scale_factor
         noise = torch.randn((1, pipe.unet.config.in_channels, s["height"] // factor, s["width"] // factor),
                             generator=torch.Generator("cpu").manual_seed(SEED), dtype=torch.float32)
-        extra = {"image": self.control_image()} if self.kind.endswith("controlnet") else {}
+        extra = {}
+        if self.kind.endswith("controlnet"):
+            extra["image"] = self.control_image()
+            if self.multi:
+                extra["controlnet_conditioning_scale"] = MULTI_CONTROLNET_SCALES
         with torch.no_grad():
             image = pipe(PROMPT, negative_prompt=NEGATIVE, num_inference_steps=s["steps"], guidance_scale=GUIDANCE,
                          height=s["height"], width=s["width"], latents=noise.to(self.device, pipe.unet.dtype),
@@ -253,12 +264,16 @@ class Bench:
         return out
 
     def control_image(self):
-        """A seeded edge map (ControlNet kinds): the same image for every pipeline."""
+        """A seeded edge map (ControlNet kinds): the same image for every pipeline; two (seeds 0
+        and 1) for two ControlNets."""
         from PIL import Image
 
         s = self.settings
-        edges = (np.random.default_rng(SEED).random((s["height"], s["width"])) > 0.9).astype(np.uint8) * 255
-        return Image.fromarray(np.stack([edges] * 3, axis=-1))
+        images = []
+        for seed in (SEED, SEED + 1) if self.multi else (SEED,):
+            edges = (np.random.default_rng(seed).random((s["height"], s["width"])) > 0.9).astype(np.uint8) * 255
+            images.append(Image.fromarray(np.stack([edges] * 3, axis=-1)))
+        return images if self.multi else images[0]
 
     def onnxopt(self, load: dict | None = None, call: dict | None = None) -> dict:
         import inspect
@@ -278,6 +293,8 @@ class Bench:
                        seed=SEED, height=s["height"], width=s["width"], progress=False, **call)
         if self.kind.endswith("controlnet"):
             request["controlnet_image"] = self.control_image()
+            if self.multi:
+                request["controlnet_scale"] = MULTI_CONTROLNET_SCALES
         t0 = time.perf_counter()
         pipe = Pipeline.load(folder, provider, **{"cuda_graph": True, **load})
         first = pipe(PROMPT, **request)
@@ -304,11 +321,13 @@ class Bench:
 
     def cfg_late_graph(self) -> dict:
         """unet/step.cfg_late.onnx beside the optimized folder's step.onnx (the ablation's cfg-late row)."""
+        from onnxopt.pipeline import PipelineFolder
         from onnxopt.pipeline.step_graph import write_step_graph
 
         t0 = time.perf_counter()
-        path = write_step_graph((self.src if self.dry else self.opt) / "unet", file_name="step.cfg_late.onnx",
-                                cfg_late=True)
+        folder = self.src if self.dry else self.opt
+        path = write_step_graph(folder / "unet", file_name="step.cfg_late.onnx", cfg_late=True,
+                                controlnets=max(1, len(PipelineFolder.open(folder).controlnets)))
         return {"path": str(path), "seconds": time.perf_counter() - t0}
 
     def fp8_step_graph(self) -> dict:

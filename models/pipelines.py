@@ -18,6 +18,8 @@ pipeline to the layout diffusers/optimum ONNX folders have::
                                       mid_block_res] -> out_sample
     controlnet/model.onnx             sample, timestep, encoder_hidden_states, controlnet_cond,
                                       conditioning_scale [1] -> down_block_res_{i}, mid_block_res
+    [controlnet_1/model.onnx ...]     the second, third... ControlNet (the same interface), where
+                                      diffusers' MultiControlNetModel.save_pretrained puts them
     vae_decoder/model.onnx            latent_sample (already / scaling_factor) -> sample
     vae_encoder/model.onnx            sample -> latent_sample (the latent distribution's mean)
     <component>/config.json           the torch component's config
@@ -32,6 +34,9 @@ Kinds and what differs from the component builders' configs (tiny size):
   ``sd15-controlnet`` SD 1.5 + ControlNet.  The tiny VAE downsamples 2x (two blocks), so the tiny
                       ControlNet's conditioning embedding has two stages (8, 16) -- 2x too -- as
                       diffusers' own tiny test pipelines do; full size keeps 8x on both.
+  ``sd15-multi-controlnet`` SD 1.5 + two ControlNets (diffusers' MultiControlNetModel: each its own
+                      image and scale, residuals summed): ``controlnet/`` (seed) and ``controlnet_1/``
+                      (seed + 1), the same architecture as ``sd15-controlnet``'s.
 
 The text encoders' ``vocab_size`` must hold the tokenizer: the tiny configs have 512 and
 the tiny vocabulary is built to fit (printable ASCII + merges + the two special tokens).
@@ -45,7 +50,8 @@ from pathlib import Path
 
 from .base import BuiltModel, SIZES, check_choice
 
-PIPELINE_KINDS = ("sd15", "sd21", "sdxl", "sd15-controlnet")
+PIPELINE_KINDS = ("sd15", "sd21", "sdxl", "sd15-controlnet", "sd15-multi-controlnet")
+CONTROLNET_COUNTS = {"sd15-controlnet": 1, "sd15-multi-controlnet": 2}
 EXPORTERS = ("torchscript", "dynamo")
 DATA_NAMES = ("model.onnx_data", "model.onnx.data", "weights.pb")
 MODEL_MAX_LENGTH = 77
@@ -66,7 +72,7 @@ SCHEDULER_CONFIGS = {
     "sdxl": ("EulerDiscreteScheduler", dict(_SD_BETAS, interpolation_type="linear", prediction_type="epsilon",
                                             steps_offset=1, timestep_spacing="leading", use_karras_sigmas=False)),
 }
-SCHEDULER_CONFIGS["sd15-controlnet"] = SCHEDULER_CONFIGS["sd15"]
+SCHEDULER_CONFIGS["sd15-controlnet"] = SCHEDULER_CONFIGS["sd15-multi-controlnet"] = SCHEDULER_CONFIGS["sd15"]
 
 # SD 2.x text encoder (OpenCLIP ViT-H/14 text tower as stabilityai/stable-diffusion-2-1 text_encoder/config.json).
 SD21_TEXT_CONFIGS = {
@@ -275,10 +281,12 @@ def build_torch_pipeline(kind: str, size: str = "tiny", seed: int = 0, tokenizer
             unet = make_unet("unet-sd15", size, seed)
         parts = dict(text_encoder=text_encoder, tokenizer=tokenizer, unet=unet, safety_checker=None,
                      feature_extractor=None, requires_safety_checker=False, **common)
-        if kind == "sd15-controlnet":
+        if kind in CONTROLNET_COUNTS:
             from diffusers import StableDiffusionControlNetPipeline
 
-            return StableDiffusionControlNetPipeline(controlnet=_controlnet(size, seed), **parts)
+            nets = [_controlnet(size, seed + k) for k in range(CONTROLNET_COUNTS[kind])]
+            # a list makes diffusers wrap them in a MultiControlNetModel
+            return StableDiffusionControlNetPipeline(controlnet=nets if len(nets) > 1 else nets[0], **parts)
         from diffusers import StableDiffusionPipeline
 
         return StableDiffusionPipeline(**parts)
@@ -433,7 +441,7 @@ def component_models(pipe, kind: str, size: str = "tiny", seed: int = 0) -> dict
                        dict(name="time_ids", shape=["batch", 6], dtype="float32", kind="time_ids")]
         unet_dyn.update(text_embeds={0: "batch"}, time_ids={0: "batch"})
     res_specs, res_dyn, n_res = [], {}, 0
-    if kind == "sd15-controlnet":
+    if kind in CONTROLNET_COUNTS:
         layout = _residual_layout(dict(ucfg))
         for i, (c, k) in enumerate(layout + [layout[-1]]):
             name = f"down_block_res_{i}" if i < len(layout) else "mid_block_res"
@@ -444,16 +452,17 @@ def component_models(pipe, kind: str, size: str = "tiny", seed: int = 0) -> dict
         n_res = len(res_specs)
     built("unet", W["UNet"](pipe.unet, xl, n_res), unet_specs + res_specs, ["out_sample"],
           dict(unet_dyn, **res_dyn))
-    if kind == "sd15-controlnet":
+    if kind in CONTROLNET_COUNTS:
         dims["image_height"], dims["image_width"] = vae_factor * dims["height"], vae_factor * dims["width"]
         cn_specs = unet_specs[:3] + [
             dict(name="controlnet_cond", shape=["batch", 3, "image_height", "image_width"], dtype="float32",
                  kind="cond_image"),
             dict(name="conditioning_scale", shape=[1], dtype="float32", kind="hidden"),
         ]
-        built("controlnet", W["ControlNet"](pipe.controlnet), cn_specs, [s["name"] for s in res_specs],
-              dict({k: v for k, v in unet_dyn.items() if k != "out_sample"},
-                   controlnet_cond={0: "batch", 2: "image_height", 3: "image_width"}, **res_dyn))
+        for name, net in zip(controlnet_folders(CONTROLNET_COUNTS[kind]), _controlnets(pipe)):
+            built(name, W["ControlNet"](net), cn_specs, [s["name"] for s in res_specs],
+                  dict({k: v for k, v in unet_dyn.items() if k != "out_sample"},
+                       controlnet_cond={0: "batch", 2: "image_height", 3: "image_width"}, **res_dyn))
 
     image_dyn = {0: "batch", 2: "image_height", 3: "image_width"}
     vdims = dict(dims, image_height=vae_factor * dims["height"], image_width=vae_factor * dims["width"])
@@ -466,10 +475,23 @@ def component_models(pipe, kind: str, size: str = "tiny", seed: int = 0) -> dict
     return out
 
 
+def controlnet_folders(count: int) -> list[str]:
+    """``controlnet``, ``controlnet_1``, ``controlnet_2``...: MultiControlNetModel.save_pretrained's names."""
+    return ["controlnet" if k == 0 else f"controlnet_{k}" for k in range(count)]
+
+
+def _controlnets(pipe) -> list:
+    """The pipeline's ControlNets in order (one, or a MultiControlNetModel's nets)."""
+    controlnet = getattr(pipe, "controlnet", None)
+    if controlnet is None:
+        return []
+    return list(controlnet.nets) if hasattr(controlnet, "nets") else [controlnet]
+
+
 def _component_config_source(pipe, name: str):
+    controlnets = dict(zip(controlnet_folders(len(_controlnets(pipe))), _controlnets(pipe)))
     return {"text_encoder": pipe.text_encoder, "text_encoder_2": getattr(pipe, "text_encoder_2", None),
-            "unet": pipe.unet, "controlnet": getattr(pipe, "controlnet", None),
-            "vae_decoder": pipe.vae, "vae_encoder": pipe.vae}[name]
+            "unet": pipe.unet, "vae_decoder": pipe.vae, "vae_encoder": pipe.vae, **controlnets}[name]
 
 
 def _write_component_config(model, out_dir: Path) -> None:

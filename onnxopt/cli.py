@@ -162,8 +162,11 @@ def _add_generate_parser(sub) -> None:
     gen.add_argument("--seed", type=int, default=0, help="as diffusers: torch.Generator('cpu').manual_seed(SEED)")
     gen.add_argument("--height", type=int, help="pixels (default: the UNet's sample_size times the VAE factor)")
     gen.add_argument("--width", type=int)
-    gen.add_argument("--controlnet-image", type=Path, help="conditioning image (ControlNet folders only)")
-    gen.add_argument("--controlnet-scale", type=float, default=1.0)
+    gen.add_argument("--controlnet-image", type=Path, action="append",
+                     help="conditioning image (ControlNet folders only); once per ControlNet, in the order "
+                          "controlnet/, controlnet_1/, ...")
+    gen.add_argument("--controlnet-scale", type=float, nargs="+", default=[1.0], metavar="SCALE",
+                     help="ControlNet conditioning scale: one for all, or one per ControlNet (default 1.0)")
     gen.add_argument("--reuse", metavar="STEPS", help="opt-in approximation: these 0-based steps reuse the previous step's "
                      "prediction instead of running the UNet, e.g. 30-49:2 (onnxopt.pipeline.step_reuse)")
     gen.add_argument("--provider", choices=["cpu", "cuda", "tensorrt"], default="cpu")
@@ -182,10 +185,10 @@ def cmd_generate(args) -> int:
 
     folder = PipelineFolder.open(args.folder)
     check_request(folder, steps=args.steps, scheduler=args.scheduler, height=args.height, width=args.width,
-                  controlnet_image=args.controlnet_image)
+                  controlnet_image=args.controlnet_image, controlnet_scale=args.controlnet_scale)
     reuse_steps(args.reuse, args.steps)  # a bad schedule is refused before any session exists
     for written in filter(None, (args.output, args.json)):
-        _refuse_input(written, folder.root, args.controlnet_image)
+        _refuse_input(written, folder.root, *(args.controlnet_image or ()))
         images.check_writable(written)
     pipe = Pipeline.load(folder, args.provider, fused_step=args.fused_step, cuda_graph=args.cuda_graph)
     result = pipe(args.prompt, negative_prompt=args.negative_prompt, steps=args.steps, guidance=args.guidance,

@@ -16,7 +16,14 @@ The layout (what optimum-cli and ``models/pipelines.py`` write)::
     text_encoder/  text_encoder_2/ (SDXL)  unet/  vae_decoder/  [vae_encoder/]  [controlnet/]
                             each a model.onnx, external data in model.onnx_data | model.onnx.data |
                             weights.pb, and optionally config.json
-    [merged_step.onnx]      written by onnxopt: the ControlNet and the UNet step graph merged
+    [controlnet_1/ controlnet_2/ ...]  more ControlNets: diffusers' MultiControlNetModel.save_pretrained
+                            writes the k-th (from 0) to controlnet_<k>/ (the first to controlnet/) and
+                            model_index.json's "controlnet" entry names MultiControlNetModel
+    [merged_step.onnx]      written by onnxopt: the ControlNet(s) and the UNet step graph merged
+
+``folder.controlnets`` lists the ControlNet folders in order (``["controlnet", "controlnet_1"]``);
+a ``controlnet_<k>/`` without all of ``controlnet/`` .. ``controlnet_<k-1>/`` is refused (diffusers
+would silently drop it).
 
 Every problem with the folder (missing, not a pipeline, a required component absent) raises
 :class:`PipelineFolderError`, a one-line :class:`~onnxopt.errors.OnnxoptError` (exit code 2).
@@ -101,6 +108,27 @@ def read_json(path: Path) -> dict:
     return value
 
 
+def controlnet_name(k: int) -> str:
+    """The folder of the k-th ControlNet (from 0): controlnet, controlnet_1, controlnet_2..."""
+    return "controlnet" if k == 0 else f"controlnet_{k}"
+
+
+def controlnet_folders(root: Path) -> list[str]:
+    """The ControlNet folders holding a model.onnx, in order; a gap in the numbering is an error."""
+    numbers = set()
+    for sub in root.iterdir() if root.is_dir() else ():
+        name = sub.name
+        if name == "controlnet" or (name.startswith("controlnet_") and name[len("controlnet_"):].isdigit()
+                                    and not name[len("controlnet_"):].startswith("0")):
+            if (sub / MODEL_FILE).is_file():
+                numbers.add(0 if name == "controlnet" else int(name[len("controlnet_"):]))
+    for k in sorted(numbers):
+        if k and k - 1 not in numbers:
+            raise PipelineFolderError(f"{root}: {controlnet_name(k)}/ without {controlnet_name(k - 1)}/{MODEL_FILE} "
+                                      "(diffusers numbers the ControlNets controlnet/, controlnet_1/, controlnet_2/...)")
+    return [controlnet_name(k) for k in sorted(numbers)]
+
+
 def kind_of(index: dict, root: Path) -> str:
     """sd / sdxl / controlnet, from model_index.json's class name (and the folders as a fallback)."""
     name = str(index.get("_class_name", ""))
@@ -133,7 +161,7 @@ class PipelineFolder:
         index = read_json(index_path)
         kind = kind_of(index, root)
         components = {}
-        for name in MODEL_COMPONENTS:
+        for name in (*MODEL_COMPONENTS, *controlnet_folders(root)[1:]):
             model = root / name / MODEL_FILE
             if model.is_file():
                 data = [root / name / n for n in EXTERNAL_DATA_NAMES if (root / name / n).is_file()]
@@ -153,6 +181,15 @@ class PipelineFolder:
                 raise PipelineFolderError(f"{self.root}: missing {name}/ ({self.kind} pipeline)")
         if not (self.root / "scheduler" / "scheduler_config.json").is_file():
             raise PipelineFolderError(f"{self.root}: missing scheduler/scheduler_config.json")
+
+    @property
+    def controlnets(self) -> list[str]:
+        """The ControlNet components in order: [] | ["controlnet"] | ["controlnet", "controlnet_1", ...]."""
+        names, k = [], 0
+        while controlnet_name(k) in self.components:
+            names.append(controlnet_name(k))
+            k += 1
+        return names
 
     @property
     def merged_step_model(self) -> Path | None:

@@ -34,6 +34,13 @@ data files (``unet/model.onnx_data``, ``controlnet/model.onnx_data``). A compone
 has no data file to refer to: its weights are then written into the merged file too, as
 ``unet/step.onnx`` already copies an inline UNet's.
 
+More than one ControlNet (``controlnet_1/``...; :mod:`onnxopt.pipeline.multi_controlnet`): the
+step graph then reads one residual set per ControlNet and sums them, and each ControlNet is merged
+in turn (``build_merged_step(..., index=k)``), its nodes and inner tensors prefixed
+``controlnet_<k>/``, its own inputs and residuals named ``controlnet_<k>.<name>`` (the step graph's
+names for them); ``encoder_hidden_states`` stays one input. Each merged ControlNet gets its own
+copy of the few prepare nodes (a Mul and a Concat on the latents: not worth sharing).
+
 Why graphsurgeon and not ``onnx.compose.merge_models``: that works on loaded ModelProtos (weights
 and all, under protobuf's 2 GB) and keeps each model's external-data locations relative to its own
 folder; here the graphs stay onnxopt Models whose weights are never read, and saving rewrites the
@@ -97,12 +104,19 @@ def emit_controlnet_inputs(make: Emit, latents: gs.Tensor, step_index: gs.Tensor
     return sample, timestep
 
 
-def build_merged_step(unet_step: Model, controlnet: Model) -> Model:
+def build_merged_step(unet_step: Model, controlnet: Model, *, index: int = 0) -> Model:
     """One graph computing what ``controlnet`` (its step graph, or its whole model) followed by the
     UNet step graph ``unet_step`` compute (see the module docstring). Both models are consumed:
-    the result is built from their graphs (weights shared, never copied). Raises
+    the result is built from their graphs (weights shared, never copied). ``index``: the
+    ControlNet's place k among several (its names, see the module docstring). Raises
     :class:`UnsupportedModelError` when they do not fit together."""
+    from onnxopt.pipeline.folder import controlnet_name
+    from onnxopt.pipeline.multi_controlnet import interface_name
+
     step, cn = unet_step.graph, controlnet.graph
+    prefix = f"{controlnet_name(index)}/"
+    for tensor in [*cn.inputs, *cn.outputs]:  # its interface under the names the step graph reads
+        tensor.name = interface_name(tensor.name, index)
     step_inputs = {t.name: t for t in step.inputs}
     cn_inputs = {t.name: t for t in cn.inputs}
     missing = [name for name in PREPARE_INPUTS if name not in step_inputs]
@@ -124,8 +138,8 @@ def build_merged_step(unet_step: Model, controlnet: Model) -> Model:
         if name in step_inputs and name not in CONTROLNET_STEP_INPUTS:
             _same_type(inp, step_inputs[name], "input")
 
-    _rename_controlnet(cn, step)
-    make = Emit(step, NameAuthority(step), f"{CONTROLNET_PREFIX}prepare")
+    _rename_controlnet(cn, prefix)
+    make = Emit(step, NameAuthority(step), f"{prefix}prepare")
     sample_in, timestep_in = cn_inputs["sample"], cn_inputs["timestep"]
     sample, timestep = emit_controlnet_inputs(
         make, step_inputs["latents"], step_inputs["step_index"], step_inputs["schedule_timesteps"],
@@ -149,11 +163,11 @@ def build_merged_step(unet_step: Model, controlnet: Model) -> Model:
     step.inputs = [t for t in step.inputs if t.name not in residual_names] + shared
     step.import_domains = _merged_domains(step, cn)
     for out in residuals:  # now an inner tensor: a name of the ControlNet's part, no declared shape
-        out.name, out.shape = f"{CONTROLNET_PREFIX}{out.name}", None
+        out.name, out.shape = f"{prefix}{out.name}", None
     step.toposort()
     _check_unique_names(step)
     scopes = dict(unet_step.node_scopes)
-    scopes.update({f"{CONTROLNET_PREFIX}{k}": v for k, v in controlnet.node_scopes.items()})
+    scopes.update({f"{prefix}{k}": v for k, v in controlnet.node_scopes.items()})
     metadata = dict(unet_step.metadata_props, **{METADATA_KEY: "controlnet + unet step graph"})
     return Model(graph=step, source=unet_step.source, metadata_props=metadata, model_version=unet_step.model_version,
                  doc_string=unet_step.doc_string, domain=unet_step.domain, node_scopes=scopes,
@@ -161,24 +175,26 @@ def build_merged_step(unet_step: Model, controlnet: Model) -> Model:
 
 
 def write_merged_step(root: str | os.PathLike, *, controlnet_file: str = "step.onnx",
-                      file_name: str = MERGED_STEP_FILE) -> Path | None:
-    """Merge ``root/controlnet/<controlnet_file>`` (``model.onnx`` when it is absent) with
-    ``root/unet/step.onnx`` into ``root/<file_name>``, written atomically, weights referring to
-    the components' data files. Returns the path, or None when the folder has no ControlNet or no
-    UNet step graph."""
+                      file_name: str = MERGED_STEP_FILE, controlnets=("controlnet",)) -> Path | None:
+    """Merge ``root/<controlnet>/<controlnet_file>`` (``model.onnx`` when it is absent) of each of
+    ``controlnets`` (in order) with ``root/unet/step.onnx`` into ``root/<file_name>``, written
+    atomically, weights referring to the components' data files. Returns the path, or None when the
+    folder has no ControlNet or no UNet step graph."""
     from onnxopt.loading import load_model
     from onnxopt.saving import save_model
 
     root = Path(root)
     unet_step = root / "unet" / "step.onnx"
-    controlnet = root / "controlnet" / controlnet_file
-    if not controlnet.is_file():
-        controlnet = root / "controlnet" / "model.onnx"
-    if not unet_step.is_file() or not controlnet.is_file():
+    paths = []
+    for name in controlnets:
+        controlnet = root / name / controlnet_file
+        paths.append(controlnet if controlnet.is_file() else root / name / "model.onnx")
+    if not unet_step.is_file() or not paths or not all(p.is_file() for p in paths):
         return None
-    merged = build_merged_step(load_model(unet_step), load_model(controlnet))
-    merged.metadata_props[METADATA_KEY] = (f"{controlnet.relative_to(root).as_posix()} + "
-                                           f"{unet_step.relative_to(root).as_posix()}")
+    merged = load_model(unet_step)
+    for k, controlnet in enumerate(paths):
+        merged = build_merged_step(merged, load_model(controlnet), index=k)
+    merged.metadata_props[METADATA_KEY] = " + ".join(p.relative_to(root).as_posix() for p in [*paths, unet_step])
     return save_model(merged, root / file_name, reference_external=True).path
 
 
@@ -196,19 +212,19 @@ def _same_type(a: gs.Tensor, b: gs.Tensor, what: str) -> None:
                                     f"{np.dtype(b.dtype)} in the UNet step graph")
 
 
-def _rename_controlnet(cn: gs.Graph, step: gs.Graph) -> None:
-    """Give every ControlNet node and inner tensor the ``controlnet/`` prefix (two exports name
+def _rename_controlnet(cn: gs.Graph, prefix: str) -> None:
+    """Give every ControlNet node and inner tensor the ``prefix`` (``controlnet/``: two exports name
     their tensors alike: ``conv_in.weight``, ``/conv_in/Conv_output_0``) and drop the inner
     tensors' shape annotations (see the module docstring)."""
     boundary = {id(t) for t in cn.inputs} | {id(t) for t in cn.outputs}
     for tensor in cn.tensors().values():
         if id(tensor) in boundary or not tensor.name:
             continue
-        tensor.name = f"{CONTROLNET_PREFIX}{tensor.name}"
+        tensor.name = f"{prefix}{tensor.name}"
         if isinstance(tensor, gs.Variable):
             tensor.shape = None
     for node in cn.nodes:
-        node.name = f"{CONTROLNET_PREFIX}{node.name}" if node.name else ""
+        node.name = f"{prefix}{node.name}" if node.name else ""
 
 
 def _check_unique_names(graph: gs.Graph) -> None:

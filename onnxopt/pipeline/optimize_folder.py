@@ -4,11 +4,11 @@
       model_index.json, scheduler/, tokenizer*/  ─ copied byte for byte ─►  same
       <component>/config.json, other files        ─ copied byte for byte ─►  same
       text_encoder[_2]/model.onnx   ─ ort-cuda | tensorrt [+ fp16]                  ─►  model.onnx [+ data]
-      unet/, controlnet/model.onnx  ─ ort-cuda | tensorrt [+ fp16]                  ─►  model.onnx [+ data]
+      unet/, controlnet[_k]/model.onnx ─ ort-cuda | tensorrt [+ fp16]               ─►  model.onnx [+ data]
       vae_decoder/, vae_encoder/    ─ ort-cuda | tensorrt [+ fp16, guarded: below]  ─►  model.onnx [+ data]
 
 Presets per component (``target``):
-  unet, controlnet    ``ort-cuda`` or ``tensorrt``; ``fp16`` adds the fp16 pass (for TensorRT a strongly
+  unet, controlnet[_k] ``ort-cuda`` or ``tensorrt``; ``fp16`` adds the fp16 pass (for TensorRT a strongly
                       typed fp16 graph, as passes/fp16.py recommends).
   text encoders       the target's preset; ``fp16`` adds the fp16 pass.
   VAE                 the target's preset; with ``fp16`` the fp16 pass runs with ``fp32_auto``, calibrated on a
@@ -34,7 +34,10 @@ The step graph: after the UNet is written, :func:`onnxopt.pipeline.step_graph.wr
 to, not copied); with ``cfg_late`` (``--cfg-late``, off by default until measured on a GPU) what both
 guidance halves share is computed once in it (:mod:`onnxopt.pipeline.cfg_late`). With a ControlNet,
 ``merged_step.onnx`` at the root holds the ControlNet and that step graph in one graph
-(:mod:`onnxopt.pipeline.merged_step`; weights referred to as well).
+(:mod:`onnxopt.pipeline.merged_step`; weights referred to as well). More than one ControlNet
+(``controlnet/``, ``controlnet_1/``...: diffusers' MultiControlNetModel layout): each gets the
+ControlNet preset and its hint split; the step graph reads one residual set per ControlNet and sums
+them (:mod:`onnxopt.pipeline.multi_controlnet`); the two-stream split and the merged step take them all.
 """
 
 from __future__ import annotations
@@ -51,7 +54,7 @@ import numpy as np
 
 from onnxopt.errors import ModelSaveError, OnnxoptError, VerificationError
 from onnxopt.pipeline.controlnet_hint import write_hint_graph
-from onnxopt.pipeline.folder import read_json
+from onnxopt.pipeline.folder import controlnet_folders, read_json
 from onnxopt.pipeline.merged_step import write_merged_step
 from onnxopt.pipeline.step_graph import write_step_graph
 from onnxopt.report import OptimizationReport
@@ -177,7 +180,7 @@ def read_components(folder: Path) -> list[PipelineComponent]:
                 if kv.key == "location" and kv.value not in names:
                     names.append(kv.value)
         out.append(PipelineComponent(sub.name, path, names))
-    if not any(c.name in COMPONENTS for c in out):
+    if not any(is_component(c.name) for c in out):
         raise OnnxoptError(f"{folder}: no component folder ({', '.join(COMPONENTS)}) holds a {MODEL_FILE}")
     return out
 
@@ -210,6 +213,16 @@ def _check_paths(src: Path, dst: Path) -> None:
 
 
 # ----------------------------------------------------------------------------------- presets
+
+def is_component(name: str) -> bool:
+    """A component folder onnxopt optimizes: COMPONENTS, and controlnet_1, controlnet_2..."""
+    return name in COMPONENTS or is_controlnet(name)
+
+
+def is_controlnet(name: str) -> bool:
+    suffix = name[len("controlnet_"):]
+    return name == "controlnet" or (name.startswith("controlnet_") and suffix.isdigit() and not suffix.startswith("0"))
+
 
 def component_passes(name: str, target: str, fp16: bool) -> list[str]:
     """Passes and presets for one component (see the module docstring)."""
@@ -379,35 +392,38 @@ def optimize_folder(src, dst, target: str = "ort-cuda", fp16: bool = False, veri
     if target not in TARGETS:
         raise OnnxoptError(f"unknown target '{target}'; choose one of {', '.join(TARGETS)}")
     components = read_components(src)
+    controlnets = controlnet_folders(src)  # refuses controlnet_<k>/ without controlnet_<k-1>/
     _check_paths(src, dst)
     report = FolderReport(str(src), str(dst), target, fp16)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.tmp-", dir=dst.parent))
     try:
-        optimized = [c for c in components if c.name in COMPONENTS]
+        optimized = [c for c in components if is_component(c.name)]
         skip = {c.model_path for c in optimized}
         skip |= {c.model_path.parent / f for c in optimized for f in c.data_files}
         report.copied_files = _copy_unchanged(src, tmp, skip)
         for c in components:
-            if c.name not in COMPONENTS:
+            if not is_component(c.name):
                 report.components.append(ComponentReport(c.name, [], "unchanged", None, notes=[
                     "not a known pipeline component: copied unchanged"]))
                 continue
             report.components.append(_optimize_component(
                 c, tmp / c.name, src, target, fp16, verify, tolerance, fp16_options or {}, vae_max_rel_l2))
             if c.name == "unet" and step_graph:
-                step = write_step_graph(tmp / "unet", context_kv=context_kv, cfg_late=cfg_late)
+                step = write_step_graph(tmp / "unet", context_kv=context_kv, cfg_late=cfg_late,
+                                        controlnets=max(1, len(controlnets)))
                 context = step.with_name("step.context_kv.onnx").is_file()
                 report.components[-1].notes.append(
                     "step graph written (onnxopt.pipeline.step_graph)"
                     + (", cross-attention K/V once per prompt in step.context_kv.onnx" if context else "")
-                    + (f", cfg-late: {_cfg_late_note(step)}" if cfg_late else ""))
-            if c.name == "controlnet" and step_graph and write_hint_graph(tmp / "controlnet") is not None:
+                    + (f", cfg-late: {_cfg_late_note(step)}" if cfg_late else "")
+                    + (f", the residuals of {len(controlnets)} ControlNets summed" if len(controlnets) > 1 else ""))
+            if is_controlnet(c.name) and step_graph and write_hint_graph(tmp / c.name) is not None:
                 report.components[-1].notes.append("hint once per image: step.hint.onnx + step.onnx "
                                                    "(onnxopt.pipeline.controlnet_hint)")
-        if step_graph and merged_step and any(c.name == "controlnet" for c in optimized):
-            report.component("controlnet").notes.append(_merge_step(tmp))
-        if step_graph and any(c.name == "controlnet" for c in optimized):
-            report.component("unet").notes.append(_split_for_two_streams(tmp))
+        if step_graph and merged_step and controlnets:
+            report.component("controlnet").notes.append(_merge_step(tmp, controlnets))
+        if step_graph and controlnets:
+            report.component("unet").notes.append(_split_for_two_streams(tmp, controlnets))
         if dst.exists():
             dst.rmdir()                 # empty (checked); rename cannot replace a folder on every OS
         os.replace(tmp, dst)
@@ -427,36 +443,41 @@ def _cfg_late_note(step_path: Path) -> str:
     return props.get(CFG_LATE_METADATA, "nothing moved")
 
 
-def _split_for_two_streams(folder: Path) -> str:
-    """Write unet/step.streams[.down].onnx (the opt-in two-stream step); the report's note."""
+def _split_for_two_streams(folder: Path, controlnets: list[str]) -> str:
+    """Write unet/step.streams[.down].onnx (the two-stream step); the report's note."""
     import onnx
 
     from onnxopt.errors import UnsupportedModelError
+    from onnxopt.pipeline.multi_controlnet import interface_name
     from onnxopt.pipeline.two_streams import write_two_stream_graphs
 
     step = folder / "unet" / "step.onnx"
-    controlnet = folder / "controlnet" / ("step.onnx" if (folder / "controlnet" / "step.onnx").is_file() else "model.onnx")
     if not step.is_file():
         return "two streams: no unet/step.onnx"
-    residuals = [o.name for o in onnx.load(str(controlnet), load_external_data=False).graph.output]
+    residuals = []
+    for k, name in enumerate(controlnets):
+        controlnet = folder / name / ("step.onnx" if (folder / name / "step.onnx").is_file() else "model.onnx")
+        outputs = onnx.load(str(controlnet), load_external_data=False).graph.output
+        residuals += [interface_name(o.name, k) for o in outputs]
     try:
         write_two_stream_graphs(folder / "unet", residuals)
     except UnsupportedModelError as exc:
         return f"two streams: not split: {exc}"
-    return "two streams (opt-in): step.streams.down.onnx beside the ControlNet, then step.streams.onnx"
+    return "two streams (default on cuda/tensorrt): step.streams.down.onnx beside the ControlNet(s), then step.streams.onnx"
 
 
-def _merge_step(folder: Path) -> str:
+def _merge_step(folder: Path, controlnets: list[str]) -> str:
     """Write merged_step.onnx; the report's note (a merge that does not fit leaves the graphs separate)."""
     from onnxopt.errors import UnsupportedModelError
 
     try:
-        path = write_merged_step(folder)
+        path = write_merged_step(folder, controlnets=controlnets)
     except UnsupportedModelError as exc:
         return f"ControlNet and step graph kept separate: {exc}"
     if path is None:
         return "ControlNet and step graph kept separate: no unet/step.onnx"
-    return "one graph per step: merged_step.onnx (ControlNet + unet/step.onnx, onnxopt.pipeline.merged_step)"
+    return (f"one graph per step: merged_step.onnx ({' + '.join(controlnets)} + unet/step.onnx, "
+            "onnxopt.pipeline.merged_step)")
 
 
 # ----------------------------------------------------------------------------------- CLI

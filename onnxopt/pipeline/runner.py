@@ -37,7 +37,10 @@ also what ``fused_step=False`` runs (the reference for the fused path, and an ab
 
 With a ControlNet, ``merged_step.onnx`` at the folder's root (when present) is the ControlNet and
 the step graph in one graph: one session run, one captured CUDA graph per step
-(:mod:`onnxopt.pipeline.merged_step`). ``Pipeline.load``'s switches turn each pipeline rewrite off
+(:mod:`onnxopt.pipeline.merged_step`). With several (``controlnet/``, ``controlnet_1/``...: diffusers'
+MultiControlNetModel), each has its own image, scale and hint graph, and the step graph sums their
+residuals (:mod:`onnxopt.pipeline.multi_controlnet`; diffusers' own loop, ``fused_step=False``,
+sums them on the host as MultiControlNetModel does). ``Pipeline.load``'s switches turn each pipeline rewrite off
 for the ablation.
 """
 
@@ -59,6 +62,7 @@ from onnxopt.pipeline.two_streams import TwoStreamStepLoop
 from onnxopt.pipeline.sessions import (
     DeviceStepLoop,
     HostStepLoop,
+    as_list,
     controlnet_prepare_model,
     create_session,
     input_types,
@@ -145,7 +149,8 @@ class Pipeline:
           SDXL's added conditioning) and ``unet/step.onnx`` reading them; off: the step graph of
           the whole UNet, built in memory from ``unet/model.onnx`` (a UNet under 1.8 GB).
         * ``controlnet_hint``: ``controlnet/step.hint.onnx`` once per image and
-          ``controlnet/step.onnx`` reading the hint; off: ``controlnet/model.onnx`` at every step.
+          ``controlnet/step.onnx`` reading the hint (the same in each ``controlnet_<k>/``); off:
+          ``controlnet/model.onnx`` at every step.
         * ``merged_step``: ``merged_step.onnx``, ControlNet and UNet step graph in one graph (one
           run per step), used when it was built from the very graphs the other switches select.
         * ``two_streams`` (default: on for cuda/tensorrt, where it measured faster than
@@ -190,14 +195,15 @@ class Pipeline:
                                 device_id=device_id, cuda_graph=capturing)
 
         sessions = {name: once(name) for name in ("text_encoder", "text_encoder_2", "vae_decoder") if folder.has(name)}
-        controlnet_model = None
-        if folder.has("controlnet"):
-            component = folder.component("controlnet")
+        controlnet_models = []  # the graph each ControlNet's step runs, in order
+        for k, name in enumerate(folder.controlnets):
+            component = folder.component(name)
             hint = component.hint_model if fused_step and controlnet_hint else None
-            controlnet_model = component.model
+            controlnet_models.append(component.model)
             if hint is not None:  # the conditioning embedding once per image (onnxopt.pipeline.controlnet_hint)
-                sessions["hint"] = once("controlnet", hint)
-                controlnet_model = component.step_model
+                sessions[hint_key(k)] = once(name, hint)
+                controlnet_models[-1] = component.step_model
+        controlnet_model = controlnet_models[0] if controlnet_models else None
         step_source, merged = "unfused", None
         if fused_step:
             step_model, step_source = _step_graph(folder, context_kv, step_file)
@@ -209,11 +215,12 @@ class Pipeline:
             if two_streams and controlnet_model is not None and io_binding and step_source == "unet/step.onnx":
                 streams = _two_stream_graphs(folder)
             if controlnet_model is not None and merged_step and streams is None:
-                merged = _merged_step_graph(folder, controlnet_model, step_source)
+                merged = _merged_step_graph(folder, controlnet_models, step_source)
             if context is not None:  # cross-attention K/V once per prompt (step.context_kv.onnx)
                 sessions["context"] = once("unet", context)
             if merged is not None:  # ControlNet + UNet step graph: one run per step
-                step_model, step_source = merged, f"{MERGED_STEP_FILE} ({step_source} + {_relative(folder, controlnet_model)})"
+                parts = " + ".join([step_source, *(_relative(folder, m) for m in controlnet_models)])
+                step_model, step_source = merged, f"{MERGED_STEP_FILE} ({parts})"
             if streams is not None:  # down beside the ControlNet, then the rest
                 sessions["down"], _ = captured("unet", streams[1])
                 step_model, step_source = streams[0], f"{streams[0].name} + {streams[1].name} (two streams)"
@@ -223,15 +230,16 @@ class Pipeline:
                 beside = {"external_data_folder": folder.component("unet").folder} if isinstance(step_model, bytes) else {}
                 sessions["step"], graph = captured("unet", step_model, say=True, **beside)
         two = "down" in sessions
-        if controlnet_model is not None and merged is None:  # captured too when it runs on a stream of its own
-            sessions["controlnet"] = captured("controlnet", controlnet_model)[0] if two else make("controlnet", controlnet_model)
+        if merged is None:  # captured too when they run on a stream of their own
+            for name, model in zip(folder.controlnets, controlnet_models):
+                sessions[name] = captured(name, model)[0] if two else make(name, model)
         if "step" in sessions:
             from onnxopt.pipeline.step_reuse import reuse_step_model
 
             sessions["reuse"] = create_session(reuse_step_model(), provider, name="reuse step", device_id=device_id)
         else:
             sessions["unet"] = make("unet")
-        if io_binding and "controlnet" in sessions and "step" in sessions:
+        if io_binding and "controlnet" in sessions and "step" in sessions:  # one input graph serves every ControlNet
             cn = sessions["controlnet"]
             timestep = next(i for i in cn.get_inputs() if i.name == "timestep")
             sessions["controlnet_prepare"] = create_session(
@@ -241,28 +249,33 @@ class Pipeline:
         pipe = cls(folder, provider, sessions, step_source=step_source, cuda_graph=graph and "step" in sessions,
                    io_binding=io_binding, device_id=device_id, threads=threads, creation_s=time.perf_counter() - start)
         pipe.controlnet_model, pipe.merged_step = controlnet_model, merged is not None and "step" in sessions
+        pipe.controlnet_models = controlnet_models
         pipe.launch_timing = launch_timing
         return pipe
 
-    def _controlnet_session(self):
-        """The ControlNet's own session: at load, unless the merged step graph holds the ControlNet;
+    def _controlnet_session(self, k: int = 0):
+        """ControlNet k's own session: at load, unless the merged step graph holds the ControlNets;
         then made on first use (the unfused loop, for a scheduler the step graph cannot run)."""
-        if "controlnet" not in self.sessions:
-            self.sessions["controlnet"] = create_session(self.controlnet_model, self.provider,
-                                                         name=str(self.folder.root / "controlnet"),
-                                                         device_id=self.device_id, threads=self.threads)
-        return self.sessions["controlnet"]
+        name = self.folder.controlnets[k]
+        if name not in self.sessions:
+            self.sessions[name] = create_session(self.controlnet_models[k], self.provider, name=str(self.folder.root / name),
+                                                 device_id=self.device_id, threads=self.threads)
+        return self.sessions[name]
+
+    def _controlnet_sessions(self) -> list:
+        return [self._controlnet_session(k) for k in range(len(self.folder.controlnets))]
 
     def session_runs_per_step(self) -> int:
         """How many sessions one computed denoising step runs (1 with the merged step graph; the
         fused step, the ControlNet and its input graph otherwise; the unfused loop: UNet [+ ControlNet])."""
+        n = len(self.controlnet_models)
         if "step" not in self.sessions:
-            return 1 + ("controlnet" in self.sessions or self.controlnet_model is not None)
-        if self.merged_step or self.controlnet_model is None:
+            return 1 + n
+        if self.merged_step or not n:
             return 1
-        if "down" in self.sessions:  # input graph + ControlNet beside down, then rest
-            return 4
-        return 3 if self.io_binding else 2
+        if "down" in self.sessions:  # input graph + ControlNets beside down, then rest
+            return 3 + n
+        return 2 + n if self.io_binding else 1 + n
 
     # --- the text side, once per prompt ---------------------------------------------------------
 
@@ -298,7 +311,10 @@ class Pipeline:
 
     def __call__(self, prompt: str, negative_prompt: str | None = None, steps: int = 50, guidance: float = 7.5,
                  scheduler: str = "ddim", seed: int = 0, height: int | None = None, width: int | None = None,
-                 controlnet_image=None, controlnet_scale: float = 1.0, progress: bool = True, reuse=None) -> Result:
+                 controlnet_image=None, controlnet_scale=1.0, progress: bool = True, reuse=None) -> Result:
+        """One image. ``controlnet_image``: the conditioning image (a path, PIL image or array), or a
+        list of one per ControlNet (folders with ``controlnet_1/``...); ``controlnet_scale``: one
+        scale for every ControlNet, or a list of one per ControlNet (diffusers' semantics)."""
         from diffusers.utils.torch_utils import randn_tensor
 
         from onnxopt.pipeline.schedulers import SchedulerError, make_scheduler
@@ -306,14 +322,15 @@ class Pipeline:
         torch = _torch()
         folder = self.folder
         check_request(folder, steps=steps, scheduler=scheduler, height=height, width=width,
-                      controlnet_image=controlnet_image)
+                      controlnet_image=controlnet_image, controlnet_scale=controlnet_scale)
         check_numbers(guidance=guidance, seed=seed)
         reused = reuse_steps(reuse, steps)
         factor = folder.vae_scale_factor
-        control = None
-        if controlnet_image is not None:
-            control = images.preprocess_control_image(controlnet_image, height, width, factor)
-            height, width = control.shape[-2:]  # as diffusers: the preprocessed image sets the size
+        controls = []
+        for image in as_list(controlnet_image):
+            controls.append(images.preprocess_control_image(image, height, width, factor))
+            # as diffusers: the (first) preprocessed image sets the size; later ones are resized to it
+            height, width = controls[0].shape[-2:]
         default_h, default_w = folder.default_size
         height, width = height or default_h, width or default_w
         _check_size(height, width, factor)
@@ -335,17 +352,28 @@ class Pipeline:
         generator = torch.Generator("cpu").manual_seed(seed)
         noise = randn_tensor((1, channels, height // factor, width // factor), generator=generator,
                              device=torch.device("cpu"), dtype=torch.float32)
-        controlnet = None
-        if control is not None:
-            controlnet = {"encoder_hidden_states": cond["encoder_hidden_states"],
-                          "controlnet_cond": np.concatenate([control, control]),
-                          "conditioning_scale": np.asarray([controlnet_scale], np.float32)}
-            if "hint" in self.sessions:  # the step graph reads the hint, not the image
-                t0 = time.perf_counter()
-                controlnet.update(run_host(self.sessions["hint"], controlnet))
+        controlnet = None  # per ControlNet: its per-image inputs by its own input names
+        if controls:
+            from onnxopt.pipeline.multi_controlnet import interface_name
+
+            scales = as_list(controlnet_scale) * (len(controls) if len(as_list(controlnet_scale)) == 1 else 1)
+            controlnet = []
+            t0 = time.perf_counter()
+            for k, (control, scale) in enumerate(zip(controls, scales)):
+                feeds = {"encoder_hidden_states": cond["encoder_hidden_states"],
+                         "controlnet_cond": np.concatenate([control, control]),
+                         "conditioning_scale": np.asarray([scale], np.float32)}
+                if hint_key(k) in self.sessions:  # the step graph reads the hint, not the image
+                    feeds.update(run_host(self.sessions[hint_key(k)], feeds))
+                if self.merged_step:
+                    reads = input_types(self.sessions["step"])
+                    feeds = {n: v for n, v in feeds.items() if interface_name(n, k) in reads}
+                else:
+                    reads = input_types(self._controlnet_session(k))
+                    feeds = {n: v for n, v in feeds.items() if n in reads}
+                controlnet.append(feeds)
+            if any(hint_key(k) in self.sessions for k in range(len(controls))):
                 timings["controlnet_hint_s"] = time.perf_counter() - t0
-            reads = input_types(self.sessions["step"] if self.merged_step else self._controlnet_session())
-            controlnet = {k: v for k, v in controlnet.items() if k in reads}
 
         bar = _progress(steps, progress)
         plan = None
@@ -357,8 +385,12 @@ class Pipeline:
         if plan is not None:
             latents = (noise * plan.init_noise_sigma).numpy()
             static, step_controlnet = cond, controlnet
-            if self.merged_step and controlnet is not None:  # the ControlNet's inputs are the step graph's
-                static, step_controlnet = {**cond, **controlnet}, None
+            if self.merged_step and controlnet is not None:  # the ControlNets' inputs are the step graph's
+                from onnxopt.pipeline.multi_controlnet import interface_feeds
+
+                static, step_controlnet = dict(cond), None
+                for k, feeds in enumerate(controlnet):
+                    static.update(interface_feeds(feeds, k))
             loop = self._step_loop(latents, static, step_controlnet, len(plan))
             loop.start(plan, latents, static, guidance, step_controlnet)
             t1 = time.perf_counter()
@@ -424,7 +456,7 @@ class Pipeline:
 
     def _step_loop(self, latents, cond, controlnet, steps: int):
         step = self.sessions["step"]
-        controlnet_session = None if self.merged_step else self.sessions.get("controlnet")
+        controlnet_session = None if self.merged_step or not self.controlnet_models else self._controlnet_sessions()
         down = self.sessions.get("down")
         if not self.io_binding:
             return HostStepLoop(step, controlnet_session, self.sessions["reuse"])
@@ -469,10 +501,12 @@ class Pipeline:
                 continue
             model_in = sched.scale_model_input(torch.cat([latents] * 2), t).numpy()
             feeds = dict(cond, sample=model_in, timestep=timestep_feed(unet, t.item(), model_in.shape[0]))
-            if controlnet is not None:
-                cn = self._controlnet_session()
-                feeds.update(run_host(cn, dict(controlnet, sample=model_in,
-                                               timestep=timestep_feed(cn, t.item(), model_in.shape[0]))))
+            residuals = {}  # diffusers' MultiControlNetModel: the residuals summed in ControlNet order
+            for k, inputs in enumerate(controlnet or ()):
+                cn = self._controlnet_session(k)
+                out = run_host(cn, dict(inputs, sample=model_in, timestep=timestep_feed(cn, t.item(), model_in.shape[0])))
+                residuals = {n: residuals[n] + v for n, v in out.items()} if residuals else out
+            feeds.update(residuals)
             eps2 = run_host(unet, feeds)["out_sample"].astype(np.float32)
             eps_u, eps_c = eps2[: len(eps2) // 2], eps2[len(eps2) // 2:]
             eps = eps_u + np.float32(guidance) * (eps_c - eps_u)
@@ -483,7 +517,7 @@ class Pipeline:
 
 
 def check_request(folder: PipelineFolder, *, steps: int = 50, scheduler: str = "ddim", height=None, width=None,
-                  controlnet_image=None) -> None:
+                  controlnet_image=None, controlnet_scale=1.0) -> None:
     """Refuse a bad request before any session exists (one-line :class:`GenerationError`)."""
     from onnxopt.pipeline.schedulers import SCHEDULERS
 
@@ -491,14 +525,24 @@ def check_request(folder: PipelineFolder, *, steps: int = 50, scheduler: str = "
         raise GenerationError(f"unknown scheduler '{scheduler}' (choose from {', '.join(SCHEDULERS)})")
     if not isinstance(steps, int) or steps < 1:
         raise GenerationError(f"steps must be at least 1, got {steps}")
-    if folder.kind == "controlnet" and controlnet_image is None:
+    control_images, names = as_list(controlnet_image), folder.controlnets
+    if folder.kind == "controlnet" and not control_images:
         raise GenerationError(f"{folder.root} is a ControlNet pipeline: give a conditioning image (--controlnet-image)")
-    if folder.kind != "controlnet" and controlnet_image is not None:
+    if folder.kind != "controlnet" and control_images:
         raise GenerationError(f"{folder.root} has no controlnet/: a conditioning image cannot be used")
-    if controlnet_image is not None and folder.config("controlnet").get("global_pool_conditions"):
+    if control_images and len(control_images) != len(names):
+        raise GenerationError(f"{folder.root} has {len(names)} ControlNet{'s' if len(names) > 1 else ''} "
+                              f"({', '.join(names)}): give one conditioning image each (--controlnet-image "
+                              f"{len(names)} times), got {len(control_images)}")
+    scales = as_list(controlnet_scale)
+    if control_images and len(scales) not in (1, len(names)):
+        raise GenerationError(f"{folder.root} has {len(names)} ControlNets: give one conditioning scale for all or one "
+                              f"each (--controlnet-scale), got {len(scales)}")
+    if control_images and any(folder.config(name).get("global_pool_conditions") for name in names):
         raise GenerationError("ControlNets with global_pool_conditions (guess mode) are not supported")
-    if isinstance(controlnet_image, (str, Path)) and not Path(controlnet_image).is_file():
-        raise GenerationError(f"{controlnet_image}: no such image")
+    for image in control_images:
+        if isinstance(image, (str, Path)) and not Path(image).is_file():
+            raise GenerationError(f"{image}: no such image")
     _check_size(height, width, folder.vae_scale_factor, allow_none=True)
 
 
@@ -524,6 +568,11 @@ def reuse_steps(reuse, steps: int) -> frozenset:
         raise GenerationError(str(exc)) from None
 
 
+def hint_key(k: int) -> str:
+    """The session key of ControlNet k's once-per-image hint graph: hint, hint_1, hint_2..."""
+    return "hint" if k == 0 else f"hint_{k}"
+
+
 def _tokenizers_of(kind: str) -> tuple[str, ...]:
     return ("tokenizer", "tokenizer_2") if kind == "sdxl" else ("tokenizer",)
 
@@ -541,14 +590,23 @@ def _step_graph(folder: PipelineFolder, context_kv: bool = True, step_file: str 
     """(model path or serialized bytes, where it came from), or (None, why not) -> unfused loop.
     ``context_kv=False`` passes over a step.onnx that reads the K/V of step.context_kv.onnx;
     ``step_file`` names another step graph in unet/."""
+    from onnxopt.pipeline.multi_controlnet import controlnet_count, sum_controlnet_residuals
+
     unet = folder.component("unet")
+    controlnets = max(1, len(folder.controlnets))
     if step_file is not None:
         path = unet.folder / step_file
         if Path(step_file).name != step_file or path.suffix != ".onnx" or not path.is_file():
             raise GenerationError(f"{path}: no step graph of that name in {unet.folder}")
+        if controlnet_count(path) != controlnets:  # the residuals of the others would be dropped
+            raise GenerationError(f"{path} reads the residuals of {controlnet_count(path)} ControlNet(s), the folder "
+                                  f"has {controlnets}: write it with write_step_graph(..., controlnets={controlnets})")
         return path, f"unet/{step_file}"
     if unet.step_model is not None and (context_kv or unet.context_model is None):
-        return unet.step_model, "unet/step.onnx"
+        if controlnet_count(unet.step_model) == controlnets:
+            return unet.step_model, "unet/step.onnx"
+        print(f"onnxopt: {unet.step_model} reads the residuals of {controlnet_count(unet.step_model)} ControlNet(s), the "
+              f"folder has {controlnets}: building the step graph from unet/model.onnx", file=sys.stderr)
     try:
         from onnxopt.pipeline.step_graph import build_step_graph
     except ImportError:
@@ -566,19 +624,21 @@ def _step_graph(folder: PipelineFolder, context_kv: bool = True, step_file: str 
     # UNet's folder: create_session's external_data_folder), so a UNet of any size fits in memory
     # once; inline weights are written inline, as they were in model.onnx.
     serialized = io.BytesIO()
-    _write(build_step_graph(load_model(unet.model)), serialized, None, "", unet.folder.resolve())
+    step = sum_controlnet_residuals(build_step_graph(load_model(unet.model)), controlnets)
+    _write(step, serialized, None, "", unet.folder.resolve())
     return serialized.getvalue(), "built in memory from unet/model.onnx"
 
 
-def _merged_step_graph(folder: PipelineFolder, controlnet_model: Path, step_source: str) -> Path | None:
+def _merged_step_graph(folder: PipelineFolder, controlnet_models: list[Path], step_source: str) -> Path | None:
     """merged_step.onnx when the folder has it and it was built from the UNet step graph and the
-    ControlNet graph this load selected (``step_source``, ``controlnet_model``); else None."""
+    ControlNet graphs this load selected (``step_source``, ``controlnet_models``); else None."""
     from onnxopt.pipeline.merged_step import merged_parts
 
     merged = folder.merged_step_model
     if merged is None or step_source != "unet/step.onnx":
         return None
-    return merged if set(merged_parts(merged)) == {step_source, _relative(folder, controlnet_model)} else None
+    expected = {step_source, *(_relative(folder, m) for m in controlnet_models)}
+    return merged if set(merged_parts(merged)) == expected else None
 
 
 def _two_stream_graphs(folder: PipelineFolder) -> tuple[Path, Path] | None:

@@ -28,7 +28,10 @@ Providers:
 
 :class:`HostStepLoop` and :class:`DeviceStepLoop` run the fused step graph (see
 :mod:`onnxopt.pipeline.step_graph`) and have the same interface: ``start`` with the plan and the
-per-image inputs, ``step`` once per timestep, ``latents`` at the end.
+per-image inputs, ``step`` once per timestep, ``latents`` at the end. Both take one ControlNet
+session, or a list of them (more than one ControlNet, :mod:`onnxopt.pipeline.multi_controlnet`),
+with one dict of per-image inputs each; ControlNet k's residuals go to the step graph's inputs
+``interface_name(residual, k)``, which the step graph sums.
 """
 
 from __future__ import annotations
@@ -124,6 +127,13 @@ def timestep_feed(session, value, batch: int) -> np.ndarray:
     return np.full([1 if spec.shape[0] == 1 else batch], value, dtype=dtype)
 
 
+def as_list(value) -> list:
+    """None -> [], a list or tuple -> a list, anything else -> [it] (one ControlNet's session or inputs)."""
+    if value is None:
+        return []
+    return list(value) if isinstance(value, (list, tuple)) else [value]
+
+
 def controlnet_sample(latents: np.ndarray, c_in: float, batch_copies: int = 2) -> np.ndarray:
     """The ControlNet's ``sample``: concat([latents * c_in] * 2), what the step graph feeds its UNet."""
     scaled = (latents * np.float32(c_in)).astype(latents.dtype, copy=False)
@@ -153,7 +163,7 @@ class HostStepLoop:
 
     def __init__(self, step_session, controlnet_session=None, reuse_session=None):
         self.step_session = step_session
-        self.controlnet_session = controlnet_session
+        self.controlnet_sessions = as_list(controlnet_session)
         self.reuse_session = reuse_session  # the update alone (onnxopt.pipeline.step_reuse)
         self.types = input_types(step_session)
 
@@ -165,7 +175,7 @@ class HostStepLoop:
                       "state": np.zeros(latents.shape, self.types["state"]), "step_index": np.zeros([1], np.int64),
                       "schedule_timesteps": timesteps, "schedule_coefficients": coefficients,
                       "guidance_scale": np.asarray([guidance], np.float32)}
-        self.controlnet_static = controlnet or {}
+        self.controlnet_static = as_list(controlnet) or [{}] * len(self.controlnet_sessions)
 
     def step(self, reuse: bool = False) -> None:
         """One step; ``reuse``: the update alone, on the last computed step's guided output."""
@@ -174,11 +184,14 @@ class HostStepLoop:
             out = run_host(self.reuse_session, {**feeds, "guided_output": self.guided})
             self.feeds.update(latents=out["latents_out"], state=out["state_out"], step_index=out["step_index_out"])
             return
-        if self.controlnet_session is not None:
-            k = int(feeds["step_index"][0])
-            sample = controlnet_sample(feeds["latents"], self.plan.coefficients[k][0])
-            t = timestep_feed(self.controlnet_session, self.plan.timesteps[k], sample.shape[0])
-            feeds.update(run_host(self.controlnet_session, {**self.controlnet_static, "sample": sample, "timestep": t}))
+        if self.controlnet_sessions:
+            from onnxopt.pipeline.multi_controlnet import interface_feeds
+
+            step = int(feeds["step_index"][0])
+            sample = controlnet_sample(feeds["latents"], self.plan.coefficients[step][0])
+            for k, (session, static) in enumerate(zip(self.controlnet_sessions, self.controlnet_static)):
+                t = timestep_feed(session, self.plan.timesteps[step], sample.shape[0])
+                feeds.update(interface_feeds(run_host(session, {**static, "sample": sample, "timestep": t}), k))
         out = run_host(self.step_session, feeds)
         self.feeds.update(latents=out["latents_out"], state=out["state_out"], step_index=out["step_index_out"])
         self.guided = out["guided_output"]
@@ -209,7 +222,7 @@ class DeviceStepLoop:
         self.launch_timing = launch_timing
         self.launches: list[float] = []
         self.device = device  # "cpu" runs the same bindings on the CPU EP (how CI tests this loop)
-        self.controlnet_session, self.prepare_session = controlnet_session, prepare_session
+        self.controlnet_sessions, self.prepare_session = as_list(controlnet_session), prepare_session
         self.reuse_session = reuse_session
         self.graph_ids = graph_ids
         self.types = input_types(step_session)
@@ -231,13 +244,12 @@ class DeviceStepLoop:
         return self._device(np.zeros(shape, dtype))
 
     @staticmethod
-    def key(latents: np.ndarray, static: dict, controlnet: dict | None, capacity: int) -> tuple:
+    def key(latents: np.ndarray, static: dict, controlnet, capacity: int) -> tuple:
         """What the bound buffers depend on: a new key needs its own buffers and captured graphs."""
         shapes = lambda values: tuple(sorted((n, np.shape(v)) for n, v in (values or {}).items()))  # noqa: E731
-        return np.shape(latents), shapes(static), shapes(controlnet), capacity
+        return np.shape(latents), shapes(static), tuple(shapes(c) for c in as_list(controlnet)), capacity
 
-    def bind(self, latents: np.ndarray, static: dict[str, np.ndarray], capacity: int,
-             controlnet: dict[str, np.ndarray] | None = None) -> None:
+    def bind(self, latents: np.ndarray, static: dict[str, np.ndarray], capacity: int, controlnet=None) -> None:
         types = self.types
         shape = latents.shape
         self.buffers = [self._zeros(shape, types["latents"]), self._zeros(shape, types["latents"])]
@@ -248,7 +260,7 @@ class DeviceStepLoop:
         self.guidance = self._zeros([1], np.float32)
         self.static = {name: self._zeros(np.shape(value), types[name]) for name, value in static.items() if name in types}
         self.guided = self._zeros(shape, np.float32)  # the last computed step's guided output (step reuse)
-        self.residuals = self._bind_controlnet(latents, static, controlnet, capacity) if self.controlnet_session else {}
+        self.residuals = self._bind_controlnets(latents, as_list(controlnet), capacity) if self.controlnet_sessions else {}
         self.options = [self._run_options(parity) for parity in (0, 1)]
         self.step_options = [self._step_options(parity) for parity in (0, 1)]
         self._bind_steps()
@@ -292,30 +304,40 @@ class DeviceStepLoop:
                 binding.bind_ortvalue_output(name, value)
             self.reuse_bindings.append(binding)
 
-    def start(self, plan, latents: np.ndarray, static: dict[str, np.ndarray], guidance: float,
-              controlnet: dict[str, np.ndarray] | None = None) -> None:
-        """Write one image's values into the bound buffers (same shapes as ``bind`` got)."""
+    def start(self, plan, latents: np.ndarray, static: dict[str, np.ndarray], guidance: float, controlnet=None) -> None:
+        """Write one image's values into the bound buffers (same shapes as ``bind`` got); ``controlnet``:
+        the per-image inputs of the ControlNet (a dict), or of each ControlNet (a list of dicts)."""
         timesteps, coefficients = schedule_tables(plan, self.types["schedule_timesteps"], self.timesteps.shape()[0])
         writes = [(self.buffers[0], latents, self.types["latents"]), (self.states[0], np.zeros(latents.shape), self.types["state"]),
                   (self.indices[0], np.zeros([1]), np.int64), (self.timesteps, timesteps, None),
                   (self.coefficients, coefficients, None), (self.guidance, np.asarray([guidance]), np.float32)]
         writes += [(self.static[name], value, self.types[name]) for name, value in static.items() if name in self.static]
-        if self.controlnet_session is not None:
+        if self.controlnet_sessions:
             cn_timesteps, _ = schedule_tables(plan, self.cn_timestep_dtype, self.timesteps.shape()[0])
             writes.append((self.cn_timesteps, cn_timesteps, None))
-            writes += [(self.cn_static[name], value, self.cn_types[name]) for name, value in controlnet.items()]
+            for buffers, types, values in zip(self.cn_static, self.cn_types, as_list(controlnet)):
+                writes += [(buffers[name], value, types[name]) for name, value in values.items()]
         for target, value, dtype in writes:
             target.update_inplace(np.ascontiguousarray(np.asarray(value).astype(dtype or value.dtype, copy=False)))
         self.index = 0
         self.launches = []
 
-    def _bind_controlnet(self, latents, static, controlnet, capacity) -> dict:
-        """Bind the input graph and the ControlNet on fixed buffers; returns the residual buffers."""
-        cn_types = self.cn_types = input_types(self.controlnet_session)
+    def _bind_controlnets(self, latents, controlnets: list[dict], capacity) -> dict:
+        """Bind the input graph and each ControlNet on fixed buffers; returns the residual buffers by
+        the step graph's input names. The input graph runs once per step for all the ControlNets:
+        they read the same ``sample`` and ``timestep`` buffers (one dtype, one timestep shape)."""
+        from onnxopt.pipeline.multi_controlnet import interface_name, same_dtype
+
+        sessions = self.controlnet_sessions
+        self.cn_types = [input_types(session) for session in sessions]
+        sample_dtype = same_dtype([types["sample"] for types in self.cn_types], "sample")
+        timestep_dtype = same_dtype([types["timestep"] for types in self.cn_types], "timestep")
         self.cn_timestep_dtype = input_types(self.prepare_session)["schedule_timesteps"]
-        sample = self._zeros([2 * latents.shape[0], *latents.shape[1:]], cn_types["sample"])
-        timestep_shape = timestep_feed(self.controlnet_session, 0, sample.shape()[0]).shape
-        timestep = self._zeros(timestep_shape, cn_types["timestep"])
+        sample = self._zeros([2 * latents.shape[0], *latents.shape[1:]], sample_dtype)
+        timestep_shapes = {timestep_feed(session, 0, sample.shape()[0]).shape for session in sessions}
+        if len(timestep_shapes) > 1:
+            raise OnnxoptError("the ControlNets take timesteps of different shapes: export them alike")
+        timestep = self._zeros(timestep_shapes.pop(), timestep_dtype)
         self.cn_timesteps = self._zeros([capacity], self.cn_timestep_dtype)
         self.prepare_bindings = []
         for parity in (0, 1):
@@ -327,26 +349,30 @@ class DeviceStepLoop:
             binding.bind_ortvalue_output("sample", sample)
             binding.bind_ortvalue_output("timestep", timestep)
             self.prepare_bindings.append(binding)
-        binding = self.controlnet_session.io_binding()
-        self.cn_static = {name: self._zeros(np.shape(value), cn_types[name]) for name, value in controlnet.items()}
-        for name, value in self.cn_static.items():
-            binding.bind_ortvalue_input(name, value)
-        binding.bind_ortvalue_input("sample", sample)
-        binding.bind_ortvalue_input("timestep", timestep)
-        # The residual shapes: from the session's outputs, or one run on zeros when they are symbolic.
-        residuals = {}
-        for output in self.controlnet_session.get_outputs():
-            binding.bind_output(output.name, self.device, self.device_id)
-        # Under graph id -1: on a graph id, ORT's first run also captures, into these temporary outputs.
+        # Under graph id -1: on a graph id, ORT's first run also captures, into temporary outputs.
         self.prepare_session.run_with_iobinding(self.prepare_bindings[0], self._probe_options())
-        self.controlnet_session.run_with_iobinding(binding, self._probe_options())
-        for output, value in zip(self.controlnet_session.get_outputs(), binding.get_outputs()):
-            dtype = np.float16 if "float16" in value.data_type() else np.float32
-            residuals[output.name] = self._empty(value.shape(), dtype)
-        binding.clear_binding_outputs()
-        for name, value in residuals.items():
-            binding.bind_ortvalue_output(name, value)
-        self.controlnet_binding = binding
+        residuals, self.cn_static, self.controlnet_bindings = {}, [], []
+        for k, (session, types, values) in enumerate(zip(sessions, self.cn_types, controlnets)):
+            binding = session.io_binding()
+            static = {name: self._zeros(np.shape(value), types[name]) for name, value in values.items()}
+            for name, value in static.items():
+                binding.bind_ortvalue_input(name, value)
+            binding.bind_ortvalue_input("sample", sample)
+            binding.bind_ortvalue_input("timestep", timestep)
+            # The residual shapes: from one run on zeros (they may be symbolic), not captured.
+            for output in session.get_outputs():
+                binding.bind_output(output.name, self.device, self.device_id)
+            session.run_with_iobinding(binding, self._probe_options())
+            outputs = {}
+            for output, value in zip(session.get_outputs(), binding.get_outputs()):
+                dtype = np.float16 if "float16" in value.data_type() else np.float32
+                outputs[output.name] = self._empty(value.shape(), dtype)
+            binding.clear_binding_outputs()
+            for name, value in outputs.items():
+                binding.bind_ortvalue_output(name, value)
+                residuals[interface_name(name, k)] = value
+            self.cn_static.append(static)
+            self.controlnet_bindings.append(binding)
         return residuals
 
     def _run_options(self, parity: int):
@@ -378,7 +404,7 @@ class DeviceStepLoop:
             self.index += 1
             return
         start = time.perf_counter()
-        if self.controlnet_session is not None:  # separate sessions (own streams): each run waits
+        if self.controlnet_sessions:  # separate sessions (own streams): each run waits
             self.controlnet_step(parity)
         self.step_session.run_with_iobinding(self.bindings[parity], self.step_options[parity])
         if self.launch_timing:
@@ -387,10 +413,11 @@ class DeviceStepLoop:
         self.index += 1
 
     def controlnet_step(self, parity: int) -> None:
-        """The ControlNet's input graph, then the ControlNet, into the residual buffers (each captured
+        """The ControlNets' input graph, then each ControlNet, into the residual buffers (each captured
         when its session was created with CUDA graphs: the graph ids are ignored otherwise)."""
         self.prepare_session.run_with_iobinding(self.prepare_bindings[parity], self.options[parity])
-        self.controlnet_session.run_with_iobinding(self.controlnet_binding, self.options[0])
+        for session, binding in zip(self.controlnet_sessions, self.controlnet_bindings):
+            session.run_with_iobinding(binding, self.options[0])
 
     def latents(self) -> np.ndarray:
         """The latents after the last step."""

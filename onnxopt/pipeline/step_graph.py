@@ -186,7 +186,7 @@ def build_step_graph(unet: Model, *, cfg_late: bool = False) -> Model:
 
 
 def write_step_graph(unet_dir: str | os.PathLike, *, file_name: str = "step.onnx", context_kv: bool = True,
-                     cfg_late: bool = False) -> Path:
+                     cfg_late: bool = False, controlnets: int = 1) -> Path:
     """Build the step graph of ``unet_dir/model.onnx`` and write it to ``unet_dir/file_name``
     (atomically). Weights stored in external data files of ``unet_dir`` are referenced where they
     are, not copied; an inline UNet gives an inline step graph (own data file past ~1.8 GB).
@@ -196,7 +196,8 @@ def write_step_graph(unet_dir: str | os.PathLike, *, file_name: str = "step.onnx
     graph is built around the rest and the cut part is written beside it as
     ``<stem>.context_kv.onnx`` (its inputs: the prompt's conditioning; its outputs: inputs of the
     step graph, by name), which the runner runs once per prompt. When the pass refuses the UNet,
-    the whole UNet goes into the step graph. Returns the path written."""
+    the whole UNet goes into the step graph. ``controlnets`` > 1: the graph reads one residual set
+    per ControlNet and sums them (:mod:`onnxopt.pipeline.multi_controlnet`). Returns the path written."""
     from onnxopt.loading import load_model
     from onnxopt.saving import save_model
 
@@ -208,6 +209,10 @@ def write_step_graph(unet_dir: str | os.PathLike, *, file_name: str = "step.onnx
         cut, _ = optimize(unet_dir / "model.onnx", ["context-kv"])
         unet = cut if "context_kv" in cut.companions else None
     step = build_step_graph(unet or load_model(unet_dir / "model.onnx"), cfg_late=cfg_late)
+    if controlnets > 1:
+        from onnxopt.pipeline.multi_controlnet import sum_controlnet_residuals
+
+        step = sum_controlnet_residuals(step, controlnets)
     return save_model(step, unet_dir / file_name, reference_external=True).path
 
 

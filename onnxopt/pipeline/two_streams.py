@@ -15,6 +15,15 @@ before those Adds, and without them, can run while the ControlNet runs::
     per step:   stream 1: ControlNet input graph ─ ControlNet ─┐
                 stream 2: down ────────────────────────────────┴─ rest
 
+More than one ControlNet (:mod:`onnxopt.pipeline.multi_controlnet`): the step graph reads one
+residual set per ControlNet and sums them; the sums read residuals, so they fall in ``rest``, and
+``down`` is the same graph as with one ControlNet. The ControlNets run one after another on the
+worker thread (one input graph computes ``sample`` and ``timestep`` for all of them), beside
+``down``::
+
+    per step:   thread 2: input graph ─ ControlNet 0 ─ ControlNet 1 ─ ... ─┐
+                thread 1: down ────────────────────────────────────────────┴─ rest (sums, mid, up, update)
+
 The cut: a node belongs to ``down`` when nothing it reads depends on a residual input and some
 node of ``rest`` needs what it computes; everything else (the nodes that read a residual, what
 follows them, and side branches that only feed graph outputs, such as the step counter) stays in
@@ -122,13 +131,14 @@ def write_two_stream_graphs(unet_dir: str | os.PathLike, residual_inputs, *, ste
 class TwoStreamStepLoop(DeviceStepLoop):
     """The device loop with the step in two graphs and the ControlNet beside the first::
 
-        thread 2 (the ControlNet's session, its own CUDA stream):  input graph ─ ControlNet ─┐
-        thread 1 (down's session, its own CUDA stream):           down ───────────────────┴─ rest
+        thread 2 (the ControlNets' sessions, each on its own stream): input graph ─ ControlNet(s) ─┐
+        thread 1 (down's session, its own CUDA stream):                down ─────────────────────────┴─ rest
 
     Each ORT session runs on a stream of its own and ``run_with_iobinding`` releases the GIL, so the
     two threads' GPU work can overlap; ``rest`` starts when both have returned (each run waits for
     its stream). The cut tensors (down's outputs, rest's inputs) are fixed buffers like every other,
-    so each of the four graphs can be captured; the two steps that capture run one graph at a time.
+    so each graph (three and one per ControlNet) can be captured; the two steps that capture run one
+    graph at a time.
     Everything else is :class:`DeviceStepLoop`'s.
     """
 
