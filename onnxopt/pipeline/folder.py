@@ -16,6 +16,8 @@ The layout (what optimum-cli and ``models/pipelines.py`` write)::
     text_encoder/  text_encoder_2/ (SDXL)  unet/  vae_decoder/  [vae_encoder/]  [controlnet/]
                             each a model.onnx, external data in model.onnx_data | model.onnx.data |
                             weights.pb, and optionally config.json
+    [text_encoder*/model.static.b{b}.onnx]  written by onnxopt: the text encoder at input_ids
+                            [b, 77], capturable (onnxopt.pipeline.static_text)
     [merged_step.onnx]      written by onnxopt: the ControlNet and the UNet step graph merged
 
 Every problem with the folder (missing, not a pipeline, a required component absent) raises
@@ -82,6 +84,17 @@ class Component:
         embedding), written with controlnet/step.onnx by onnxopt.pipeline.controlnet_hint."""
         path = self.folder / HINT_FILE
         return path if path.is_file() and self.step_model is not None else None
+
+    @property
+    def static_models(self) -> dict[int, Path]:
+        """batch -> ``model.static.b{batch}.onnx``: the text encoder at input_ids [batch, 77], every
+        node on the CUDA EP (:mod:`onnxopt.pipeline.static_text`); empty when the folder has none."""
+        found = {}
+        for path in self.folder.glob("model.static.b*.onnx"):
+            batch = path.name[len("model.static.b"):-len(".onnx")]
+            if batch.isdigit():
+                found[int(batch)] = path
+        return dict(sorted(found.items()))
 
     def nbytes(self) -> int:
         """Size on disk of the graph and its external data."""

@@ -116,6 +116,11 @@ class Pipeline:
         self._plans: dict = {}  # (scheduler, steps) -> StepPlan
         self._device_loops: dict = {}  # DeviceStepLoop.key -> a loop whose buffers (and captured graphs) stay put
         self.tokenizers = {name: folder.tokenizer(name) for name in _tokenizers_of(folder.kind)}
+        self.static_text = False  # use text_encoder*/model.static.b{b}.onnx (set by load)
+        self.text_sources: dict[str, str] = {}  # encoder -> the graph its last prompt ran on, and why
+        self._open_once = lambda name, model=None: create_session(  # noqa: E731 (load gives BoundSessions)
+            model or folder.component(name).model, provider, name=str(folder.root / name), device_id=device_id,
+            threads=threads)
 
     @property
     def fused_step(self) -> bool:
@@ -125,7 +130,7 @@ class Pipeline:
     def load(cls, folder, provider: str = "cpu", *, fused_step: bool = True, cuda_graph: bool = True, device_id: int = 0,
              threads: int | None = None, io_binding: bool | None = None, context_kv: bool = True,
              controlnet_hint: bool = True, merged_step: bool = True, launch_timing: bool = False,
-             step_file: str | None = None, two_streams: bool | None = None) -> "Pipeline":
+             step_file: str | None = None, two_streams: bool | None = None, static_text: bool = True) -> "Pipeline":
         """Open ``folder`` and create its sessions on ``provider`` (cpu | cuda | tensorrt).
 
         ``cuda_graph`` (cuda/tensorrt): capture the step graph as CUDA graphs. ``fused_step=False``
@@ -151,6 +156,12 @@ class Pipeline:
           ``merged_step``: benchmarks/results/h100-2026-11-25-session7/; bound-buffer loop only):
           ``unet/step.streams.down.onnx`` beside the ControlNet on a second thread and stream, then
           ``unet/step.streams.onnx`` (:mod:`onnxopt.pipeline.two_streams`); ``merged_step`` when off.
+
+        * ``static_text``: ``text_encoder*/model.static.b{b}.onnx`` for a prompt batch b (input_ids
+          [b, 77], every node on the CUDA EP, so captured: :mod:`onnxopt.pipeline.static_text`);
+          off, or for a batch without one: ``model.onnx`` (``timings["text_encoders"]`` says which
+          ran, and why). Text encoder sessions are created on first use, one per graph used (an
+          SDXL folder holds graphs for batch 1 and 2; a run uses one: weights are not loaded twice).
 
         ``launch_timing`` (bound-buffer loop): each step's run returns once the step is queued and
         the loop then waits for the device; ``timings["step_launch_mean_s"]`` is the host's part of
@@ -188,7 +199,7 @@ class Pipeline:
             return BoundSession(require_provider(provider), session, device="cpu" if provider == "cpu" else "cuda",
                                 device_id=device_id, cuda_graph=capturing)
 
-        sessions = {name: once(name) for name in ("text_encoder", "text_encoder_2", "vae_decoder") if folder.has(name)}
+        sessions = {name: once(name) for name in ("vae_decoder",) if folder.has(name)}
         controlnet_model = None
         if folder.has("controlnet"):
             component = folder.component("controlnet")
@@ -241,6 +252,7 @@ class Pipeline:
                    io_binding=io_binding, device_id=device_id, threads=threads, creation_s=time.perf_counter() - start)
         pipe.controlnet_model, pipe.merged_step = controlnet_model, merged is not None and "step" in sessions
         pipe.launch_timing = launch_timing
+        pipe.static_text, pipe._open_once = static_text, once
         return pipe
 
     def _controlnet_session(self):
@@ -270,18 +282,36 @@ class Pipeline:
         return tokenizer(texts, padding="max_length", max_length=tokenizer.model_max_length, truncation=True,
                          return_tensors="np").input_ids
 
+    def text_session(self, encoder: str, batch: int):
+        """The session that encodes ``batch`` prompts with ``encoder``: its static graph for that
+        batch when the folder has one (captured on cuda/tensorrt), else model.onnx; made on
+        first use and kept. Records which in ``text_sources``."""
+        component = self.folder.component(encoder)
+        static = component.static_models if self.static_text else {}
+        key = f"{encoder}/b{batch}" if batch in static else encoder
+        if key not in self.sessions:
+            self.sessions[key] = self._open_once(encoder, static.get(batch))
+        if batch in static:
+            self.text_sources[encoder] = static[batch].name
+        else:
+            why = ("static graphs off (static_text=False)" if not self.static_text
+                   else f"no static graph for batch {batch}" + (f" (it has {', '.join(p.name for p in component.static_models.values())})"
+                                                                if component.static_models else ""))
+            self.text_sources[encoder] = f"model.onnx: {why}"
+        return self.sessions[key]
+
     def encode_prompt(self, prompt: str, negative_prompt: str | None) -> dict[str, np.ndarray]:
         """The step's conditioning inputs, negative first (batch 2): encoder_hidden_states
         [+ text_embeds, time_ids are added by the caller for SDXL]."""
         if self.folder.kind != "sdxl":
             ids = self._token_ids("tokenizer", [negative_prompt or "", prompt])
-            hidden = run_host(self.sessions["text_encoder"], {"input_ids": ids})["last_hidden_state"]
+            hidden = run_host(self.text_session("text_encoder", len(ids)), {"input_ids": ids})["last_hidden_state"]
             return {"encoder_hidden_states": hidden.astype(np.float32)}
         zeros = negative_prompt is None and self.folder.force_zeros_for_empty_prompt
         texts = [prompt] if zeros else [negative_prompt or "", prompt]
         parts, pooled = [], None
         for encoder, tokenizer in (("text_encoder", "tokenizer"), ("text_encoder_2", "tokenizer_2")):
-            session = self.sessions[encoder]
+            session = self.text_session(encoder, len(texts))
             out = run_host(session, {"input_ids": self._token_ids(tokenizer, texts)})
             parts.append(out[_penultimate_name(session)])
             if encoder == "text_encoder_2":
@@ -327,6 +357,7 @@ class Pipeline:
         if "context" in self.sessions:  # the step graph reads the cross-attention K/V, not the text
             cond.update(run_host(self.sessions["context"], cond))
         timings["text_encoder_s"] = time.perf_counter() - t0
+        timings["text_encoders"] = dict(self.text_sources)
 
         sched = make_scheduler(scheduler, folder.scheduler_config())
         channels = folder.config("unet").get("in_channels", 4)
