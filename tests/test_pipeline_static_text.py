@@ -190,6 +190,28 @@ def session_run_proto(proto, x):
     return ort.InferenceSession(proto.SerializeToString(), options, providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
 
 
+def test_static_graph_refers_to_the_weights_of_model_onnx(tmp_path):
+    """A weight of 1 MB or more stays in model.onnx's data file: the static graph points at it
+    (same file, offset, length) and no other data file appears."""
+    emb = onnx.numpy_helper.from_array(np.random.default_rng(0).random((5000, 64)).astype(np.float32), "embedding")
+    nodes = [helper.make_node("Gather", ["embedding", "input_ids"], ["hidden"]),
+             helper.make_node("ArgMax", ["input_ids"], ["eos"], axis=-1, keepdims=0)]
+    graph = helper.make_graph(nodes, "te", [helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["b", "s"])],
+                              [helper.make_tensor_value_info("hidden", TensorProto.FLOAT, None),
+                               helper.make_tensor_value_info("eos", TensorProto.INT64, None)], [emb])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(tmp_path / "model.onnx"),
+              save_as_external_data=True, location="model.onnx_data", size_threshold=0)
+    [(path, off)] = write_static_text_encoders(tmp_path, (2,))
+    assert off == [] and sorted(p.name for p in tmp_path.iterdir()) == ["model.onnx", "model.onnx_data", path.name]
+    stored = {t.name: t for t in onnx.load(str(path), load_external_data=False).graph.initializer}
+    assert {(k.key, k.value) for k in stored["embedding"].external_data} >= {("location", "model.onnx_data")}
+    assert path.stat().st_size < 4096
+    ids = np.random.default_rng(1).integers(0, 5000, (2, 77))
+    ids[:, 5:] = 4999
+    expected, got = run(tmp_path / "model.onnx", ids), run(path, ids)
+    assert all(np.array_equal(got[name], value) for name, value in expected.items())
+
+
 def test_make_static_refuses_what_is_not_a_text_encoder():
     from onnxopt.errors import UnsupportedModelError
 

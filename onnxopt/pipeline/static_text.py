@@ -26,8 +26,9 @@ capture when any node is on the CPU EP. :func:`make_static` rewrites the graph f
         scores 0/1 and is exact too.
 
 :func:`write_static_text_encoders` writes ``model.static.b{b}.onnx`` beside a component's
-optimized ``model.onnx``, its weights referring to model.onnx's data file (none written twice;
-an inline model.onnx gives an inline copy). It is written when the folder is optimized, not at
+optimized ``model.onnx``, its weights of 1 MB or more referring to model.onnx's data file (the
+matrices: not written twice); smaller ones (norms, biases, the folded constants) are written
+inline, as is everything of an inline model.onnx. It is written when the folder is optimized, not at
 load: the rewrite reads the whole graph and runs shape inference and folding (seconds for
 OpenCLIP-bigG), which would land in every cold start.
 
@@ -235,7 +236,7 @@ def rewrite_integer_argmax(graph: gs.Graph, sequence: int) -> int:
 def write_static_text_encoders(component_dir: str | os.PathLike, batches,
                                sequence: int = DEFAULT_SEQUENCE) -> list[tuple[Path, list[str]]]:
     """Write ``model.static.b{b}.onnx`` for each batch beside ``component_dir/model.onnx``
-    (atomically; weights referred to in model.onnx's data file); returns each path written with
+    (atomically; weights of 1 MB or more referred to in model.onnx's data file); returns each path written with
     the nodes that stay off the CUDA EP (:func:`nodes_off_cuda`: none for an ort-cuda graph; a
     tensorrt graph may keep standard ops this check has not verified, which TensorRT runs).
     Raises UnsupportedModelError when the graph cannot be made static."""
