@@ -197,6 +197,9 @@ def test_optimize_ort_cuda_folder_matches_source(folders, tmp_path, kind):
     assert_optimized_matches_source(src, dst)
     report = json.loads((tmp_path / "report.json").read_text())
     assert {c["component"] for c in report["components"]} == set(onnx_components(src))
+    for c in report["components"]:  # the static text graphs: no node left off the CUDA EP
+        if c["component"].startswith("text_encoder"):
+            assert any("every node on the CUDA EP" in note for note in c["notes"]), c["notes"]
     total = report["total"]
     assert total["components"] == len(onnx_components(src))
     assert total["nodes_after"] < total["nodes_before"]
