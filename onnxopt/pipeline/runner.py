@@ -179,27 +179,32 @@ class Pipeline:
         io_binding = provider != "cpu" if io_binding is None else io_binding
         two_streams = provider != "cpu" if two_streams is None else two_streams
 
-        def captured(name, model, say: bool = False, **kw):
-            """(session, whether it captures): CUDA graphs when asked and ORT can, else a plain session
-            (``say``: tell the user; the step's capture is what the speed depends on)."""
+        def captured(name, model, say: bool = False, capture: bool | None = None, **kw):
+            """(session, whether it captures): CUDA graphs when asked (``capture``, default ``graph``)
+            and ORT can, else a plain session (``say``: tell the user; the step's capture is what the
+            speed depends on)."""
+            capture = graph if capture is None else capture
             try:
-                return make(name, model, cuda_graph=graph, **kw), graph
+                return make(name, model, cuda_graph=capture, **kw), capture
             except OnnxoptError as exc:  # ORT refuses capture when a node is not on the GPU EP
-                if not graph:
+                if not capture:
                     raise
                 if say:
                     print(f"onnxopt: step graph without CUDA graph capture: {exc}", file=sys.stderr)
                 return make(name, model, **kw), False
 
-        def once(name, model=None):
+        def once(name, model=None, capture: bool | None = None):
             """A graph run once per prompt or image: on bound buffers, captured when ORT can."""
             if not io_binding:
                 return make(name, model)
-            session, capturing = captured(name, model)
+            session, capturing = captured(name, model, capture=capture)
             return BoundSession(require_provider(provider), session, device="cpu" if provider == "cpu" else "cuda",
                                 device_id=device_id, cuda_graph=capturing)
 
         sessions = {name: once(name) for name in ("vae_decoder",) if folder.has(name)}
+        # text encoders: made on first use (Pipeline.text_session), asking for capture as loaded here
+        # (the step graph's own outcome rebinds ``graph`` below)
+        open_text = lambda name, model=None, capture=graph: once(name, model, capture)  # noqa: E731
         controlnet_model = None
         if folder.has("controlnet"):
             component = folder.component("controlnet")
@@ -252,7 +257,7 @@ class Pipeline:
                    io_binding=io_binding, device_id=device_id, threads=threads, creation_s=time.perf_counter() - start)
         pipe.controlnet_model, pipe.merged_step = controlnet_model, merged is not None and "step" in sessions
         pipe.launch_timing = launch_timing
-        pipe.static_text, pipe._open_once = static_text, once
+        pipe.static_text, pipe._open_once = static_text, open_text
         return pipe
 
     def _controlnet_session(self):
