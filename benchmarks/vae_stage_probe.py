@@ -136,8 +136,8 @@ def main(argv=None) -> int:
         for _ in range(args.images):
             result = pipe(PROMPT, negative_prompt=NEGATIVE, steps=args.steps, guidance=7.5, scheduler="ddim",
                           seed=0, height=args.size, width=args.size, progress=False)
-            stages.append({key: round(result.timings[key] * 1e3, 3) for key in
-                           ("vae_decode_s", "vae_run_s", "vae_postprocess_s", "text_encoder_s") if key in result.timings})
+            keys = ("vae_decode_s", "vae_run_s", "vae_postprocess_s", "text_encoder_s")
+            stages.append({key: round(result.timings[key] * 1e3, 3) for key in keys if key in result.timings})
         latents = result.latents
         vae = pipe.sessions["vae_decoder"]
         row = {"load": k, "free_gpu_gb_before": None if free is None else round(free / 2 ** 30, 2),

@@ -13,8 +13,8 @@ Claims (issue 13, the text side of a prompt):
   on any axis and integer type.
 * ``Pipeline`` runs the static graphs (timings say so) and gives the image of the same folder
   without them (test_pipeline_generate's tolerances), for SD 1.5 (batch 2) and SDXL with (batch 2)
-  and without (batch 1) a negative prompt, on the host loop and on bound buffers; a batch without its static graph falls back to
-  model.onnx and says why.
+  and without (batch 1) a negative prompt, on the host loop and on bound buffers; a batch without
+  its static graph falls back to model.onnx and says why.
 
 CPU, tiny models: the module takes about 40 s (two torch pipelines, eight text-encoder exports).
 """
@@ -66,7 +66,8 @@ def session(path):
 def run(path, ids):
     s = session(path)
     names = [o.name for o in s.get_outputs()]
-    return dict(zip(names, s.run(names, {"input_ids": ids.astype(np.int32 if "32" in s.get_inputs()[0].type else np.int64)})))
+    dtype = np.int32 if "int32" in s.get_inputs()[0].type else np.int64
+    return dict(zip(names, s.run(names, {"input_ids": ids.astype(dtype)})))
 
 
 @pytest.fixture(scope="module")
@@ -187,7 +188,8 @@ def test_integer_argmax_becomes_a_tie_free_float_argmax(tmp_path, dtype, axis, l
 def session_run_proto(proto, x):
     options = ort.SessionOptions()
     options.log_severity_level = 3
-    return ort.InferenceSession(proto.SerializeToString(), options, providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    s = ort.InferenceSession(proto.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    return s.run(None, {"x": x})[0]
 
 
 def test_static_graph_refers_to_the_weights_of_model_onnx(tmp_path):

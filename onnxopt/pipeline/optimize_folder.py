@@ -4,7 +4,7 @@
       model_index.json, scheduler/, tokenizer*/  ─ copied byte for byte ─►  same
       <component>/config.json, other files        ─ copied byte for byte ─►  same
       text_encoder[_2]/model.onnx   ─ ort-cuda | tensorrt [+ fp16]                  ─►  model.onnx [+ data]
-                                                                                     model.static.b{b}.onnx
+                                                                            + model.static.b{b}.onnx
       unet/, controlnet/model.onnx  ─ ort-cuda | tensorrt [+ fp16]                  ─►  model.onnx [+ data]
       vae_decoder/, vae_encoder/    ─ ort-cuda | tensorrt [+ fp16, guarded: below]  ─►  model.onnx [+ data]
 

@@ -298,11 +298,12 @@ class Pipeline:
             self.sessions[key] = self._open_once(encoder, static.get(batch))
         if batch in static:
             self.text_sources[encoder] = static[batch].name
+        elif not self.static_text:
+            self.text_sources[encoder] = "model.onnx: static graphs off (static_text=False)"
         else:
-            why = ("static graphs off (static_text=False)" if not self.static_text
-                   else f"no static graph for batch {batch}" + (f" (it has {', '.join(p.name for p in component.static_models.values())})"
-                                                                if component.static_models else ""))
-            self.text_sources[encoder] = f"model.onnx: {why}"
+            present = ", ".join(p.name for p in component.static_models.values())
+            self.text_sources[encoder] = (f"model.onnx: no static graph for batch {batch}"
+                                          + (f" (it has {present})" if present else ""))
         return self.sessions[key]
 
     def encode_prompt(self, prompt: str, negative_prompt: str | None) -> dict[str, np.ndarray]:

@@ -64,8 +64,9 @@ ANY = None  # every tensor type (data movement: the kernel copies bytes)
 # contrib_ops/cuda/cuda_contrib_kernels.cc); only the ops SD text encoders and their optimized
 # forms contain are listed: any other op is reported as unverified, so the check stays sound.
 CUDA_KERNELS: dict[tuple[str, str], frozenset | None] = {
+    # (Constant: ORT makes it an initializer)
     **{("", op): ANY for op in ("Constant", "Cast", "Reshape", "Flatten", "Squeeze", "Unsqueeze", "Concat", "Transpose",
-                                "Gather", "GatherND", "Expand", "Slice", "Split", "Identity")},  # Constant: an initializer
+                                "Gather", "GatherND", "Expand", "Slice", "Split", "Identity")},
     ("", "Where"): MS_FLOATS | {"uint8", "int32", "int64"},  # tensor/where.cc (its T is input 1)
     ("", "ArgMax"): FLOATS,  # reduction_ops.cc: REGISTER_KERNEL_HFD(ArgMax), no integer kernel
     **{("", op): FLOATS | {"int32", "int64"} for op in ("Add", "Sub", "Mul", "Div")},
@@ -171,7 +172,8 @@ def _infer_static_shapes(model: Model) -> None:
     try:
         inferred = SymbolicShapeInference.infer_shapes(skeleton, auto_merge=False, guess_output_rank=False)
     except Exception as exc:  # the tool raises plain Exceptions and asserts
-        raise UnsupportedModelError(f"ORT's symbolic shape inference failed: {str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__}")
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise UnsupportedModelError(f"ORT's symbolic shape inference failed: {first}") from None
     if inferred is None:
         raise UnsupportedModelError("ORT's symbolic shape inference could not complete")
     tensors = model.graph.tensors()
