@@ -100,6 +100,14 @@ def _penultimate_name(session) -> str:
     raise OnnxoptError("SDXL text encoder has no hidden_states.{i} outputs (export it with output_hidden_states)")
 
 
+def _run_outputs(session, input_ids: np.ndarray, names: list[str]) -> list[np.ndarray]:
+    """A text encoder's ``names`` outputs only: SDXL's encoders have 14 and 34 outputs (every
+    hidden state) of which the pipeline reads one or two, and each output fetched is a copy from
+    the device (BoundSession copies only the ones asked for)."""
+    dtype = input_types(session)["input_ids"]
+    return session.run(names, {"input_ids": np.ascontiguousarray(input_ids.astype(dtype, copy=False))})
+
+
 class Pipeline:
     """An ONNX pipeline folder loaded into ORT sessions; call it to generate an image."""
 
@@ -311,17 +319,18 @@ class Pipeline:
         [+ text_embeds, time_ids are added by the caller for SDXL]."""
         if self.folder.kind != "sdxl":
             ids = self._token_ids("tokenizer", [negative_prompt or "", prompt])
-            hidden = run_host(self.text_session("text_encoder", len(ids)), {"input_ids": ids})["last_hidden_state"]
+            (hidden,) = _run_outputs(self.text_session("text_encoder", len(ids)), ids, ["last_hidden_state"])
             return {"encoder_hidden_states": hidden.astype(np.float32)}
         zeros = negative_prompt is None and self.folder.force_zeros_for_empty_prompt
         texts = [prompt] if zeros else [negative_prompt or "", prompt]
         parts, pooled = [], None
         for encoder, tokenizer in (("text_encoder", "tokenizer"), ("text_encoder_2", "tokenizer_2")):
             session = self.text_session(encoder, len(texts))
-            out = run_host(session, {"input_ids": self._token_ids(tokenizer, texts)})
-            parts.append(out[_penultimate_name(session)])
-            if encoder == "text_encoder_2":
-                pooled = out["text_embeds"]
+            pooled_name = ["text_embeds"] if encoder == "text_encoder_2" else []
+            out = _run_outputs(session, self._token_ids(tokenizer, texts), [_penultimate_name(session), *pooled_name])
+            parts.append(out[0])
+            if pooled_name:
+                pooled = out[1]
         hidden = np.concatenate(parts, axis=-1).astype(np.float32)
         pooled = pooled.astype(np.float32)
         if zeros:  # diffusers: force_zeros_for_empty_prompt -> the negative conditioning is zeros
