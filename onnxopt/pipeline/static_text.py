@@ -6,7 +6,9 @@ without a negative prompt: batch 1). An exported CLIP text encoder takes [batch,
 computes with those dims at run time, and it pools at the EOS token with an integer ArgMax:
 ONNX Runtime's CUDA EP runs neither (the shape arithmetic goes to the CPU EP, and ArgMax has CUDA
 kernels for float, double and float16 only: ``reduction_ops.cc``), and ORT refuses CUDA graph
-capture when any node is on the CPU EP. :func:`make_static` rewrites the graph for one shape::
+capture when a node on the CPU EP needs a copy between host and device (here: the ArgMax reads
+the ids from the device, the position ids and the causal mask go back to it); each such copy
+also costs a round trip when not captured. :func:`make_static` rewrites the graph for one shape::
 
     input_ids [batch, sequence]   ==>  input_ids [b, L]                       (L: tokenizer max length)
     shapes of every tensor             static: ORT's symbolic shape inference (it knows the
@@ -33,7 +35,8 @@ load: the rewrite loads the whole graph and runs shape inference and constant fo
 would otherwise land in every cold start (the issue's target: 15 s for SD 1.5).
 
 :func:`nodes_off_cuda` lists the nodes the CUDA EP would not run (no kernel for the op and dtype,
-or shape arithmetic ORT places on the CPU); the static graphs must have none.
+or shape arithmetic ORT places on the CPU); the static graphs must have none. It is stricter than
+ORT's capture rule, which lets shape arithmetic stay on the CPU when only shape inputs read it.
 """
 
 from __future__ import annotations
@@ -78,7 +81,8 @@ CUDA_KERNELS: dict[tuple[str, str], frozenset | None] = {
 }
 TYPED_INPUT = {"Where": 1}
 # Shape arithmetic: ORT computes it on the host (its CUDA Shape kernel writes CPU memory, and the
-# nodes fed by it are placed on the CPU EP), so a graph holding one cannot be captured.
+# nodes fed by it are placed on the CPU EP). Capture tolerates that only while no result goes back
+# to the device; listing every such node keeps the check simple and on the safe side.
 HOST_SHAPE_OPS = frozenset({"Shape", "Size", "Range"})
 
 
