@@ -75,6 +75,7 @@ ABLATION = {
     "unfused (UNet graph + diffusers' step on the host)": (dict(fused_step=False), {}, False),
     "fused step, CUDA graph": (dict(context_kv=False, controlnet_hint=False, **SEPARATE), {}, False),
     "+ text side once per prompt": (dict(context_kv=True, controlnet_hint=False, **SEPARATE), {}, False),
+    "text encoders on model.onnx (no static graph: not captured)": (dict(static_text=False), {}, False),
     "+ hint once per image": (dict(context_kv=True, controlnet_hint=True, **SEPARATE), {}, True),
     "+ one graph per step": (dict(merged_step=True, two_streams=False), {}, True),
     "two streams instead of one graph (the default)": (dict(two_streams=True, merged_step=False), {}, True),
@@ -306,8 +307,8 @@ class Bench:
         last = results[-1][0]
         totals = [t for _, t in results]
         stages = {k: statistics.median(r.timings[k] for r, _ in results)
-                  for k in ("text_encoder_s", "step_mean_s", "vae_decode_s", "controlnet_hint_s", "reused_step_mean_s",
-                            "step_launch_mean_s")
+                  for k in ("text_encoder_s", "step_mean_s", "vae_decode_s", "vae_run_s", "vae_postprocess_s",
+                            "controlnet_hint_s", "reused_step_mean_s", "step_launch_mean_s")
                   if k in last.timings}
         sessions, creation_s = sorted(pipe.sessions), pipe.creation_s
         del pipe
@@ -317,6 +318,7 @@ class Bench:
                 "session_creation_s": creation_s, "first_image_s": first.timings["total_s"],
                 "first_step_s": first.timings["first_step_s"], "step": last.timings["step"],
                 "cuda_graph": last.timings["cuda_graph"], "stages": stages,
+                "text_encoders": last.timings.get("text_encoders"),
                 **self.quality(last.latents, last.pixels)}
 
     def cfg_late_graph(self) -> dict:

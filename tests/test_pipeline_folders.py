@@ -187,13 +187,19 @@ def test_optimize_ort_cuda_folder_matches_source(folders, tmp_path, kind):
     # graph split for two streams (onnxopt.pipeline.two_streams, opt-in at generate)
     hint = {"controlnet/step.onnx", "controlnet/step.hint.onnx", "merged_step.onnx", "unet/step.streams.onnx",
             "unet/step.streams.down.onnx"} if kind == "sd15-controlnet" else set()
-    assert after.keys() == before.keys() | {"unet/step.onnx", "unet/step.context_kv.onnx"} | hint
+    # and beside each text encoder its graphs at the batches the pipeline feeds (onnxopt.pipeline.static_text)
+    static = {f"{e}/model.static.b{b}.onnx" for e in ("text_encoder", "text_encoder_2") if (src / e).is_dir()
+              for b in ((1, 2) if kind == "sdxl" else (2,))}
+    assert after.keys() == before.keys() | {"unet/step.onnx", "unet/step.context_kv.onnx"} | hint | static
     for rel, digest in before.items():
         if not rel.endswith(("model.onnx", "model.onnx_data")):
             assert after[rel] == digest, rel                            # configs, tokenizer, scheduler: copied
     assert_optimized_matches_source(src, dst)
     report = json.loads((tmp_path / "report.json").read_text())
     assert {c["component"] for c in report["components"]} == set(onnx_components(src))
+    for c in report["components"]:  # the static text graphs: no node left off the CUDA EP
+        if c["component"].startswith("text_encoder"):
+            assert any("every node on the CUDA EP" in note for note in c["notes"]), c["notes"]
     total = report["total"]
     assert total["components"] == len(onnx_components(src))
     assert total["nodes_after"] < total["nodes_before"]
@@ -294,6 +300,7 @@ def test_external_data_names_are_kept(folders, tmp_path, data_name):
     for component in onnx_components(src):
         # the step graph and its context-kv part refer to the UNet's data file: no data file of their own
         step = ["step.onnx", "step.context_kv.onnx"] if component == "unet" else []
+        step += ["model.static.b2.onnx"] if component == "text_encoder" else []  # it refers to the data file too
         assert sorted(p.name for p in (dst / component).iterdir()) == sorted(["config.json", "model.onnx", data_name, *step])
         assert report.component(component).data_name == data_name
     assert_optimized_matches_source(src, dst)

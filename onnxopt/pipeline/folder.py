@@ -19,6 +19,8 @@ The layout (what optimum-cli and ``models/pipelines.py`` write)::
     [controlnet_1/ controlnet_2/ ...]  more ControlNets: diffusers' MultiControlNetModel.save_pretrained
                             writes the k-th (from 0) to controlnet_<k>/ (the first to controlnet/) and
                             model_index.json's "controlnet" entry names MultiControlNetModel
+    [text_encoder*/model.static.b{b}.onnx]  written by onnxopt: the text encoder at input_ids
+                            [b, 77], capturable (onnxopt.pipeline.static_text)
     [merged_step.onnx]      written by onnxopt: the ControlNet(s) and the UNet step graph merged
 
 ``folder.controlnets`` lists the ControlNet folders in order (``["controlnet", "controlnet_1"]``);
@@ -89,6 +91,17 @@ class Component:
         embedding), written with controlnet/step.onnx by onnxopt.pipeline.controlnet_hint."""
         path = self.folder / HINT_FILE
         return path if path.is_file() and self.step_model is not None else None
+
+    @property
+    def static_models(self) -> dict[int, Path]:
+        """batch -> ``model.static.b{batch}.onnx``: the text encoder at input_ids [batch, 77], every
+        node on the CUDA EP (:mod:`onnxopt.pipeline.static_text`); empty when the folder has none."""
+        found = {}
+        for path in self.folder.glob("model.static.b*.onnx"):
+            batch = path.name[len("model.static.b"):-len(".onnx")]
+            if batch.isdigit():
+                found[int(batch)] = path
+        return dict(sorted(found.items()))
 
     def nbytes(self) -> int:
         """Size on disk of the graph and its external data."""

@@ -4,6 +4,7 @@
       model_index.json, scheduler/, tokenizer*/  ─ copied byte for byte ─►  same
       <component>/config.json, other files        ─ copied byte for byte ─►  same
       text_encoder[_2]/model.onnx   ─ ort-cuda | tensorrt [+ fp16]                  ─►  model.onnx [+ data]
+                                                                            + model.static.b{b}.onnx
       unet/, controlnet[_k]/model.onnx ─ ort-cuda | tensorrt [+ fp16]               ─►  model.onnx [+ data]
       vae_decoder/, vae_encoder/    ─ ort-cuda | tensorrt [+ fp16, guarded: below]  ─►  model.onnx [+ data]
 
@@ -28,6 +29,11 @@ Safety: the output is built in a temporary sibling folder (``.OUT.tmp-XXXX``) an
 at the end; any error removes it. OUT must not exist, or be an empty folder; it may not be inside
 FOLDER nor FOLDER inside it. The input folder is only read (files outside it are never read: a
 symbolic link leaving it is refused).
+
+The text encoders: beside each optimized model.onnx, ``model.static.b{b}.onnx`` for every batch
+the pipeline feeds it (input_ids [b, 77]: shape arithmetic folded, ArgMax on the GPU, every node
+on the CUDA EP, so ORT can capture it as a CUDA graph; weights referred to in model.onnx's data
+file): :mod:`onnxopt.pipeline.static_text`.
 
 The step graph: after the UNet is written, :func:`onnxopt.pipeline.step_graph.write_step_graph` writes
 ``unet/step.onnx`` beside it (guidance and the scheduler update appended; the UNet's weights referred
@@ -373,7 +379,8 @@ def _copy_unchanged(src: Path, tmp: Path, skip: set[Path]) -> int:
 def optimize_folder(src, dst, target: str = "ort-cuda", fp16: bool = False, verify: bool = False, *,
                     tolerance=None, fp16_options: dict | None = None,
                     vae_max_rel_l2: float = VAE_FP16_MAX_REL_L2, step_graph: bool = True,
-                    context_kv: bool = True, cfg_late: bool = False, merged_step: bool = True) -> FolderReport:
+                    context_kv: bool = True, cfg_late: bool = False, merged_step: bool = True,
+                    static_text: bool = True) -> FolderReport:
     """Optimize every ONNX component of the pipeline folder ``src`` into the new folder ``dst``.
 
     ``target``: "ort-cuda" or "tensorrt", the preset of every component. ``fp16``: add the fp16
@@ -385,6 +392,9 @@ def optimize_folder(src, dst, target: str = "ort-cuda", fp16: bool = False, veri
     with what both guidance halves share computed once (:mod:`onnxopt.pipeline.cfg_late`);
     ``merged_step``: with a ControlNet, also ``merged_step.onnx`` at the root, the ControlNet and the
     step graph in one graph (:func:`onnxopt.pipeline.merged_step.write_merged_step`).
+    ``static_text``: beside each text encoder, ``model.static.b{b}.onnx`` for each batch the
+    pipeline feeds it, every node on the CUDA EP so it can be captured
+    (:mod:`onnxopt.pipeline.static_text`).
     Raises OnnxoptError (exit 2) for a bad folder or destination; ``dst`` then does not exist.
     """
     src, dst = Path(src), Path(dst)
@@ -408,6 +418,8 @@ def optimize_folder(src, dst, target: str = "ort-cuda", fp16: bool = False, veri
                 continue
             report.components.append(_optimize_component(
                 c, tmp / c.name, src, target, fp16, verify, tolerance, fp16_options or {}, vae_max_rel_l2))
+            if c.name in TEXT_ENCODERS and static_text:
+                report.components[-1].notes.append(_write_static_text(src, tmp, c.name))
             if c.name == "unet" and step_graph:
                 step = write_step_graph(tmp / "unet", context_kv=context_kv, cfg_late=cfg_late,
                                         controlnets=max(1, len(controlnets)))
@@ -432,6 +444,27 @@ def optimize_folder(src, dst, target: str = "ort-cuda", fp16: bool = False, veri
         raise
     report.seconds = time.perf_counter() - start
     return report
+
+
+def _write_static_text(src: Path, tmp: Path, name: str) -> str:
+    """Write the text encoder's static graphs (one per batch the runner feeds); the report's note."""
+    from onnxopt.errors import UnsupportedModelError
+    from onnxopt.pipeline.folder import kind_of
+    from onnxopt.pipeline.static_text import DEFAULT_SEQUENCE, text_batches, write_static_text_encoders
+
+    tokenizer = _read_json(src / ("tokenizer_2" if name == "text_encoder_2" else "tokenizer") / "tokenizer_config.json")
+    sequence = int(tokenizer.get("model_max_length") or DEFAULT_SEQUENCE)
+    if sequence > 4096:  # transformers' "no limit" placeholder: the pipeline then pads to 77 as CLIP does
+        sequence = DEFAULT_SEQUENCE
+    batches = text_batches(kind_of(_read_json(src / "model_index.json"), src))
+    try:
+        written = write_static_text_encoders(tmp / name, batches, sequence)
+    except UnsupportedModelError as exc:
+        return f"no static graph (CUDA graph capture): {exc}"
+    off = max(len(nodes) for _, nodes in written)
+    where = "every node on the CUDA EP" if not off else f"{off} nodes not verified for the CUDA EP"
+    return (f"static graphs for CUDA graph capture: {', '.join(p.name for p, _ in written)} "
+            f"(input_ids [{'|'.join(map(str, batches))}, {sequence}], {where})")
 
 
 def _cfg_late_note(step_path: Path) -> str:

@@ -105,6 +105,14 @@ def _penultimate_name(session) -> str:
     raise OnnxoptError("SDXL text encoder has no hidden_states.{i} outputs (export it with output_hidden_states)")
 
 
+def _run_outputs(session, input_ids: np.ndarray, names: list[str]) -> list[np.ndarray]:
+    """A text encoder's ``names`` outputs only: SDXL's encoders have 14 and 34 outputs (every
+    hidden state) of which the pipeline reads one or two, and each output fetched is a copy from
+    the device (BoundSession copies only the ones asked for)."""
+    dtype = input_types(session)["input_ids"]
+    return session.run(names, {"input_ids": np.ascontiguousarray(input_ids.astype(dtype, copy=False))})
+
+
 class Pipeline:
     """An ONNX pipeline folder loaded into ORT sessions; call it to generate an image."""
 
@@ -121,6 +129,11 @@ class Pipeline:
         self._plans: dict = {}  # (scheduler, steps) -> StepPlan
         self._device_loops: dict = {}  # DeviceStepLoop.key -> a loop whose buffers (and captured graphs) stay put
         self.tokenizers = {name: folder.tokenizer(name) for name in _tokenizers_of(folder.kind)}
+        self.static_text = False  # use text_encoder*/model.static.b{b}.onnx (set by load)
+        self.text_sources: dict[str, str] = {}  # encoder -> the graph its last prompt ran on, and why
+        self._open_once = lambda name, model=None: create_session(  # noqa: E731 (load gives BoundSessions)
+            model or folder.component(name).model, provider, name=str(folder.root / name), device_id=device_id,
+            threads=threads)
 
     @property
     def fused_step(self) -> bool:
@@ -130,7 +143,7 @@ class Pipeline:
     def load(cls, folder, provider: str = "cpu", *, fused_step: bool = True, cuda_graph: bool = True, device_id: int = 0,
              threads: int | None = None, io_binding: bool | None = None, context_kv: bool = True,
              controlnet_hint: bool = True, merged_step: bool = True, launch_timing: bool = False,
-             step_file: str | None = None, two_streams: bool | None = None) -> "Pipeline":
+             step_file: str | None = None, two_streams: bool | None = None, static_text: bool = True) -> "Pipeline":
         """Open ``folder`` and create its sessions on ``provider`` (cpu | cuda | tensorrt).
 
         ``cuda_graph`` (cuda/tensorrt): capture the step graph as CUDA graphs. ``fused_step=False``
@@ -158,6 +171,12 @@ class Pipeline:
           ``unet/step.streams.down.onnx`` beside the ControlNet on a second thread and stream, then
           ``unet/step.streams.onnx`` (:mod:`onnxopt.pipeline.two_streams`); ``merged_step`` when off.
 
+        * ``static_text``: ``text_encoder*/model.static.b{b}.onnx`` for a prompt batch b (input_ids
+          [b, 77], every node on the CUDA EP, so captured: :mod:`onnxopt.pipeline.static_text`);
+          off, or for a batch without one: ``model.onnx`` (``timings["text_encoders"]`` says which
+          ran, and why). Text encoder sessions are created on first use, one per graph used (an
+          SDXL folder holds graphs for batch 1 and 2; a run uses one: weights are not loaded twice).
+
         ``launch_timing`` (bound-buffer loop): each step's run returns once the step is queued and
         the loop then waits for the device; ``timings["step_launch_mean_s"]`` is the host's part of
         a step (the step's CPU-side overhead is at most that plus the wait's return), beside
@@ -174,27 +193,32 @@ class Pipeline:
         io_binding = provider != "cpu" if io_binding is None else io_binding
         two_streams = provider != "cpu" if two_streams is None else two_streams
 
-        def captured(name, model, say: bool = False, **kw):
-            """(session, whether it captures): CUDA graphs when asked and ORT can, else a plain session
-            (``say``: tell the user; the step's capture is what the speed depends on)."""
+        def captured(name, model, say: bool = False, capture: bool | None = None, **kw):
+            """(session, whether it captures): CUDA graphs when asked (``capture``, default ``graph``)
+            and ORT can, else a plain session (``say``: tell the user; the step's capture is what the
+            speed depends on)."""
+            capture = graph if capture is None else capture
             try:
-                return make(name, model, cuda_graph=graph, **kw), graph
+                return make(name, model, cuda_graph=capture, **kw), capture
             except OnnxoptError as exc:  # ORT refuses capture when a node is not on the GPU EP
-                if not graph:
+                if not capture:
                     raise
                 if say:
                     print(f"onnxopt: step graph without CUDA graph capture: {exc}", file=sys.stderr)
                 return make(name, model, **kw), False
 
-        def once(name, model=None):
+        def once(name, model=None, capture: bool | None = None):
             """A graph run once per prompt or image: on bound buffers, captured when ORT can."""
             if not io_binding:
                 return make(name, model)
-            session, capturing = captured(name, model)
+            session, capturing = captured(name, model, capture=capture)
             return BoundSession(require_provider(provider), session, device="cpu" if provider == "cpu" else "cuda",
                                 device_id=device_id, cuda_graph=capturing)
 
-        sessions = {name: once(name) for name in ("text_encoder", "text_encoder_2", "vae_decoder") if folder.has(name)}
+        sessions = {name: once(name) for name in ("vae_decoder",) if folder.has(name)}
+        # text encoders: made on first use (Pipeline.text_session), asking for capture as loaded here
+        # (the step graph's own outcome rebinds ``graph`` below)
+        open_text = lambda name, model=None, capture=graph: once(name, model, capture)  # noqa: E731
         controlnet_models = []  # the graph each ControlNet's step runs, in order
         for k, name in enumerate(folder.controlnets):
             component = folder.component(name)
@@ -251,6 +275,7 @@ class Pipeline:
         pipe.controlnet_model, pipe.merged_step = controlnet_model, merged is not None and "step" in sessions
         pipe.controlnet_models = controlnet_models
         pipe.launch_timing = launch_timing
+        pipe.static_text, pipe._open_once = static_text, open_text
         return pipe
 
     def _controlnet_session(self, k: int = 0):
@@ -284,22 +309,42 @@ class Pipeline:
         return tokenizer(texts, padding="max_length", max_length=tokenizer.model_max_length, truncation=True,
                          return_tensors="np").input_ids
 
+    def text_session(self, encoder: str, batch: int):
+        """The session that encodes ``batch`` prompts with ``encoder``: its static graph for that
+        batch when the folder has one (captured on cuda/tensorrt), else model.onnx; made on
+        first use and kept. Records which in ``text_sources``."""
+        component = self.folder.component(encoder)
+        static = component.static_models if self.static_text else {}
+        key = f"{encoder}/b{batch}" if batch in static else encoder
+        if key not in self.sessions:
+            self.sessions[key] = self._open_once(encoder, static.get(batch))
+        if batch in static:
+            self.text_sources[encoder] = static[batch].name
+        elif not self.static_text:
+            self.text_sources[encoder] = "model.onnx: static graphs off (static_text=False)"
+        else:
+            present = ", ".join(p.name for p in component.static_models.values())
+            self.text_sources[encoder] = (f"model.onnx: no static graph for batch {batch}"
+                                          + (f" (it has {present})" if present else ""))
+        return self.sessions[key]
+
     def encode_prompt(self, prompt: str, negative_prompt: str | None) -> dict[str, np.ndarray]:
         """The step's conditioning inputs, negative first (batch 2): encoder_hidden_states
         [+ text_embeds, time_ids are added by the caller for SDXL]."""
         if self.folder.kind != "sdxl":
             ids = self._token_ids("tokenizer", [negative_prompt or "", prompt])
-            hidden = run_host(self.sessions["text_encoder"], {"input_ids": ids})["last_hidden_state"]
+            (hidden,) = _run_outputs(self.text_session("text_encoder", len(ids)), ids, ["last_hidden_state"])
             return {"encoder_hidden_states": hidden.astype(np.float32)}
         zeros = negative_prompt is None and self.folder.force_zeros_for_empty_prompt
         texts = [prompt] if zeros else [negative_prompt or "", prompt]
         parts, pooled = [], None
         for encoder, tokenizer in (("text_encoder", "tokenizer"), ("text_encoder_2", "tokenizer_2")):
-            session = self.sessions[encoder]
-            out = run_host(session, {"input_ids": self._token_ids(tokenizer, texts)})
-            parts.append(out[_penultimate_name(session)])
-            if encoder == "text_encoder_2":
-                pooled = out["text_embeds"]
+            session = self.text_session(encoder, len(texts))
+            pooled_name = ["text_embeds"] if encoder == "text_encoder_2" else []
+            out = _run_outputs(session, self._token_ids(tokenizer, texts), [_penultimate_name(session), *pooled_name])
+            parts.append(out[0])
+            if pooled_name:
+                pooled = out[1]
         hidden = np.concatenate(parts, axis=-1).astype(np.float32)
         pooled = pooled.astype(np.float32)
         if zeros:  # diffusers: force_zeros_for_empty_prompt -> the negative conditioning is zeros
@@ -346,6 +391,7 @@ class Pipeline:
         if "context" in self.sessions:  # the step graph reads the cross-attention K/V, not the text
             cond.update(run_host(self.sessions["context"], cond))
         timings["text_encoder_s"] = time.perf_counter() - t0
+        timings["text_encoders"] = dict(self.text_sources)
 
         sched = make_scheduler(scheduler, folder.scheduler_config())
         channels = folder.config("unet").get("in_channels", 4)
@@ -422,10 +468,14 @@ class Pipeline:
         timings["unet_steps"] = timings["steps"] - len(reused)
         bar.close()
 
+        # The VAE stage, split so a slow one shows which part is slow: the decoder's run (latents in,
+        # the graph, the image out to the host) and diffusers' postprocessing on the host (torch CPU).
         t0 = time.perf_counter()
         decoded = run_host(self.sessions["vae_decoder"], {"latent_sample": self._unscale(latents)})["sample"]
+        t1 = time.perf_counter()
         pixels = images.postprocess(decoded.astype(np.float32), factor)[0]
         timings["vae_decode_s"] = time.perf_counter() - t0
+        timings["vae_run_s"], timings["vae_postprocess_s"] = t1 - t0, timings["vae_decode_s"] - (t1 - t0)
         image = images.to_pil(pixels)
         timings["total_s"] = time.perf_counter() - start
         timings["session_creation_s"] = self.creation_s
