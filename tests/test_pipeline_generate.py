@@ -471,3 +471,23 @@ def test_cli_never_writes_over_the_control_image(built, tmp_path, capsys):
     before = edges.read_bytes()
     assert main(["generate", str(b.folder), "--prompt", "a", "--controlnet-image", str(edges), "-o", str(edges)]) == 2
     assert "never modifies its input" in capsys.readouterr().err and edges.read_bytes() == before
+
+
+def test_postprocess_is_diffusers_image_processor_bit_for_bit():
+    """images.postprocess does VaeImageProcessor.postprocess(output_type="np")'s arithmetic in NumPy
+    (the processor took 12-20 ms per image on the H100 host): the same float32 bits, values outside
+    [-1, 1] and fp16 VAE outputs included."""
+    import torch
+    from diffusers.image_processor import VaeImageProcessor
+
+    from onnxopt.pipeline import images
+
+    rng = np.random.default_rng(5)
+    for dtype in (np.float32, np.float16):
+        decoded = (rng.standard_normal((2, 3, 24, 40)) * 0.8).astype(dtype)
+        decoded[0, 0, 0, :3] = [-1.5, 1.5, 1.0]  # clamped both ways, and the upper bound exactly
+        expected = VaeImageProcessor(vae_scale_factor=8).postprocess(torch.from_numpy(decoded.astype(np.float32)),
+                                                                     output_type="np")
+        got = images.postprocess(decoded)
+        assert got.dtype == np.float32 and got.shape == expected.shape == (2, 24, 40, 3)
+        np.testing.assert_array_equal(got, expected)
