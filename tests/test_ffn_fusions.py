@@ -503,7 +503,7 @@ def residual_branch_net(branch_reads_other_input: bool):
 def test_the_residual_proof_follows_row_wise_ops_back_to_the_skip(reads_other_input):
     """a + F(a): F (MatMul by a weight, bias, a Reshape that copies dim 0) is computed from a row by row, so
     the batches are one; F times another input c is not (c's batch may broadcast in)."""
-    from onnxopt.passes.layer_norm import _computed_row_by_row
+    from onnxopt.passes.skip_layer_norm import _computed_row_by_row
 
     model = load_model(residual_branch_net(branch_reads_other_input=reads_other_input))
     (add,) = [n for n in model.graph.nodes if n.op == "Add" and n.outputs[0].outputs[0].op == "LayerNormalization"]
