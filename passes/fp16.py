@@ -43,30 +43,9 @@ range on calibration inputs, and optionally nodes whose own low-precision error 
 ``sensitivity``).
 
 Weights are never loaded for conversion: a converted initializer is a ``DerivedValues`` computed
-when the model is saved (one tensor at a time); the range scan streams each weight in chunks
-(full-size SD 1.5 UNet, 3.44 GB: 3.4 s for the pass, 13 s to save, peak RSS 0.29 GB).
-
-Checked on ONNX Runtime 1.31.1's CUDA EP (H100): every committed fixture, raw and after the
-fusions, runs in float16 (relative L2 to float32 at most 2.8e-3, no NaN/inf) and in bfloat16.
-
-TensorRT (recommendation for the lead): give TensorRT this pass's output, a *strongly typed*
-float16 graph, rather than a float32 graph plus the builder's FP16 flag.
-
-* The flag is going away: weak typing is deprecated since TensorRT 10.12, and TensorRT 11 removes
-  ``BuilderFlag.FP16``/``BF16`` and the precision-constraint flags; every network is strongly
-  typed there, with precision expressed by the types in the graph. ONNX Runtime's TensorRT EP
-  already creates a ``kSTRONGLY_TYPED`` network whenever ``trt_fp16_enable``/``trt_int8_enable``
-  are off (ORT PR 24298), so this file needs no flag at all.
-* With the flag, precision is a per-layer speed choice TensorRT makes after fusing: the float32
-  decisions made here (tensors that overflow on calibration data, Sin/Cos arguments,
-  out-of-range constants) would not be honoured unless every layer were pinned
-  (OBEY_PRECISION_CONSTRAINTS) through names its fusions do not keep, and ``-3.4e38`` masks
-  would reach float16 kernels as ``-inf``.
-* A strongly typed graph runs the types checked here, on CPU, so its accuracy is the accuracy
-  onnxopt measures, and one file serves ORT's CUDA EP and TensorRT.
-
-The cost: TensorRT can no longer move a layer to float32 on its own, so what must be float32 has
-to be decided here (``fp32_auto`` with representative calibration inputs for VAEs).
+when the model is saved (one tensor at a time); the range scan streams each weight in chunks.
+The output is a strongly typed low-precision graph, the form TensorRT 11 reads as well (why, and
+the measurements on the full-size UNet and on ONNX Runtime's CUDA EP: benchmarks/results/fp16-notes.md).
 """
 
 from __future__ import annotations
