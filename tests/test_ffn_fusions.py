@@ -487,6 +487,27 @@ def test_shape_arithmetic_is_static_where_it_reads_only_static_dims():
     assert values[batch] is None
 
 
+def test_the_one_shape_oracle_evaluates_what_the_exporters_compute_shape_values_with():
+    """tensor_facts reads Dims (one evaluator): Size, Max/Min, Mod, computed Slice bounds and Gather
+    indices are static where the dims they read are; a symbolic dim stays unknown through them."""
+    from onnxopt.pattern.tensor_facts import static_ints
+
+    net = Net()
+    h = net.input("h", ["batch", 6, 8])
+    shape = net.op("Shape", h)
+    last = net.op("Gather", shape, net.ints(-1))
+    size_of = net.op("Size", net.input("w", [3, 4]))
+    biggest = net.op("Max", last, net.op("Gather", shape, net.op("Sub", net.ints(2), net.ints(1))))  # max(8, 6)
+    smallest = net.op("Min", last, net.ints(5))
+    rest = net.op("Mod", last, net.ints(3))
+    tail = net.op("Slice", shape, net.op("Sub", net.ints(3), net.ints(2)), net.ints(3))  # shape[1:3]
+    batch = net.op("Max", net.op("Gather", shape, net.ints(0)), net.ints(1))
+    graph = load_model(net.model(size_of, biggest, smallest, rest, tail, batch)).graph
+    values = {t.name: static_ints(t) for t in graph.outputs}
+    assert (values[size_of], values[biggest], values[smallest], values[rest], values[tail]) == ([12], [8], [5], [2], [6, 8])
+    assert values[batch] is None  # max(batch, 1): the batch is symbolic
+
+
 def residual_branch_net(branch_reads_other_input: bool):
     """LayerNormalization(a + F), F = (a @ W + bias) viewed through a Reshape that copies dim 0 [* c]."""
     net = Net()
