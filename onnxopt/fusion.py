@@ -144,6 +144,14 @@ class Emit:
     def tensor(self, suffix: str, dtype, shape) -> gs.Variable:
         return gs.Variable(self.names(f"{self.prefix}/{suffix}"), dtype=dtype, shape=None if shape is None else list(shape))
 
+    def variable(self, name: str, dtype, shape, *, exact: bool = False) -> gs.Variable:
+        """A new tensor named after ``name`` itself, not the prefix (made unique): for a pass whose
+        names follow the tensor they stand for (fp16's ``x__fp16``). ``exact``: ``name`` as given,
+        for a tensor that takes over a name its old holder gives up (a graph output)."""
+        if exact:
+            self.names.taken.add(name)
+        return gs.Variable(name if exact else self.names(name), dtype=dtype, shape=None if shape is None else list(shape))
+
     def constant(self, suffix: str, value) -> gs.Constant:
         """A new weight: an array, or lazy values (onnxopt.weights.DerivedValues: computed when read or saved)."""
         values = value

@@ -10,7 +10,7 @@ from onnxopt import registry
 from onnxopt.companions import narrow_interface_casts
 from onnxopt.errors import PassNotApplicableError, PassOrderError
 from onnxopt.model import Model
-from onnxopt.pass_infra import Pass
+from onnxopt.pass_infra import Pass, Sequence
 from onnxopt.report import OptimizationReport, PassReport, Verification, process_memory
 
 # A verifier compares the current model with the source and says how far apart they are, at a
@@ -34,6 +34,9 @@ class PassManager:
     * Composition: the passes a pass names as its ``followers`` (nhwc-conv: sink-transposes; fp16:
       remove-redundant-casts) run right after it, each as its own step: in the report as
       "sink-transposes (for nhwc-conv)", timed and verified like any other.
+    * Fixpoints: a :class:`~onnxopt.pass_infra.Sequence` (the ``cleanup`` preset) runs its passes
+      one step each, repeated until a whole round of them modified nothing; the repeats appear in
+      the report as "infer-shapes (cleanup round 2)".
     * Order: a pass listed before one of its ``runs_after`` passes is refused up front
       (:class:`PassOrderError`, one line saying why and where to put it).
     * Companions: once a pass has split the model (``context-kv``), every later pass runs on the
@@ -90,14 +93,34 @@ class PassManager:
                 return False
         return True
 
-    def _step(self, p: Pass, model: Model, report: OptimizationReport, properties: set[str], auto: str | None = None) -> bool:
+    def _sequence(self, p: Sequence, model: Model, report: OptimizationReport, properties: set[str],
+                  auto: str | None = None) -> bool:
+        """Each step of ``p`` as a step of its own, repeated to a fixpoint when ``p.fixpoint``."""
+        schedule, modified = p.schedule(), None
+        try:
+            while True:
+                round_, name = schedule.send(modified)
+                step = registry.get_pass(name)()
+                if not self._establish(step, model, report, properties, chain=(p.name,)):
+                    return False
+                if not self._step(step, model, report, properties, auto=auto,
+                                  round_=f"{p.name} round {round_}" if round_ > 1 else None):
+                    return False
+                modified = self._modified
+        except StopIteration:
+            return True
+
+    def _step(self, p: Pass, model: Model, report: OptimizationReport, properties: set[str], auto: str | None = None,
+              round_: str | None = None) -> bool:
+        if isinstance(p, Sequence):
+            return self._sequence(p, model, report, properties, auto)
         nodes_before = len(model.graph.nodes)
         companions = list(model.companions.items()) if p.applies_to_companions else []  # not those p makes
         t0, cpu0 = time.perf_counter(), time.process_time()
         result = p(model)
         seconds = time.perf_counter() - t0
         step = PassReport(p.name, result, nodes_before, len(model.graph.nodes), seconds, auto=auto, memory=process_memory(),
-                          cpu_seconds=time.process_time() - cpu0)
+                          cpu_seconds=time.process_time() - cpu0, round=round_)
         report.passes.append(step)
         modified = result.modified
         for name, companion in companions:
@@ -105,8 +128,9 @@ class PassManager:
             part = p(companion)
             report.passes.append(PassReport(p.name, part, nodes, len(companion.graph.nodes), time.perf_counter() - t0,
                                             auto=auto, companion=name, memory=process_memory(),
-                                            cpu_seconds=time.process_time() - cpu0))
+                                            cpu_seconds=time.process_time() - cpu0, round=round_))
             modified = modified or part.modified
+        self._modified = modified
         if companions and modified:
             narrow_interface_casts(model)
         if modified:
@@ -136,10 +160,13 @@ class PassManager:
 
 def check_order(passes: list[Pass]) -> None:
     """Refuse a pass listed before a pass it must follow (``Pass.runs_after``)."""
-    names = [p.name for p in passes]
+    def names(p: Pass) -> tuple[str, ...]:
+        return p.steps if isinstance(p, Sequence) else (p.name,)
+
     for i, p in enumerate(passes):
+        later = {name for q in passes[i + 1:] for name in names(q)}
         for earlier, why in p.runs_after.items():
-            if earlier in names[i + 1:]:
+            if earlier in later:
                 presets = [preset.name for preset in registry.PRESETS.values() if earlier in preset.passes]
                 where = f"after '{earlier}'" + (f" or after a preset that includes it ({', '.join(presets)})" if presets else "")
                 example = f" e.g. --passes {presets[0]},{p.name}" if presets else ""

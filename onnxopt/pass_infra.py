@@ -22,7 +22,7 @@ from __future__ import annotations
 import abc
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Iterator
 
 from onnxopt.model import Model
 
@@ -33,6 +33,9 @@ SHAPES_INFERRED = "shapes-inferred"  # every tensor the ONNX shape inference can
 CONSTANTS_FOLDED = "constants-folded"
 NO_DEAD_NODES = "no-dead-nodes"
 ATTENTION_CANONICAL = "attention-canonical"  # every attention in one form (canonicalize-attention's docstring)
+SLICES_AS_SPLIT = "slices-as-split"  # no Slices that tile an axis of one tensor are left (they are Splits)
+# What a pass that only annotates tensors keeps: every property (annotations change no computation).
+EVERY_PROPERTY = frozenset({SHAPES_INFERRED, CONSTANTS_FOLDED, NO_DEAD_NODES, ATTENTION_CANONICAL, SLICES_AS_SPLIT})
 
 
 @dataclass
@@ -93,3 +96,58 @@ class OrtFusion(Pass):
     requires = frozenset({SHAPES_INFERRED})
     preserves = frozenset({SHAPES_INFERRED, CONSTANTS_FOLDED})
     is_fusion = True
+
+
+class Sequence(Pass):
+    """Passes run as one: the pass manager runs each of ``steps`` as a step of its own (reported,
+    timed, verified and property-checked like any other). With ``fixpoint`` it repeats them until
+    ``len(steps)`` steps in a row modified nothing, at most ``max_rounds`` times round; a sequence
+    still changing the model then is a bug in one of its passes (an error naming them)::
+
+        cleanup = remove-identity, infer-shapes, fold-constants, ..., eliminate-dead-nodes   (fixpoint)
+
+    ``steps`` are pass names. Outside the pass manager, :meth:`run` runs them the same way, unreported.
+    """
+
+    steps: ClassVar[tuple[str, ...]] = ()
+    fixpoint: ClassVar[bool] = False
+    max_rounds: ClassVar[int] = 8
+
+    def schedule(self) -> "Iterator[tuple[int, str]]":
+        """(round, step name) in the order to run them; the caller ``send``s whether each modified the model."""
+        n = len(self.steps)
+        modified_last: dict[str, bool] = {}  # each step's verdict in its latest run
+        for i in range(self.max_rounds * n if self.fixpoint else n):
+            name = self.steps[i % n]
+            modified_last[name] = bool((yield i // n + 1, name))
+            if self.fixpoint and i >= n - 1 and not any(modified_last.values()):
+                return  # n steps in a row changed nothing
+        if self.fixpoint:
+            still = ", ".join(name for name, modified in modified_last.items() if modified)
+            raise RuntimeError(f"{self.name} reached no fixpoint in {self.max_rounds} rounds: {still} still modify the model")
+
+    def run(self, model: Model) -> PassResult:
+        from onnxopt import registry
+
+        result = PassResult(modified=False)
+        schedule = self.schedule()
+        modified = None
+        try:
+            while True:
+                _, name = schedule.send(modified)
+                modified = registry.get_pass(name)()(model).modified
+                result.modified = result.modified or modified
+        except StopIteration:
+            return result
+
+
+_SEQUENCES: dict[tuple, type[Sequence]] = {}
+
+
+def fixpoint_sequence(name: str, description: str, steps: tuple[str, ...]) -> type[Sequence]:
+    """The :class:`Sequence` pass that repeats ``steps`` to a fixpoint (a fixpoint preset's pass)."""
+    key = (name, description, tuple(steps))
+    if key not in _SEQUENCES:
+        _SEQUENCES[key] = type(f"Fixpoint[{name}]", (Sequence,),
+                               {"name": name, "description": description, "steps": tuple(steps), "fixpoint": True})
+    return _SEQUENCES[key]

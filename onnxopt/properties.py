@@ -6,8 +6,13 @@ carries its dtype and shape, so a fusion that ``preserves`` it promises to annot
 the checks after every step while :func:`checking` is on: in the tests, and under ``--debug``; a
 broken promise is a bug in the pass that last claimed the property (:class:`PropertyViolation`).
 
-Labels without a check (``constants-folded``, ``attention-canonical``, ``slices-as-split``) are
-promises about what a pass chose to do, which only the pass's own rules can judge.
+``constants-folded`` says no node is left whose inputs are all constants and whose result the
+folder would have computed: a standard-domain, deterministic node without subgraphs, reading no
+externally stored weight, with an output of at most ``FOLD_SIZE_THRESHOLD`` bytes (larger constant
+results, the ConstantOfShape zeros of a static export, stay computed at run time on purpose).
+
+Labels without a check (``attention-canonical``, ``slices-as-split``) are promises about what a
+pass chose to do, which only the pass's own rules can judge.
 """
 
 from __future__ import annotations
@@ -15,13 +20,21 @@ from __future__ import annotations
 import contextlib
 from typing import Callable, Iterator
 
+import numpy as np
 import onnx_graphsurgeon as gs
 from onnx import shape_inference
 
 from onnxopt.model import Model
-from onnxopt.pass_infra import NO_DEAD_NODES, SHAPES_INFERRED
+from onnxopt.pass_infra import CONSTANTS_FOLDED, NO_DEAD_NODES, SHAPES_INFERRED
+from onnxopt.pattern.constants import is_constant
+from onnxopt.weights import is_external
 
 LIMIT = 5  # tensors or nodes named in a violation
+# fold-constants leaves constant results larger than this computed at run time (model size).
+FOLD_SIZE_THRESHOLD = 16 << 20
+# Ops whose result is not a function of their inputs: never folded.
+NONDETERMINISTIC_OPS = frozenset({"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike",
+                                  "Multinomial", "Bernoulli"})
 
 
 class PropertyViolation(AssertionError):
@@ -53,9 +66,41 @@ def unannotated_tensors(model: Model) -> str | None:
     return f"{len(missing)} tensor(s) shape inference types are not annotated: {', '.join(missing[:LIMIT])}" if missing else None
 
 
+def unfolded_constants(model: Model) -> str | None:
+    """constants-folded: no node the folder computes is left reading constants only (module docstring)."""
+    left = [n.name or n.op for n in model.graph.nodes if _foldable(n)]
+    return f"{len(left)} node(s) compute from constants only: {', '.join(left[:LIMIT])}" if left else None
+
+
+def _foldable(node: gs.Node) -> bool:
+    if node.op == "Constant" or node.op in NONDETERMINISTIC_OPS or node.domain not in ("", "ai.onnx", None):
+        return False
+    if not node.inputs or any(isinstance(v, gs.Graph) for v in node.attrs.values()):
+        return False
+    inputs = [t for t in node.inputs if t.name]  # optional inputs left out
+    if not inputs or not all(is_constant(t) for t in inputs):
+        return False
+    if any(isinstance(t, gs.Constant) and is_external(t) for t in inputs):
+        return False
+    return all(_within_threshold(t) for t in node.outputs)
+
+
+def _within_threshold(tensor: gs.Tensor) -> bool:
+    """The tensor's size is known and at most the folder's threshold."""
+    shape, dtype = tensor.shape, tensor.dtype
+    if shape is None or dtype is None or not all(isinstance(d, (int, np.integer)) and d >= 0 for d in shape):
+        return False  # the folder would have had to compute it to know; a static-shape miss is what this catches
+    try:
+        itemsize = np.dtype(dtype).itemsize
+    except TypeError:
+        return False
+    return int(np.prod(shape, dtype=np.int64)) * itemsize <= FOLD_SIZE_THRESHOLD
+
+
 ENSURES: dict[str, Callable[[Model], str | None]] = {
     NO_DEAD_NODES: dead_nodes,
     SHAPES_INFERRED: unannotated_tensors,
+    CONSTANTS_FOLDED: unfolded_constants,
 }
 
 _checking = False

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from importlib import metadata
 
 from onnxopt.errors import UnknownPassError
-from onnxopt.pass_infra import Pass
+from onnxopt.pass_infra import Pass, fixpoint_sequence
 
 ENTRY_POINT_GROUP = "onnxopt.passes"
 
@@ -28,21 +28,26 @@ class Preset:
     description: str
     passes: tuple[str, ...]
     target: str | None = None
+    # Repeat ``passes`` until none of them modifies the model (the pass manager runs each as its
+    # own step; see onnxopt.pass_infra.Sequence). Another preset lists it by name, as one step.
+    fixpoint: bool = False
 
 
 PRESETS: dict[str, Preset] = {
     "cleanup": Preset(
         "cleanup",
         "remove Identity and dead nodes, fold constants, drop redundant Casts and neutral arithmetic, infer shapes",
-        # Shapes first: graphsurgeon folds Shape ops only where it knows the shapes.
-        ("remove-identity", "infer-shapes", "fold-constants", "remove-redundant-casts", "remove-neutral-arithmetic",
-         "eliminate-dead-nodes", "infer-shapes"),
+        # Shapes first: graphsurgeon folds Shape ops only where it knows the shapes. Repeated until
+        # nothing changes: new shapes let more fold, folding lets shape inference resolve more.
+        ("remove-identity", "infer-shapes", "remove-redundant-casts", "remove-neutral-arithmetic", "fold-constants",
+         "eliminate-dead-nodes"),
+        fixpoint=True,
     ),
 }
 PRESETS["ort-cuda"] = Preset(
     "ort-cuda",
     "cleanup, then every fusion into ONNX Runtime's com.microsoft ops, then NHWC convolutions",
-    PRESETS["cleanup"].passes
+    ("cleanup",)
     + (
         "fuse-attention",  # first: it reads the exporters' attention as written, before layout changes
         "fuse-group-norm",
@@ -65,7 +70,7 @@ PRESETS["tensorrt"] = Preset(
     "cleanup, then standard ONNX ops TensorRT's parser fuses: attention with the scale on Q, GroupNormalization",
     # No com.microsoft op: TensorRT's parser reads standard ops only. LayerNormalization (both
     # exporters) and GELU (Erf chain or Gelu op) are left as written: TensorRT fuses them itself.
-    PRESETS["cleanup"].passes
+    ("cleanup",)
     + (
         # one attention form: constant scale, K^T one Transpose, no NaN guard; ONNX Attention (opset 23+)
         # lowered to MatMul-Softmax-MatMul, which every TensorRT 10 parser reads and its MHA fusion fuses
@@ -115,6 +120,9 @@ def available_passes() -> dict[str, type[Pass]]:
 
 
 def get_pass(name: str) -> type[Pass]:
+    preset = PRESETS.get(name)
+    if preset is not None and preset.fixpoint:
+        return fixpoint_sequence(preset.name, preset.description, preset.passes)
     passes = available_passes()
     if name not in passes:
         raise UnknownPassError(f"unknown pass or preset '{name}'{_suggest(name)}; 'onnxopt passes' lists them")
@@ -135,8 +143,8 @@ def expand(names: list[str]) -> list[str]:
         name = name.strip()
         if not name:
             continue
-        if name in PRESETS:
-            out.extend(PRESETS[name].passes)
+        if name in PRESETS:  # a fixpoint preset stays one step (a Sequence); others are spelled out
+            out.extend([name] if PRESETS[name].fixpoint else expand(list(PRESETS[name].passes)))
         else:
             get_pass(name)
             out.append(name)

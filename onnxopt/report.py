@@ -60,10 +60,12 @@ class PassReport:
     memory: MemoryUse | None = None  # after the pass
     cpu_seconds: float | None = None  # this process's CPU time (user + system) in the pass: on a
     # shared machine the wall time also counts the others' work, the CPU time does not
+    round: str | None = None  # "cleanup round 2": a repeated step of a fixpoint sequence
 
     @property
     def label(self) -> str:
         name = self.name if not self.companion else f"{self.name} [{self.companion}]"
+        name = name if not self.round else f"{name} ({self.round})"
         return name if not self.auto else f"{name} (for {self.auto})"
 
     def as_dict(self) -> dict[str, Any]:
@@ -72,6 +74,7 @@ class PassReport:
             "pass": self.name,
             "auto_inserted_for": self.auto,
             "companion": self.companion,
+            "round": self.round,
             "modified": r.modified,
             "sites_matched": r.sites_matched,
             "sites_rewritten": r.sites_rewritten,

@@ -37,14 +37,11 @@ from onnxopt.domains import MS_DOMAIN
 from onnxopt.fusion import Emit, Fusion, FusionRun, NameAuthority, Refusal, Rule
 from onnxopt.graph_edit import detach, is_standard
 from onnxopt.model import Model
-from onnxopt.pass_infra import CONSTANTS_FOLDED, SHAPES_INFERRED, OrtFusion, Pass, PassResult
+from onnxopt.pass_infra import CONSTANTS_FOLDED, SHAPES_INFERRED, SLICES_AS_SPLIT, OrtFusion, Pass, PassResult
 from onnxopt.pattern import Const, Match, OneOf, Pattern, constant_shape, constant_value, is_constant, op
 from onnxopt.pattern.tensor_facts import normalize_axis, rank_of, shape_of, static_dim, static_ints
 from onnxopt.registry import register_pass
 from onnxopt.weights import DerivedValues, stored_values
-
-# Property: no Slices that tile an axis of one tensor are left (they are Splits).
-SLICES_AS_SPLIT = "slices-as-split"
 
 # ORT 1.31.1's CUDA kernel, run on an H100: "hidden size should be 2560, 5120, 6144, 10240 or 12288".
 CUDA_HIDDEN_SIZES = (2560, 5120, 6144, 10240, 12288)

@@ -1,4 +1,5 @@
-"""fold-constants: evaluate every subgraph whose inputs are all constant, using graphsurgeon's folder.
+"""fold-constants: evaluate every subgraph whose inputs are all constant, using graphsurgeon's folder,
+swept until nothing more folds (constants-folded: onnxopt.properties checks it).
 
 graphsurgeon (0.6.1) has one defect we work around: its shape folding ignores the ``start`` and
 ``end`` attributes of ``Shape`` (opset 15+), which the dynamo exporter uses everywhere; on static
@@ -25,14 +26,16 @@ from onnxopt.fusion import Emit, NameAuthority
 from onnxopt.graph_edit import detach, is_standard, replace_output
 from onnxopt.model import Model
 from onnxopt.pass_infra import CONSTANTS_FOLDED, Pass, PassResult
+from onnxopt.properties import FOLD_SIZE_THRESHOLD
 from onnxopt.registry import register_pass
 from onnxopt.weights import constant_nbytes, is_external, read_uncached, store_values
 
 INT64_MAX = np.iinfo(np.int64).max
 LOAD_EXTERNAL_BELOW_BYTES = 1 << 20
 # Folding must not blow up the model: constants larger than this stay computed at run time
-# (e.g. ConstantOfShape zeros of a static export).
-DEFAULT_SIZE_THRESHOLD = 16 << 20
+# (e.g. ConstantOfShape zeros of a static export); the constants-folded check allows for them.
+DEFAULT_SIZE_THRESHOLD = FOLD_SIZE_THRESHOLD
+MAX_SWEEPS = 8  # folder sweeps per run (SD graphs settle in two or three)
 
 
 @register_pass
@@ -53,16 +56,23 @@ class FoldConstants(Pass):
         G_LOGGER.severity = max(severity, G_LOGGER.ERROR)  # graphsurgeon logs every partition it tries
         quiet_onnxruntime()  # and the sessions it folds with warn about their own graph optimizations
         try:
-            graph.fold_constants(
-                fold_shapes=True,
-                partitioning="basic",
-                error_ok=True,
-                size_threshold=self.size_threshold,
-                should_exclude_node=reads_large_external_weight,
-            )
+            # One sweep of graphsurgeon's folder leaves nodes whose inputs its own shape folding
+            # made constant (a Shape of static dims folded, the Add reading it not): sweep again
+            # until a sweep folds nothing, so that constants-folded holds.
+            for _ in range(MAX_SWEEPS):
+                count = len(graph.nodes)
+                graph.fold_constants(
+                    fold_shapes=True,
+                    partitioning="basic",
+                    error_ok=True,
+                    size_threshold=self.size_threshold,
+                    should_exclude_node=reads_large_external_weight,
+                )
+                graph.cleanup(remove_unused_graph_inputs=False)
+                if len(graph.nodes) == count:
+                    break
         finally:
             G_LOGGER.severity = severity
-        graph.cleanup(remove_unused_graph_inputs=False)
         folded = before - len(graph.nodes)
         rejoined = join_ranged_shapes(graph, split)
         graph.cleanup(remove_unused_graph_inputs=False).toposort()

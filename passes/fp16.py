@@ -43,36 +43,14 @@ range on calibration inputs, and optionally nodes whose own low-precision error 
 ``sensitivity``).
 
 Weights are never loaded for conversion: a converted initializer is a ``DerivedValues`` computed
-when the model is saved (one tensor at a time); the range scan streams each weight in chunks
-(full-size SD 1.5 UNet, 3.44 GB: 3.4 s for the pass, 13 s to save, peak RSS 0.29 GB).
-
-Checked on ONNX Runtime 1.31.1's CUDA EP (H100): every committed fixture, raw and after the
-fusions, runs in float16 (relative L2 to float32 at most 2.8e-3, no NaN/inf) and in bfloat16.
-
-TensorRT (recommendation for the lead): give TensorRT this pass's output, a *strongly typed*
-float16 graph, rather than a float32 graph plus the builder's FP16 flag.
-
-* The flag is going away: weak typing is deprecated since TensorRT 10.12, and TensorRT 11 removes
-  ``BuilderFlag.FP16``/``BF16`` and the precision-constraint flags; every network is strongly
-  typed there, with precision expressed by the types in the graph. ONNX Runtime's TensorRT EP
-  already creates a ``kSTRONGLY_TYPED`` network whenever ``trt_fp16_enable``/``trt_int8_enable``
-  are off (ORT PR 24298), so this file needs no flag at all.
-* With the flag, precision is a per-layer speed choice TensorRT makes after fusing: the float32
-  decisions made here (tensors that overflow on calibration data, Sin/Cos arguments,
-  out-of-range constants) would not be honoured unless every layer were pinned
-  (OBEY_PRECISION_CONSTRAINTS) through names its fusions do not keep, and ``-3.4e38`` masks
-  would reach float16 kernels as ``-inf``.
-* A strongly typed graph runs the types checked here, on CPU, so its accuracy is the accuracy
-  onnxopt measures, and one file serves ORT's CUDA EP and TensorRT.
-
-The cost: TensorRT can no longer move a layer to float32 on its own, so what must be float32 has
-to be decided here (``fp32_auto`` with representative calibration inputs for VAEs).
+when the model is saved (one tensor at a time); the range scan streams each weight in chunks.
+The output is a strongly typed low-precision graph, the form TensorRT 11 reads as well (why, and
+the measurements on the full-size UNet and on ONNX Runtime's CUDA EP: benchmarks/results/fp16-notes.md).
 """
 
 from __future__ import annotations
 
 import contextlib
-import itertools
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -90,6 +68,7 @@ from onnxopt.fp16_hazards import (
     periodic_arguments,
     uses,
 )
+from onnxopt.fusion import Emit, NameAuthority
 from onnxopt.model import SKELETON_THRESHOLD_BYTES, Model
 from onnxopt.pass_infra import CONSTANTS_FOLDED, SHAPES_INFERRED, Pass, PassResult
 from onnxopt.precision import (
@@ -352,7 +331,7 @@ class _Conversion:
         self.type: dict[str, str] = {}  # float32 tensor name -> LOW | F32 | BOTH
         self.demand: dict[tuple[int, int], str] = {}  # (node index, input index) -> LOW | F32
         self.graph_outputs = {id(t) for t in self.graph.outputs}
-        self.names = {n.name for n in self.nodes} | set(self.graph.tensors())
+        self.names = NameAuthority(self.graph)  # the x__fp16 tensors and their Casts
         self.stats = _Stats()
 
     # ---------------------------------------------------------------- planning
@@ -489,14 +468,9 @@ class _Conversion:
 
     # ---------------------------------------------------------------- rewriting
 
-    def unique(self, base: str) -> str:
-        name = base
-        for n in itertools.count(1):
-            if name not in self.names:
-                break
-            name = f"{base}_{n}"
-        self.names.add(name)
-        return name
+    def write(self, prefix: str) -> Emit:
+        """A builder for nodes named ``{prefix}/{Op}`` (a Cast after the tensor it computes)."""
+        return Emit(self.graph, self.names, prefix)
 
     def apply(self) -> _Stats:
         self.plan()
@@ -560,9 +534,9 @@ class _Conversion:
             have = F32 if kind in (F32, BOTH) else LOW
             if have == want:
                 continue
-            final = gs.Variable(out.name, dtype=self._np(want), shape=out.shape)
-            out.name = self.unique(f"{out.name}__{self.low.name if have == LOW else 'float32'}")
-            self.graph.nodes.append(self._cast_node(out, final, want))
+            final = self.write(out.name).variable(out.name, self._np(want), out.shape, exact=True)
+            out.name = self.names(f"{out.name}__{self.low.name if have == LOW else 'float32'}")
+            self._cast(out, final, want)
             self.graph.outputs[k] = final
         self.graph.cleanup(remove_unused_graph_inputs=False)
         self.graph.toposort()
@@ -571,10 +545,12 @@ class _Conversion:
     def _np(self, kind: str):
         return self.low.np_dtype if kind == LOW else np.dtype(np.float32)
 
-    def _cast_node(self, x: gs.Tensor, y: gs.Tensor, to: str) -> gs.Node:
+    def _cast(self, x: gs.Tensor, y: gs.Tensor, to: str) -> None:
+        """Append ``y = Cast(x)`` (node ``{y}/Cast``) to the graph."""
         self.stats.casts_inserted += 1
-        return gs.Node("Cast", name=self.unique(f"{y.name}/Cast"), attrs={"to": self.low.onnx_type if to == LOW else FLOAT},
-                       inputs=[x], outputs=[y])
+        make = self.write(y.name)
+        make.op.Cast(x, to=self.low.onnx_type if to == LOW else FLOAT, _outputs=[y])
+        make.into(self.graph)
 
     def version(self, t: gs.Tensor, want: str) -> gs.Tensor:
         """``t`` in type ``want``: itself, its twin, its float32 original, or a (shared) Cast of it."""
@@ -588,8 +564,8 @@ class _Conversion:
         key = (t.name, want)
         if key not in self.casts:
             suffix = self.low.name if want == LOW else "float32"
-            y = gs.Variable(self.unique(f"{t.name}__{suffix}"), dtype=self._np(want), shape=t.shape)
-            self.graph.nodes.append(self._cast_node(t, y, want))
+            y = self.write(t.name).variable(f"{t.name}__{suffix}", self._np(want), t.shape)
+            self._cast(t, y, want)
             self.type[y.name] = want
             self.casts[key] = y
             if want == LOW:
@@ -600,17 +576,19 @@ class _Conversion:
         """The low-precision copy of a constant or source output wanted in both types."""
         if t.name in self.twins:
             return self.twins[t.name]
-        name = self.unique(f"{t.name}__{self.low.name}")
+        name = self.names(f"{t.name}__{self.low.name}")
         if isinstance(t, gs.Constant):
             twin = gs.Constant(name, self.low_values(t, name))
             self.stats.constants_converted += 1
         else:
             source = t.inputs[0]
-            twin = gs.Variable(name, dtype=self.low.np_dtype, shape=t.shape)
-            clone = gs.Node(source.op, name=self.unique(f"{source.name or t.name}__{self.low.name}"), domain=source.domain,
-                            attrs=dict(source.attrs), inputs=list(source.inputs), outputs=[twin])
-            self.retype_source(source, clone)
-            self.graph.nodes.append(clone)
+            make = self.write(t.name)
+            twin = make.variable(name, self.low.np_dtype, t.shape, exact=True)
+            clone_name = self.names(f"{source.name or t.name}__{self.low.name}")
+            make.node(source.op, list(source.inputs), None, None, outputs=[twin], domain=source.domain,
+                      name=clone_name, **dict(source.attrs))
+            self.retype_source(source, make.nodes[-1])
+            make.into(self.graph)
         self.stats.constant_twins += 1
         self.type[name] = LOW
         self.twins[t.name] = twin

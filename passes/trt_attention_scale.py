@@ -23,8 +23,6 @@ from __future__ import annotations
 import numpy as np
 import onnx_graphsurgeon as gs
 
-import onnx_graphsurgeon as gs
-
 from onnxopt.fusion import Emit, Fusion, FusionRun, Refusal, Rule
 from onnxopt.pass_infra import CONSTANTS_FOLDED, SHAPES_INFERRED
 from onnxopt.pattern import Const, Match, OneOf, Pattern, Var, constant_value, is_constant, op

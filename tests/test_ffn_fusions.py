@@ -487,6 +487,27 @@ def test_shape_arithmetic_is_static_where_it_reads_only_static_dims():
     assert values[batch] is None
 
 
+def test_the_one_shape_oracle_evaluates_what_the_exporters_compute_shape_values_with():
+    """tensor_facts reads Dims (one evaluator): Size, Max/Min, Mod, computed Slice bounds and Gather
+    indices are static where the dims they read are; a symbolic dim stays unknown through them."""
+    from onnxopt.pattern.tensor_facts import static_ints
+
+    net = Net()
+    h = net.input("h", ["batch", 6, 8])
+    shape = net.op("Shape", h)
+    last = net.op("Gather", shape, net.ints(-1))
+    size_of = net.op("Size", net.input("w", [3, 4]))
+    biggest = net.op("Max", last, net.op("Gather", shape, net.op("Sub", net.ints(2), net.ints(1))))  # max(8, 6)
+    smallest = net.op("Min", last, net.ints(5))
+    rest = net.op("Mod", last, net.ints(3))
+    tail = net.op("Slice", shape, net.op("Sub", net.ints(3), net.ints(2)), net.ints(3))  # shape[1:3]
+    batch = net.op("Max", net.op("Gather", shape, net.ints(0)), net.ints(1))
+    graph = load_model(net.model(size_of, biggest, smallest, rest, tail, batch)).graph
+    values = {t.name: static_ints(t) for t in graph.outputs}
+    assert (values[size_of], values[biggest], values[smallest], values[rest], values[tail]) == ([12], [8], [5], [2], [6, 8])
+    assert values[batch] is None  # max(batch, 1): the batch is symbolic
+
+
 def residual_branch_net(branch_reads_other_input: bool):
     """LayerNormalization(a + F), F = (a @ W + bias) viewed through a Reshape that copies dim 0 [* c]."""
     net = Net()
@@ -503,7 +524,7 @@ def residual_branch_net(branch_reads_other_input: bool):
 def test_the_residual_proof_follows_row_wise_ops_back_to_the_skip(reads_other_input):
     """a + F(a): F (MatMul by a weight, bias, a Reshape that copies dim 0) is computed from a row by row, so
     the batches are one; F times another input c is not (c's batch may broadcast in)."""
-    from onnxopt.passes.layer_norm import _computed_row_by_row
+    from onnxopt.passes.skip_layer_norm import _computed_row_by_row
 
     model = load_model(residual_branch_net(branch_reads_other_input=reads_other_input))
     (add,) = [n for n in model.graph.nodes if n.op == "Add" and n.outputs[0].outputs[0].op == "LayerNormalization"]

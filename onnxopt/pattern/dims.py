@@ -25,11 +25,13 @@ and can never be 1 (``2*batch``, ``77``) are taken as equal, since otherwise the
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from dataclasses import dataclass
 
 import numpy as np
 import onnx_graphsurgeon as gs
+from onnx import helper
 
 from onnxopt.graph_edit import is_absent
 
@@ -108,7 +110,10 @@ class Dims:
     edits to the tensors it has seen.
     """
 
-    def __init__(self, max_depth: int = 200):
+    def __init__(self, max_depth: int = 200, *, annotated_only: bool = False):
+        """``annotated_only``: a tensor's dims are its annotations (what shape inference wrote), no
+        structural rule; what :func:`onnxopt.pattern.tensor_facts.static_ints` reads."""
+        self.annotated_only = annotated_only
         self._shapes: dict[int, list | None] = {}
         self._vectors: dict[int, list | None] = {}
         self._depth = 0
@@ -144,7 +149,7 @@ class Dims:
         annotated = self._annotated(tensor)
         if isinstance(tensor, gs.Constant) or is_constant(tensor):
             return [Dim(int(d)) for d in constant_shape(tensor)]
-        if not tensor.inputs:  # a graph input
+        if not tensor.inputs or self.annotated_only:  # a graph input, or annotations asked for
             return annotated
         derived = self._derived(tensor.inputs[0], tensor)
         if derived is None:
@@ -394,15 +399,23 @@ class Dims:
             parts = [self.vector(t) for t in inputs]
             return None if any(p is None for p in parts) else [d for p in parts for d in p]
         if op == "Gather":
-            data, index = self.vector(inputs[0]), constant_value(inputs[1])
-            if data is None or index is None:
+            data, index = self.vector(inputs[0]), _ints(self.vector(inputs[1]))
+            if data is None or index is None or int(node.attrs.get("axis", 0)) not in (0, -1):
                 return None
             try:
-                return [data[int(i)] for i in index.reshape(-1)]
+                return [data[i] for i in index]
             except IndexError:
                 return None
         if op == "Slice":
             return self._slice(inputs)
+        if op == "Size":
+            shape = self.shape(inputs[0])
+            return None if shape is None or any(d is None for d in shape) else [product(shape)]
+        if op in ("Neg", "Abs"):
+            data = self.vector(inputs[0])
+            if data is None:
+                return None
+            return [Dim(-d.value if op == "Neg" else abs(d.value)) if d is not None and d.is_int else None for d in data]
         if op == "ConstantOfShape":
             count = self.vector(inputs[0])
             value = node.attrs.get("value")
@@ -419,18 +432,19 @@ class Dims:
             if not len(cond) == len(a) == len(b) == n:
                 return None
             return [None if c is None else (x if c else y) for c, x, y in zip(cond, a, b)]
-        if op in ("Mul", "Div", "Add", "Sub"):
-            a, b = self.vector(inputs[0]), self.vector(inputs[1])
-            if a is None or b is None:
+        if op in ("Mul", "Div", "Add", "Sub", "Mod", "Max", "Min"):
+            operands = [self.vector(t) for t in inputs]
+            if any(v is None for v in operands) or (op not in ("Max", "Min") and len(operands) != 2):
                 return None
-            if len(a) != len(b):
-                if len(b) == 1:
-                    b = b * len(a)
-                elif len(a) == 1:
-                    a = a * len(b)
-                else:
-                    return None
-            return [_arith(op, x, y) for x, y in zip(a, b)]
+            n = max(len(v) for v in operands)
+            if any(len(v) not in (1, n) for v in operands):
+                return None
+            operands = [v * n if len(v) == 1 else v for v in operands]
+            integer = all(_integer_typed(t) for t in inputs)  # Div and Mod as ONNX computes them on integers
+            out = operands[0]
+            for other in operands[1:]:
+                out = [_arith(op, x, y, integer=integer, fmod=bool(node.attrs.get("fmod", 0))) for x, y in zip(out, other)]
+            return out
         return None
 
     def _truth(self, tensor: gs.Tensor) -> list | None:
@@ -446,19 +460,21 @@ class Dims:
         return [_decide_equal(x, y) for x, y in zip(a, b)] if len(a) == len(b) else None
 
     def _slice(self, inputs) -> list | None:
+        """A Slice of a vector (axis 0) with one start, end and step each, computed or constant;
+        positive steps only (ONNX clamps negative ones unlike Python; shape code has none)."""
         data = self.vector(inputs[0])
-        bounds = [constant_value(t) if t is not None and not is_absent(t) else None for t in inputs[1:5]]
+        bounds = [_ints(self.vector(t)) if t is not None and not is_absent(t) else None for t in inputs[1:5]]
         while len(bounds) < 4:
             bounds.append(None)
         starts, ends, axes, steps = bounds
-        if data is None or starts is None or ends is None:
+        if data is None or starts is None or ends is None or len(starts) != 1 or len(ends) != 1:
             return None
-        if axes is not None and axes.reshape(-1).tolist() not in ([0], [-1]):
+        if axes is not None and axes not in ([0], [-1]):
             return None
-        step = 1 if steps is None else int(steps.reshape(-1)[0])
-        if step == 0:
+        step = 1 if steps is None else steps[0]
+        if step <= 0:
             return None
-        return data[int(starts.reshape(-1)[0]) : int(ends.reshape(-1)[0]) : step]
+        return data[starts[0] : ends[0] : step]
 
 
 def _decide_equal(a: Dim | None, b: Dim | None) -> bool | None:
@@ -479,16 +495,71 @@ def _never_one(d: Dim | None) -> bool:
     return d is not None and (d.value != 1 if d.is_int else d.coeff >= 2)
 
 
-def _arith(op: str, a: Dim | None, b: Dim | None) -> Dim | None:
+def _arith(op: str, a: Dim | None, b: Dim | None, *, integer: bool = False, fmod: bool = False) -> Dim | None:
+    """``a op b``; ``integer``: both operands are integer tensors, so Div truncates toward zero and
+    Mod is ONNX's (the divisor's sign, or the dividend's with ``fmod``). Otherwise a Div is exact
+    or unknown (shape code divides floats that hold integers, too)."""
     if a is None or b is None:
         return None
     if op == "Mul":
         return a * b
-    if op == "Div":  # integer division in shape code: exact or unknown
-        return a.divided_by(b)
-    if a.is_int and b.is_int:
-        return Dim(a.coeff + b.coeff if op == "Add" else a.coeff - b.coeff)
+    if op == "Div":
+        exact = a.divided_by(b)
+        if exact is None and integer and a.is_int and b.is_int and b.value != 0:
+            quotient = abs(a.value) // abs(b.value)
+            return Dim(-quotient if (a.value < 0) != (b.value < 0) else quotient)
+        return exact
+    if op in ("Max", "Min") and a == b:
+        return a
+    if not (a.is_int and b.is_int):
+        return None
+    x, y = a.value, b.value
+    if op == "Add":
+        return Dim(x + y)
+    if op == "Sub":
+        return Dim(x - y)
+    if op == "Max":
+        return Dim(max(x, y))
+    if op == "Min":
+        return Dim(min(x, y))
+    if op == "Mod" and integer and y != 0:
+        return Dim(int(math.fmod(x, y)) if fmod else x % y)
     return None
+
+
+def _ints(vector: list | None) -> list[int] | None:
+    """A vector's elements as ints (None if one is not a known integer)."""
+    if vector is None or any(d is None or not d.is_int for d in vector):
+        return None
+    return [d.value for d in vector]
+
+
+# Ops whose output has the element type of their first input (shape arithmetic).
+_TYPE_OF_FIRST_INPUT = frozenset({"Neg", "Abs", "Add", "Sub", "Mul", "Div", "Mod", "Max", "Min", "Gather", "Concat",
+                                  "Slice", "Squeeze", "Unsqueeze", "Reshape", "Identity", "Flatten"})
+
+
+def _integer_typed(tensor: gs.Tensor, depth: int = 32) -> bool:
+    """Whether ``tensor`` is known to hold integers: its constant or annotated dtype, else what
+    computes it (Shape and Size give int64, a Cast its ``to``, arithmetic its first input's type)."""
+    if is_constant(tensor):
+        return np.issubdtype(constant_value(tensor).dtype, np.integer)
+    dtype = getattr(tensor, "dtype", None)
+    if dtype is not None:
+        try:
+            return np.issubdtype(np.dtype(dtype), np.integer)
+        except TypeError:
+            return False
+    if depth == 0 or len(tensor.inputs) != 1:
+        return False
+    node = tensor.inputs[0]
+    if node.domain not in (None, "", "ai.onnx"):
+        return False
+    if node.op in ("Shape", "Size"):
+        return True
+    if node.op == "Cast":
+        return np.issubdtype(helper.tensor_dtype_to_np_dtype(int(node.attrs["to"])), np.integer)
+    return node.op in _TYPE_OF_FIRST_INPUT and bool(node.inputs) and _integer_typed(node.inputs[0], depth - 1)
 
 
 def _integral(value: np.ndarray) -> bool:
