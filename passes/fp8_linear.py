@@ -55,6 +55,7 @@ import onnx
 import onnx_graphsurgeon as gs
 
 from onnxopt.fusion import Emit, Fusion, FusionRun, Refusal, Rule, Site
+from onnxopt.opset_upgrade import opset_upgrade_refusal, upgrade_to_opset_21
 from onnxopt.pass_infra import CONSTANTS_FOLDED, SHAPES_INFERRED, OrtFusion
 from onnxopt.pattern import Match, Pattern, constant_shape, constant_value, is_constant, op
 from onnxopt.pattern.tensor_facts import shape_of, static_dims
@@ -235,8 +236,6 @@ def _refuse(run: FusionRun, site: Site, reason: str) -> None:
 
 
 def _opset_refusal(run: FusionRun) -> str | None:
-    from onnxopt.passes.trt_group_norm import opset_upgrade_refusal
-
     if run.model.opset >= MIN_OPSET:
         return None
     return opset_upgrade_refusal(run.graph, run.model.opset)
@@ -244,11 +243,9 @@ def _opset_refusal(run: FusionRun) -> str | None:
 
 def _move_opset(run: FusionRun) -> None:
     """Opset 19+ for QuantizeLinear to float8 (the model moves to 21 when older); IR 9+ for float8 types."""
-    from onnxopt.passes.trt_group_norm import upgrade_to_target_opset
-
     graph = run.graph
     if run.model.opset < MIN_OPSET:
-        upgrade_to_target_opset(graph, run.model.opset, run.names)
+        upgrade_to_opset_21(graph, run.model.opset, run.names)
         run.result.details["opset_moved_to"] = graph.opset
     if graph.ir_version is not None and graph.ir_version < 9:
         graph.ir_version = 9

@@ -22,18 +22,9 @@ per-channel affine; ONNX fixed that in opset 21 and deprecated version 18 (onnx.
 GroupNormalization in an opset 18-20 model). TensorRT 11's parser reads opsets up to 25; check the
 parser's operators.md for an older TensorRT.
 
-Moving a model to opset 21 (only when at least one site will be rewritten). Of the ai.onnx ops whose
-version changed between the model's opset and 21, this pass knows which keep their meaning:
-
-* ReduceMean, ReduceMax, ReduceMin, ReduceProd, ReduceL1, ReduceL2, ReduceLogSum, ReduceLogSumExp,
-  ReduceSumSquare (18): ``axes`` moved from an attribute to an input; such nodes are rewritten
-  with the axes as a constant input.
-* ``COMPATIBLE_CHANGES``: the new version only added types, or inputs/attributes (values) whose
-  defaults keep the old behaviour (Cast's saturate applies to float8 only, Resize's antialias=0, ...).
-* Any other changed op (DFT's axis became an input in 20, GridSample renamed its modes in 20, a
-  GroupNormalization-18 already there, ...) and nodes holding subgraphs (If/Loop/Scan) stop the
-  move: every site is refused with the reason, and the graph keeps the InstanceNorm form, which
-  TensorRT parses too.
+Moving a model to opset 21 (only when at least one site will be rewritten; onnxopt.opset_upgrade
+says which ops keep their meaning): when the model cannot move, every site is refused with the
+reason, and the graph keeps the InstanceNorm form, which TensorRT parses too.
 
 Conditions on a site (refused sites keep the InstanceNorm form):
 
@@ -51,11 +42,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-import onnx
 import onnx_graphsurgeon as gs
 
-from onnxopt.fusion import Emit, Fusion, FusionRun, NameAuthority, Refusal, Rule, Site
-from onnxopt.graph_edit import set_input
+from onnxopt.fusion import Emit, Fusion, FusionRun, Refusal, Rule, Site
 from onnxopt.group_norm_form import (
     check_instance_norm_is_plain,
     check_restores_shape,
@@ -65,25 +54,12 @@ from onnxopt.group_norm_form import (
     per_channel,
     rank_and_channels,
 )
+from onnxopt.opset_upgrade import OPSET_21, opset_upgrade_refusal, upgrade_to_opset_21
 from onnxopt.pass_infra import CONSTANTS_FOLDED, SHAPES_INFERRED
 from onnxopt.pattern import Match, Pattern
 from onnxopt.registry import register_pass
 
-TARGET_OPSET = 21  # GroupNormalization-21: scale and bias per channel
-MIN_IR_VERSION = 10  # what opset 21 needs
-# Ops whose meaning changed in opset 18: ``axes`` moved from an attribute to an input.
-AXES_BECAME_INPUT_IN_18 = frozenset({
-    "ReduceMean", "ReduceMax", "ReduceMin", "ReduceProd", "ReduceL1", "ReduceL2",
-    "ReduceLogSum", "ReduceLogSumExp", "ReduceSumSquare",
-})
-# Ops with a new version in opsets 18-21 that means the same for every graph valid before it: new
-# types, or new inputs/attributes (or attribute values) whose defaults keep the old behaviour.
-COMPATIBLE_CHANGES = frozenset({
-    "Cast", "CastLike", "Constant", "ConstantOfShape", "Identity", "Reshape", "Shape", "Size", "Squeeze",
-    "Unsqueeze", "Transpose", "Flatten", "Equal", "IsInf", "IsNaN", "AveragePool", "LpPool", "Pad",
-    "Resize", "Split", "ScatterElements", "ScatterND", "QuantizeLinear", "DequantizeLinear", "QLinearMatMul",
-    "OptionalGetElement", "OptionalHasElement", "ReduceMax", "ReduceMin",
-})
+TARGET_OPSET = OPSET_21  # GroupNormalization-21: scale and bias per channel
 
 
 # ---------------------------------------------------------------- patterns
@@ -110,53 +86,6 @@ def read_groups(match: Match) -> tuple[int, int, float]:
 
 def float_dtype(x: gs.Tensor) -> np.dtype:
     return np.dtype(x.dtype) if x.dtype is not None else np.dtype(np.float32)
-
-
-# ---------------------------------------------------------------- moving the model to opset 21
-
-
-def _version(op_type: str, opset: int) -> int | None:
-    try:
-        return onnx.defs.get_schema(op_type, max_inclusive_version=opset, domain="").since_version
-    except onnx.defs.SchemaError:
-        return None
-
-
-def opset_upgrade_refusal(graph: gs.Graph, opset: int) -> str | None:
-    """Why the model cannot be moved to opset 21 by this pass, or None when it can (or is there)."""
-    if opset >= TARGET_OPSET:
-        return None
-    if any(isinstance(v, gs.Graph) for node in graph.nodes for v in node.attrs.values()):
-        return f"opset {opset} model with subgraphs (If/Loop/Scan): not moved to opset {TARGET_OPSET}"
-    changed = sorted({
-        n.op for n in graph.nodes
-        if n.domain in ("", "ai.onnx", None) and _version(n.op, opset) != _version(n.op, TARGET_OPSET)
-        and n.op not in COMPATIBLE_CHANGES | AXES_BECAME_INPUT_IN_18
-    })
-    if changed:
-        return (f"{', '.join(changed)} got new versions between opset {opset} and {TARGET_OPSET} not known to keep their"
-                f" meaning: the model stays at opset {opset}")
-    return None
-
-
-def upgrade_to_target_opset(graph: gs.Graph, opset: int, names: NameAuthority) -> int:
-    """Move a graph to opset 21; returns how many Reduce nodes got their axes as an input."""
-    moved = 0
-    if opset < 18:
-        for node in graph.nodes:
-            if node.op in AXES_BECAME_INPUT_IN_18 and node.domain in ("", "ai.onnx", None) and "axes" in node.attrs:
-                axes = np.asarray(node.attrs.pop("axes"), dtype=np.int64).reshape(-1)
-                set_input(node, len(node.inputs), Emit(graph, names, node.name or node.op).constant("axes", axes))
-                moved += 1
-    graph.opset = TARGET_OPSET
-    if graph.import_domains is not None:
-        graph.import_domains = [
-            onnx.helper.make_opsetid("", TARGET_OPSET) if (d.domain or "ai.onnx") == "ai.onnx" else d
-            for d in graph.import_domains
-        ]
-    if graph.ir_version is not None and graph.ir_version < MIN_IR_VERSION:
-        graph.ir_version = MIN_IR_VERSION
-    return moved
 
 
 # ---------------------------------------------------------------- the site and what it writes
@@ -225,7 +154,7 @@ class TrtGroupNorm(Fusion):
     def before_rewrites(self, run: FusionRun, sites: list[Site]) -> list[Site]:
         opset = run.model.opset
         if sites and opset < TARGET_OPSET:
-            moved = upgrade_to_target_opset(run.graph, opset, run.names)
+            moved = upgrade_to_opset_21(run.graph, opset, run.names)
             run.result.details["opset"] = f"{opset} -> {TARGET_OPSET}" + (f" ({moved} Reduce nodes given axes inputs)" if moved else "")
         run.result.details["affine_absorbed"] = sum(site.facts.affine is not None for site in sites)
         return sites
