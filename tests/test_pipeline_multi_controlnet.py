@@ -31,6 +31,8 @@ ort = pytest.importorskip("onnxruntime", reason="generating needs onnxruntime")
 from onnxopt.pipeline import Pipeline, PipelineFolder  # noqa: E402
 from onnxopt.pipeline.schedulers import make_scheduler  # noqa: E402
 from tests.test_pipeline_generate import assert_same_image  # noqa: E402
+from tests.test_pipeline_two_streams import random_feeds as two_streams_feeds  # noqa: E402
+from tests.test_pipeline_two_streams import run  # noqa: E402
 
 pytestmark = pytest.mark.models
 
@@ -191,23 +193,10 @@ def dynamo_unet(tmp_path_factory):
 
 DIMS = {"batch": 2, "height": 8, "width": 12, "height_div2": 4, "width_div2": 6, "height_div4": 2, "width_div4": 3,
         "sequence": 7, "schedule": 5, "images": 1}
-TYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(int64)": np.int64}
 
 
 def random_feeds(session, rng) -> dict:
-    feeds = {}
-    for spec in session.get_inputs():
-        shape = [d if isinstance(d, int) else DIMS.get(d, 1) for d in spec.shape]
-        dtype = TYPES[spec.type]
-        feeds[spec.name] = (rng.integers(0, DIMS["schedule"], shape) if dtype == np.int64
-                            else rng.standard_normal(shape)).astype(dtype)
-    feeds["schedule_timesteps"] = (np.abs(feeds["schedule_timesteps"]) * 300).astype(feeds["schedule_timesteps"].dtype)
-    return feeds
-
-
-def run(session, feeds) -> dict:
-    names = [o.name for o in session.get_outputs()]
-    return dict(zip(names, session.run(names, {i.name: feeds[i.name] for i in session.get_inputs()})))
+    return two_streams_feeds(session, rng, DIMS)
 
 
 @pytest.mark.parametrize("exporter", ["torchscript", pytest.param("dynamo", marks=pytest.mark.slow)])

@@ -38,12 +38,14 @@ def folders(tmp_path_factory):
     return get
 
 
-def random_feeds(session, rng) -> dict:
+def random_feeds(session, rng, dims=DIMS) -> dict:
+    """Random feeds for a step graph's session at ``dims`` (a named dim not in ``dims``: 1), with
+    timesteps in the schedule's range."""
     feeds = {}
     for spec in session.get_inputs():
-        shape = [d if isinstance(d, int) else DIMS[d] for d in spec.shape]
+        shape = [d if isinstance(d, int) else dims.get(d, 1) for d in spec.shape]
         dtype = TYPES[spec.type]
-        feeds[spec.name] = (rng.integers(0, DIMS["schedule"], shape) if dtype == np.int64
+        feeds[spec.name] = (rng.integers(0, dims["schedule"], shape) if dtype == np.int64
                             else rng.standard_normal(shape)).astype(dtype)
     feeds["schedule_timesteps"] = (np.abs(feeds["schedule_timesteps"]) * 300).astype(feeds["schedule_timesteps"].dtype)
     return feeds
