@@ -249,7 +249,8 @@ def test_wrong_image_or_scale_count_is_refused(built, tmp_path, capsys):
     out = tmp_path / "x.png"
     cases = [["--controlnet-image", str(edges)],
              ["--controlnet-image", str(edges)] * 3,
-             ["--controlnet-image", str(edges)] * 2 + ["--controlnet-scale", "1.0", "0.5", "0.2"]]
+             ["--controlnet-image", str(edges)] * 2 + ["--controlnet-scale", "1.0", "0.5", "0.2"],
+             ["--controlnet-image", str(edges)] * 2 + ["--controlnet-scale", "1.0", "nan"]]  # was: a NaN image
     for args in cases:
         assert main(["generate", str(folder), "--prompt", "a", "-o", str(out), "-q", *args]) == 2
         err = capsys.readouterr().err.strip()

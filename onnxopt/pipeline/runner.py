@@ -368,7 +368,7 @@ class Pipeline:
         folder = self.folder
         check_request(folder, steps=steps, scheduler=scheduler, height=height, width=width,
                       controlnet_image=controlnet_image, controlnet_scale=controlnet_scale)
-        check_numbers(guidance=guidance, seed=seed)
+        check_numbers(guidance=guidance, seed=seed, controlnet_scale=controlnet_scale)
         reused = reuse_steps(reuse, steps)
         factor = folder.vae_scale_factor
         controls = []
@@ -600,10 +600,13 @@ def check_request(folder: PipelineFolder, *, steps: int = 50, scheduler: str = "
 SEED_RANGE = (-(2**63), 2**64 - 1)
 
 
-def check_numbers(*, guidance: float, seed: int) -> None:
-    """A finite guidance scale and a seed torch's generator takes, or a one-line GenerationError."""
+def check_numbers(*, guidance: float, seed: int, controlnet_scale=1.0) -> None:
+    """Finite guidance and ControlNet scales and a seed torch's generator takes, or a one-line
+    GenerationError (a NaN scale gives a NaN image, not an error, further down)."""
     if not math.isfinite(guidance):
         raise GenerationError(f"guidance must be a finite number, got {guidance}")
+    if not all(math.isfinite(scale) for scale in as_list(controlnet_scale)):
+        raise GenerationError(f"ControlNet conditioning scales must be finite numbers, got {controlnet_scale}")
     if not isinstance(seed, int) or not SEED_RANGE[0] <= seed <= SEED_RANGE[1]:
         raise GenerationError(f"seed must be an integer in {SEED_RANGE[0]}..{SEED_RANGE[1]}, got {seed}")
 
