@@ -233,7 +233,7 @@ def cmd_optimize(args) -> int:
     from onnxopt.loading import load_model
     from onnxopt.report import process_memory
     from onnxopt.saving import check_destination, check_writes, planned_writes, save_model
-    from onnxopt.verify import InputSpec, Tolerance, check_dim_names
+    from onnxopt.verify import InputSpec, Tolerance, check_dim_names, load_feeds
 
     if args.fp8 and Path(args.input).is_dir():
         raise OnnxoptError("--fp8 rewrites one model; for a pipeline folder, run it on unet/step.onnx "
@@ -257,6 +257,9 @@ def cmd_optimize(args) -> int:
     load_seconds = time.perf_counter() - load_start
     check_dim_names(source, dict(args.dim))
     check_writes(planned_writes(source, args.output, external_data=args.external_data) + [p for p in [args.report_json] if p], source)
+    for path in (args.calibration, args.fp8_calibration):
+        if path:  # refused now, not only when (or if) a pass gets to read it: fp8-linear may refuse every site first
+            load_feeds(path, source)
     inputs = InputSpec(shapes=dict(args.shape), dims=dict(args.dim))
     start = time.perf_counter()
     explained = _explained_passes(args.explain, expanded)

@@ -200,12 +200,19 @@ def test_cli_fp8_appends_fp16_and_fp8_linear_and_explains_refusals(tmp_path, cap
     (["--target", "tensorrt", "--fp8"], "--fp8 is for --target ort-cuda"),
     (["--fp8"], "--fp8 is for --target ort-cuda"),
     (["--target", "ort-cuda", "--fp8-calibration", "x.npz"], "--fp8-calibration goes with --fp8"),
+    # refused before any pass: on a dynamic model every site is refused before calibration reads the file
+    (["--target", "ort-cuda", "--fp8", "--fp8-calibration", "{tmp}/missing.npz"], "cannot read inputs"),
+    (["--target", "ort-cuda", "--fp8", "--fp8-calibration", "{tmp}/wrong.npz"], "no array for input(s) x"),
 ])
 def test_cli_fp8_misuse_is_one_line_and_exit_2(tmp_path, capsys, args, message):
     src = tmp_path / "linear.onnx"
-    onnx.save(linear_model(), str(src))
+    onnx.save(linear_model(x_dims=["batch", "tokens", 64]), str(src))
+    np.savez(tmp_path / "wrong.npz", y=np.zeros(3))
+    args = [a.format(tmp=tmp_path) for a in args]
     assert main(["optimize", "-i", str(src), "-o", str(tmp_path / "out.onnx"), *args]) == 2
-    assert message in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "out.onnx").exists()
 
 
 def test_fp8_linear_is_in_no_preset():
