@@ -277,6 +277,33 @@ def test_generate_on_an_optimized_folder(built, tmp_path, kind, context_kv):
     np.testing.assert_allclose(optimized.pixels, source.pixels, rtol=0, atol=PIXEL_ATOL)
 
 
+
+@pytest.mark.parametrize("kind", ["sd15", "sdxl"])
+def test_bound_loop_reads_the_kv_where_the_companion_wrote_them(built, tmp_path, kind):
+    """On bound buffers the cross-attention K/V (and SDXL's added conditioning) never visit the
+    host: the step loop binds the K/V companion's own output buffers as its inputs, so each new
+    prompt's K/V are rewritten in place and read there by the same loop (on a GPU, the same
+    captured graph). Two prompts give the host loop's latents, and differ from each other."""
+    from onnxopt.pipeline import optimize_folder
+
+    b = built(kind)
+    out = tmp_path / f"{kind}-kv"
+    optimize_folder(b.folder, out, target="tensorrt")  # standard ONNX: the CPU EP runs every component
+    bound = Pipeline.load(out, "cpu", io_binding=True, threads=THREADS)
+    host = Pipeline.load(out, "cpu", threads=THREADS)
+    latents = []
+    for prompt in (PROMPT, "a watercolor of a lighthouse"):
+        request = b.request(prompt=prompt, scheduler="dpm++2m")
+        got, expected = bound(progress=False, **request), host(progress=False, **request)
+        np.testing.assert_allclose(got.latents, expected.latents, rtol=0, atol=1e-6 * np.abs(expected.latents).max())
+        latents.append(got.latents)
+    assert not np.allclose(*latents)
+    (loop,) = bound._device_loops.values()
+    (companion,) = bound.sessions["context"]._bound.values()
+    written = {name: value.data_ptr() for name, value in companion.outputs.items()}
+    assert len(written) > 1 and set(written) <= set(loop.static)
+    assert {name: loop.static[name].data_ptr() for name in written} == written
+
 # --- the CLI on the committed tiny folder ---------------------------------------------------------
 
 def run_cli(*args, cwd=None):
@@ -295,9 +322,10 @@ def test_cli_writes_the_png_and_the_timings(tmp_path):
     with Image.open(png) as image:
         assert image.format == "PNG" and image.size == (48, 32) and image.mode == "RGB"
     t = json.loads(timings.read_text())
-    for key in ("text_encoder_s", "step_mean_s", "first_step_s", "vae_decode_s", "total_s", "session_creation_s",
-                "cold_start_s"):
+    for key in ("text_encoder_s", "step_mean_s", "first_step_s", "steps_s", "vae_decode_s", "rest_s", "total_s",
+                "session_creation_s", "cold_start_s"):
         assert isinstance(t[key], float) and t[key] >= 0, key
+    assert t["steps_s"] >= t["first_step_s"] + 2 * t["step_mean_s"] - 1e-9 and t["rest_s"] < t["total_s"]
     assert t["steps"] == 3 and t["provider"] == "cpu"
     assert "step" in done.stdout and "VAE decode" in done.stdout
     assert not list(tmp_path.glob(".*.tmp"))  # the atomic write left no temporary file

@@ -2,7 +2,7 @@
 
     from onnxopt.pipeline import Pipeline, generate
     pipe = Pipeline.load("models/pipelines/sd15-tiny", provider="cpu")
-    result = pipe("a photo of a cat", steps=20, scheduler="ddim", seed=0)   # Result(image, latents, timings)
+    result = pipe("a photo of a cat", steps=20, scheduler="ddim", seed=0)   # Result(latents, pixels, timings); .image: PIL
     generate("models/pipelines/sd15-tiny", "a photo of a cat", output="cat.png")
 
 Importing this package needs neither torch nor diffusers; generating does (the ``pipeline`` extra).

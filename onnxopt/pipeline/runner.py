@@ -46,6 +46,7 @@ for the ablation.
 
 from __future__ import annotations
 
+import functools
 import math
 import sys
 import time
@@ -68,6 +69,7 @@ from onnxopt.pipeline.sessions import (
     input_types,
     require_provider,
     run_host,
+    run_on_device,
     timestep_feed,
 )
 
@@ -80,10 +82,14 @@ class GenerationError(OnnxoptError):
 
 @dataclass
 class Result:
-    image: object  # PIL.Image.Image
     latents: np.ndarray  # final latents [1, C, H/f, W/f], before the VAE (not divided by the scaling factor)
+    pixels: np.ndarray  # [H, W, 3] float32 in [0, 1]: diffusers' output_type="np"
     timings: dict = field(default_factory=dict)
-    pixels: np.ndarray | None = None  # [H, W, 3] float32 in [0, 1]: diffusers' output_type="np"
+
+    @functools.cached_property
+    def image(self):
+        """The PIL image, made on first use (1.6 ms at 512x512 that a caller of ``pixels`` never needs)."""
+        return images.to_pil(self.pixels)
 
 
 def _torch():
@@ -127,6 +133,7 @@ class Pipeline:
         self.launch_timing = False  # time each step's launch apart from its wait (DeviceStepLoop)
         self.calls = 0
         self._plans: dict = {}  # (scheduler, steps) -> StepPlan
+        self._schedulers: dict = {}  # name -> diffusers' scheduler (Pipeline._scheduler)
         self._device_loops: dict = {}  # DeviceStepLoop.key -> a loop whose buffers (and captured graphs) stay put
         self.tokenizers = {name: folder.tokenizer(name) for name in _tokenizers_of(folder.kind)}
         self.static_text = False  # use text_encoder*/model.static.b{b}.onnx (set by load)
@@ -362,7 +369,7 @@ class Pipeline:
         scale for every ControlNet, or a list of one per ControlNet (diffusers' semantics)."""
         from diffusers.utils.torch_utils import randn_tensor
 
-        from onnxopt.pipeline.schedulers import SchedulerError, make_scheduler
+        from onnxopt.pipeline.schedulers import SchedulerError
 
         torch = _torch()
         folder = self.folder
@@ -389,11 +396,13 @@ class Pipeline:
             time_ids = np.asarray([[height, width, 0, 0, height, width]], np.float32)  # original, crop (0,0), target
             cond["time_ids"] = np.concatenate([time_ids, time_ids])
         if "context" in self.sessions:  # the step graph reads the cross-attention K/V, not the text
-            cond.update(run_host(self.sessions["context"], cond))
+            # on bound buffers the K/V stay on the device, where the step loop binds them (SDXL's
+            # 140 K/V tensors, 50 MB, cost ~20 ms a prompt through the host: session 8's table)
+            cond.update(run_on_device(self.sessions["context"], cond))
         timings["text_encoder_s"] = time.perf_counter() - t0
         timings["text_encoders"] = dict(self.text_sources)
 
-        sched = make_scheduler(scheduler, folder.scheduler_config())
+        sched = self._scheduler(scheduler)
         channels = folder.config("unet").get("in_channels", 4)
         generator = torch.Generator("cpu").manual_seed(seed)
         noise = randn_tensor((1, channels, height // factor, width // factor), generator=generator,
@@ -450,6 +459,7 @@ class Pipeline:
                 (reused_times if k in reused else computed).append(time.perf_counter() - t1)
                 bar.update()
             timings["step_mean_s"] = float(np.mean(computed)) if computed else timings["first_step_s"]
+            timings["steps_s"] = timings["first_step_s"] + float(np.sum(computed)) + float(np.sum(reused_times))
             if reused_times:
                 timings["reused_step_mean_s"] = float(np.mean(reused_times))
             launches = getattr(loop, "launches", [])[1:]  # computed steps after the first (capture)
@@ -464,6 +474,7 @@ class Pipeline:
             timings["first_step_s"] = step_times[0]
             computed = [t for k, t in enumerate(step_times) if k and k not in reused]
             timings["step_mean_s"] = float(np.mean(computed)) if computed else step_times[0]
+            timings["steps_s"] = float(np.sum(step_times))
             timings["steps"] = len(step_times)
         timings["unet_steps"] = timings["steps"] - len(reused)
         bar.close()
@@ -473,16 +484,27 @@ class Pipeline:
         t0 = time.perf_counter()
         decoded = run_host(self.sessions["vae_decoder"], {"latent_sample": self._unscale(latents)})["sample"]
         t1 = time.perf_counter()
-        pixels = images.postprocess(decoded.astype(np.float32), factor)[0]
+        pixels = images.postprocess(decoded, factor)[0]
         timings["vae_decode_s"] = time.perf_counter() - t0
         timings["vae_run_s"], timings["vae_postprocess_s"] = t1 - t0, timings["vae_decode_s"] - (t1 - t0)
-        image = images.to_pil(pixels)
         timings["total_s"] = time.perf_counter() - start
+        # what no stage holds: the scheduler's set-up, the initial noise, the writes into bound buffers
+        timings["rest_s"] = timings["total_s"] - sum(timings.get(k, 0.0) for k in (
+            "text_encoder_s", "controlnet_hint_s", "steps_s", "vae_decode_s"))
         timings["session_creation_s"] = self.creation_s
         if self.calls == 0:  # loading + session creation + the first image (with its graph capture)
             timings["cold_start_s"] = self.creation_s + timings["total_s"]
         self.calls += 1
-        return Result(image=image, latents=latents, timings=timings, pixels=pixels)
+        return Result(latents=latents, pixels=pixels, timings=timings)
+
+    def _scheduler(self, name: str):
+        """diffusers' scheduler ``name`` configured from the folder, made once per pipeline (``from_config``
+        costs a few ms a call) and reused as diffusers' pipelines reuse theirs: ``set_timesteps`` resets it."""
+        from onnxopt.pipeline.schedulers import make_scheduler
+
+        if name not in self._schedulers:
+            self._schedulers[name] = make_scheduler(name, self.folder.scheduler_config())
+        return self._schedulers[name]
 
     def _plan(self, name: str, scheduler, steps: int):
         """The step plan of (scheduler, steps), probed once per pipeline: it depends on nothing else

@@ -109,13 +109,35 @@ def input_types(session) -> dict[str, np.dtype]:
     return {i.name: np.dtype(ORT_TYPES.get(i.type, np.float32)) for i in session.get_inputs()}
 
 
+def _cast_feeds(session, feeds: dict) -> dict[str, np.ndarray]:
+    """The feeds ``session`` reads, as contiguous numpy arrays of its input types."""
+    types = input_types(session)
+    return {name: np.ascontiguousarray(np.asarray(value).astype(types[name], copy=False))
+            for name, value in feeds.items() if name in types}
+
+
 def run_host(session, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """Run with numpy feeds cast to the session's input types; outputs by name."""
-    types = input_types(session)
-    cast = {name: np.ascontiguousarray(np.asarray(value).astype(types[name], copy=False))
-            for name, value in feeds.items() if name in types}
     names = [o.name for o in session.get_outputs()]
-    return dict(zip(names, session.run(names, cast)))
+    return dict(zip(names, session.run(names, _cast_feeds(session, feeds))))
+
+
+def run_on_device(session, feeds: dict[str, np.ndarray]) -> dict:
+    """Like :func:`run_host`, but the outputs stay where a :class:`~onnxopt.pipeline.bound_session.BoundSession`
+    wrote them: its fixed device buffers (OrtValues), which a step loop then binds as inputs with no
+    copy. A plain session has no such buffers: its outputs come back as numpy arrays."""
+    if not hasattr(session, "run_bound"):
+        return run_host(session, feeds)
+    return session.run_bound(_cast_feeds(session, feeds))
+
+
+def is_device_value(value) -> bool:
+    """An OrtValue (``shape`` is a method), not a numpy array."""
+    return callable(getattr(value, "shape", None))
+
+
+def value_shape(value) -> tuple:
+    return tuple(value.shape()) if is_device_value(value) else np.shape(value)
 
 
 def timestep_feed(session, value, batch: int) -> np.ndarray:
@@ -246,7 +268,9 @@ class DeviceStepLoop:
     @staticmethod
     def key(latents: np.ndarray, static: dict, controlnet, capacity: int) -> tuple:
         """What the bound buffers depend on: a new key needs its own buffers and captured graphs."""
-        shapes = lambda values: tuple(sorted((n, np.shape(v)) for n, v in (values or {}).items()))  # noqa: E731
+        # a device value (the K/V companion's output buffer) is bound as it is: its address is part of the key
+        shapes = lambda values: tuple(sorted((n, value_shape(v), v.data_ptr() if is_device_value(v) else None)  # noqa: E731
+                                             for n, v in (values or {}).items()))
         return np.shape(latents), shapes(static), tuple(shapes(c) for c in as_list(controlnet)), capacity
 
     def bind(self, latents: np.ndarray, static: dict[str, np.ndarray], capacity: int, controlnet=None) -> None:
@@ -258,7 +282,9 @@ class DeviceStepLoop:
         self.timesteps = self._zeros([capacity], types["schedule_timesteps"])
         self.coefficients = self._zeros([capacity, 6], np.float32)
         self.guidance = self._zeros([1], np.float32)
-        self.static = {name: self._zeros(np.shape(value), types[name]) for name, value in static.items() if name in types}
+        # device values (the K/V the companion graph wrote, once per prompt) are read where they are
+        self.static = {name: self._as_bound(name, value) if is_device_value(value) else self._zeros(np.shape(value), types[name])
+                       for name, value in static.items() if name in types}
         self.guided = self._zeros(shape, np.float32)  # the last computed step's guided output (step reuse)
         self.residuals = self._bind_controlnets(latents, as_list(controlnet), capacity) if self.controlnet_sessions else {}
         self.options = [self._run_options(parity) for parity in (0, 1)]
@@ -266,6 +292,14 @@ class DeviceStepLoop:
         self._bind_steps()
         self._bind_reuse()
         self.bound = True
+
+    def _as_bound(self, name: str, value):
+        """A device value as the step graph's input ``name``: it must already be of the input's type."""
+        dtype = ORT_TYPES.get(value.data_type())
+        if dtype is None or np.dtype(dtype) != np.dtype(self.types[name]):
+            raise OnnxoptError(f"step input {name}: the K/V companion writes {value.data_type()}, "
+                               f"the step graph reads {np.dtype(self.types[name])}")
+        return value
 
     def _bind_steps(self) -> None:
         self.bindings = [self._binding(self.step_session, self.step_inputs(parity), self.step_outputs(parity))
@@ -311,7 +345,14 @@ class DeviceStepLoop:
         writes = [(self.buffers[0], latents, self.types["latents"]), (self.states[0], np.zeros(latents.shape), self.types["state"]),
                   (self.indices[0], np.zeros([1]), np.int64), (self.timesteps, timesteps, None),
                   (self.coefficients, coefficients, None), (self.guidance, np.asarray([guidance]), np.float32)]
-        writes += [(self.static[name], value, self.types[name]) for name, value in static.items() if name in self.static]
+        for name, value in static.items():
+            if name not in self.static:
+                continue
+            if is_device_value(value):  # bound as it is (the key holds its address): nothing to copy
+                if value.data_ptr() != self.static[name].data_ptr():
+                    raise OnnxoptError(f"step input {name}: a device value other than the one bound")
+                continue
+            writes.append((self.static[name], value, self.types[name]))
         if self.controlnet_sessions:
             cn_timesteps, _ = schedule_tables(plan, self.cn_timestep_dtype, self.timesteps.shape()[0])
             writes.append((self.cn_timesteps, cn_timesteps, None))
