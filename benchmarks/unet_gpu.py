@@ -266,6 +266,17 @@ def _ms(entry) -> float:
     return entry["median_ms"] if entry and "median_ms" in entry else float("nan")
 
 
+def _cell(entry) -> str:
+    """A time, or why there is none (a CUDA graph that could not be captured says so)."""
+    if entry and "median_ms" in entry:
+        return f"{entry['median_ms']:.2f}"
+    return f"failed: {str(entry['error'])[:60]}" if entry and "error" in entry else ""
+
+
+def _ratio(t: float, best: float) -> str:
+    return f"{t / best:.2f}x" if best == best else "(no peer run)"
+
+
 def parse_extra(text: str) -> tuple[str, dict]:
     """'sep:fuse-attention.layout=separate,nhwc-conv.pointwise=matmul' -> ('sep', {pass: {option: value}});
     an item '-PASS' leaves PASS out of the ort-cuda chain (options["-"] lists those)."""
@@ -300,8 +311,8 @@ def table(results: dict, variants: list[str], labels=("raw", "ort", "onnxopt")) 
                 continue
             acc = off if off and "max_abs" in off else on
             lines.append(
-                f"| {variant} | {label} | {built.get('fused', '')} | {_ms(off):.2f} | {_ms(on):.2f} | "
-                f"{min(times) / ort_best:.2f}x | {acc['max_abs']:.3g} | {acc['rel_l2']:.3g} |"
+                f"| {variant} | {label} | {built.get('fused', '')} | {_cell(off)} | {_cell(on)} | "
+                f"{_ratio(min(times), ort_best)} | {acc['max_abs']:.3g} | {acc['rel_l2']:.3g} |"
             )
     for label in TORCH_LABELS:
         entry = results.get(f"torch:{label}")
@@ -314,7 +325,7 @@ def table(results: dict, variants: list[str], labels=("raw", "ort", "onnxopt")) 
         times = [t for t in (_ms(off), _ms(on)) if t == t]
         acc = on or off
         lines.append(f"| torch | {label} | {'compile %.0f s' % acc['compile_s'] if 'compile_s' in acc else ''} | "
-                     f"{_ms(off):.2f} | {_ms(on):.2f} | {min(times) / ort_best:.2f}x | {acc['max_abs']:.3g} | {acc['rel_l2']:.3g} |")
+                     f"{_cell(off)} | {_cell(on)} | {_ratio(min(times), ort_best)} | {acc['max_abs']:.3g} | {acc['rel_l2']:.3g} |")
     return "\n".join(lines)
 
 
