@@ -304,6 +304,34 @@ def test_bound_loop_reads_the_kv_where_the_companion_wrote_them(built, tmp_path,
     assert len(written) > 1 and set(written) <= set(loop.static)
     assert {name: loop.static[name].data_ptr() for name in written} == written
 
+
+@pytest.mark.gpu
+def test_captured_step_reads_each_prompts_kv_on_the_device(tmp_path):
+    """On a GPU (``pytest -m gpu``): with CUDA graphs, the captured step graph reads the K/V where the
+    captured companion graph writes them, so a second prompt's K/V reach the replayed step: two
+    prompts give the host loop's latents (uncaptured, no IO binding; fp32 within 1e-3 of the scale,
+    cuBLAS may pick other algorithms) and differ from each other."""
+    from onnxopt.pipeline import optimize_folder
+    from onnxopt.runners import cuda_available
+
+    if not cuda_available():
+        pytest.skip("needs onnxruntime-gpu and a CUDA device")
+    folder = tmp_path / "ort-cuda"
+    optimize_folder(COMMITTED_SD15, folder, target="ort-cuda")
+    captured = Pipeline.load(folder, "cuda", cuda_graph=True)
+    host = Pipeline.load(folder, "cuda", cuda_graph=False, io_binding=False)
+    request = dict(steps=4, scheduler="euler", height=64, width=64, progress=False)
+    latents = []
+    for prompt in ("a photo of a red cat", "a watercolor of a lighthouse"):
+        got, expected = captured(prompt, **request), host(prompt, **request)
+        np.testing.assert_allclose(got.latents, expected.latents, rtol=0, atol=1e-3 * np.abs(expected.latents).max())
+        latents.append(got.latents)
+    assert not np.allclose(*latents)
+    assert captured.cuda_graph and captured.sessions["context"].cuda_graph
+    (loop,) = captured._device_loops.values()
+    (companion,) = captured.sessions["context"]._bound.values()
+    assert all(loop.static[name].data_ptr() == value.data_ptr() for name, value in companion.outputs.items())
+
 # --- the CLI on the committed tiny folder ---------------------------------------------------------
 
 def run_cli(*args, cwd=None):
