@@ -407,6 +407,7 @@ def diff(source: str | Path, candidate: str | Path | None = None, *, runtime: st
     runtime = runtime or default_runtime(candidate_model or source_model)
     if candidate_model is not None:
         check_runtime(runtime, candidate_model)
+        _check_same_inputs(source_model, candidate_model)
     feeds = load_feeds(feeds_path, source_model) if feeds_path else random_feeds(source_model, inputs, seed=seed)
     report = DiffReport(str(source), str(candidate) if candidate is not None else None, runtime, tolerance,
                         inputs={k: list(v.shape) for k, v in feeds[0].items()})
@@ -422,6 +423,16 @@ def diff(source: str | Path, candidate: str | Path | None = None, *, runtime: st
         report.bisect = bisect_passes(source_model, bisect, runtime=runtime, tolerance=tolerance, feeds=feeds,
                                       prefer_nhwc=prefer_nhwc, precision=precision, source_path=source)
     return report
+
+
+def _check_same_inputs(source: Model, candidate: Model) -> None:
+    """Both models are fed the same inputs by name: a candidate input the source lacks got some other
+    value (two models with different input names were reported equal)."""
+    names = [t.name for t in source.graph.inputs]
+    extra = [t.name for t in candidate.graph.inputs if t.name not in names]
+    if extra:
+        raise OnnxoptError(f"the candidate has input(s) the source does not have: {', '.join(map(repr, extra))} "
+                           f"(the source's inputs: {', '.join(names) or 'none'})")
 
 
 def bisect_passes(source: Model, passes: list[str], *, runtime: str, tolerance: Tolerance, feeds,

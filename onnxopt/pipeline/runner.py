@@ -369,6 +369,7 @@ class Pipeline:
         check_request(folder, steps=steps, scheduler=scheduler, height=height, width=width,
                       controlnet_image=controlnet_image, controlnet_scale=controlnet_scale)
         check_numbers(guidance=guidance, seed=seed, controlnet_scale=controlnet_scale)
+        check_prompts(prompt, negative_prompt)
         reused = reuse_steps(reuse, steps)
         factor = folder.vae_scale_factor
         controls = []
@@ -473,6 +474,9 @@ class Pipeline:
         t0 = time.perf_counter()
         decoded = run_host(self.sessions["vae_decoder"], {"latent_sample": self._unscale(latents)})["sample"]
         t1 = time.perf_counter()
+        if not np.isfinite(decoded).all():  # a NaN image would be written as a silently black PNG
+            raise GenerationError(f"the image is not finite (NaN or inf out of the VAE decoder, guidance {guidance:g}): "
+                                  "nothing written")
         pixels = images.postprocess(decoded.astype(np.float32), factor)[0]
         timings["vae_decode_s"] = time.perf_counter() - t0
         timings["vae_run_s"], timings["vae_postprocess_s"] = t1 - t0, timings["vae_decode_s"] - (t1 - t0)
@@ -575,6 +579,10 @@ def check_request(folder: PipelineFolder, *, steps: int = 50, scheduler: str = "
         raise GenerationError(f"unknown scheduler '{scheduler}' (choose from {', '.join(SCHEDULERS)})")
     if not isinstance(steps, int) or steps < 1:
         raise GenerationError(f"steps must be at least 1, got {steps}")
+    train_steps = folder.scheduler_config().get("num_train_timesteps", 1000)
+    if isinstance(train_steps, int) and steps > train_steps:  # diffusers' set_timesteps refuses it, deep in the run
+        raise GenerationError(f"steps must be at most {train_steps} (num_train_timesteps of the folder's "
+                              f"scheduler_config.json), got {steps}")
     control_images, names = as_list(controlnet_image), folder.controlnets
     if folder.kind == "controlnet" and not control_images:
         raise GenerationError(f"{folder.root} is a ControlNet pipeline: give a conditioning image (--controlnet-image)")
@@ -603,12 +611,30 @@ SEED_RANGE = (-(2**63), 2**64 - 1)
 def check_numbers(*, guidance: float, seed: int, controlnet_scale=1.0) -> None:
     """Finite guidance and ControlNet scales and a seed torch's generator takes, or a one-line
     GenerationError (a NaN scale gives a NaN image, not an error, further down)."""
-    if not math.isfinite(guidance):
-        raise GenerationError(f"guidance must be a finite number, got {guidance}")
-    if not all(math.isfinite(scale) for scale in as_list(controlnet_scale)):
+    if not _finite_float32(guidance):  # the step graphs take it as float32: 1e39 became inf there
+        raise GenerationError(f"guidance must be a finite number (in float32's range), got {guidance}")
+    if not all(_finite_float32(scale) for scale in as_list(controlnet_scale)):
         raise GenerationError(f"ControlNet conditioning scales must be finite numbers, got {controlnet_scale}")
     if not isinstance(seed, int) or not SEED_RANGE[0] <= seed <= SEED_RANGE[1]:
         raise GenerationError(f"seed must be an integer in {SEED_RANGE[0]}..{SEED_RANGE[1]}, got {seed}")
+
+
+def _finite_float32(value) -> bool:
+    return math.isfinite(value) and abs(value) <= float(np.finfo(np.float32).max)
+
+
+def check_prompts(prompt, negative_prompt) -> None:
+    """Prompts are text the tokenizer takes: a str of valid Unicode (a command-line argument that is
+    not UTF-8 arrives as lone surrogates, which the tokenizer refused with a TypeError)."""
+    for name, text in (("prompt", prompt), ("negative prompt", negative_prompt)):
+        if text is None and name == "negative prompt":
+            continue
+        if not isinstance(text, str):
+            raise GenerationError(f"the {name} must be text, got {type(text).__name__}")
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            raise GenerationError(f"the {name} is not valid UTF-8 text: {text.encode('utf-8', 'replace').decode()!r}") from None
 
 
 def reuse_steps(reuse, steps: int) -> frozenset:
