@@ -182,6 +182,7 @@ def cmd_generate(args) -> int:
 
     from onnxopt.pipeline import PipelineFolder, images
     from onnxopt.pipeline.runner import Pipeline, reuse_steps, check_request
+    from onnxopt.pipeline.sessions import quiet_sessions
 
     folder = PipelineFolder.open(args.folder)
     check_request(folder, steps=args.steps, scheduler=args.scheduler, height=args.height, width=args.width,
@@ -192,11 +193,12 @@ def cmd_generate(args) -> int:
         images.check_writable(written)
     if args.json and Path(args.json).resolve() == Path(args.output).resolve():  # the timings replaced the PNG
         raise OnnxoptError(f"{args.json}: --json is the image -o writes; give another path")
-    pipe = Pipeline.load(folder, args.provider, fused_step=args.fused_step, cuda_graph=args.cuda_graph)
-    result = pipe(args.prompt, negative_prompt=args.negative_prompt, steps=args.steps, guidance=args.guidance,
-                  scheduler=args.scheduler, seed=args.seed, height=args.height, width=args.width,
-                  controlnet_image=args.controlnet_image, controlnet_scale=args.controlnet_scale, progress=not args.quiet,
-                  reuse=args.reuse)
+    with contextlib.nullcontext() if args.debug else quiet_sessions():  # ORT's errors come back as one line
+        pipe = Pipeline.load(folder, args.provider, fused_step=args.fused_step, cuda_graph=args.cuda_graph)
+        result = pipe(args.prompt, negative_prompt=args.negative_prompt, steps=args.steps, guidance=args.guidance,
+                      scheduler=args.scheduler, seed=args.seed, height=args.height, width=args.width,
+                      controlnet_image=args.controlnet_image, controlnet_scale=args.controlnet_scale,
+                      progress=not args.quiet, reuse=args.reuse)
     images.write_png(result.image, args.output)
     if args.json:
         try:

@@ -345,3 +345,38 @@ def test_fp8_with_tensorrt_is_refused(tmp_path, capsys, flags):
     a = relu(tmp_path / "a.onnx")
     one_line_error(capsys, main(["optimize", "-i", str(a), "-o", str(tmp_path / "o.onnx"), *flags]), 2,
                    "--fp8 is for --target ort-cuda")
+
+
+def test_a_one_pixel_control_image_is_refused_not_resized_to_nothing():
+    """A 1x1 --controlnet-image without --height/--width rounds down to 0x0: diffusers' ValueError
+    "height and width must be > 0" (exit 3); with a size given it is resized as diffusers does."""
+    from PIL import Image
+
+    from onnxopt.errors import OnnxoptError
+    from onnxopt.pipeline.images import preprocess_control_image
+
+    dot = Image.new("RGB", (1, 1), (255, 0, 0))
+    with pytest.raises(OnnxoptError, match="the conditioning image is smaller than 8 pixels on a side"):
+        preprocess_control_image(dot, None, None, 8)
+    assert preprocess_control_image(dot, 16, 24, 8).shape == (1, 3, 16, 24)
+
+
+def test_onnx_runtime_log_lines_do_not_reach_the_user_of_generate(tmp_path, capfd, monkeypatch):
+    """A run that fails inside ONNX Runtime (an allocation too big for the machine, here a Reshape fed
+    a wrong shape) printed ORT's own "[E:onnxruntime ...]" line above onnxopt's one line."""
+    from onnxopt.pipeline import runner
+    from onnxopt.pipeline.sessions import create_session
+
+    reshape = make_model([helper.make_node("Reshape", ["x", "shape"], ["out"])],
+                         [helper.make_tensor_value_info("x", T.FLOAT, [6]), helper.make_tensor_value_info("shape", T.INT64, [2])],
+                         [helper.make_tensor_value_info("out", T.FLOAT, None)]).SerializeToString()
+
+    def fails_in_ort(self, *args, **kwargs):
+        session = create_session(reshape, "cpu", name="reshape")
+        session.run(None, {"x": np.zeros(6, np.float32), "shape": np.array([4, 4], np.int64)})
+
+    monkeypatch.setattr(runner.Pipeline, "__call__", fails_in_ort)
+    code = main(generate_args(COMMITTED_SD15, tmp_path / "x.png"))
+    err = capfd.readouterr().err
+    assert code == 3 and "[E:onnxruntime" not in err, err
+    assert len([line for line in err.splitlines() if line.strip()]) == 1, err
