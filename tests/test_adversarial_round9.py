@@ -380,3 +380,21 @@ def test_onnx_runtime_log_lines_do_not_reach_the_user_of_generate(tmp_path, capf
     err = capfd.readouterr().err
     assert code == 3 and "[E:onnxruntime" not in err, err
     assert len([line for line in err.splitlines() if line.strip()]) == 1, err
+
+
+@pytest.mark.parametrize("dtype, shape", [(T.INT16, [2, 3]), (T.FLOAT, [0, 3])], ids=["int16-zeros", "dim-0"])
+def test_diff_of_equal_integer_or_empty_outputs_reports_zero_and_valid_json(tmp_path, capsys, recwarn, dtype, shape):
+    """Equal int16 outputs with zeros: max rel NaN (0 / 0; 'NaN' in --json, not JSON) and a
+    RuntimeWarning on stderr; an output with a 0 dim: 'Mean of empty slice' warnings."""
+    model = make_model([helper.make_node("Identity", ["x"], ["out"])], [helper.make_tensor_value_info("x", dtype, shape)],
+                       [helper.make_tensor_value_info("out", dtype, shape)])
+    onnx.save(model, tmp_path / "m.onnx")
+    report = tmp_path / "diff.json"
+    assert main(["diff", str(tmp_path / "m.onnx"), str(tmp_path / "m.onnx"), "--runtime", "cpu", "--json", str(report)]) == 0
+
+    def no_constants(token):
+        raise AssertionError(f"{token} in the JSON report")
+
+    (out,) = json.loads(report.read_text(), parse_constant=no_constants)["outputs"]
+    assert out["max_rel"] == 0 and out["max_abs"] == 0
+    assert not [w for w in recwarn if issubclass(w.category, RuntimeWarning)], [str(w.message) for w in recwarn]
