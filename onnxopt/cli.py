@@ -229,9 +229,10 @@ def check_not_read(path, models, *files) -> None:
     models' external data files, nor another input file (``--inputs``): ``diff a.onnx b.onnx --json
     a.onnx`` replaced the source model with the report."""
     from onnxopt.loading import load_model
-    from onnxopt.saving import check_writes
+    from onnxopt.saving import check_destination, check_writes
 
     _refuse_input(path, None, *files)
+    check_destination(path)  # a missing folder: before the work, not after it
     for model in filter(None, models):
         if Path(model).is_file():
             check_writes([path], load_model(model))
@@ -273,6 +274,8 @@ def cmd_optimize(args) -> int:
     expanded = registry.expand(passes)  # unknown names and unwritable outputs fail before any work
     _check_fp16_flags(args, expanded)
     check_destination(args.output, args.input)
+    if args.report_json:  # a report that cannot be written failed after the output was written (exit 2, output there)
+        check_destination(args.report_json, args.input)
     load_start = time.perf_counter()
     source = load_model(args.input)  # lazy: weights stay on disk; optimize() works on a copy
     load_seconds = time.perf_counter() - load_start

@@ -398,3 +398,20 @@ def test_diff_of_equal_integer_or_empty_outputs_reports_zero_and_valid_json(tmp_
     (out,) = json.loads(report.read_text(), parse_constant=no_constants)["outputs"]
     assert out["max_rel"] == 0 and out["max_abs"] == 0
     assert not [w for w in recwarn if issubclass(w.category, RuntimeWarning)], [str(w.message) for w in recwarn]
+
+
+@pytest.mark.parametrize("what", ["model", "folder"])
+def test_report_json_into_a_missing_folder_is_refused_before_anything_is_written(tmp_path, capsys, what):
+    """--report-json no/such/r.json failed after the save: exit 2 with the output written (a model,
+    or the whole optimized folder). A report inside the new output folder is still written there."""
+    src = relu(tmp_path / "a.onnx") if what == "model" else COMMITTED_SD15
+    out = tmp_path / ("o.onnx" if what == "model" else "out")
+    before = sorted(p.name for p in tmp_path.iterdir())
+    code = main(["optimize", "-i", str(src), "-o", str(out), "-q", "--report-json", str(tmp_path / "no" / "r.json"),
+                 *(["--target", "tensorrt"] if what == "folder" else [])])
+    one_line_error(capsys, code, 2, "does not exist")
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+    if what == "folder":
+        assert main(["optimize", "-i", str(src), "-o", str(out), "-q", "--target", "tensorrt", "--report-json",
+                     str(out / "report.json")]) == 0
+        assert json.loads((out / "report.json").read_text())["target"] == "tensorrt"

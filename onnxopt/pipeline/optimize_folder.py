@@ -542,6 +542,10 @@ def cli_optimize_folder(args) -> int:
         report_path, source = Path(args.report_json).resolve(), Path(args.input).resolve()
         if report_path == source or source in report_path.parents:
             raise OnnxoptError(f"{args.report_json}: is inside the input folder; onnxopt never modifies its input")
+        from onnxopt.saving import check_destination
+
+        if report_path.parent != Path(args.output).resolve():  # beside the components: the folder is made first
+            check_destination(args.report_json)  # not after the folder is written (exit 2 with the output there)
     report = optimize_folder(args.input, args.output, target=args.target or "ort-cuda", fp16=args.fp16,
                              verify=args.verify, tolerance=Tolerance(args.atol, args.rtol), fp16_options=fp16_options,
                              context_kv=args.context_kv, cfg_late=getattr(args, "cfg_late", False))
