@@ -415,3 +415,30 @@ def test_report_json_into_a_missing_folder_is_refused_before_anything_is_written
         assert main(["optimize", "-i", str(src), "-o", str(out), "-q", "--target", "tensorrt", "--report-json",
                      str(out / "report.json")]) == 0
         assert json.loads((out / "report.json").read_text())["target"] == "tensorrt"
+
+
+@pytest.mark.parametrize("component, other, message", [
+    ("text_encoder", "vae_decoder", "text_encoder/model.onnx: not a text encoder graph: no input input_ids"),
+    ("vae_decoder", "text_encoder", "vae_decoder/model.onnx: not a VAE decoder graph: no input latent_sample"),
+], ids=["text-encoder-is-a-vae", "vae-is-a-text-encoder"])
+def test_generate_names_a_component_that_is_another_components_graph(tmp_path, capsys, component, other, message):
+    """Another component's model.onnx in a component's folder: a KeyError ('input_ids') or ORT's
+    ValueError (missing inputs), exit 3."""
+    src = pipeline_copy(tmp_path)
+    shutil.rmtree(src / component)
+    shutil.copytree(COMMITTED_SD15 / other, src / component)
+    out = tmp_path / "x.png"
+    one_line_error(capsys, main(generate_args(src, out)), 2, message)
+    assert not out.exists()
+
+
+def test_optimize_names_the_source_file_not_the_temporary_one(tmp_path, capsys):
+    """A VAE in unet/: the step graph's refusal named '.out.tmp-XXXX/unet/model.onnx', a file the
+    failure had just removed."""
+    src = pipeline_copy(tmp_path)
+    shutil.rmtree(src / "unet")
+    shutil.copytree(COMMITTED_SD15 / "vae_decoder", src / "unet")
+    code = main(["optimize", "-i", str(src), "-o", str(tmp_path / "out"), "--target", "tensorrt", "-q"])
+    line = one_line_error(capsys, code, 2, f"{src / 'unet' / 'model.onnx'}: not a UNet graph")
+    assert ".tmp-" not in line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]

@@ -447,8 +447,11 @@ def optimize_folder(src, dst, target: str = "ort-cuda", fp16: bool = False, veri
         if dst.exists():
             dst.rmdir()                 # empty (checked); rename cannot replace a folder on every OS
         os.replace(tmp, dst)
-    except BaseException:
+    except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(exc, OnnxoptError) and exc.args and str(tmp) in str(exc.args[0]):
+            # the message named a file of the temporary folder, just removed: name the source's file instead
+            exc.args = (str(exc.args[0]).replace(str(tmp), str(src)), *exc.args[1:])
         raise
     report.seconds = time.perf_counter() - start
     return report

@@ -216,6 +216,9 @@ class Pipeline:
                                 device_id=device_id, cuda_graph=capturing)
 
         sessions = {name: once(name) for name in ("vae_decoder",) if folder.has(name)}
+        if "vae_decoder" in sessions:
+            check_interface(sessions["vae_decoder"], folder.component("vae_decoder").model, "VAE decoder",
+                            ["latent_sample"], ["sample"])
         # text encoders: made on first use (Pipeline.text_session), asking for capture as loaded here
         # (the step graph's own outcome rebinds ``graph`` below)
         open_text = lambda name, model=None, capture=graph: once(name, model, capture)  # noqa: E731
@@ -317,7 +320,10 @@ class Pipeline:
         static = component.static_models if self.static_text else {}
         key = f"{encoder}/b{batch}" if batch in static else encoder
         if key not in self.sessions:
-            self.sessions[key] = self._open_once(encoder, static.get(batch))
+            session = self._open_once(encoder, static.get(batch))
+            check_interface(session, static.get(batch) or component.model, "text encoder", ["input_ids"],
+                            ["last_hidden_state"] if self.folder.kind != "sdxl" else [])
+            self.sessions[key] = session
         if batch in static:
             self.text_sources[encoder] = static[batch].name
         elif not self.static_text:
@@ -621,6 +627,16 @@ def check_numbers(*, guidance: float, seed: int, controlnet_scale=1.0) -> None:
 
 def _finite_float32(value) -> bool:
     return math.isfinite(value) and abs(value) <= float(np.finfo(np.float32).max)
+
+
+def check_interface(session, where, what: str, inputs: list[str], outputs: list[str]) -> None:
+    """The inputs and outputs the pipeline feeds and reads, or a one-line GenerationError naming the
+    graph (another component's model.onnx in its place was a KeyError or ORT's ValueError: exit 3)."""
+    have_in, have_out = [i.name for i in session.get_inputs()], [o.name for o in session.get_outputs()]
+    missing = [f"input {n}" for n in inputs if n not in have_in] + [f"output {n}" for n in outputs if n not in have_out]
+    if missing:
+        raise GenerationError(f"{where}: not a {what} graph: no {', '.join(missing)} (it has inputs "
+                              f"{', '.join(have_in) or 'none'}; outputs {', '.join(have_out[:4])}{'...' if len(have_out) > 4 else ''})")
 
 
 def check_prompts(prompt, negative_prompt) -> None:
