@@ -442,3 +442,19 @@ def test_optimize_names_the_source_file_not_the_temporary_one(tmp_path, capsys):
     line = one_line_error(capsys, code, 2, f"{src / 'unet' / 'model.onnx'}: not a UNet graph")
     assert ".tmp-" not in line
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+
+
+@pytest.mark.parametrize("command, flags, message", [
+    ("diff", ["--seed", "-1"], "argument --seed: expected an integer in 0..4294967295, got '-1'"),
+    ("diff", ["--seed", str(2**32)], "argument --seed"),
+    ("bench", ["--runs", "0"], "argument --runs: expected an integer of 1 or more, got '0'"),
+    ("bench", ["--warmup", "-1"], "argument --warmup"),
+], ids=["seed-negative", "seed-2**32", "runs-0", "warmup-negative"])
+def test_counts_and_seeds_out_of_range_are_usage_errors(tmp_path, capsys, command, flags, message):
+    """diff --seed -1 (or 2**32) was the random-input generator's ValueError (exit 3); bench --runs 0
+    would time nothing (on a GPU: the median of no runs)."""
+    a = relu(tmp_path / "a.onnx")
+    argv = [command, str(a), *([str(a), "--runtime", "cpu"] if command == "diff" else []), *flags]
+    code = main(argv)
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and err.splitlines() == [err] and message in err, err
