@@ -458,3 +458,15 @@ def test_counts_and_seeds_out_of_range_are_usage_errors(tmp_path, capsys, comman
     code = main(argv)
     err = capsys.readouterr().err.strip()
     assert code == 2 and err.splitlines() == [err] and message in err, err
+
+
+def test_a_control_image_that_is_a_folder_is_named_as_one(tmp_path):
+    """--controlnet-image DIR said 'no such image' of a folder that exists."""
+    from types import SimpleNamespace
+
+    from onnxopt.pipeline.runner import GenerationError, check_request
+
+    controlnet_folder = SimpleNamespace(kind="controlnet", controlnets=["controlnet"], root=tmp_path, vae_scale_factor=8,
+                                        config=lambda name: {}, scheduler_config=lambda: {})
+    with pytest.raises(GenerationError, match="is a folder, not an image"):
+        check_request(controlnet_folder, controlnet_image=[tmp_path])

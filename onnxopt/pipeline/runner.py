@@ -605,6 +605,8 @@ def check_request(folder: PipelineFolder, *, steps: int = 50, scheduler: str = "
     if control_images and any(folder.config(name).get("global_pool_conditions") for name in names):
         raise GenerationError("ControlNets with global_pool_conditions (guess mode) are not supported")
     for image in control_images:
+        if isinstance(image, (str, Path)) and Path(image).is_dir():
+            raise GenerationError(f"{image}: is a folder, not an image")
         if isinstance(image, (str, Path)) and not Path(image).is_file():
             raise GenerationError(f"{image}: no such image")
     _check_size(height, width, folder.vae_scale_factor, allow_none=True)
