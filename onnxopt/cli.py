@@ -50,6 +50,29 @@ def _tolerance_arg(text: str) -> float:
     return value
 
 
+def _seed_arg(text: str) -> int:
+    """NumPy's default_rng takes 0 .. 2**32 - 1 here (the random inputs' seed): -1 was its ValueError, exit 3."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if not 0 <= value < 2**32:
+        raise argparse.ArgumentTypeError(f"expected an integer in 0..{2**32 - 1}, got '{text}'")
+    return value
+
+
+def _count_arg(minimum: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = minimum - 1
+        if value < minimum:  # --runs 0 timed nothing: the median of no runs
+            raise argparse.ArgumentTypeError(f"expected an integer of {minimum} or more, got '{text}'")
+        return value
+    return parse
+
+
 def _dim_arg(text: str) -> tuple[str, int]:
     name, _, value = text.rpartition("=")
     if not name or not value.isdigit():
@@ -109,8 +132,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--shape", type=_shape_arg, action="append", default=[], metavar="INPUT=D1,D2,..")
     bench.add_argument("--dim", type=_dim_arg, action="append", default=[], metavar="DIM=N")
     bench.add_argument("--cuda-graph", choices=["off", "on", "both"], default="both")
-    bench.add_argument("--warmup", type=int, default=10)
-    bench.add_argument("--runs", type=int, default=40)
+    bench.add_argument("--warmup", type=_count_arg(0), default=10)
+    bench.add_argument("--runs", type=_count_arg(1), default=40)
     bench.add_argument("--prefer-nhwc", action="store_true")
     bench.add_argument("--json", type=Path, help="also write every number as JSON")
 
@@ -124,7 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
     diff.add_argument("--shape", type=_shape_arg, action="append", default=[], metavar="INPUT=D1,D2,..")
     diff.add_argument("--dim", type=_dim_arg, action="append", default=[], metavar="DIM=N")
     diff.add_argument("--inputs", type=Path, help=".npz of inputs, keyed by input name (default: random)")
-    diff.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
+    diff.add_argument("--seed", type=_seed_arg, default=0, help="seed of the random inputs (0 .. 2**32 - 1)")
     diff.add_argument("--json", type=Path, help="also write every metric as JSON")
     diff.add_argument("--bisect", action="store_true", help="apply --passes to SOURCE one at a time and name the first that breaks the tolerance")
     diff.add_argument("--passes", help="passes and presets for --bisect (e.g. ort-cuda,fp16)")
@@ -182,6 +205,7 @@ def cmd_generate(args) -> int:
 
     from onnxopt.pipeline import PipelineFolder, images
     from onnxopt.pipeline.runner import Pipeline, reuse_steps, check_request
+    from onnxopt.pipeline.sessions import quiet_sessions
 
     folder = PipelineFolder.open(args.folder)
     check_request(folder, steps=args.steps, scheduler=args.scheduler, height=args.height, width=args.width,
@@ -190,11 +214,14 @@ def cmd_generate(args) -> int:
     for written in filter(None, (args.output, args.json)):
         _refuse_input(written, folder.root, *(args.controlnet_image or ()))
         images.check_writable(written)
-    pipe = Pipeline.load(folder, args.provider, fused_step=args.fused_step, cuda_graph=args.cuda_graph)
-    result = pipe(args.prompt, negative_prompt=args.negative_prompt, steps=args.steps, guidance=args.guidance,
-                  scheduler=args.scheduler, seed=args.seed, height=args.height, width=args.width,
-                  controlnet_image=args.controlnet_image, controlnet_scale=args.controlnet_scale, progress=not args.quiet,
-                  reuse=args.reuse)
+    if args.json and Path(args.json).resolve() == Path(args.output).resolve():  # the timings replaced the PNG
+        raise OnnxoptError(f"{args.json}: --json is the image -o writes; give another path")
+    with contextlib.nullcontext() if args.debug else quiet_sessions():  # ORT's errors come back as one line
+        pipe = Pipeline.load(folder, args.provider, fused_step=args.fused_step, cuda_graph=args.cuda_graph)
+        result = pipe(args.prompt, negative_prompt=args.negative_prompt, steps=args.steps, guidance=args.guidance,
+                      scheduler=args.scheduler, seed=args.seed, height=args.height, width=args.width,
+                      controlnet_image=args.controlnet_image, controlnet_scale=args.controlnet_scale,
+                      progress=not args.quiet, reuse=args.reuse)
     images.write_png(result.image, args.output)
     if args.json:
         try:
@@ -211,11 +238,27 @@ def cmd_generate(args) -> int:
 
 
 def _refuse_input(path, folder, *files) -> None:
-    """A file generate writes may not be in the pipeline folder it reads, nor one of its input files."""
-    real, folder = Path(path).resolve(), Path(folder).resolve()
-    if folder in real.parents or any(f and real == Path(f).resolve() for f in files):
-        raise OnnxoptError(f"{path}: is an input of this run (inside {folder} or an input image); "
-                           "onnxopt never modifies its input")
+    """A file a command writes may not be in the (pipeline) folder it reads, nor one of its input files."""
+    real = Path(path).resolve()
+    if folder is not None and Path(folder).resolve() in real.parents:
+        raise OnnxoptError(f"{path}: is inside {folder}, an input of this run; onnxopt never modifies its input")
+    for f in filter(None, files):
+        if real == Path(f).resolve():
+            raise OnnxoptError(f"{path}: is {f}, an input of this run; onnxopt never modifies its input")
+
+
+def check_not_read(path, models, *files) -> None:
+    """A report a command writes (``--json``, ``--markdown``) may not be a model it reads, one of the
+    models' external data files, nor another input file (``--inputs``): ``diff a.onnx b.onnx --json
+    a.onnx`` replaced the source model with the report."""
+    from onnxopt.loading import load_model
+    from onnxopt.saving import check_destination, check_writes
+
+    _refuse_input(path, None, *files)
+    check_destination(path)  # a missing folder: before the work, not after it
+    for model in filter(None, models):
+        if Path(model).is_file():
+            check_writes([path], load_model(model))
 
 
 def _profile_arg(text: str):
@@ -246,12 +289,16 @@ def cmd_optimize(args) -> int:
         raise OnnxoptError("--cfg-late rewrites a pipeline folder's step graph: give a folder as --input")
     if args.passes is not None and args.target:
         raise OnnxoptError("give --passes or --target, not both")
-    passes = [p for p in (args.passes or args.target or "cleanup").split(",") if p.strip()]
+    passes = [p for p in (args.passes if args.passes is not None else args.target or "cleanup").split(",") if p.strip()]
+    if args.passes is not None and not passes:  # "--passes ," ran no pass at all, "--passes ''" the default
+        raise OnnxoptError(f"--passes {args.passes!r} names no pass or preset ('onnxopt passes' lists them)")
     passes += ["fp16"] if (args.fp16 or args.fp8) and "fp16" not in passes else []
     passes += _fp8_passes(args, passes)
     expanded = registry.expand(passes)  # unknown names and unwritable outputs fail before any work
     _check_fp16_flags(args, expanded)
     check_destination(args.output, args.input)
+    if args.report_json:  # a report that cannot be written failed after the output was written (exit 2, output there)
+        check_destination(args.report_json)  # (onto an input file: check_writes below says so)
     load_start = time.perf_counter()
     source = load_model(args.input)  # lazy: weights stay on disk; optimize() works on a copy
     load_seconds = time.perf_counter() - load_start
@@ -386,6 +433,8 @@ def cmd_bench(args) -> int:
 
     if args.build_only and not args.ablation:
         raise OnnxoptError("--build-only goes with --ablation")
+    for path in filter(None, (args.json, args.markdown)):
+        check_not_read(path, args.models)
     if not args.build_only:
         _require_cuda()  # fail with the install hint before loading or building anything
     modes = {"off": (False,), "on": (True,), "both": (False, True)}[args.cuda_graph]
@@ -427,6 +476,8 @@ def cmd_diff(args) -> int:
     if args.optimized is None and not args.bisect:
         raise OnnxoptError("give the optimized model to compare, or --bisect --passes ...")
     passes = [p for p in (args.passes or "").split(",") if p.strip()]
+    if args.json:
+        check_not_read(args.json, [args.source, args.optimized], args.inputs)
     report = diff(args.source, args.optimized, runtime=args.runtime, tolerance=Tolerance(args.atol, args.rtol),
                   inputs=InputSpec(shapes=dict(args.shape), dims=dict(args.dim)), feeds_path=args.inputs,
                   bisect=passes or None, prefer_nhwc=args.prefer_nhwc, precision=args.precision, seed=args.seed)
@@ -478,7 +529,8 @@ def main(argv: list[str] | None = None) -> int:
         if (why := out_of_memory(exc)) is not None:  # the request is too big for this machine, not a bug
             print(f"onnxopt: error: {why}", file=sys.stderr)
             return EXIT_BAD_INPUT
-        print(f"onnxopt: internal error: {type(exc).__name__}: {exc} (rerun with --debug for the traceback)", file=sys.stderr)
+        first = next((line for line in str(exc).splitlines() if line.strip()), "")  # one line, as the contract says
+        print(f"onnxopt: internal error: {type(exc).__name__}: {first} (rerun with --debug for the traceback)", file=sys.stderr)
         return EXIT_INTERNAL
 
 
@@ -487,9 +539,13 @@ def out_of_memory(exc: BaseException) -> str | None:
     text = str(exc)
     if isinstance(exc, MemoryError):
         return f"out of memory ({text or 'MemoryError'}): try a smaller size"
-    if "Failed to allocate memory" not in text and "out of memory" not in text.lower():
+    torch_cpu = "can't allocate memory" in text  # torch's CPU allocator (the initial latents of a huge size)
+    if "Failed to allocate memory" not in text and "out of memory" not in text.lower() and not torch_cpu:
         return None
-    size = re.search(r"buffer of size (\d+)", text)
+    size = re.search(r"buffer of size (\d+)", text) or re.search(r"tried to allocate (\d+) bytes", text)
+    if torch_cpu:
+        need = f" ({int(size.group(1)) / 2**30:.1f} GiB)" if size else ""
+        return f"out of memory{need}: try a smaller image size"
     need = f" (one buffer of {int(size.group(1)) / 2**30:.1f} GiB)" if size else ""
     return f"ONNX Runtime ran out of memory{need}: try a smaller image size or batch"
 

@@ -38,6 +38,7 @@ import json
 import math
 import tempfile
 import time
+import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -135,7 +136,10 @@ def _metrics_from(results: RunResults, tolerance: Tolerance) -> list[OutputMetri
         raise OnnxoptError(f"the candidate has no output named {', '.join(map(repr, missing))}; "
                            f"its outputs: {', '.join(candidate)}")
     compare = SimpleCompareFunc(atol=tolerance.atol, rtol=tolerance.rtol, check_error_stat="elemwise", check_shapes=True)
-    with _quiet():
+    # 0 / 0 of equal integer outputs and the mean of an empty (dim 0) output: NumPy's RuntimeWarnings
+    # reached stderr; the metrics below say what they mean
+    with _quiet(), np.errstate(all="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
         accuracy = Comparator.compare_accuracy(results, compare_func=compare)
     verdicts = next(iter(accuracy[0].values()))[0]  # the one pair, the one iteration: {output: result}
     metrics = []
@@ -150,13 +154,24 @@ def _metrics_from(results: RunResults, tolerance: Tolerance) -> list[OutputMetri
             name=name, shape=list(ref.shape), dtype=str(cand.dtype),
             max_abs=float(verdict.max_absdiff), median_abs=float(verdict.median_absdiff),
             p99_abs=float(np.quantile(absdiff, QUANTILE)) if absdiff.size else 0.0,
-            max_rel=float(verdict.max_reldiff),
+            max_rel=_max_rel(verdict, absdiff, ref),
             rel_l2=relative_l2(ref, cand),
             psnr_db=psnr_db(ref, cand) if is_image_like(ref.shape) else None,
             nonfinite=int(np.count_nonzero(np.isfinite(ref) & ~np.isfinite(cand))),
             atol=tolerance.atol, rtol=tolerance.rtol, passed=bool(verdict),
         ))
     return metrics
+
+
+def _max_rel(verdict, absdiff: np.ndarray, ref: np.ndarray) -> float:
+    """Polygraphy's max relative difference, except where it is 0 / 0: equal integer outputs with
+    zeros gave NaN (in the table and, as an invalid JSON token, in --json). Equal values: 0."""
+    value = float(verdict.max_reldiff)
+    if math.isnan(value) and not np.isnan(absdiff).any():
+        with np.errstate(all="ignore"):
+            rel = np.where(absdiff == 0, 0.0, absdiff / np.abs(ref.astype(np.float64)))
+        value = float(rel.max()) if rel.size else 0.0
+    return value
 
 
 # ----------------------------------------------------------------------------------- runners
@@ -407,6 +422,7 @@ def diff(source: str | Path, candidate: str | Path | None = None, *, runtime: st
     runtime = runtime or default_runtime(candidate_model or source_model)
     if candidate_model is not None:
         check_runtime(runtime, candidate_model)
+        _check_same_inputs(source_model, candidate_model)
     feeds = load_feeds(feeds_path, source_model) if feeds_path else random_feeds(source_model, inputs, seed=seed)
     report = DiffReport(str(source), str(candidate) if candidate is not None else None, runtime, tolerance,
                         inputs={k: list(v.shape) for k, v in feeds[0].items()})
@@ -422,6 +438,16 @@ def diff(source: str | Path, candidate: str | Path | None = None, *, runtime: st
         report.bisect = bisect_passes(source_model, bisect, runtime=runtime, tolerance=tolerance, feeds=feeds,
                                       prefer_nhwc=prefer_nhwc, precision=precision, source_path=source)
     return report
+
+
+def _check_same_inputs(source: Model, candidate: Model) -> None:
+    """Both models are fed the same inputs by name: a candidate input the source lacks got some other
+    value (two models with different input names were reported equal)."""
+    names = [t.name for t in source.graph.inputs]
+    extra = [t.name for t in candidate.graph.inputs if t.name not in names]
+    if extra:
+        raise OnnxoptError(f"the candidate has input(s) the source does not have: {', '.join(map(repr, extra))} "
+                           f"(the source's inputs: {', '.join(names) or 'none'})")
 
 
 def bisect_passes(source: Model, passes: list[str], *, runtime: str, tolerance: Tolerance, feeds,

@@ -41,6 +41,8 @@ from pathlib import Path
 from onnxopt.errors import MissingDependencyError, OnnxoptError
 
 KINDS = ("sd", "sdxl", "controlnet")
+CLIP_SEQUENCE = 77  # the prompt length CLIP's text encoders take
+TOKENIZER_NO_LIMIT = 4096  # a model_max_length above it is transformers' "no limit" placeholder
 EXTERNAL_DATA_NAMES = ("model.onnx_data", "model.onnx.data", "weights.pb")
 MODEL_FILE = "model.onnx"
 STEP_FILE = "step.onnx"  # the fused step graph (onnxopt.pipeline.step_graph.write_step_graph)
@@ -121,6 +123,64 @@ def read_json(path: Path) -> dict:
     return value
 
 
+def _positive_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def _finite_positive(value) -> bool:
+    import math
+
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+
+
+# config.json fields the pipeline computes with (absent: diffusers' default applies), each with what
+# diffusers accepts for it: a value of another type crashed deep inside the run (exit 3) or, for a zero
+# scaling_factor, gave a NaN image.
+CONFIG_FIELDS = {
+    "unet": {
+        "sample_size": (lambda v: _positive_int(v) or (isinstance(v, list) and len(v) == 2 and all(map(_positive_int, v))),
+                        "a positive integer or [height, width]"),
+        "in_channels": (_positive_int, "a positive integer"),
+    },
+    "vae_decoder": {
+        "block_out_channels": (lambda v: isinstance(v, list) and len(v) > 0, "a non-empty list"),
+        "scaling_factor": (_finite_positive, "a finite positive number"),
+    },
+    "vae_encoder": {
+        "block_out_channels": (lambda v: isinstance(v, list) and len(v) > 0, "a non-empty list"),
+    },
+}
+
+
+def check_config(path: Path, name: str, config: dict) -> None:
+    """A one-line PipelineFolderError when a field of :data:`CONFIG_FIELDS` has a value diffusers would not take."""
+    for key, (ok, expected) in CONFIG_FIELDS.get(name, {}).items():
+        if key in config and not ok(config[key]):
+            raise PipelineFolderError(f"{path}: '{key}' must be {expected}, got {json.dumps(config[key])}")
+
+
+def check_folder_files(root: Path) -> None:
+    """The JSON files a run reads, where present, as generate reads them: model_index.json,
+    scheduler_config.json and each tokenizer_config.json a JSON object, each component's
+    config.json an object whose :data:`CONFIG_FIELDS` diffusers would take, and a tokenizer's
+    model_max_length a positive integer. ``optimize`` calls it too, so that it does not copy a
+    folder generate refuses."""
+    read_json(root / "model_index.json")
+    scheduler = root / "scheduler" / "scheduler_config.json"
+    if scheduler.is_file():
+        read_json(scheduler)
+    for tokenizer in ("tokenizer", "tokenizer_2"):
+        path = root / tokenizer / "tokenizer_config.json"
+        if path.is_file():
+            length = read_json(path).get("model_max_length")
+            if length is not None and not _positive_int(length):
+                raise PipelineFolderError(f"{path}: 'model_max_length' must be a positive integer, got {json.dumps(length)}")
+    for name in CONFIG_FIELDS:
+        path = root / name / "config.json"
+        if path.is_file():
+            check_config(path, name, read_json(path))
+
+
 def controlnet_name(k: int) -> str:
     """The folder of the k-th ControlNet (from 0): controlnet, controlnet_1, controlnet_2..."""
     return "controlnet" if k == 0 else f"controlnet_{k}"
@@ -172,6 +232,7 @@ class PipelineFolder:
         if not index_path.is_file():
             raise PipelineFolderError(f"{root}: not a pipeline folder (no model_index.json)")
         index = read_json(index_path)
+        check_folder_files(root)
         kind = kind_of(index, root)
         components = {}
         for name in (*MODEL_COMPONENTS, *controlnet_folders(root)[1:]):
@@ -234,11 +295,20 @@ class PipelineFolder:
             from transformers import CLIPTokenizer
         except ImportError as exc:
             raise MissingDependencyError("generating images needs transformers: pip install 'onnxopt[pipeline]'") from exc
+        folder = self.root / name
+        if not (folder / "tokenizer.json").is_file() and not all((folder / f).is_file() for f in ("vocab.json", "merges.txt")):
+            # transformers loads a folder without them as a two-token tokenizer: every word its unknown token
+            raise PipelineFolderError(f"{folder}: no tokenizer vocabulary (tokenizer.json, or vocab.json and merges.txt)")
         try:
-            return CLIPTokenizer.from_pretrained(str(self.root / name))
-        except (OSError, ValueError) as exc:
+            tokenizer = CLIPTokenizer.from_pretrained(str(folder))
+        except Exception as exc:  # noqa: BLE001 -- the folder's files, parsed by transformers: any failure is the file's
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise PipelineFolderError(f"{self.root / name}: cannot load the tokenizer: {first}")
+            raise PipelineFolderError(f"{folder}: cannot load the tokenizer: {first}")
+        if tokenizer.model_max_length > TOKENIZER_NO_LIMIT:
+            # no model_max_length in tokenizer_config.json: transformers' "no limit" placeholder (1e30), which
+            # the padding cannot use; CLIP's text encoders take 77 positions (optimize's static graphs too)
+            tokenizer.model_max_length = CLIP_SEQUENCE
+        return tokenizer
 
     @property
     def vae_scale_factor(self) -> int:

@@ -67,6 +67,10 @@ def preprocess_control_image(image, height: int | None, width: int | None, vae_s
     if isinstance(image, (str, os.PathLike)):
         image = load_image(image)
     processor = _processor(vae_scale_factor, do_convert_rgb=True, do_normalize=False)
+    size = processor.get_default_height_width(image, height, width)  # the image's own size, rounded down
+    if min(size) <= 0:  # a 1x1 image: diffusers' "height and width must be > 0" deep in the resize (exit 3)
+        raise OnnxoptError(f"the conditioning image is smaller than {vae_scale_factor} pixels on a side: give a larger "
+                           "image, or --height and --width")
     return processor.preprocess(image, height=height, width=width).to(dtype=__import__("torch").float32).numpy()
 
 

@@ -60,7 +60,7 @@ import numpy as np
 
 from onnxopt.errors import ModelSaveError, OnnxoptError, VerificationError
 from onnxopt.pipeline.controlnet_hint import write_hint_graph
-from onnxopt.pipeline.folder import controlnet_folders, read_json
+from onnxopt.pipeline.folder import check_folder_files, controlnet_folders
 from onnxopt.pipeline.merged_step import write_merged_step
 from onnxopt.pipeline.step_graph import write_step_graph
 from onnxopt.report import OptimizationReport
@@ -169,7 +169,7 @@ def read_components(folder: Path) -> list[PipelineComponent]:
         raise OnnxoptError(f"{folder}: not a folder")
     if not (folder / "model_index.json").is_file():
         raise OnnxoptError(f"{folder}: no model_index.json: not a diffusers/optimum pipeline folder")
-    read_json(folder / "model_index.json")  # a broken index would be copied, and generate refuses it
+    check_folder_files(folder)  # a broken index or config would be copied, and generate refuses it
     out = []
     for sub in sorted(p for p in folder.iterdir() if p.is_dir()):
         path = sub / MODEL_FILE
@@ -194,9 +194,10 @@ def read_components(folder: Path) -> list[PipelineComponent]:
 def _read_json(path: Path) -> dict:
     """A component's config.json, or {} where it is missing or unreadable (the defaults then apply)."""
     try:
-        return json.loads(path.read_text())
+        value = json.loads(path.read_text())
     except (OSError, ValueError):
         return {}
+    return value if isinstance(value, dict) else {}
 
 
 def _check_paths(src: Path, dst: Path) -> None:
@@ -216,6 +217,10 @@ def _check_paths(src: Path, dst: Path) -> None:
             p = Path(root) / name
             if p.is_symlink() and s not in p.resolve().parents:
                 raise OnnxoptError(f"{p}: a symbolic link out of the input folder; onnxopt reads only inside it")
+            if p.is_symlink() and not p.exists():
+                raise OnnxoptError(f"{p}: a symbolic link to nothing ({os.readlink(p)})")
+            if not p.is_dir() and not p.is_file():  # a named pipe, socket or device: copying it fails or blocks
+                raise OnnxoptError(f"{p}: not a regular file (a named pipe, socket or device); a pipeline folder holds files")
 
 
 # ----------------------------------------------------------------------------------- presets
@@ -251,7 +256,8 @@ def vae_calibration_feed(model, name: str, folder: Path, seed: int = 0) -> dict[
     """
     unet_cfg = _read_json(folder / "unet" / "config.json")
     vae_cfg = _read_json(folder / name / "config.json")
-    side = min(int(unet_cfg.get("sample_size") or DEFAULT_LATENT_SIZE), CALIBRATION_MAX_LATENT)
+    sample = unet_cfg.get("sample_size") or DEFAULT_LATENT_SIZE  # checked by check_folder_files: n or [h, w]
+    side = min(min(sample) if isinstance(sample, list) else int(sample), CALIBRATION_MAX_LATENT)
     factor = 2 ** (len(vae_cfg.get("block_out_channels", (0, 0, 0, 0))) - 1)
     scaling = float(vae_cfg.get("scaling_factor", 0.18215))
     rng = np.random.default_rng(seed)
@@ -317,7 +323,9 @@ def fp16_vae_error(fp32_model, fp16_model, feed) -> tuple[float, bool]:
 def _data_name(component: PipelineComponent) -> str | None:
     if not component.data_files:
         return None
-    return component.data_files[0] if len(component.data_files) == 1 else DEFAULT_DATA_NAME
+    name = component.data_files[0]
+    # one file beside model.onnx keeps its name; a file in a subfolder ("sub/w.bin") or several files: optimum's name
+    return name if len(component.data_files) == 1 and Path(name).name == name else DEFAULT_DATA_NAME
 
 
 def _optimize_component(component: PipelineComponent, out_dir: Path, src: Path, target: str, fp16: bool,
@@ -439,8 +447,11 @@ def optimize_folder(src, dst, target: str = "ort-cuda", fp16: bool = False, veri
         if dst.exists():
             dst.rmdir()                 # empty (checked); rename cannot replace a folder on every OS
         os.replace(tmp, dst)
-    except BaseException:
+    except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(exc, OnnxoptError) and exc.args and str(tmp) in str(exc.args[0]):
+            # the message named a file of the temporary folder, just removed: name the source's file instead
+            exc.args = (str(exc.args[0]).replace(str(tmp), str(src)), *exc.args[1:])
         raise
     report.seconds = time.perf_counter() - start
     return report
@@ -534,6 +545,10 @@ def cli_optimize_folder(args) -> int:
         report_path, source = Path(args.report_json).resolve(), Path(args.input).resolve()
         if report_path == source or source in report_path.parents:
             raise OnnxoptError(f"{args.report_json}: is inside the input folder; onnxopt never modifies its input")
+        from onnxopt.saving import check_destination
+
+        if report_path.parent != Path(args.output).resolve():  # beside the components: the folder is made first
+            check_destination(args.report_json)  # not after the folder is written (exit 2 with the output there)
     report = optimize_folder(args.input, args.output, target=args.target or "ort-cuda", fp16=args.fp16,
                              verify=args.verify, tolerance=Tolerance(args.atol, args.rtol), fp16_options=fp16_options,
                              context_kv=args.context_kv, cfg_late=getattr(args, "cfg_late", False))

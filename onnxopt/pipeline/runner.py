@@ -223,6 +223,9 @@ class Pipeline:
                                 device_id=device_id, cuda_graph=capturing)
 
         sessions = {name: once(name) for name in ("vae_decoder",) if folder.has(name)}
+        if "vae_decoder" in sessions:
+            check_interface(sessions["vae_decoder"], folder.component("vae_decoder").model, "VAE decoder",
+                            ["latent_sample"], ["sample"])
         # text encoders: made on first use (Pipeline.text_session), asking for capture as loaded here
         # (the step graph's own outcome rebinds ``graph`` below)
         open_text = lambda name, model=None, capture=graph: once(name, model, capture)  # noqa: E731
@@ -324,7 +327,10 @@ class Pipeline:
         static = component.static_models if self.static_text else {}
         key = f"{encoder}/b{batch}" if batch in static else encoder
         if key not in self.sessions:
-            self.sessions[key] = self._open_once(encoder, static.get(batch))
+            session = self._open_once(encoder, static.get(batch))
+            check_interface(session, static.get(batch) or component.model, "text encoder", ["input_ids"],
+                            ["last_hidden_state"] if self.folder.kind != "sdxl" else [])
+            self.sessions[key] = session
         if batch in static:
             self.text_sources[encoder] = static[batch].name
         elif not self.static_text:
@@ -376,6 +382,7 @@ class Pipeline:
         check_request(folder, steps=steps, scheduler=scheduler, height=height, width=width,
                       controlnet_image=controlnet_image, controlnet_scale=controlnet_scale)
         check_numbers(guidance=guidance, seed=seed, controlnet_scale=controlnet_scale)
+        check_prompts(prompt, negative_prompt)
         reused = reuse_steps(reuse, steps)
         factor = folder.vae_scale_factor
         controls = []
@@ -484,6 +491,9 @@ class Pipeline:
         t0 = time.perf_counter()
         decoded = run_host(self.sessions["vae_decoder"], {"latent_sample": self._unscale(latents)})["sample"]
         t1 = time.perf_counter()
+        if not np.isfinite(decoded).all():  # a NaN image would be written as a silently black PNG
+            raise GenerationError(f"the image is not finite (NaN or inf out of the VAE decoder, guidance {guidance:g}): "
+                                  "nothing written")
         pixels = images.postprocess(decoded, factor)[0]
         timings["vae_decode_s"] = time.perf_counter() - t0
         timings["vae_run_s"], timings["vae_postprocess_s"] = t1 - t0, timings["vae_decode_s"] - (t1 - t0)
@@ -597,6 +607,10 @@ def check_request(folder: PipelineFolder, *, steps: int = 50, scheduler: str = "
         raise GenerationError(f"unknown scheduler '{scheduler}' (choose from {', '.join(SCHEDULERS)})")
     if not isinstance(steps, int) or steps < 1:
         raise GenerationError(f"steps must be at least 1, got {steps}")
+    train_steps = folder.scheduler_config().get("num_train_timesteps", 1000)
+    if isinstance(train_steps, int) and steps > train_steps:  # diffusers' set_timesteps refuses it, deep in the run
+        raise GenerationError(f"steps must be at most {train_steps} (num_train_timesteps of the folder's "
+                              f"scheduler_config.json), got {steps}")
     control_images, names = as_list(controlnet_image), folder.controlnets
     if folder.kind == "controlnet" and not control_images:
         raise GenerationError(f"{folder.root} is a ControlNet pipeline: give a conditioning image (--controlnet-image)")
@@ -613,6 +627,8 @@ def check_request(folder: PipelineFolder, *, steps: int = 50, scheduler: str = "
     if control_images and any(folder.config(name).get("global_pool_conditions") for name in names):
         raise GenerationError("ControlNets with global_pool_conditions (guess mode) are not supported")
     for image in control_images:
+        if isinstance(image, (str, Path)) and Path(image).is_dir():
+            raise GenerationError(f"{image}: is a folder, not an image")
         if isinstance(image, (str, Path)) and not Path(image).is_file():
             raise GenerationError(f"{image}: no such image")
     _check_size(height, width, folder.vae_scale_factor, allow_none=True)
@@ -625,12 +641,40 @@ SEED_RANGE = (-(2**63), 2**64 - 1)
 def check_numbers(*, guidance: float, seed: int, controlnet_scale=1.0) -> None:
     """Finite guidance and ControlNet scales and a seed torch's generator takes, or a one-line
     GenerationError (a NaN scale gives a NaN image, not an error, further down)."""
-    if not math.isfinite(guidance):
-        raise GenerationError(f"guidance must be a finite number, got {guidance}")
-    if not all(math.isfinite(scale) for scale in as_list(controlnet_scale)):
+    if not _finite_float32(guidance):  # the step graphs take it as float32: 1e39 became inf there
+        raise GenerationError(f"guidance must be a finite number (in float32's range), got {guidance}")
+    if not all(_finite_float32(scale) for scale in as_list(controlnet_scale)):
         raise GenerationError(f"ControlNet conditioning scales must be finite numbers, got {controlnet_scale}")
     if not isinstance(seed, int) or not SEED_RANGE[0] <= seed <= SEED_RANGE[1]:
         raise GenerationError(f"seed must be an integer in {SEED_RANGE[0]}..{SEED_RANGE[1]}, got {seed}")
+
+
+def _finite_float32(value) -> bool:
+    return math.isfinite(value) and abs(value) <= float(np.finfo(np.float32).max)
+
+
+def check_interface(session, where, what: str, inputs: list[str], outputs: list[str]) -> None:
+    """The inputs and outputs the pipeline feeds and reads, or a one-line GenerationError naming the
+    graph (another component's model.onnx in its place was a KeyError or ORT's ValueError: exit 3)."""
+    have_in, have_out = [i.name for i in session.get_inputs()], [o.name for o in session.get_outputs()]
+    missing = [f"input {n}" for n in inputs if n not in have_in] + [f"output {n}" for n in outputs if n not in have_out]
+    if missing:
+        raise GenerationError(f"{where}: not a {what} graph: no {', '.join(missing)} (it has inputs "
+                              f"{', '.join(have_in) or 'none'}; outputs {', '.join(have_out[:4])}{'...' if len(have_out) > 4 else ''})")
+
+
+def check_prompts(prompt, negative_prompt) -> None:
+    """Prompts are text the tokenizer takes: a str of valid Unicode (a command-line argument that is
+    not UTF-8 arrives as lone surrogates, which the tokenizer refused with a TypeError)."""
+    for name, text in (("prompt", prompt), ("negative prompt", negative_prompt)):
+        if text is None and name == "negative prompt":
+            continue
+        if not isinstance(text, str):
+            raise GenerationError(f"the {name} must be text, got {type(text).__name__}")
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            raise GenerationError(f"the {name} is not valid UTF-8 text: {text.encode('utf-8', 'replace').decode()!r}") from None
 
 
 def reuse_steps(reuse, steps: int) -> frozenset:

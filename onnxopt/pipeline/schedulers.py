@@ -67,13 +67,16 @@ def make_scheduler(name: str, config: dict):
     (a ``scheduler_config.json``, any scheduler class: its common keys carry over, as with
     diffusers' ``from_config``)."""
     classes = _diffusers_classes()
-    if name == "ddim":
-        return classes.DDIMScheduler.from_config(config)
-    if name == "euler":
-        return classes.EulerDiscreteScheduler.from_config(config)
-    if name == "dpm++2m":
-        return classes.DPMSolverMultistepScheduler.from_config(config, algorithm_type="dpmsolver++", solver_order=2)
-    raise SchedulerError(f"unknown scheduler '{name}'; choose one of {', '.join(SCHEDULERS)}")
+    made = {"ddim": (classes.DDIMScheduler, {}), "euler": (classes.EulerDiscreteScheduler, {}),
+            "dpm++2m": (classes.DPMSolverMultistepScheduler, {"algorithm_type": "dpmsolver++", "solver_order": 2})}
+    if name not in made:
+        raise SchedulerError(f"unknown scheduler '{name}'; choose one of {', '.join(SCHEDULERS)}")
+    cls, options = made[name]
+    try:
+        return cls.from_config(config, **options)
+    except (TypeError, ValueError, NotImplementedError) as exc:  # a value of the wrong type or range in the config
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise SchedulerError(f"scheduler_config.json: {cls.__name__} cannot be made from it: {first}") from None
 
 
 def plan_steps(scheduler, num_inference_steps: int, *, step_kwargs: dict | None = None) -> StepPlan:

@@ -36,6 +36,8 @@ with one dict of per-image inputs each; ControlNet k's residuals go to the step 
 
 from __future__ import annotations
 
+import contextlib
+
 import os
 import time
 from pathlib import Path
@@ -80,13 +82,29 @@ def provider_list(provider: str, *, cuda_graph: bool = False, device_id: int = 0
     return [("TensorrtExecutionProvider", options), cuda]
 
 
+_log_severity = 3  # ONNX Runtime's errors; quiet_sessions: fatal only
+
+
+@contextlib.contextmanager
+def quiet_sessions():
+    """Sessions created inside log nothing but fatal errors: the command line's one-line contract
+    (an allocation that fails also printed ORT's own [E:onnxruntime ...] line above onnxopt's; the
+    error reaches the user as the exception, in one line)."""
+    global _log_severity
+    previous, _log_severity = _log_severity, 4
+    try:
+        yield
+    finally:
+        _log_severity = previous
+
+
 def create_session(model: Path | bytes, provider: str, *, name: str, cuda_graph: bool = False, device_id: int = 0,
                    threads: int | None = None, external_data_folder: Path | None = None):
     """An InferenceSession for ``model`` (a path, or serialized bytes: weights inline, or external
     data whose locations are relative to ``external_data_folder``)."""
     ort = require_provider(provider)
     so = ort.SessionOptions()
-    so.log_severity_level = 3
+    so.log_severity_level = _log_severity
     if external_data_folder is not None:
         so.add_session_config_entry("session.model_external_initializers_file_folder_path", str(external_data_folder))
     if threads:

@@ -49,6 +49,9 @@ def parse_reuse(spec: str | None, steps: int) -> frozenset[int]:
                     step = int(stride) if stride else 1
                     if step < 1 or last < first:
                         raise ValueError
+                    outside = first if first >= steps else first + -(-(steps - first) // step) * step
+                    if outside <= last:  # before the set is made: "1-99999999999999999999" filled the memory
+                        raise ReuseScheduleError(f"--reuse: step {outside} is outside 0..{steps - 1}")
                     chosen.update(range(first, last + 1, step))
                 else:
                     chosen.add(int(part))
