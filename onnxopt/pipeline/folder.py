@@ -220,6 +220,7 @@ class PipelineFolder:
     index: dict
     kind: str
     components: dict[str, Component]
+    _scheduler_config: dict | None = field(default=None, repr=False, compare=False)
 
     @classmethod
     def open(cls, path) -> "PipelineFolder":
@@ -287,7 +288,10 @@ class PipelineFolder:
         return self.components[name].config if name in self.components else {}
 
     def scheduler_config(self) -> dict:
-        return read_json(self.root / "scheduler" / "scheduler_config.json")
+        """scheduler/scheduler_config.json, read once (as the components' configs are; every image reads it)."""
+        if self._scheduler_config is None:
+            self._scheduler_config = read_json(self.root / "scheduler" / "scheduler_config.json")
+        return dict(self._scheduler_config)
 
     def tokenizer(self, name: str = "tokenizer"):
         """transformers' CLIPTokenizer from ``<folder>/<name>/`` (the real tokenizer code)."""

@@ -37,7 +37,6 @@ with one dict of per-image inputs each; ControlNet k's residuals go to the step 
 from __future__ import annotations
 
 import contextlib
-
 import os
 import time
 from pathlib import Path
