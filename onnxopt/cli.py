@@ -507,6 +507,11 @@ COMMANDS["build"] = cmd_build
 COMMANDS["generate"] = cmd_generate
 
 
+def _one_line(message: str) -> str:
+    """An error message as one line: a newline can only come from a name the user gave (a path), shown escaped."""
+    return message.replace("\r", "\\r").replace("\n", "\\n")
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
@@ -518,7 +523,7 @@ def main(argv: list[str] | None = None) -> int:
     except OnnxoptError as exc:
         if args.debug:
             raise
-        print(f"onnxopt: error: {exc}", file=sys.stderr)
+        print(f"onnxopt: error: {_one_line(str(exc))}", file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt:
         print("onnxopt: interrupted", file=sys.stderr)
@@ -527,7 +532,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.debug:
             raise
         if (why := out_of_memory(exc)) is not None:  # the request is too big for this machine, not a bug
-            print(f"onnxopt: error: {why}", file=sys.stderr)
+            print(f"onnxopt: error: {_one_line(why)}", file=sys.stderr)
             return EXIT_BAD_INPUT
         first = next((line for line in str(exc).splitlines() if line.strip()), "")  # one line, as the contract says
         print(f"onnxopt: internal error: {type(exc).__name__}: {first} (rerun with --debug for the traceback)", file=sys.stderr)

@@ -470,3 +470,13 @@ def test_a_control_image_that_is_a_folder_is_named_as_one(tmp_path):
                                         config=lambda name: {}, scheduler_config=lambda: {})
     with pytest.raises(GenerationError, match="is a folder, not an image"):
         check_request(controlnet_folder, controlnet_image=[tmp_path])
+
+
+@pytest.mark.parametrize("argv", [
+    lambda weird, out: ["info", weird],
+    lambda weird, out: ["optimize", "-i", weird, "-o", str(out / "o.onnx")],
+    lambda weird, out: ["generate", weird, "--prompt", "a", "-o", str(out / "x.png")],
+])
+def test_a_path_with_a_newline_is_still_one_line(capsys, tmp_path, argv):
+    """A name the user gave with a newline in it is shown escaped: the error stays one line."""
+    one_line_error(capsys, main(argv(str(tmp_path / "no\nsuch"), tmp_path)), 2, "no\\nsuch")
