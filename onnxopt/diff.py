@@ -420,6 +420,10 @@ def diff(source: str | Path, candidate: str | Path | None = None, *, runtime: st
         registry.expand(list(bisect))  # unknown pass names fail before any work
     candidate_model = load_model(candidate) if candidate is not None else None
     runtime = runtime or default_runtime(candidate_model or source_model)
+    # an option of another runtime would be silently ignored: the user would read a result it did not shape
+    for option, given, applies in (("--prefer-nhwc", prefer_nhwc, "cuda"), ("--precision", precision, "trt")):
+        if given and runtime != applies:
+            raise OnnxoptError(f"{option} applies to --runtime {applies}; this diff runs on {runtime}")
     if candidate_model is not None:
         check_runtime(runtime, candidate_model)
         _check_same_inputs(source_model, candidate_model)

@@ -480,3 +480,14 @@ def test_a_control_image_that_is_a_folder_is_named_as_one(tmp_path):
 def test_a_path_with_a_newline_is_still_one_line(capsys, tmp_path, argv):
     """A name the user gave with a newline in it is shown escaped: the error stays one line."""
     one_line_error(capsys, main(argv(str(tmp_path / "no\nsuch"), tmp_path)), 2, "no\\nsuch")
+
+
+@pytest.mark.parametrize("flag", [["--prefer-nhwc"], ["--precision", "fp16"]])
+def test_diff_refuses_an_option_of_another_runtime(capsys, tmp_path, flag):
+    """--prefer-nhwc (CUDA EP) and --precision (TensorRT) on a diff that runs on the CPU were silently
+    ignored: the user read a result those options did not shape."""
+    model = make_model([helper.make_node("Relu", ["x"], ["y"])], [helper.make_tensor_value_info("x", T.FLOAT, [2, 3])],
+                       [helper.make_tensor_value_info("y", T.FLOAT, [2, 3])])
+    path = tmp_path / "m.onnx"
+    onnx.save(model, path)
+    one_line_error(capsys, main(["diff", str(path), str(path), "--runtime", "cpu", *flag]), 2, flag[0], "runs on cpu")
