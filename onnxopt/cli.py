@@ -50,25 +50,17 @@ def _tolerance_arg(text: str) -> float:
     return value
 
 
-def _seed_arg(text: str) -> int:
-    """NumPy's default_rng takes 0 .. 2**32 - 1 here (the random inputs' seed): -1 was its ValueError, exit 3."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if not 0 <= value < 2**32:
-        raise argparse.ArgumentTypeError(f"expected an integer in 0..{2**32 - 1}, got '{text}'")
-    return value
-
-
-def _count_arg(minimum: int):
+def _int_arg(minimum: int, maximum: int | None = None):
+    """An argparse type: an integer in minimum..maximum (``--runs 0`` timed nothing; a diff seed outside
+    0..2**32 - 1 was NumPy's ValueError, exit 3)."""
     def parse(text: str) -> int:
         try:
             value = int(text)
         except ValueError:
-            value = minimum - 1
-        if value < minimum:  # --runs 0 timed nothing: the median of no runs
-            raise argparse.ArgumentTypeError(f"expected an integer of {minimum} or more, got '{text}'")
+            value = None
+        if value is None or value < minimum or (maximum is not None and value > maximum):
+            expected = f"in {minimum}..{maximum}" if maximum is not None else f"of {minimum} or more"
+            raise argparse.ArgumentTypeError(f"expected an integer {expected}, got '{text}'")
         return value
     return parse
 
@@ -132,8 +124,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--shape", type=_shape_arg, action="append", default=[], metavar="INPUT=D1,D2,..")
     bench.add_argument("--dim", type=_dim_arg, action="append", default=[], metavar="DIM=N")
     bench.add_argument("--cuda-graph", choices=["off", "on", "both"], default="both")
-    bench.add_argument("--warmup", type=_count_arg(0), default=10)
-    bench.add_argument("--runs", type=_count_arg(1), default=40)
+    bench.add_argument("--warmup", type=_int_arg(0), default=10)
+    bench.add_argument("--runs", type=_int_arg(1), default=40)
     bench.add_argument("--prefer-nhwc", action="store_true")
     bench.add_argument("--json", type=Path, help="also write every number as JSON")
 
@@ -147,7 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
     diff.add_argument("--shape", type=_shape_arg, action="append", default=[], metavar="INPUT=D1,D2,..")
     diff.add_argument("--dim", type=_dim_arg, action="append", default=[], metavar="DIM=N")
     diff.add_argument("--inputs", type=Path, help=".npz of inputs, keyed by input name (default: random)")
-    diff.add_argument("--seed", type=_seed_arg, default=0, help="seed of the random inputs (0 .. 2**32 - 1)")
+    diff.add_argument("--seed", type=_int_arg(0, 2**32 - 1), default=0, help="seed of the random inputs (0 .. 2**32 - 1)")
     diff.add_argument("--json", type=Path, help="also write every metric as JSON")
     diff.add_argument("--bisect", action="store_true", help="apply --passes to SOURCE one at a time and name the first that breaks the tolerance")
     diff.add_argument("--passes", help="passes and presets for --bisect (e.g. ort-cuda,fp16)")

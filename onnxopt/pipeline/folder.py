@@ -35,6 +35,7 @@ Nothing here writes to the folder.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -128,8 +129,6 @@ def _positive_int(value) -> bool:
 
 
 def _finite_positive(value) -> bool:
-    import math
-
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
 
 
@@ -160,12 +159,11 @@ def check_config(path: Path, name: str, config: dict) -> None:
 
 
 def check_folder_files(root: Path) -> None:
-    """The JSON files a run reads, where present, as generate reads them: model_index.json,
+    """The JSON files a run reads besides model_index.json, where present, as generate reads them:
     scheduler_config.json and each tokenizer_config.json a JSON object, each component's
     config.json an object whose :data:`CONFIG_FIELDS` diffusers would take, and a tokenizer's
     model_max_length a positive integer. ``optimize`` calls it too, so that it does not copy a
     folder generate refuses."""
-    read_json(root / "model_index.json")
     scheduler = root / "scheduler" / "scheduler_config.json"
     if scheduler.is_file():
         read_json(scheduler)

@@ -60,7 +60,7 @@ import numpy as np
 
 from onnxopt.errors import ModelSaveError, OnnxoptError, VerificationError
 from onnxopt.pipeline.controlnet_hint import write_hint_graph
-from onnxopt.pipeline.folder import check_folder_files, controlnet_folders
+from onnxopt.pipeline.folder import check_folder_files, controlnet_folders, read_json
 from onnxopt.pipeline.merged_step import write_merged_step
 from onnxopt.pipeline.step_graph import write_step_graph
 from onnxopt.report import OptimizationReport
@@ -169,7 +169,8 @@ def read_components(folder: Path) -> list[PipelineComponent]:
         raise OnnxoptError(f"{folder}: not a folder")
     if not (folder / "model_index.json").is_file():
         raise OnnxoptError(f"{folder}: no model_index.json: not a diffusers/optimum pipeline folder")
-    check_folder_files(folder)  # a broken index or config would be copied, and generate refuses it
+    read_json(folder / "model_index.json")  # a broken index or config would be copied, and generate refuses it
+    check_folder_files(folder)
     out = []
     for sub in sorted(p for p in folder.iterdir() if p.is_dir()):
         path = sub / MODEL_FILE
