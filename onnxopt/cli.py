@@ -151,9 +151,12 @@ def build_parser() -> argparse.ArgumentParser:
     info = sub.add_parser("info", help="summarise a model: inputs, outputs, ops, weights")
     info.add_argument("model")
 
-    build = sub.add_parser("build", help="build a TensorRT engine (through Polygraphy; needs tensorrt and an NVIDIA GPU)")
+    build = sub.add_parser("build", help="build a TensorRT engine through Polygraphy (TensorRT-RTX: on any machine, for --compute-capability)")
     build.add_argument("-i", "--input", required=True, help="the .onnx to build (optimize it with --passes tensorrt first)")
     build.add_argument("-o", "--output", required=True, help="the engine file to write (atomically), e.g. model.plan")
+    build.add_argument("--compute-capability", type=_capabilities_arg, action="append", default=[], metavar="X.Y",
+                       help="GPU(s) to build for, e.g. 8.9 (RTX 40xx, L4, L40S) or 8.6,12.0; no GPU needed with TensorRT-RTX "
+                            "(default: the GPU this runs on)")
     build.add_argument("--precision", choices=["fp16", "bf16", "fp32"], default="fp16",
                        help="strongly typed engine precision; a float32 graph is converted by the fp16 pass (default fp16)")
     build.add_argument("--profile", type=_profile_arg, action="append", default=[], metavar="INPUT=MIN:OPT:MAX",
@@ -161,7 +164,8 @@ def build_parser() -> argparse.ArgumentParser:
     build.add_argument("--dim", type=_dim_arg, action="append", default=[], metavar="DIM=N",
                        help="value of a symbolic dim for inputs without --profile (default: batch 2, others 8)")
     build.add_argument("--timing-cache", type=Path, help="TensorRT timing cache: read if it exists, written after the build")
-    build.add_argument("--workspace", type=int, metavar="MB", help="builder workspace limit in MiB")
+    build.add_argument("--workspace", type=_int_arg(1), metavar="MB", help="builder workspace limit in MiB")
+    build.add_argument("--report-json", type=Path, help="also write the build report (time, size, I/O types, layers) as JSON")
     _add_generate_parser(sub)
     return parser
 
@@ -251,6 +255,15 @@ def check_not_read(path, models, *files) -> None:
     for model in filter(None, models):
         if Path(model).is_file():
             check_writes([path], load_model(model))
+
+
+def _capabilities_arg(text: str) -> list[tuple[int, int]]:
+    from onnxopt.runners.tensorrt import parse_compute_capability
+
+    try:
+        return [parse_compute_capability(part) for part in text.split(",") if part.strip()] or [parse_compute_capability(text)]
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc))
 
 
 def _profile_arg(text: str):
@@ -483,14 +496,24 @@ def cmd_diff(args) -> int:
 
 
 def cmd_build(args) -> int:
+    import json
+
     from onnxopt.runners.tensorrt import build_engine
 
     profiles = dict(args.profile)
     if len(profiles) != len(args.profile):
         raise OnnxoptError("--profile names the same input twice")
+    for written in filter(None, (args.report_json, args.timing_cache)):
+        if Path(written).resolve() == Path(args.output).resolve():
+            raise OnnxoptError(f"{written}: is the engine -o writes; give another path")
+    if args.report_json:
+        check_not_read(args.report_json, [args.input], args.timing_cache)
     info = build_engine(args.input, args.output, precision=args.precision, profiles=profiles, timing_cache=args.timing_cache,
-                        workspace=args.workspace, dims=dict(args.dim))
+                        workspace=args.workspace, dims=dict(args.dim),
+                        compute_capabilities=[c for group in args.compute_capability for c in group])
     print(info.summary())
+    if args.report_json:
+        write_report(args.report_json, json.dumps(info.as_dict(), indent=2) + "\n")
     return EXIT_OK
 
 
