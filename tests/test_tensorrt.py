@@ -15,7 +15,6 @@
 from __future__ import annotations
 
 import sys
-import types
 from collections import Counter
 
 import numpy as np
@@ -32,7 +31,8 @@ from onnxopt.saving import save_model
 from onnxopt.verify import assert_same_computation
 from tests.conftest import fixture_models, op_counts, result_of, run_passes
 
-TRT_MISSING = "TensorRT is not installable on this machine (wheels only from NVIDIA's index): engine tests need it and a GPU"
+TRT_MISSING = "engine runs need TensorRT (pip install 'onnxopt[trt]') and a GPU it runs engines on"
+RTX_MISSING = "TensorRT-RTX is not installed (pip install 'onnxopt[trt]')"
 
 
 # ---------------------------------------------------------------- helpers
@@ -394,14 +394,14 @@ def test_float32_graph_is_converted_by_the_fp16_pass_for_fp16_and_bf16(tmp_path)
 
 @pytest.fixture
 def no_tensorrt(monkeypatch):
-    monkeypatch.setitem(sys.modules, "tensorrt", None)  # import tensorrt raises ImportError
+    monkeypatch.setattr(trt_runner, "TENSORRT_MODULE", None)  # what the import-time choice finds without either module
 
 
-@pytest.fixture
-def trt_graph(tmp_path):
+@pytest.fixture(scope="module")
+def trt_graph(tmp_path_factory):
     source = next(p for p in fixture_models() if p.name == "unet-sd15.tiny.torchscript.dynamic.sdpa.onnx")
     model, _ = run_passes(source, ["tensorrt"])
-    path = tmp_path / "unet.trt.onnx"
+    path = tmp_path_factory.mktemp("trt-graph") / "unet.trt.onnx"
     save_model(model, path)
     return path
 
@@ -429,19 +429,16 @@ def test_runner_without_tensorrt_raises_the_same_error(no_tensorrt, trt_graph, t
         trt_runner.polygraphy_runner(engine)
 
 
-def test_build_with_tensorrt_but_no_gpu_says_so(monkeypatch, trt_graph, tmp_path, capsys):
-    import ctypes
-
-    monkeypatch.setitem(sys.modules, "tensorrt", types.ModuleType("tensorrt"))
-
-    def no_driver(name, *args, **kwargs):
-        raise OSError(f"{name}: cannot open shared object file")
-
-    monkeypatch.setattr(ctypes, "CDLL", no_driver)
+def test_build_without_a_gpu_or_a_compute_capability_says_to_pass_one(monkeypatch, trt_graph, tmp_path, capsys):
+    pytest.importorskip("tensorrt_rtx", reason=RTX_MISSING)
+    monkeypatch.setattr(trt_runner, "TENSORRT_MODULE", "tensorrt_rtx")
+    monkeypatch.setattr(trt_runner, "gpu_compute_capability", lambda device=0: None)
     code = build_cli(trt_graph, tmp_path)
 
     err = capsys.readouterr().err
-    assert code == 2 and "no NVIDIA driver found" in err and "NVIDIA GPU" in err and "Traceback" not in err
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert "no NVIDIA GPU here" in err and "--compute-capability" in err and "8.9" in err
+    assert not (tmp_path / "unet.plan").exists()
 
 
 @pytest.mark.parametrize(
@@ -486,7 +483,11 @@ def test_build_never_overwrites_its_input(no_tensorrt, trt_graph, capsys):
 @pytest.mark.gpu
 @pytest.mark.parametrize("precision, atol", [("fp32", 1e-3), ("fp16", 3e-2)])
 def test_engine_of_the_tensorrt_graph_matches_ort_cpu(trt_graph, tmp_path, precision, atol):
-    pytest.importorskip("tensorrt", reason=TRT_MISSING)
+    try:
+        trt_runner.import_tensorrt()
+        trt_runner.require_runnable_gpu()
+    except OnnxoptError as exc:
+        pytest.skip(f"{TRT_MISSING}: {exc}")
     from polygraphy.comparator import Comparator, CompareFunc
 
     from onnxopt.verify import InputSpec, random_feeds, runner_for
