@@ -605,6 +605,10 @@ def build_engine(onnx_path, engine_path, *, precision: str = "fp16", profiles=No
     targets, targeted = build_targets(trt, compute_capabilities)
     from polygraphy.backend.trt import engine_bytes_from_network
 
+    notes = []
+    if timing_cache is not None and is_rtx():  # "Timing cache operations are no-ops in TensorRT-RTX" (since 1.2)
+        notes.append(f"timing cache {timing_cache} not used: TensorRT-RTX has none (its timing cache calls are no-ops)")
+        timing_cache = None
     with tempfile.TemporaryDirectory(prefix="onnxopt-trt-") as tmp:
         parsed, converted = typed_graph(model, onnx_path, precision, Path(tmp))
         cache_out = Path(tmp) / "timing.cache" if timing_cache else None
@@ -632,7 +636,7 @@ def build_engine(onnx_path, engine_path, *, precision: str = "fp16", profiles=No
             _write_atomically(Path(timing_cache), cache_out.read_bytes())
     return BuildInfo(engine_path, onnx_path, precision, converted, resolved, defaulted,
                      Path(timing_cache) if timing_cache else None, seconds, len(data), tensorrt_name(trt),
-                     targets, targeted, io, layers)
+                     targets, targeted, io, layers, notes=notes)
 
 
 def is_engine_path(path) -> bool:
