@@ -109,6 +109,11 @@ def build_parser() -> argparse.ArgumentParser:
     fp8.add_argument("--fp8", action="store_true",
                      help="with --target ort-cuda: fp16, then fp8-linear (Linears as float8 GemmFloat8 with calibrated scales)")
     fp8.add_argument("--fp8-calibration", help=".npz of calibration inputs for --fp8's activation scales (default: random inputs)")
+    trt = opt.add_argument_group("TensorRT engines (a pipeline folder, --target tensorrt)")
+    trt.add_argument("--build-engines", action="store_true",
+                     help="also write each component's TensorRT engine (model.plan) into the output folder")
+    trt.add_argument("--compute-capability", type=_capabilities_arg, action="append", default=[], metavar="X.Y",
+                     help="with --build-engines: GPU(s) to build for, e.g. 8.9 (TensorRT-RTX: no GPU needed; default: this GPU)")
     opt.add_argument("--strict", action="store_true", help="fail (exit 4) when a requested fusion finds nothing to fuse")
     opt.add_argument("--explain", action="append", default=[], metavar="PASS",
                      help="print, per candidate site of PASS, where its pattern failed or which condition refused it")
@@ -292,6 +297,8 @@ def cmd_optimize(args) -> int:
         return cli_optimize_folder(args)
     if args.cfg_late:
         raise OnnxoptError("--cfg-late rewrites a pipeline folder's step graph: give a folder as --input")
+    if args.build_engines or args.compute_capability:
+        raise OnnxoptError("--build-engines is for a pipeline folder; for one model: onnxopt build -i MODEL -o MODEL.plan")
     if args.passes is not None and args.target:
         raise OnnxoptError("give --passes or --target, not both")
     passes = [p for p in (args.passes if args.passes is not None else args.target or "cleanup").split(",") if p.strip()]

@@ -202,3 +202,67 @@ def chosen_module(tmp_path, env: dict, fake_tensorrt: bool) -> tuple[str, str]:
 )
 def test_the_tensorrt_module_is_chosen_once_and_polygraphy_follows(tmp_path, env, fake_tensorrt, expected):
     assert chosen_module(tmp_path, env, fake_tensorrt) == expected
+
+
+# ---------------------------------------------------------------- optimize FOLDER --build-engines
+
+
+def test_component_shapes_fill_symbolic_dims_at_the_folders_default_size():
+    from onnxopt.runners.folder_engines import component_shapes
+
+    unet = [("sample", ["batch", 4, "height", "width"]), ("timestep", ["batch"]), ("encoder_hidden_states", ["batch", "s", 768])]
+    assert component_shapes("unet", unet, 64, 8) == {"sample": (2, 4, 64, 64), "timestep": (2,),
+                                                     "encoder_hidden_states": (2, 77, 768)}
+    assert component_shapes("vae_encoder", [("sample", ["b", 3, "h", "w"])], 64, 8) == {"sample": (1, 3, 512, 512)}
+    assert component_shapes("vae_decoder", [("latent_sample", ["b", 4, "h", "w"])], 96, 8) == {"latent_sample": (1, 4, 96, 96)}
+    assert component_shapes("text_encoder", [("input_ids", [1, "sequence"])], 64, 8) == {"input_ids": (1, 77)}
+
+
+@pytest.fixture
+def text_encoder_folder(tmp_path):
+    """The tiny SD 1.5 pipeline's text encoder alone (a folder onnxopt optimizes in seconds)."""
+    import shutil
+
+    src = ROOT / "models" / "pipelines" / "sd15-tiny"
+    folder = tmp_path / "sd15-text"
+    folder.mkdir()
+    shutil.copyfile(src / "model_index.json", folder / "model_index.json")
+    for part in ("tokenizer", "text_encoder", "scheduler"):
+        shutil.copytree(src / part, folder / part)
+    return folder
+
+
+def test_optimize_folder_build_engines_writes_each_components_engine(text_encoder_folder, tmp_path, capsys):
+    out = tmp_path / "out"
+    code = main(["optimize", "-i", str(text_encoder_folder), "-o", str(out), "--target", "tensorrt", "--build-engines",
+                 "--compute-capability", "8.9"])
+
+    printed = capsys.readouterr().out
+    assert code == 0
+    report = json.loads((out / "text_encoder" / "model.plan.json").read_text())
+    assert report["engine_bytes"] == (out / "text_encoder" / "model.plan").stat().st_size > 0
+    assert report["compute_capabilities"] == ["8.9"] and report["profiles"][0]["input_ids"]["opt"] == [2, 77]
+    assert "text_encoder: engine model.plan" in printed and "input_ids=(2, 77)" in printed
+    assert not (out / ".trt-timing.cache").exists() and [p for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--target", "ort-cuda", "--build-engines"], "it goes with --target tensorrt"),
+        (["--target", "tensorrt", "--compute-capability", "8.9"], "--compute-capability goes with --build-engines"),
+        (["--target", "tensorrt", "--build-engines", "--compute-capability", "9.0"], "text_encoder: no engine: compute capability 9.0"),
+    ],
+    ids=["ort-cuda target", "capability without engines", "a capability TensorRT-RTX does not build for"],
+)
+def test_build_engines_refusals_are_one_line_and_leave_no_folder(text_encoder_folder, tmp_path, capsys, extra, message):
+    out = tmp_path / "out"
+    assert main(["optimize", "-i", str(text_encoder_folder), "-o", str(out), *extra]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1
+    assert not out.exists() and [p for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
+def test_build_engines_is_for_a_folder(clip_graph, tmp_path, capsys):
+    assert main(["optimize", "-i", str(clip_graph), "-o", str(tmp_path / "c.onnx"), "--build-engines"]) == 2
+    assert "onnxopt build -i MODEL -o MODEL.plan" in capsys.readouterr().err

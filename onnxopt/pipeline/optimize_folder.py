@@ -389,7 +389,7 @@ def optimize_folder(src, dst, target: str = "ort-cuda", fp16: bool = False, veri
                     tolerance=None, fp16_options: dict | None = None,
                     vae_max_rel_l2: float = VAE_FP16_MAX_REL_L2, step_graph: bool = True,
                     context_kv: bool = True, cfg_late: bool = False, merged_step: bool = True,
-                    static_text: bool = True) -> FolderReport:
+                    static_text: bool = True, engines_for: list | None = None) -> FolderReport:
     """Optimize every ONNX component of the pipeline folder ``src`` into the new folder ``dst``.
 
     ``target``: "ort-cuda" or "tensorrt", the preset of every component. ``fp16``: add the fp16
@@ -403,13 +403,17 @@ def optimize_folder(src, dst, target: str = "ort-cuda", fp16: bool = False, veri
     step graph in one graph (:func:`onnxopt.pipeline.merged_step.write_merged_step`).
     ``static_text``: beside each text encoder, ``model.static.b{b}.onnx`` for each batch the
     pipeline feeds it, every node on the CUDA EP so it can be captured
-    (:mod:`onnxopt.pipeline.static_text`).
+    (:mod:`onnxopt.pipeline.static_text`). ``engines_for`` (target tensorrt): also a TensorRT engine
+    per component, for these compute capabilities (``[]``: this GPU's;
+    :mod:`onnxopt.runners.folder_engines`).
     Raises OnnxoptError (exit 2) for a bad folder or destination; ``dst`` then does not exist.
     """
     src, dst = Path(src), Path(dst)
     start = time.perf_counter()
     if target not in TARGETS:
         raise OnnxoptError(f"unknown target '{target}'; choose one of {', '.join(TARGETS)}")
+    if engines_for is not None and target != "tensorrt":
+        raise OnnxoptError("--build-engines builds TensorRT engines: it goes with --target tensorrt")
     components = read_components(src)
     controlnets = controlnet_folders(src)  # refuses controlnet_<k>/ without controlnet_<k-1>/
     _check_paths(src, dst)
@@ -445,6 +449,11 @@ def optimize_folder(src, dst, target: str = "ort-cuda", fp16: bool = False, veri
             report.component("controlnet").notes.append(_merge_step(tmp, controlnets))
         if step_graph and controlnets:
             report.component("unet").notes.append(_split_for_two_streams(tmp, controlnets))
+        if engines_for is not None:  # engines inside the folder before it appears
+            from onnxopt.runners.folder_engines import build_folder_engines
+
+            for name, note in build_folder_engines(tmp, [c.name for c in optimized], engines_for).items():
+                report.component(name).notes.append(note)
         if dst.exists():
             dst.rmdir()                 # empty (checked); rename cannot replace a folder on every OS
         os.replace(tmp, dst)
@@ -552,10 +561,19 @@ def cli_optimize_folder(args) -> int:
             check_destination(args.report_json)  # not after the folder is written (exit 2 with the output there)
     report = optimize_folder(args.input, args.output, target=args.target or "ort-cuda", fp16=args.fp16,
                              verify=args.verify, tolerance=Tolerance(args.atol, args.rtol), fp16_options=fp16_options,
-                             context_kv=args.context_kv, cfg_late=getattr(args, "cfg_late", False))
+                             context_kv=args.context_kv, cfg_late=getattr(args, "cfg_late", False),
+                             engines_for=_engines_for(args))
     if args.report_json:
         write_report(args.report_json, report.to_json())
     if not args.quiet:
         print(report.table())
         print(f"wrote {args.output}: {report.weights_bytes / 1e6:.1f} MB of weights, {report.seconds:.1f} s in all")
     return 0
+
+
+def _engines_for(args) -> list | None:
+    """``--build-engines [--compute-capability X.Y ...]``: the capabilities to build for ([]: this GPU), or None."""
+    capabilities = [c for group in getattr(args, "compute_capability", None) or [] for c in group]
+    if capabilities and not getattr(args, "build_engines", False):
+        raise OnnxoptError("--compute-capability goes with --build-engines")
+    return capabilities if getattr(args, "build_engines", False) else None
