@@ -266,3 +266,57 @@ def test_build_engines_refusals_are_one_line_and_leave_no_folder(text_encoder_fo
 def test_build_engines_is_for_a_folder(clip_graph, tmp_path, capsys):
     assert main(["optimize", "-i", str(clip_graph), "-o", str(tmp_path / "c.onnx"), "--build-engines"]) == 2
     assert "onnxopt build -i MODEL -o MODEL.plan" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- generate --provider tensorrt
+
+SD15_TINY = ROOT / "models" / "pipelines" / "sd15-tiny"
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    """A GPU of the given compute capability, as far as the driver query goes."""
+    def install(capability):
+        monkeypatch.setattr(trt_runner, "_cuda_driver", lambda: object())
+        monkeypatch.setattr(trt_runner, "gpu_compute_capability", lambda device=0: capability)
+    return install
+
+
+def generate(folder, out, capsys) -> tuple[int, str]:
+    code = main(["generate", str(folder), "--prompt", "a cat", "--steps", "2", "--provider", "tensorrt", "-q", "-o", str(out)])
+    return code, capsys.readouterr().err.strip()
+
+
+def test_generate_on_a_gpu_tensorrt_rtx_does_not_run_on_names_the_supported_ones_and_ort_cuda(fake_gpu, tmp_path, capsys):
+    fake_gpu((9, 0))  # an H100 or H200
+    code, err = generate(SD15_TINY, tmp_path / "x.png", capsys)
+
+    assert code == 2 and len(err.splitlines()) == 1 and "Traceback" not in err
+    assert "compute capability 9.0" in err and "8.0 8.6 8.9 12.x" in err
+    assert "--target ort-cuda" in err and "--provider cuda" in err and not (tmp_path / "x.png").exists()
+
+
+def test_generate_on_a_folder_without_engines_says_how_to_build_them(fake_gpu, tmp_path, capsys):
+    fake_gpu((8, 9))
+    code, err = generate(SD15_TINY, tmp_path / "x.png", capsys)
+
+    assert code == 2 and len(err.splitlines()) == 1 and "no TensorRT engine beside" in err and "--build-engines" in err
+
+
+@pytest.mark.gpu
+def test_generate_runs_the_engines_where_tensorrt_rtx_runs_them_and_refuses_elsewhere(tmp_path, capsys):
+    """On this machine's GPU: a compute capability TensorRT-RTX runs engines on generates an image from
+    the engines built for it; any other (an H100 or H200: 9.0) exits 2 naming the supported ones."""
+    capability = trt_runner.gpu_compute_capability()
+    if capability is None:
+        pytest.skip("no NVIDIA GPU")
+    if not trt_runner.rtx_runs_on(capability):
+        code, err = generate(SD15_TINY, tmp_path / "x.png", capsys)
+        assert code == 2 and len(err.splitlines()) == 1
+        assert f"compute capability {capability[0]}.{capability[1]}" in err and "8.0 8.6 8.9 12.x" in err and "--provider cuda" in err
+        return
+    out = tmp_path / "sd15-trt"
+    assert main(["optimize", "-i", str(SD15_TINY), "-o", str(out), "--target", "tensorrt", "--fp16", "--build-engines", "-q"]) == 0
+    code, err = generate(out, tmp_path / "cat.png", capsys)
+    assert code == 0, err
+    assert (tmp_path / "cat.png").stat().st_size > 0

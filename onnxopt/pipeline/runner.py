@@ -192,6 +192,8 @@ class Pipeline:
         start = time.perf_counter()
         folder = folder if isinstance(folder, PipelineFolder) else PipelineFolder.open(folder)
         require_provider(provider)
+        if provider == "tensorrt":  # each component's engine, host loop (onnxopt.runners.engine_session)
+            fused_step, io_binding, static_text = False, False, False
         _torch()
         graph = cuda_graph and provider != "cpu"
         make = lambda name, model=None, **kw: create_session(  # noqa: E731

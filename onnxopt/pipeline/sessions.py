@@ -22,9 +22,10 @@ Providers:
   waits for its step to finish: queuing the next replay without that wait
   (``disable_synchronize_execution_providers``) was not faster end to end and moved the GPU time out
   of the step timings into whatever waits next (benchmarks/results/h100-2026-11-25-session6/README.md).
-* ``tensorrt``: ORT's TensorRT EP (CUDA EP behind it), the same IO binding. It needs the
-  ``tensorrt`` module and an ORT build with the TensorRT EP; without them, a one-line
-  :class:`MissingDependencyError` (exit code 2).
+* ``tensorrt``: each component's TensorRT engine (``model.plan``, written by ``optimize --target
+  tensorrt --build-engines``) on TensorRT's runtime, numpy in and out
+  (:mod:`onnxopt.runners.engine_session`); without TensorRT, an engine, or a GPU TensorRT runs
+  engines on, a one-line error (exit code 2).
 
 :class:`HostStepLoop` and :class:`DeviceStepLoop` run the fused step graph (see
 :mod:`onnxopt.pipeline.step_graph`) and have the same interface: ``start`` with the plan and the
@@ -37,7 +38,6 @@ with one dict of per-image inputs each; ControlNet k's residuals go to the step 
 from __future__ import annotations
 
 import contextlib
-import os
 import time
 from pathlib import Path
 
@@ -59,26 +59,16 @@ def require_provider(provider: str):
     available = ort.get_available_providers()
     if provider == "cuda" and "CUDAExecutionProvider" not in available:
         raise MissingDependencyError("the cuda provider needs onnxruntime-gpu (pip install 'onnxopt[gpu]') and an NVIDIA GPU")
-    if provider == "tensorrt":
-        try:
-            import tensorrt  # noqa: F401
-        except ImportError:
-            raise MissingDependencyError("the tensorrt provider needs TensorRT (pip install 'onnxopt[trt]') and an NVIDIA GPU")
-        if "TensorrtExecutionProvider" not in available:
-            raise MissingDependencyError("this onnxruntime has no TensorRT execution provider (install onnxruntime-gpu)")
+    if provider == "tensorrt":  # TensorRT, and a GPU it runs engines on (onnxopt.runners.engine_session)
+        from onnxopt.runners.engine_session import require_engine_runtime
+
+        require_engine_runtime()
     return ort
 
 
-def provider_list(provider: str, *, cuda_graph: bool = False, device_id: int = 0, trt_cache: str | None = None) -> list:
+def provider_list(provider: str, *, cuda_graph: bool = False, device_id: int = 0) -> list:
     cuda = ("CUDAExecutionProvider", {"device_id": str(device_id), "enable_cuda_graph": "1" if cuda_graph else "0"})
-    if provider == "cpu":
-        return ["CPUExecutionProvider"]
-    if provider == "cuda":
-        return [cuda]
-    options = {"device_id": str(device_id), "trt_fp16_enable": "1", "trt_cuda_graph_enable": "1" if cuda_graph else "0"}
-    if trt_cache:
-        options.update(trt_engine_cache_enable="1", trt_engine_cache_path=trt_cache, trt_timing_cache_enable="1")
-    return [("TensorrtExecutionProvider", options), cuda]
+    return ["CPUExecutionProvider"] if provider == "cpu" else [cuda]
 
 
 _log_severity = 3  # ONNX Runtime's errors; quiet_sessions: fatal only
@@ -102,6 +92,10 @@ def create_session(model: Path | bytes, provider: str, *, name: str, cuda_graph:
     """An InferenceSession for ``model`` (a path, or serialized bytes: weights inline, or external
     data whose locations are relative to ``external_data_folder``)."""
     ort = require_provider(provider)
+    if provider == "tensorrt":  # the engine --build-engines wrote beside the model (onnxopt.runners.engine_session)
+        from onnxopt.runners.engine_session import component_engine_session
+
+        return component_engine_session(model, name)
     so = ort.SessionOptions()
     so.log_severity_level = _log_severity
     if external_data_folder is not None:
@@ -110,10 +104,7 @@ def create_session(model: Path | bytes, provider: str, *, name: str, cuda_graph:
         so.intra_op_num_threads = threads
     if provider == "cpu":  # idle worker threads must not spin between runs: the loop's host work shares the cores
         so.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    trt_cache = None
-    if provider == "tensorrt" and isinstance(model, Path):
-        trt_cache = str(Path(os.environ.get("ONNXOPT_TRT_CACHE", model.parent / ".trt-cache")))
-    providers = provider_list(provider, cuda_graph=cuda_graph, device_id=device_id, trt_cache=trt_cache)
+    providers = provider_list(provider, cuda_graph=cuda_graph, device_id=device_id)
     try:
         return ort.InferenceSession(model if isinstance(model, bytes) else str(model), so, providers=providers)
     except Exception as exc:  # ORT raises its own exception types with long messages
