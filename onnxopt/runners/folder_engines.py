@@ -29,14 +29,6 @@ TOKENS = 77
 DEFAULT_LATENT = 64
 
 
-def _read_json(path: Path) -> dict:
-    try:
-        value = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    return value if isinstance(value, dict) else {}
-
-
 def component_shapes(component: str, inputs: list[tuple[str, list]], latent: int, factor: int) -> dict[str, tuple[int, ...]]:
     """Concrete shapes of a component's inputs at the folder's default size: a symbolic batch dim
     (first) is 1 for a VAE, else 2 (guidance's two halves); the spatial dims of a rank-4 input are
@@ -63,6 +55,7 @@ def build_folder_engines(folder: Path, components: list[str], compute_capabiliti
     """Build ``<component>/model.plan`` for each of ``components`` of the (not yet renamed) output
     ``folder``; returns a report note per component. Raises OnnxoptError (one line) when one fails."""
     from onnxopt.loading import load_model
+    from onnxopt.pipeline.optimize_folder import _read_json  # a config.json, or {} (the defaults apply)
     from onnxopt.runners.tensorrt import build_engine, graph_precision, model_inputs
 
     sample = _read_json(folder / "unet" / "config.json").get("sample_size") or DEFAULT_LATENT
