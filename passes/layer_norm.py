@@ -20,9 +20,10 @@ import onnx_graphsurgeon as gs
 
 from onnxopt.fusion import Emit, Fusion, FusionRun, Refusal, Rule
 from onnxopt.layer_norm_kernel import per_channel
+from onnxopt.norm_facts import last_axis_refusal, per_channel_refusal
 from onnxopt.pass_infra import CONSTANTS_FOLDED, SHAPES_INFERRED
-from onnxopt.pattern import Const, Literal, Match, OneOf, Pattern, constant_shape, is_constant, op
-from onnxopt.pattern.tensor_facts import normalize_axis, rank_of, shape_of, static_dim, static_ints
+from onnxopt.pattern import Const, Literal, Match, OneOf, Pattern, constant_shape, op
+from onnxopt.pattern.tensor_facts import rank_of, static_dim
 from onnxopt.registry import register_pass
 
 
@@ -63,34 +64,21 @@ def _layer_norm_refusal(match, opset: int) -> str | None:
     x = match["x"]
     rank = rank_of(x)
     for name in ("mean", "variance"):
-        axes = _reduce_axes(match.node(name))
-        if axes is None:
-            return f"the {name} ReduceMean's axes are not static"
-        if axes != [-1] and (rank is None or [normalize_axis(a, rank) for a in axes] != [rank - 1]):
-            return f"the {name} is over axes {axes}, not the last axis alone"
+        reason = last_axis_refusal(match.node(name), rank, name)
+        if reason is not None:
+            return reason
     if int(np.prod(constant_shape(match["eps"]))) != 1:
         return "epsilon is not a single value"
     d = static_dim(x, -1)
     if d is None:
         return "the normalized (last) dim is not static"
     for name in ("gamma", "beta"):
-        shape = shape_of(match[name])
-        per_last_element = bool(shape) and shape[-1] == d and all(s == 1 for s in shape[:-1])
-        if not per_last_element or (rank is not None and len(shape) > rank):
-            return f"{name} has shape {shape}; LayerNormalization takes ({d},) (one value per last-axis element)"
-        if shape != [d] and not is_constant(match[name]):
-            return f"{name} has shape {shape} and is computed at run time; LayerNormalization takes ({d},)"
+        reason = per_channel_refusal(name, match[name], d, rank, "LayerNormalization")
+        if reason is not None:
+            return reason
     if opset < 17:
         return f"opset {opset} has no LayerNormalization (it came in opset 17)"
     return None
-
-
-def _reduce_axes(node: gs.Node) -> list[int] | None:
-    if "axes" in node.attrs:
-        return [int(a) for a in node.attrs["axes"]]
-    if len(node.inputs) > 1 and node.inputs[1].name:
-        return static_ints(node.inputs[1])
-    return None  # no axes: all of them (noop_with_empty_axes aside) -- not a LayerNorm
 
 
 __all__ = ["DECOMPOSED_LAYER_NORM", "FuseLayerNorm"]
