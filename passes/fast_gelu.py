@@ -9,9 +9,10 @@
     y = FastGelu(X, bias)            (com.microsoft; bias left out when there is none)
 
 Conditions: the constants are sqrt(2/pi) and 0.044715 (to fp32 precision: a GELU with another
-constant is another function); the bias Add is read by the GELU alone (else the GELU is fused
-without it) and its constant holds D = X's static last dim values ((D,) or (1, .., D)); h is a
-float tensor. The kernels (CPU, CUDA: float32, float16, bfloat16) compute in float32.
+constant is another function); h is a float tensor. The bias Add is folded when the GELU alone
+reads it and its constant holds D = X's static last dim values ((D,) or (1, .., D)); otherwise
+the GELU is fused without it (details["bias_left_outside"]). The kernels (CPU; CUDA float32,
+float16, bfloat16) compute in float32.
 
 T5's gated GELU, ``gelu_new(x W_i0) * (x W_i1)``, becomes ``FastGelu(x W_i0) * (x W_i1)``: ONNX
 Runtime has no op for a tanh-GELU gate (BiasSplitGelu gates with the erf GELU, at SD's widths
@@ -71,9 +72,12 @@ def check_biased(match: Match, run: FusionRun) -> Match:
     d = static_dim(x, -1)
     shape = shape_of(bias)
     if d is None:
-        raise Refusal("the last dim of the biased input is not static")
+        run.details["bias_left_outside"] += 1
+        raise Refusal("the last dim of the biased input is not static", not_a_site=True)
     if not shape or shape[-1] != d or any(s != 1 for s in shape[:-1]) or len(shape) > (rank_of(x) or 0):
-        raise Refusal(f"the Add's constant has shape {shape}; FastGelu's bias is one value per last-axis element ({d},)")
+        run.details["bias_left_outside"] += 1  # the GELU alone is the tanh-gelu rule's site
+        raise Refusal(f"the Add's constant has shape {shape}; FastGelu's bias is one value per last-axis element ({d},)",
+                      not_a_site=True)
     run.details["bias_folded"] += 1
     return match
 
@@ -102,7 +106,7 @@ class FuseFastGelu(Fusion, OrtFusion):
     )
 
     def finish(self, run: FusionRun) -> None:
-        run.result.details.update(bias_folded=run.details["bias_folded"])
+        run.result.details.update(bias_folded=run.details["bias_folded"], bias_left_outside=run.details["bias_left_outside"])
 
 
 def _check_float(x: gs.Tensor) -> None:

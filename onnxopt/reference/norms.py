@@ -154,8 +154,7 @@ class SkipSimplifiedLayerNormalization(ContribOp):
     """S = input + skip (+ bias); output = S / sqrt(mean(S^2) + epsilon) * gamma, over the last axis.
 
     Inputs: input (B, S, D) or (S, D); skip (B, S, D), (1, S, D) or (S, D); gamma (D); optional
-    bias (D). Attribute: epsilon (default 1e-12). Outputs: output; optional mean (unused by the
-    kernel: absent), inv_std_var (float32) and input_skip_bias_sum (S in the input type). The sum
+    bias (D). Attribute: epsilon (default 1e-12). Outputs: output; optional mean, inv_std_var (float32) and input_skip_bias_sum (S in the input type). The sum
     is formed in float32 and rounded to the input type for output 3, as the CUDA kernel does.
     """
 
@@ -172,4 +171,5 @@ class SkipSimplifiedLayerNormalization(ContribOp):
             s = s + bias.astype(ct)
         y, inv_rms = _rms_normalized(s, epsilon)
         y = y * gamma.astype(ct)
-        return (y.astype(input.dtype), None, inv_rms.astype(np.float32), s.astype(input.dtype))
+        mean = s.mean(axis=-1, keepdims=True)  # the spec's output 1; nothing reads it after fuse-skip-layer-norm
+        return (y.astype(input.dtype), mean.astype(np.float32), inv_rms.astype(np.float32), s.astype(input.dtype))
