@@ -61,12 +61,13 @@ def _dit_pieces():
 
         def forward(self, x, temb):
             a = self.rms(x)
-            n, gate, _, _, _ = self.ada_zero(x, emb=temb)
+            n, gate, shift_mlp, scale_mlp, gate_mlp = self.ada_zero(x, emb=temb)
             c = self.ada_continuous(x, temb)
             b = self.rms_plain(c)  # not x: dynamo shares one mean of squares between two RMSNorms of one tensor
             h = x + gate.unsqueeze(1) * self.ff(n)  # AdaLN-Zero's gated residual
             t = self.t5_ff(h)  # T5LayerNorm(h) -> gated GELU -> h + ...
-            return a, b, c, t, self.t5_norm(t + a)
+            m = gate_mlp.unsqueeze(1) * (h * (1 + scale_mlp[:, None]) + shift_mlp[:, None])  # every chunk read
+            return a, b, c, t, self.t5_norm(t + a), m
 
     torch.manual_seed(0)
     module = DitPieces().eval()
@@ -119,12 +120,16 @@ def test_every_rms_norm_and_tanh_gelu_of_the_dit_pieces_is_fused_and_computes_th
     assert ops["FastGelu"] == 2, ops
     fast_gelus = [n for n in model.graph.nodes if n.op == "FastGelu"]
     assert sorted(len(n.inputs) for n in fast_gelus) == [1, 2]  # the FeedForward's bias folded, T5's wi_0 has none
-    assert result_of(report, "fuse-parallel-gemm").details["members"] == 2  # both AdaLN modulation Linears
+    # both AdaLN modulation Linears read one SiLU(temb) (each exporter writes the modules' SiLUs once):
+    # one Gemm, and one Split hands out all eight shift/scale/gate chunks
+    assert result_of(report, "fuse-parallel-gemm").details == {"groups": 1, "members": 2, "from_matmul": 0, "splits_folded": 2}
+    [split] = [n for n in model.graph.nodes if n.op == "Split" and n.inputs[0].inputs[0].op == "Gemm"]
+    assert len(split.outputs) == 6 + 2
     assert_same_computation(str(source), model, inputs=INPUTS, atol=1e-4, rtol=1e-3)
 
 
 @pytest.mark.models
-@pytest.mark.parametrize("low,tolerance", [("bfloat16", 8e-2), ("float16", 2e-2)])
+@pytest.mark.parametrize("low,tolerance", [("bfloat16", 8e-2), pytest.param("float16", 2e-2, marks=pytest.mark.slow)])
 def test_the_fused_dit_pieces_run_in_low_precision_within_tolerance(dit_export, low, tolerance):
     """The fused ops keep bfloat16/float16 (their ORT CUDA kernels take both) and the result stays
     within the fp16 pass's tolerance of float32, computed in that arithmetic by the reference kernels."""
