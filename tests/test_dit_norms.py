@@ -1,5 +1,6 @@
 """Claims about the diffusion-transformer norm and activation fusions: fuse-rms-norm, the RMSNorm form of
-fuse-skip-layer-norm, fuse-fast-gelu, and the AdaLN modulation Linears in fuse-parallel-gemm.
+fuse-skip-layer-norm, fuse-fast-gelu, fuse-adaln-modulation, and the AdaLN modulation Linears in
+fuse-parallel-gemm.
 
 On a small module built from the real diffusers/transformers pieces (seeded weights) -- diffusers'
 RMSNorm with and without a weight, AdaLayerNormZero and AdaLayerNormContinuous (no affine),
@@ -9,7 +10,9 @@ default opset, and opset 23 where RMSNorm is ONNX RMSNormalization), ``ort-cuda`
 * every RMSNorm is a SimplifiedLayerNormalization, or a SkipSimplifiedLayerNormalization where a
   residual Add feeds it; no Pow, ReduceMean, Sqrt or RMSNormalization is left;
 * both tanh GELUs are FastGelu (the FeedForward's bias folded in); T5's gate Mul stays;
-* the two AdaLN modulation Linears of one time embedding are one Gemm;
+* the two AdaLN modulation Linears of one time embedding are one Gemm, their chunks one Split;
+* at batch 2 both AdaLN modulations stay elementwise (reported); at batch 1 they are the
+  LayerNorm's gamma and beta;
 * the fused graph computes what the export does (ORT CPU, which has kernels for all three ops),
   and in bfloat16 / float16 within tolerance (onnxopt's reference kernels in that arithmetic).
 
@@ -62,7 +65,7 @@ def _dit_pieces():
         def forward(self, x, temb):
             a = self.rms(x)
             n, gate, shift_mlp, scale_mlp, gate_mlp = self.ada_zero(x, emb=temb)
-            c = self.ada_continuous(x, temb)
+            c = self.ada_continuous(a, temb)  # as in a model, each norm reads its own stream
             b = self.rms_plain(c)  # not x: dynamo shares one mean of squares between two RMSNorms of one tensor
             h = x + gate.unsqueeze(1) * self.ff(n)  # AdaLN-Zero's gated residual
             t = self.t5_ff(h)  # T5LayerNorm(h) -> gated GELU -> h + ...
@@ -82,12 +85,12 @@ def _dit_pieces():
 def dit_export(tmp_path_factory):
     cache = {}
 
-    def get(exporter: str, opset: int | None):
-        key = (exporter, opset)
+    def get(exporter: str, opset: int | None, batch: int = 2):
+        key = (exporter, opset, batch)
         if key not in cache:
             torch, module = _dit_pieces()
-            path = tmp_path_factory.mktemp("dit") / f"dit-{exporter}-{opset}.onnx"
-            args = (torch.randn(2, 6, D), torch.randn(2, D))
+            path = tmp_path_factory.mktemp("dit") / f"dit-{exporter}-{opset}-{batch}.onnx"
+            args = (torch.randn(batch, 6, D), torch.randn(batch, D))
             kwargs = dict(input_names=["x", "temb"], dynamo=exporter == "dynamo")
             if exporter == "torchscript":
                 kwargs["opset_version"] = 17
@@ -125,7 +128,24 @@ def test_every_rms_norm_and_tanh_gelu_of_the_dit_pieces_is_fused_and_computes_th
     assert result_of(report, "fuse-parallel-gemm").details == {"groups": 1, "members": 2, "from_matmul": 0, "splits_folded": 2}
     [split] = [n for n in model.graph.nodes if n.op == "Split" and n.inputs[0].inputs[0].op == "Gemm"]
     assert len(split.outputs) == 6 + 2
+    # batch 2: both AdaLN modulations are per sample; ORT's norms take one scale per channel
+    assert result_of(report, "fuse-adaln-modulation").details["stays_elementwise"] == 2
     assert_same_computation(str(source), model, inputs=INPUTS, atol=1e-4, rtol=1e-3)
+
+
+@pytest.mark.models
+@pytest.mark.parametrize("exporter", ["torchscript", pytest.param("dynamo", marks=pytest.mark.slow)])
+def test_at_batch_one_the_adaln_modulation_is_the_layer_norms_gamma_and_beta(dit_export, exporter):
+    """Flux.1-dev's batch: norm(x) * (1 + scale) + shift is one LayerNormalization whose gamma and beta
+    are (1 + scale) and shift reshaped to (D,), for AdaLayerNormZero and AdaLayerNormContinuous."""
+    source = dit_export(exporter, None, batch=1)
+    one = InputSpec(shapes={"x": (1, 6, D), "temb": (1, D)})
+    model, report = optimize(str(source), ["ort-cuda"], inputs=one)
+    result = result_of(report, "fuse-adaln-modulation")
+    assert (result.sites_rewritten, result.details["stays_elementwise"]) == (2, 0)
+    norms = [n for n in model.graph.nodes if n.op in ("LayerNormalization", "SkipLayerNormalization")]
+    assert len(norms) == 2 and all(n.inputs[2].inputs and n.inputs[2].inputs[0].op == "Reshape" for n in norms)
+    assert_same_computation(str(source), model, inputs=one, atol=1e-4, rtol=1e-3)
 
 
 @pytest.mark.models
