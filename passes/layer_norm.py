@@ -8,6 +8,10 @@ has the op and both exporters use it):
     y = n * gamma + beta
                          ==>   y = LayerNormalization(x, gamma, beta, axis=-1, epsilon=eps)
 
+    Without the affine (nn.LayerNorm(elementwise_affine=False): SD3's and Flux's AdaLN norms),
+    y = n  ==>  LayerNormalization(x, ones(D), axis=-1, epsilon=eps) (the Mul/Add a weighted rule
+    refused stay after it).
+
     Conditions: both means over the last axis only, keepdims=1; eps a one-element constant;
     gamma and beta hold D = x's (static) last dim values, broadcast along the last axis only; the
     model's opset is >= 17.
@@ -27,14 +31,25 @@ from onnxopt.pattern.tensor_facts import rank_of, static_dim
 from onnxopt.registry import register_pass
 
 
-def decomposed_layer_norm(x, gamma, beta, eps=Const()):
+def normalized(x, eps=Const()):
     d = x - op.ReduceMean(x, _extra_inputs=True, _name="mean", keepdims=1)
     variance = op.ReduceMean(OneOf(d ** Literal(2.0, rtol=0, atol=0), d * d), _extra_inputs=True, _name="variance", keepdims=1)
     std = op.Sqrt(variance + eps)
-    return OneOf(d / std, d * op.Reciprocal(std)) * gamma + beta
+    return OneOf(d / std, d * op.Reciprocal(std))
+
+
+def decomposed_layer_norm(x, gamma, beta, eps=Const()):
+    return normalized(x, eps) * gamma + beta
+
+
+def decomposed_layer_norm_without_affine(x, eps=Const()):
+    return normalized(x, eps)
 
 
 DECOMPOSED_LAYER_NORM = Pattern(decomposed_layer_norm, name="decomposed-layer-norm")
+# nn.LayerNorm(elementwise_affine=False), SD3's and Flux's AdaLN norm, written out: what the affine
+# rule leaves (its Mul/Add then stay outside: a modulation, or not per channel)
+DECOMPOSED_LAYER_NORM_WITHOUT_AFFINE = Pattern(decomposed_layer_norm_without_affine, name="decomposed-layer-norm-without-affine")
 
 
 def check_layer_norm(match: Match, run: FusionRun) -> Match:
@@ -46,7 +61,10 @@ def check_layer_norm(match: Match, run: FusionRun) -> Match:
 
 def emit_layer_norm(make: Emit, match: Match) -> list[gs.Tensor]:
     d = static_dim(match["x"], -1)
-    gamma, beta = per_channel(make, match["gamma"], d), per_channel(make, match["beta"], d)
+    if "gamma" in match:
+        gamma, beta = per_channel(make, match["gamma"], d), per_channel(make, match["beta"], d)
+    else:  # no affine: scale 1, no bias
+        gamma, beta = make.constant("ones", np.ones(d, dtype=np.dtype(match["x"].dtype))), None
     eps = float(match.value("eps").reshape(-1)[0])
     return [make.op.LayerNormalization(match["x"], gamma, beta, axis=-1, epsilon=eps)]
 
@@ -57,7 +75,8 @@ class FuseLayerNorm(Fusion):
     description = "fuse decomposed LayerNorm (ReduceMean/Sub/Pow/ReduceMean/Add/Sqrt/Div/Mul/Add) into LayerNormalization"
     requires = frozenset({SHAPES_INFERRED})
     preserves = frozenset({SHAPES_INFERRED, CONSTANTS_FOLDED})
-    rules = (Rule(DECOMPOSED_LAYER_NORM, check_layer_norm, emit_layer_norm),)
+    rules = (Rule(DECOMPOSED_LAYER_NORM, check_layer_norm, emit_layer_norm),
+             Rule(DECOMPOSED_LAYER_NORM_WITHOUT_AFFINE, check_layer_norm, emit_layer_norm))
 
 
 def _layer_norm_refusal(match, opset: int) -> str | None:
@@ -72,7 +91,7 @@ def _layer_norm_refusal(match, opset: int) -> str | None:
     d = static_dim(x, -1)
     if d is None:
         return "the normalized (last) dim is not static"
-    for name in ("gamma", "beta"):
+    for name in ("gamma", "beta") if "gamma" in match else ():
         reason = per_channel_refusal(name, match[name], d, rank, "LayerNormalization")
         if reason is not None:
             return reason
@@ -81,4 +100,4 @@ def _layer_norm_refusal(match, opset: int) -> str | None:
     return None
 
 
-__all__ = ["DECOMPOSED_LAYER_NORM", "FuseLayerNorm"]
+__all__ = ["DECOMPOSED_LAYER_NORM", "DECOMPOSED_LAYER_NORM_WITHOUT_AFFINE", "FuseLayerNorm"]

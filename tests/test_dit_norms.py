@@ -249,3 +249,48 @@ def test_a_bias_that_is_not_per_channel_stays_outside_fast_gelu():
     assert len(fast) == 1 and len(fast[0].inputs) == 1 and op_counts(model)["Add"] == 1
     assert result_of(report, "fuse-fast-gelu").details["bias_left_outside"] == 1
     assert_same_computation(source, model, atol=1e-5)
+
+
+def _layer_norm_without_affine():
+    """nn.LayerNorm(elementwise_affine=False) written out, then a per-sample-like Mul that is no gamma."""
+    nodes = [
+        helper.make_node("ReduceMean", ["x"], ["m"], axes=[-1], keepdims=1), helper.make_node("Sub", ["x", "m"], ["d"]),
+        helper.make_node("Pow", ["d", "two"], ["d2"]), helper.make_node("ReduceMean", ["d2"], ["v"], axes=[-1], keepdims=1),
+        helper.make_node("Add", ["v", "eps"], ["ve"]), helper.make_node("Sqrt", ["ve"], ["s"]),
+        helper.make_node("Div", ["d", "s"], ["n"]), helper.make_node("Mul", ["n", "mod"], ["y"]),
+    ]
+    return _model(nodes, {"two": 2.0, "eps": 1e-6, "mod": np.linspace(0.5, 1.5, 40).reshape(5, 8)})
+
+
+def test_a_layer_norm_without_affine_becomes_layer_normalization_and_the_modulation_stays():
+    source = _layer_norm_without_affine()
+    model, _ = optimize(source, ["fuse-layer-norm"])
+    assert op_counts(model) == {"LayerNormalization": 1, "Mul": 1}
+    assert_same_computation(source, model, atol=1e-5)
+
+
+@pytest.mark.parametrize("op", ["SimplifiedLayerNormalization", "SkipSimplifiedLayerNormalization"])
+def test_the_rms_norm_reference_kernels_compute_what_onnx_runtime_cpu_computes(op):
+    """fp16/bf16 verification runs these kernels: proven against ORT's own CPU kernels in float32."""
+    from onnxopt import reference
+    from onnxopt.domains import MS_DOMAIN
+
+    ort = pytest.importorskip("onnxruntime")
+    rng = np.random.default_rng(3)
+    x, skip = (rng.standard_normal((2, 5, 8)).astype(np.float32) * 3 for _ in range(2))
+    inits = {"gamma": rng.standard_normal(8), "bias": rng.standard_normal(8)}
+    if op == "SimplifiedLayerNormalization":
+        node = helper.make_node(op, ["x", "gamma"], ["y"], axis=-1, epsilon=1e-6)
+        feeds, graph_inputs = {"x": x}, ["x"]
+    else:
+        node = helper.make_node(op, ["x", "skip", "gamma", "bias"], ["y", "", "", "sum"], domain=MS_DOMAIN, epsilon=1e-6)
+        feeds, graph_inputs = {"x": x, "skip": skip}, ["x", "skip"]
+    outputs = [o for o in node.output if o]
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info(n, FLOAT, [2, 5, 8]) for n in graph_inputs],
+                              [helper.make_tensor_value_info(o, FLOAT, None) for o in outputs],
+                              [numpy_helper.from_array(np.asarray(v, np.float32), k) for k, v in inits.items()])
+    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(MS_DOMAIN, 1)])
+    expected = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)
+    got = reference.run(proto, feeds)
+    for name, value in zip(outputs, expected):
+        np.testing.assert_allclose(got[name], value, rtol=1e-5, atol=1e-5)
