@@ -1,6 +1,7 @@
 """Common pieces of the model builders: the BuiltModel record and site counting."""
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -92,7 +93,13 @@ class BuiltModel:
         import torch
 
         feeds = self.make_feeds(dims)
-        return tuple(torch.from_numpy(feeds[n]) for n in self.input_names)
+        out = []
+        for spec in self.input_specs:
+            t = torch.from_numpy(feeds[spec["name"]])
+            if spec.get("dtype") == "bfloat16":  # numpy has no bfloat16: models.feeds makes float32
+                t = t.to(torch.bfloat16)
+            out.append(t)
+        return tuple(out)
 
     @property
     def example_inputs(self) -> tuple:
@@ -249,6 +256,28 @@ def set_diffusers_attention(model, attention: str) -> None:
         model.set_attn_processor(AttnProcessor())
     else:
         raise ValueError(f"attention must be one of {ATTENTIONS}, got {attention!r}")
+
+
+def dtype_name(dtype) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"``; None (torch's default) -> ``"float32"``."""
+    return "float32" if dtype is None else str(dtype).removeprefix("torch.")
+
+
+@contextlib.contextmanager
+def default_dtype(dtype):
+    """Construct modules in ``dtype`` (None: leave torch's default): a full-size model built in
+    bfloat16 never exists in float32 (Flux-dev: 24 GB instead of 48 GB)."""
+    import torch
+
+    if dtype is None:
+        yield
+        return
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
 
 
 def check_choice(name: str, value: str, choices) -> None:

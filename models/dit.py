@@ -49,7 +49,7 @@ import contextlib
 
 import torch
 
-from .base import BuiltModel, check_choice, count_sites, SIZES
+from .base import BuiltModel, check_choice, count_sites, default_dtype, dtype_name, SIZES
 from .seeding import init_module, seed_everything
 
 # stabilityai/stable-diffusion-3-medium-diffusers transformer/config.json
@@ -218,22 +218,9 @@ def make_transformer(family: str, size: str, seed: int = 0, dtype=None):
 
     cls = FluxTransformer2DModel if family in FLUX_FAMILIES else SD3Transformer2DModel
     seed_everything(seed)
-    with _default_dtype(dtype):
+    with default_dtype(dtype):
         model = cls(**CONFIGS[(family, size)])
     return init_module(model, seed)
-
-
-@contextlib.contextmanager
-def _default_dtype(dtype):
-    if dtype is None:
-        yield
-        return
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(old)
 
 
 def build(family: str, size: str = "tiny", attention: str = "sdpa", seed: int = 0, dtype=None) -> BuiltModel:
@@ -244,7 +231,7 @@ def build(family: str, size: str = "tiny", attention: str = "sdpa", seed: int = 
     cfg = CONFIGS[(family, size)]
     model = make_transformer(family, size, seed, dtype)
     flux = family in FLUX_FAMILIES
-    dt = _dtype_name(dtype)
+    dt = dtype_name(dtype)
     if flux:
         wrapper = FluxWrapper(model).eval()
         seq = "height*width/4"
@@ -304,7 +291,3 @@ def build(family: str, size: str = "tiny", attention: str = "sdpa", seed: int = 
         seed=seed,
         export_patches=patches,
     )
-
-
-def _dtype_name(dtype) -> str:
-    return {None: "float32", torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}[dtype]

@@ -46,7 +46,8 @@ def make_feeds(specs, seed: int = 0, *, vocab: int | None = None, pad_id: int = 
     shapes = {s["name"]: [int(d) for d in s["shape"]] for s in specs}
     for s in specs:
         name, shape, kind = s["name"], shapes[s["name"]], s["kind"]
-        dtype = np.dtype(s.get("dtype", "float32"))
+        # numpy has no bfloat16: such inputs are made in float32 (BuiltModel.make_inputs casts in torch)
+        dtype = np.dtype("float32" if s.get("dtype") == "bfloat16" else s.get("dtype", "float32"))
         rng = _rng(seed, name, shape)
         if kind in ("latent", "hidden"):
             a = rng.standard_normal(shape, dtype=np.float32)
