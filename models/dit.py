@@ -211,25 +211,27 @@ class FluxWrapper(torch.nn.Module):
                                  txt_ids=txt_ids, guidance=guidance, return_dict=False)[0],)
 
 
-def make_transformer(family: str, size: str, seed: int = 0, dtype=None):
+def make_transformer(family: str, size: str, seed: int = 0, dtype=None, overrides: dict | None = None):
     """The seeded diffusers model; ``dtype`` (e.g. ``torch.bfloat16``) builds it in that precision
-    directly (the full Flux-dev is 48 GB in float32)."""
+    directly (the full Flux-dev is 48 GB in float32); ``overrides`` change config entries (fewer
+    layers at full width, to try the full-size export path on a smaller machine)."""
     from diffusers import FluxTransformer2DModel, SD3Transformer2DModel
 
     cls = FluxTransformer2DModel if family in FLUX_FAMILIES else SD3Transformer2DModel
     seed_everything(seed)
     with default_dtype(dtype):
-        model = cls(**CONFIGS[(family, size)])
+        model = cls(**dict(CONFIGS[(family, size)], **(overrides or {})))
     return init_module(model, seed)
 
 
-def build(family: str, size: str = "tiny", attention: str = "sdpa", seed: int = 0, dtype=None) -> BuiltModel:
+def build(family: str, size: str = "tiny", attention: str = "sdpa", seed: int = 0, dtype=None,
+          overrides: dict | None = None) -> BuiltModel:
     check_choice("family", family, FAMILIES)
     check_choice("size", size, SIZES)
     if attention != "sdpa":
         raise ValueError(f"{family}: attention must be 'sdpa' (diffusers has no classic joint-attention processor)")
-    cfg = CONFIGS[(family, size)]
-    model = make_transformer(family, size, seed, dtype)
+    cfg = dict(CONFIGS[(family, size)], **(overrides or {}))
+    model = make_transformer(family, size, seed, dtype, overrides)
     flux = family in FLUX_FAMILIES
     dt = dtype_name(dtype)
     if flux:

@@ -55,11 +55,11 @@ class T5EncoderWrapper(torch.nn.Module):
         return (self.model(input_ids=input_ids, return_dict=True).last_hidden_state,)
 
 
-def make_t5(size: str, attention: str = "sdpa", seed: int = 0, dtype=None):
+def make_t5(size: str, attention: str = "sdpa", seed: int = 0, dtype=None, overrides: dict | None = None):
     from transformers import T5Config, T5EncoderModel
 
     impl = {"sdpa": "sdpa", "classic": "eager"}[attention]
-    cfg = T5Config(**CONFIGS[size])
+    cfg = T5Config(**dict(CONFIGS[size], **(overrides or {})))
     cfg._attn_implementation = impl
     seed_everything(seed)
     with default_dtype(dtype):
@@ -68,12 +68,13 @@ def make_t5(size: str, attention: str = "sdpa", seed: int = 0, dtype=None):
     return init_module(model, seed)
 
 
-def build(family: str, size: str = "tiny", attention: str = "sdpa", seed: int = 0, dtype=None) -> BuiltModel:
+def build(family: str, size: str = "tiny", attention: str = "sdpa", seed: int = 0, dtype=None,
+          overrides: dict | None = None) -> BuiltModel:
     check_choice("family", family, FAMILIES)
     check_choice("size", size, SIZES)
     check_choice("attention", attention, ("sdpa", "classic"))
-    cfg = CONFIGS[size]
-    model = make_t5(size, attention, seed, dtype)
+    cfg = dict(CONFIGS[size], **(overrides or {}))
+    model = make_t5(size, attention, seed, dtype, overrides)
     return BuiltModel(
         family=family,
         size=size,
