@@ -86,10 +86,15 @@ def build(family: str, size: str = "tiny", attention: str = "sdpa", seed: int = 
     return mod.build(family, size=size, attention=attention, seed=seed, **options)
 
 
-def load_manifest() -> dict:
+DIT_FIXTURES_DIR = FIXTURES_DIR / "dit"
+DIT_MANIFEST = DIT_FIXTURES_DIR / "manifest.json"
+
+
+def load_manifest(fixture_set: str = "sd") -> dict:
+    """The fixtures' manifest: ``sd`` (models/fixtures) or ``dit`` (models/fixtures/dit)."""
     import json
 
-    return json.loads(MANIFEST.read_text())
+    return json.loads((DIT_MANIFEST if fixture_set == "dit" else MANIFEST).read_text())
 
 
 def fixture_path(name: str) -> Path:

@@ -52,6 +52,8 @@ def _parser() -> argparse.ArgumentParser:
     f = sub.add_parser("fixtures", help="regenerate the committed fixtures")
     f.add_argument("--out", default=None, help="output directory (default models/fixtures)")
     f.add_argument("--only", nargs="*", help="fixture file names or families to regenerate")
+    f.add_argument("--set", choices=("sd", "dit"), default="sd", dest="fixture_set",
+                   help="sd: models/fixtures (SD-class); dit: models/fixtures/dit (transformers, T5)")
 
     sub.add_parser("list", help="list families and fixtures")
 
@@ -98,11 +100,11 @@ def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     if args.cmd == "list":
         from . import ALL_FAMILIES as FAMILIES, MANIFEST
-        from .make_fixtures import FIXTURES
+        from .make_fixtures import DIT_FIXTURES, FIXTURES
 
         print("families:", ", ".join(FAMILIES))
         print("fixtures:")
-        for spec in FIXTURES:
+        for spec in FIXTURES + DIT_FIXTURES:
             print("  ", spec.name, "(+ .data)" if spec.external_data else "")
         print("manifest:", MANIFEST)
         return 0
@@ -115,7 +117,7 @@ def main(argv=None) -> int:
     if args.cmd == "fixtures":
         from .make_fixtures import make_all
 
-        make_all(args.out, args.only)
+        make_all(args.out, args.only, fixture_set=args.fixture_set)
         return 0
 
     if args.cmd == "pipeline":

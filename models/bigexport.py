@@ -7,19 +7,24 @@ What it does, in order:
 
 1. Builds the seeded model directly in ``dtype`` (``torch.set_default_dtype`` around the
    constructor: a bfloat16 Flux-dev is never 48 GB of float32 first).
-2. Exports into a hidden sibling folder ``.<name>.partial-<pid>``:
-   * ``dynamo``: the exporter references the module's parameters (no copy) and writes them into
-     one ``model.onnx.data`` file, a tensor at a time.
+2. ``--check``: torch's outputs at small dims, computed now (the export drops the torch weights).
+3. Exports into a hidden sibling folder ``.<name>.partial-<pid>``:
+   * ``dynamo``: exported with ``optimize=False`` (the ONNX program references the module's
+     parameters, no copy) and saved, a tensor at a time, into one data file; the torch model is
+     dropped; then the optimizer the exporter runs by default (onnxscript's, whose constant
+     folding transposes every Linear weight: a copy of nearly all weights) runs on the saved
+     file, its tensors memory-mapped, and the result is written to ``model.onnx`` +
+     ``model.onnx.data``. Peak: about one copy of the weights plus mapped file pages.
    * ``torchscript``: past 2 GB the exporter writes one file per tensor; they are then merged,
      streamed through onnx_ir (memory-mapped in, one tensor at a time out), into
      ``model.onnx.data`` and removed. Its constant folding stores the transposed Linear weights,
      a second copy while it runs: in float32 the full Flux-dev needs about 2x its weights (see
      the README's measurements); prefer ``--dtype bfloat16`` or the dynamo exporter there.
-3. ``--check``: torch's outputs at small dims are computed first, the torch model is dropped,
-   then ONNX Runtime CPU runs the file (so weights are never in both at once) and the relative
-   L2 error is compared with ``--tolerance``. ONNX Runtime's CPU provider lacks bfloat16 and
-   float16 kernels for most ops: those exports are checked for loading only.
-4. Renames the folder into place (and writes ``export.json``: config, sites, dims, op counts,
+4. ``--check``: ONNX Runtime CPU runs the file on the same feeds (torch is gone by then: the
+   weights are never in both at once) and the relative L2 error is compared with ``--tolerance``.
+   ONNX Runtime's CPU provider lacks bfloat16 and float16 kernels for most ops: those exports
+   are checked for loading only.
+5. Renames the folder into place (and writes ``export.json``: config, sites, dims, op counts,
    bytes, seconds, peak RSS). A failure removes the partial folder; nothing is left behind.
 
 ``--layers N`` keeps the full widths with N blocks (Flux: N double + N single), to try the
@@ -136,17 +141,32 @@ def export_folder(family: str, out_dir, *, size: str = "full", exporter: str = "
         log(f"built {family} ({size}, {dtype}): {n_params / 1e9:.3f} B parameters in {summary['build_seconds']} s, "
             f"peak RSS {peak_rss_gb():.1f} GB")
         path = partial / "model.onnx"
-        res = export(built, path, exporter, shapes, opset=opset)
+        want = _reference(built, check_dims) if check else None
+        if exporter == "dynamo":
+            # optimize=False: the ONNX program references the module's parameters; the onnxscript
+            # optimizer's folding (every Linear weight's Transpose) would copy them all while the
+            # module still holds them. It runs below, on the saved file, once torch is gone.
+            raw = partial / "unoptimized.onnx"
+            res = export(built, raw, exporter, shapes, opset=opset, optimize=False)
+        else:
+            res = export(built, path, exporter, shapes, opset=opset)
         summary["export_seconds"] = round(res.seconds, 1)
         log(f"exported ({exporter}, {shapes}) in {res.seconds:.0f} s, {len(res.files)} file(s); "
             f"peak RSS {peak_rss_gb():.1f} GB")
+        release(built)
+        del built, res
+        gc.collect()
+        if exporter == "dynamo":
+            t1 = time.perf_counter()
+            optimize_streamed(raw, path)
+            summary["optimize_seconds"] = round(time.perf_counter() - t1, 1)
+            log(f"optimized (onnxscript, as the exporter does) in {summary['optimize_seconds']} s; "
+                f"peak RSS {peak_rss_gb():.1f} GB")
         merged = merge_external_data(path)
         if merged:
             log(f"merged {merged} external data files into {DATA_NAME}")
         if check:
-            summary["check"] = _check(built, path, dtype, check_dims, tolerance, log)
-        del built, res
-        gc.collect()
+            summary["check"] = _check(path, want, dtype, tolerance, log)
         ops = op_counts(path)
         summary.update(ops=ops, num_nodes=sum(ops.values()),
                        files={f.name: f.stat().st_size for f in sorted(partial.iterdir())},
@@ -163,30 +183,70 @@ def export_folder(family: str, out_dir, *, size: str = "full", exporter: str = "
     return summary
 
 
-def _check(built, path, dtype, dims, tolerance, log) -> dict:
-    """Torch first, then drop the torch weights, then ONNX Runtime: never both in memory."""
-    import numpy as np
-    import torch
+def release(built) -> None:
+    """Drop the builder's references to the torch weights (the module and the export patches' closures)."""
+    built.module = None
+    built.export_patches = {}
 
-    from .export import run_onnx
+
+def optimize_streamed(raw: Path, path: Path) -> None:
+    """Run the optimizer the dynamo exporter runs (``optimize=True``) on a saved model: its tensors are
+    memory-mapped from ``raw``'s data file, the folded ones (transposed weights) are the only copies
+    made, and the result is written a tensor at a time into ``path`` + ``model.onnx.data``."""
+    import onnx_ir as ir
+
+    model = ir.load(str(raw))
+    _exporter_optimize(model)
+    ir.save(model, str(path), external_data=DATA_NAME)
+    del model
+    gc.collect()
+    data = {kv for kv in _locations(raw)}
+    raw.unlink()
+    for name in data:
+        (raw.parent / name).unlink(missing_ok=True)
+
+
+def _exporter_optimize(model) -> None:
+    # torch.onnx's own call (ONNXProgram.optimize), through its lazy import of onnxscript's
+    # versioned framework API: the same passes, in the same order, as export(optimize=True).
+    from torch.onnx._internal._lazy_import import onnxscript_apis
+
+    onnxscript_apis.optimize(model)
+
+
+def _locations(path: Path) -> set[str]:
+    import onnx
+
+    proto = onnx.load(str(path), load_external_data=False)
+    return {kv.value for t in _tensors(proto) for kv in t.external_data if kv.key == "location"}
+
+
+def _reference(built, dims) -> dict:
+    """Torch's outputs at small dims (computed before the export, which drops the torch weights)."""
+    import torch
 
     d = dict(built.example_dims)
     d.update(dims or _small_dims(built))
-    inputs = built.make_inputs(d)
-    feeds = built.make_feeds(d)
     with torch.no_grad():
-        want = [t.float().numpy() for t in built.module(*inputs)]
-    built.module = None  # with the patches' closures, the last references to the torch weights
-    built.export_patches = {}
-    gc.collect()
+        outs = [t.float().numpy() for t in built.module(*built.make_inputs(d))]
+    return {"dims": d, "feeds": built.make_feeds(d), "outputs": dict(zip(built.output_names, outs))}
+
+
+def _check(path, want, dtype, tolerance, log) -> dict:
+    """ONNX Runtime CPU on the reference's feeds, against torch's outputs."""
+    import numpy as np
+
+    from .export import run_onnx
+
+    d = want["dims"]
     if dtype != "float32":
         import onnxruntime as ort
 
         ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])  # loads (graph resolution)
         log(f"check: loads in ONNX Runtime (its CPU provider lacks {dtype} kernels for most ops to run it)")
         return {"dims": d, "loaded": True}
-    got = run_onnx(path, {k: v for k, v in feeds.items()})
-    errs = {name: relative_l2(g, w) for name, g, w in zip(built.output_names, got, want)}
+    got = run_onnx(path, want["feeds"])
+    errs = {name: relative_l2(g, w) for (name, w), g in zip(want["outputs"].items(), got)}
     ok = all(np.isfinite(g).all() for g in got) and max(errs.values()) <= tolerance
     log(f"check at {d}: relative L2 {errs} ({'OK' if ok else 'MISMATCH'}, tolerance {tolerance})")
     if not ok:
