@@ -61,6 +61,8 @@ DIT_FIXTURES = (
     # RMSNormalization and Attention appear at opset 23 (the rotary embedding stays written out)
     FixtureSpec("flux-dev", "dynamo", "dynamic", opset=23),
     FixtureSpec("t5-xxl", "torchscript", "dynamic"),
+    # T5 at opset 23: Attention with the relative-position bias as its mask, RMSNormalization
+    FixtureSpec("t5-xxl", "dynamo", "dynamic", opset=23),
 )
 
 # fixture set -> (folder under models/fixtures, specs, manifest description)
