@@ -74,7 +74,9 @@ def check(match: Match, run: FusionRun) -> Match:
     batch = static_dim(match["scale"], 0)
     if batch != 1 or static_dim(match["shift"], 0) != 1:
         run.details["stays_elementwise"] += 1
-        raise Refusal(f"{PER_SAMPLE} (batch {shape_of(match['scale'])[0]})")
+        dim = shape_of(match["scale"])[0]
+        batch = f"batch {dim}" if isinstance(dim, int) else f"batch dim {dim!r} not statically 1"
+        raise Refusal(f"{PER_SAMPLE} ({batch})")
     return match
 
 

@@ -83,6 +83,19 @@ class SkipGroupNorm(_GroupNormBase):
         return (y.astype(X.dtype), s)
 
 
+def _skip_sum(op: ContribOp, input, skip, bias=None, **per_channel) -> np.ndarray:
+    """input + skip (+ bias) in the compute precision, after checking the shapes the skip norms take."""
+    d = input.shape[-1]
+    if skip.shape not in (input.shape, (1, *input.shape[1:]), input.shape[1:]):
+        raise op._invalid(f"skip must be (B, S, D), (1, S, D) or (S, D) for input {input.shape}, got {skip.shape}")
+    for name, t in (*per_channel.items(), ("bias", bias)):
+        if t is not None and t.shape != (d,):
+            raise op._invalid(f"{name} must have shape ({d},), got {t.shape}")
+    ct = compute_dtype(input)
+    s = input.astype(ct) + skip.astype(ct)
+    return s + bias.astype(ct) if bias is not None else s
+
+
 class SkipLayerNormalization(ContribOp):
     """S = input + skip (+ bias); output = (S - mean) / sqrt(var + epsilon) * gamma (+ beta), over the last axis.
 
@@ -93,16 +106,8 @@ class SkipLayerNormalization(ContribOp):
     """
 
     def _run(self, input, skip, gamma, beta=None, bias=None, epsilon=1e-12):
-        d = input.shape[-1]
-        if skip.shape not in (input.shape, (1, *input.shape[1:]), input.shape[1:]):
-            raise self._invalid(f"skip must be (B, S, D), (1, S, D) or (S, D) for input {input.shape}, got {skip.shape}")
-        for name, t in (("gamma", gamma), ("beta", beta), ("bias", bias)):
-            if t is not None and t.shape != (d,):
-                raise self._invalid(f"{name} must have shape ({d},), got {t.shape}")
-        ct = compute_dtype(input)
-        s = input.astype(ct) + skip.astype(ct)
-        if bias is not None:
-            s = s + bias.astype(ct)
+        s = _skip_sum(self, input, skip, gamma=gamma, beta=beta, bias=bias)
+        ct = s.dtype.type
         mean = s.mean(axis=-1, keepdims=True)
         inv_std = 1.0 / np.sqrt(s.var(axis=-1, keepdims=True) + ct(epsilon))
         y = (s - mean) * inv_std * gamma.astype(ct)
@@ -159,16 +164,8 @@ class SkipSimplifiedLayerNormalization(ContribOp):
     """
 
     def _run(self, input, skip, gamma, bias=None, epsilon=1e-12):
-        d = input.shape[-1]
-        if skip.shape not in (input.shape, (1, *input.shape[1:]), input.shape[1:]):
-            raise self._invalid(f"skip must be (B, S, D), (1, S, D) or (S, D) for input {input.shape}, got {skip.shape}")
-        for name, t in (("gamma", gamma), ("bias", bias)):
-            if t is not None and t.shape != (d,):
-                raise self._invalid(f"{name} must have shape ({d},), got {t.shape}")
-        ct = compute_dtype(input)
-        s = input.astype(ct) + skip.astype(ct)
-        if bias is not None:
-            s = s + bias.astype(ct)
+        s = _skip_sum(self, input, skip, gamma=gamma, bias=bias)
+        ct = s.dtype.type
         y, inv_rms = _rms_normalized(s, epsilon)
         y = y * gamma.astype(ct)
         mean = s.mean(axis=-1, keepdims=True)  # the spec's output 1; nothing reads it after fuse-skip-layer-norm
