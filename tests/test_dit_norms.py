@@ -22,7 +22,9 @@ GELU with another constant, a bias of the wrong shape.
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -294,3 +296,34 @@ def test_the_rms_norm_reference_kernels_compute_what_onnx_runtime_cpu_computes(o
     got = reference.run(proto, feeds)
     for name, value in zip(outputs, expected):
         np.testing.assert_allclose(got[name], value, rtol=1e-5, atol=1e-5)
+
+
+# ================================================================ the committed DiT fixtures (models/fixtures/dit)
+
+DIT_FIXTURES = Path(__file__).resolve().parents[1] / "models" / "fixtures" / "dit"
+FAST_FIXTURES = {"flux-dev.tiny.dynamo.dynamic.sdpa.opset23.onnx", "t5-xxl.tiny.torchscript.dynamic.sdpa.onnx"}
+
+
+def _dit_fixtures() -> list:
+    manifest = DIT_FIXTURES / "manifest.json"
+    if not manifest.exists():
+        return []
+    entries = json.loads(manifest.read_text())["fixtures"]
+    return [pytest.param(e, id=e["file"], marks=[] if e["file"] in FAST_FIXTURES else [pytest.mark.slow]) for e in entries]
+
+
+@pytest.mark.parametrize("entry", _dit_fixtures())
+def test_every_rms_norm_and_tanh_gelu_of_the_dit_fixtures_is_fused(entry):
+    """SD3.5-Medium, Flux.1-dev and T5 v1.1 (tiny, both exporters, opset 23): as many
+    SimplifiedLayerNormalization + SkipSimplifiedLayerNormalization as the torch model has RMSNorms,
+    as many FastGelu as tanh GELUs, none of the decomposed ops left, and the same outputs."""
+    sites = entry["sites"]
+    inputs = InputSpec(shapes={i["name"]: tuple(i["example_shape"]) for i in entry["inputs"]})
+    model, report = optimize(str(DIT_FIXTURES / entry["file"]), ["ort-cuda"], inputs=inputs)
+    ops = op_counts(model)
+    assert ops["SimplifiedLayerNormalization"] + ops["SkipSimplifiedLayerNormalization"] == sites["rms_norm"], ops
+    assert ops["FastGelu"] == sites["gelu_tanh"], ops
+    assert not {"Pow", "ReduceMean", "Sqrt", "RMSNormalization", "Tanh", "Gelu"} & set(ops), ops
+    if sites["modulation"]:  # every block's AdaLN Linears read one SiLU(temb): one Gemm
+        assert result_of(report, "fuse-parallel-gemm").details["groups"] == 1
+    assert_same_computation(str(DIT_FIXTURES / entry["file"]), model, inputs=inputs, atol=1e-4, rtol=1e-3)
