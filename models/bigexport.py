@@ -43,6 +43,9 @@ import time
 from pathlib import Path
 
 DTYPES = ("float32", "bfloat16", "float16")
+# families whose builders take a dtype (build in it directly)
+DTYPE_FAMILIES = ("sd3-medium", "sd35-medium", "sd35-large", "flux-dev", "flux-schnell", "t5-xxl", "vae16-encoder",
+                  "vae16-decoder", "vae-encoder", "vae-decoder")
 DATA_NAME = "model.onnx.data"
 
 
@@ -131,7 +134,9 @@ def export_folder(family: str, out_dir, *, size: str = "full", exporter: str = "
     t0 = time.perf_counter()
     try:
         partial.mkdir(parents=True)
-        kwargs = {"dtype": None if dtype == "float32" else getattr(torch, dtype)}
+        kwargs = {} if dtype == "float32" else {"dtype": getattr(torch, dtype)}
+        if kwargs and family not in DTYPE_FAMILIES:
+            raise ValueError(f"{family} is built in float32 only (--dtype applies to {', '.join(DTYPE_FAMILIES)})")
         overrides = layer_overrides(family, layers)
         if overrides:
             kwargs["overrides"] = overrides
