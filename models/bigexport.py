@@ -115,8 +115,8 @@ def relative_l2(got, want) -> float:
 
 def export_folder(family: str, out_dir, *, size: str = "full", exporter: str = "dynamo", shapes: str = "dynamic",
                   dtype: str = "float32", opset: int | None = None, seed: int = 0, layers: int | None = None,
-                  check: bool = False, check_dims: dict | None = None, tolerance: float = 1e-3,
-                  log=print) -> dict:
+                  export_dims: dict | None = None, check: bool = False, check_dims: dict | None = None,
+                  tolerance: float = 1e-3, log=print) -> dict:
     """Build ``family`` and export it to ``out_dir/model.onnx`` (+ ``model.onnx.data``); see the module doc."""
     import torch
 
@@ -141,6 +141,11 @@ def export_folder(family: str, out_dir, *, size: str = "full", exporter: str = "
         if overrides:
             kwargs["overrides"] = overrides
         built = build(family, size, seed=seed, **kwargs)
+        for name, value in (export_dims or {}).items():
+            if name not in built.example_dims:
+                raise ValueError(f"--{name} does not apply to {family}")
+            built.example_dims[name] = value
+        summary["export_dims"] = dict(built.example_dims)
         n_params = sum(p.numel() for p in built.module.parameters())
         summary.update(params=n_params, config={k: list(v) if isinstance(v, tuple) else v for k, v in built.config.items()},
                        sites=built.sites, build_seconds=round(time.perf_counter() - t0, 1))
@@ -278,7 +283,9 @@ def main(args) -> int:
     try:
         export_folder(args.family, args.output, size=args.size, exporter=args.exporter, shapes=args.shapes,
                       dtype=args.dtype, opset=args.opset, seed=args.seed, layers=args.layers, check=args.check,
-                      tolerance=args.tolerance)
+                      tolerance=args.tolerance,
+                      export_dims={k: getattr(args, k) for k in ("batch", "height", "width", "sequence")
+                                   if getattr(args, k) is not None})
     except FileExistsError as exc:
         print(exc, file=sys.stderr)
         return 2
