@@ -82,6 +82,8 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--opset", type=int, default=None, help="override the exporter's opset")
     e.add_argument("--seed", type=int, default=0)
     e.add_argument("--layers", type=int, default=None, help="keep N blocks at full width (Flux: N double + N single)")
+    for dim in ("batch", "height", "width", "sequence"):
+        e.add_argument(f"--{dim}", type=int, default=None, help=f"{dim} of the inputs the exporter traces with")
     e.add_argument("--check", action="store_true", help="compare with torch on ONNX Runtime CPU at small dims "
                                                          "(float32; others: load only)")
     e.add_argument("--tolerance", type=float, default=1e-3, help="relative L2 allowed by --check")

@@ -336,14 +336,20 @@ def test_dynamo_folder_export_optimizes_after_torch_as_the_exporter_does(torch_s
     file) writes the graph ``export(optimize=True)`` writes, with one data file. A small, fast model."""
     pytest.importorskip("onnxscript", reason="the dynamo exporter needs onnxscript")
     from models.bigexport import export_folder
-    from models.export import check_export, export, op_counts
+    from models.export import check_export, op_counts
 
     out = tmp_path / "clip"
     summary = export_folder("clip-text", out, size="tiny", exporter="dynamo", check=True, log=lambda *a: None)
     assert sorted(p.name for p in out.iterdir()) == ["export.json", "model.onnx", "model.onnx.data"]
     assert max(summary["check"]["relative_l2"].values()) < 1e-5
     bm = models.build("clip-text", "tiny")
-    direct = tmp_path / "direct" / "model.onnx"
-    export(bm, direct, "dynamo", "dynamic")
-    assert op_counts(out / "model.onnx") == op_counts(direct)
     assert check_export(bm, out / "model.onnx", dims=bm.alt_dims).ok
+    # the committed fixture is export(optimize=True) of the same model
+    sd = models.load_manifest()
+    entry = next(e for e in sd["fixtures"] if e["file"] == "clip-text.tiny.dynamo.dynamic.sdpa.onnx")
+    import onnxscript
+    import torch
+
+    if (sd["versions"]["torch"], sd["versions"]["onnxscript"]) != (torch.__version__, onnxscript.__version__):
+        pytest.skip("the fixture was exported by another torch / onnxscript")
+    assert op_counts(out / "model.onnx") == entry["ops"]
