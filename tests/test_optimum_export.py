@@ -5,8 +5,11 @@
 * Its CLIP text encoder (transformers' SDPA, TorchScript exporter) slices the causal mask to the key
   length, ``mask[:, :, :, :key_len]``, of a mask expanded to ``seq + (seq - seq)`` keys, added to
   position embeddings sliced ``[:, :seq]`` from 77: ``Dims`` proves the mask's last dims (S, L) from
-  what the graph computes, so every attention fuses, computing what the export computes.
-* A mask sliced to another length than the keys' stays refused.
+  what the graph computes, so every attention fuses, computing what the export computes; that mask,
+  transformers 4's ``Where(j < i + 1, 0, min)`` expanded and sliced, is proven causal
+  (``unidirectional=1``, no attention_bias), as the TorchScript exports' own causal masks are.
+* A mask sliced to another length than the keys' stays refused; a mask that lets each query see one
+  key ahead (``j < i + 2``) is not causal and goes to attention_bias, computing the same.
 * A fusion's refused sites show in the folder summary, not only in --report-json.
 """
 
@@ -32,9 +35,25 @@ def test_optimum_clip_attention_fuses_with_its_mask_sliced_to_the_key_length():
     model, report = optimize(TEXT_ENCODER, ["ort-cuda"])
     attention = result_of(report, "fuse-attention")
     assert attention.refused == [] and attention.sites_rewritten == LAYERS
+    assert attention.details.get("causal") == LAYERS and not attention.details.get("attention_bias")
     fused = [n for n in model.graph.nodes if n.domain == "com.microsoft" and n.op in ("MultiHeadAttention", "Attention")]
-    assert len(fused) == LAYERS
+    assert len(fused) == LAYERS and all(n.attrs.get("unidirectional") == 1 for n in fused)
     assert_same_computation(TEXT_ENCODER, model, atol=1e-5, rtol=1e-4, inputs=TEXT_INPUTS)
+
+
+def test_a_mask_that_lets_a_query_see_one_key_ahead_is_not_causal_and_stays_an_attention_bias(tmp_path):
+    graph = gs.import_onnx(onnx.load(str(TEXT_ENCODER)))
+    (next_row,) = [n for n in graph.nodes if n.op == "Add" and any(t.inputs and t.inputs[0].op == "Range" for t in n.inputs)]
+    next_row.inputs[1] = gs.Constant("two", np.array(2, np.int64))  # j < i + 2
+    path = tmp_path / "text_encoder.onnx"
+    onnx.save(gs.export_onnx(graph), str(path))
+
+    model, report = optimize(path, ["ort-cuda"])
+
+    attention = result_of(report, "fuse-attention")
+    assert attention.sites_rewritten == LAYERS and attention.refused == []
+    assert not attention.details.get("causal") and attention.details.get("attention_bias") == LAYERS
+    assert_same_computation(path, model, atol=1e-5, rtol=1e-4, inputs=TEXT_INPUTS)
 
 
 def test_a_mask_sliced_to_another_length_than_the_keys_is_refused(tmp_path):
