@@ -431,6 +431,21 @@ def test_a_residual_sum_in_front_of_a_group_norm_becomes_skip_group_norm_with_th
     assert_same_computation(proto, model, inputs=_spec({"a": (2, 8, 4, 3), "c": (2, 8, 4, 3)}))
 
 
+@pytest.mark.parametrize("affine", [("gamma",), ()], ids=["β=0", "γ=1,β=0"])
+def test_a_residual_sum_in_front_of_a_group_norm_without_its_add_becomes_skip_group_norm(affine):
+    b = ProtoBuilder()
+    a, c = b.input("a", X_SHAPE), b.input("c", X_SHAPE)
+    b.output(silu(b, exported_group_norm(b, b.node("Add", a, c), 8, 4, affine=affine)))
+    proto = b.model()
+
+    model, report = run_passes(proto, ["fuse-group-norm", "fuse-skip-group-norm"])
+
+    assert result_of(report, "fuse-skip-group-norm").sites_rewritten == 1
+    (sgn,) = nodes_of(model, "SkipGroupNorm")
+    assert not nodes_of(model, "Add") and np.all(sgn.inputs[2].values == 0)
+    assert_same_computation(proto, model, inputs=_spec({"a": (2, 8, 4, 3), "c": (2, 8, 4, 3)}))
+
+
 def test_a_broadcast_time_embedding_becomes_an_nc_skip_without_a_sum_output():
     b = ProtoBuilder()
     h, temb = b.input("h", X_SHAPE), b.input("temb", ["batch", 8])
