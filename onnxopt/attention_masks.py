@@ -3,7 +3,9 @@ cannot turn into NaN. Shared by canonicalize-attention and fuse-attention.
 
 * :func:`is_causal` / :func:`keeps_causal`: an additive mask (or a boolean keep-mask) hides key j from
   query i exactly when j > i, S == L among the given sequence lengths: a constant mask, TorchScript's
-  ``Where(Trilu(...) == 0, -inf, 0)`` or transformers' ``kv_idx <= q_idx`` ranges.
+  ``Where(Trilu(...) == 0, -inf, 0)``, transformers' ``kv_idx <= q_idx`` ranges, or transformers 4's
+  ``_make_causal_mask``: ``Where(j < i + 1, 0, min)``, unsqueezed, expanded over the batch and sliced
+  to the key length (optimum's CLIP export).
 * :func:`nan_free_scores`: no row of Softmax(scores) can be all -inf.
 """
 
@@ -38,7 +40,14 @@ def causal_mask_from_ranges(key_index, query_index, shape, hidden=Const()):
     return std_op.Where(causal_keep_from_ranges(key_index, query_index, shape), 0.0, hidden)
 
 
+def causal_mask_from_next_row(key_index, next_query_index, fill):
+    """transformers 4's _make_causal_mask: full((S, S), min).masked_fill(j < (i + 1).view(S, 1), 0)"""
+    keep = std_op.Less(key_index, next_query_index)
+    return std_op.Where(OneOf(std_op.Cast(keep, to=onnx.TensorProto.BOOL), keep), 0.0, fill)
+
+
 CAUSAL_MASK = Pattern(causal_mask_from_trilu, name="causal-mask-trilu")
+CAUSAL_MASK_NEXT_ROW = Pattern(causal_mask_from_next_row, name="causal-mask-next-row")
 CAUSAL_MASK_RANGES = Pattern(causal_mask_from_ranges, name="causal-mask-ranges")
 CAUSAL_KEEP_RANGES = Pattern(
     lambda key_index, query_index, shape: std_op.Expand(std_op.LessOrEqual(key_index, query_index), shape),
@@ -67,7 +76,73 @@ def is_causal(graph, mask: gs.Tensor, dims: Dims, seq: set) -> bool:
     found = CAUSAL_MASK_RANGES.match(graph, producer)
     if found is not None:
         return _range_mask_is_causal(found, dims, seq)
-    return False
+    core = _through_layout(mask, dims)
+    found = CAUSAL_MASK_NEXT_ROW.match(graph, core.inputs[0]) if core is not None and core.inputs else None
+    return found is not None and _next_row_mask_is_causal(found, dims, seq)
+
+
+# Ops that, where they keep the last two dims (proven), keep the (S, L) matrix of a mask as it is:
+# Expand and Unsqueeze add leading axes, a Cast between floats keeps -3.4e38 hidden (fp16: -inf),
+# and a Slice [0:end] (start 0, step 1) whose every axis keeps its length is the whole tensor.
+_LAYOUT_OPS = ("Expand", "Unsqueeze", "Cast", "Identity", "Slice")
+
+
+def _through_layout(t: gs.Tensor, dims: Dims, depth: int = 8) -> gs.Tensor | None:
+    """The tensor under ``t``'s layout ops, whose last two axes hold the same (S, L) matrix."""
+    while depth and _producer(t) is not None and _producer(t).op in _LAYOUT_OPS:
+        node, depth = _producer(t), depth - 1
+        source = node.inputs[0]
+        before, after = dims.shape(source), dims.shape(t)
+        if before is None or after is None or len(before) < 2 or not all(same(a, b) for a, b in zip(before[-2:], after[-2:])):
+            return None
+        if node.op == "Cast" and int(node.attrs["to"]) not in _FLOAT_TYPES:
+            return None
+        if node.op == "Slice" and not _whole_slice(node, dims, before, after):
+            return None
+        t = source
+    return t
+
+
+def _whole_slice(node: gs.Node, dims: Dims, before: list, after: list) -> bool:
+    """A Slice from 0 with step 1 whose every axis keeps its length (a reversing one may too)."""
+    starts = dims.vector(node.inputs[1])
+    steps = dims.vector(node.inputs[4]) if len(node.inputs) > 4 and node.inputs[4].name else None
+    return (starts is not None and all(same(d, Dim(0)) for d in starts)
+            and (steps is None or all(same(d, Dim(1)) for d in steps))
+            and len(before) == len(after) and all(same(a, b) for a, b in zip(before, after)))
+
+
+_FLOAT_TYPES = (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16, onnx.TensorProto.DOUBLE)
+
+
+def _next_row_mask_is_causal(m: Match, dims: Dims, seq: set) -> bool:
+    """Where(j < i + 1, 0, fill): j along the last axis, i along the one before, fill all hidden and
+    no larger than the (S, L) matrix the comparison gives."""
+    fill = m["fill"]
+    value = _hidden_fill(fill)
+    if value is None or np.any(value > HIDDEN):
+        return False
+    key, query = _arange_axis(m["key_index"], dims, shifted=True), _arange_axis(m["next_query_index"], dims, shifted=True)
+    if key is None or query is None:
+        return False
+    (key_axis, key_len, key_shift), (query_axis, query_len, query_shift) = key, query
+    if (key_shift, query_shift) != (0, 1):  # j < i + 1: j <= i
+        return False
+    if not (key_axis == -1 and query_axis == -2 and any_same(key_len, seq) and any_same(query_len, seq)):
+        return False
+    fill_shape, out_shape = dims.shape(fill), dims.shape(m.output)
+    return (fill_shape is not None and out_shape is not None and len(fill_shape) <= 2 and len(out_shape) == 2
+            and all(any_same(d, seq) for d in out_shape))
+
+
+def _hidden_fill(t: gs.Tensor) -> np.ndarray | None:
+    """The values of a constant fill, or of ConstantOfShape's value."""
+    if is_constant(t):
+        return constant_value(t)
+    node = _producer(t)
+    if node is not None and node.op == "ConstantOfShape" and node.attrs.get("value") is not None:
+        return np.asarray(node.attrs["value"].values)
+    return None
 
 
 def _constant_mask_value(t: gs.Tensor, depth: int = 0) -> np.ndarray | None:
@@ -116,12 +191,26 @@ def _ranges_are_causal(m: Match, dims: Dims, seq: set) -> bool:
     return key_axis == -1 and query_axis == -2 and any_same(key_len, seq) and any_same(query_len, seq)
 
 
-def _arange_axis(t: gs.Tensor, dims: Dims) -> tuple[int, Dim] | None:
-    """(axis from the end, n) when ``t`` is arange(n) laid along one axis, every other dim 1."""
-    source = t
-    while source.inputs and source.inputs[0].op in ("Unsqueeze", "Reshape", "Cast"):
-        source = source.inputs[0].inputs[0]
+def _arange_axis(t: gs.Tensor, dims: Dims, *, shifted: bool = False) -> tuple | None:
+    """(axis from the end, n) when ``t`` is arange(n) laid along one axis, every other dim 1;
+    ``shifted``: (axis, n, c) for arange(n) + c, c an integer constant."""
+    source, shift = t, 0
+    while source.inputs and (source.inputs[0].op in ("Unsqueeze", "Reshape", "Cast") or shifted and source.inputs[0].op == "Add"):
+        node = source.inputs[0]
+        if node.op == "Add":
+            a, b = node.inputs
+            x, c = (a, b) if is_constant(b) else (b, a)
+            value = constant_value(c) if is_constant(c) else None
+            if value is None or value.size != 1 or not np.issubdtype(value.dtype, np.integer):
+                return None
+            shift += int(value.reshape(-1)[0])
+            source = x
+            continue
+        source = node.inputs[0]
     if not source.inputs or source.inputs[0].op != "Range":
+        return None
+    start, delta = (dims.scalar(source.inputs[0].inputs[i]) for i in (0, 2))
+    if shifted and not (same(start, Dim(0)) and same(delta, Dim(1))):  # arange(n): 0, 1, ..., n - 1
         return None
     length = dims.shape(source)
     shape = dims.shape(t)
@@ -130,7 +219,7 @@ def _arange_axis(t: gs.Tensor, dims: Dims) -> tuple[int, Dim] | None:
     long_axes = [i for i, d in enumerate(shape) if not same(d, Dim(1))]
     if len(long_axes) != 1 or not same(shape[long_axes[0]], length[0]):
         return None
-    return long_axes[0] - len(shape), length[0]
+    return (long_axes[0] - len(shape), length[0]) + ((shift,) if shifted else ())
 
 
 def any_same(d: Dim | None, candidates: set) -> bool:

@@ -60,6 +60,10 @@ from onnxopt.verify import InputSpec, ReferenceRunner, Tolerance, Verifier, _qui
 
 RUNTIMES = ("cuda", "trt", "cpu", "reference")
 RUNTIME_NAMES = {"cuda": "ORT CUDA EP", "trt": "TensorRT", "cpu": "ORT CPU EP", "reference": "onnx.reference"}
+# A bisection without --runtime and without CUDA: each candidate runs where `diff` would run it, on
+# ORT CPU where it has every kernel, else on the reference kernels (a fused op ORT CPU lacks).
+CPU_OR_REFERENCE = "cpu-or-reference"
+RUNTIME_NAMES[CPU_OR_REFERENCE] = "ORT CPU EP (onnx.reference for a candidate with ops ORT CPU lacks)"
 QUANTILE = 0.99
 IMAGE_CHANNELS = (1, 3, 4)
 IMAGE_MIN_SIDE = 8
@@ -284,10 +288,11 @@ def model_runner(runtime: str, *, prefer_nhwc: bool = False, precision: str | No
             written.pop().unlink(missing_ok=True)
         path = Path(workdir) / f"{name}.onnx"
         written.extend([path, path.with_name(path.name + ".data")])
-        if runtime in ("cpu", "reference"):
-            check_runtime(runtime, model)
+        run_on = default_runtime(model) if runtime == CPU_OR_REFERENCE else runtime
+        if run_on in ("cpu", "reference"):
+            check_runtime(run_on, model)
             # ORT CPU, in memory below 1.8 GB, else saved as ``path``; --runtime cpu keeps float16 models there too
-            return runner_for(model, name, workdir, low_precision_on_reference=runtime == "reference")
+            return runner_for(model, name, workdir, low_precision_on_reference=run_on == "reference")
         save_model(model, path, external_data=True if model.weights_nbytes() > LARGE_MODEL_BYTES else None)
         return runner_for_path(runtime, path, model, name=name, prefer_nhwc=prefer_nhwc, precision=precision, shapes=shapes)
 
@@ -316,9 +321,10 @@ class BisectResult:
     first_broken_pass: str | None
     report: OptimizationReport
     metrics: list[OutputMetrics] = field(default_factory=list)  # of the model right after the broken pass
+    runtime: str = ""  # where the candidates ran (RUNTIME_NAMES); the diff's runtime when empty
 
     def as_dict(self) -> dict:
-        return {"passes": self.passes, "first_broken_pass": self.first_broken_pass,
+        return {"passes": self.passes, "first_broken_pass": self.first_broken_pass, "runtime": self.runtime or None,
                 "metrics": [asdict(m) for m in self.metrics], "report": self.report.as_dict()}
 
 
@@ -360,7 +366,7 @@ class DiffReport:
                          "OUTSIDE tolerance: " + ", ".join(f"'{m.name}'" for m in self.outputs if not m.passed))
         if self.bisect is not None:
             b = self.bisect
-            lines.append(f"bisect: {', '.join(b.passes)} from {self.source}, candidates on {RUNTIME_NAMES[self.runtime]}")
+            lines.append(f"bisect: {', '.join(b.passes)} from {self.source}, candidates on {RUNTIME_NAMES[b.runtime or self.runtime]}")
             lines.append(b.report.table())
             if b.first_broken_pass:
                 lines.append(f"first pass to break the tolerance: {b.first_broken_pass}")
@@ -419,6 +425,7 @@ def diff(source: str | Path, candidate: str | Path | None = None, *, runtime: st
     if bisect:
         registry.expand(list(bisect))  # unknown pass names fail before any work
     candidate_model = load_model(candidate) if candidate is not None else None
+    chosen_by_user = runtime is not None
     runtime = runtime or default_runtime(candidate_model or source_model)
     # an option of another runtime would be silently ignored: the user would read a result it did not shape
     for option, given, applies in (("--prefer-nhwc", prefer_nhwc, "cuda"), ("--precision", precision, "trt")):
@@ -439,7 +446,9 @@ def diff(source: str | Path, candidate: str | Path | None = None, *, runtime: st
             report.notes.append("the optimized model is within tolerance: no bisection needed")
             return report
     if bisect:
-        report.bisect = bisect_passes(source_model, bisect, runtime=runtime, tolerance=tolerance, feeds=feeds,
+        # without --runtime, as diff picks one: per candidate (a fused op may leave ORT CPU behind mid-bisection)
+        bisect_runtime = runtime if chosen_by_user or runtime == "cuda" else CPU_OR_REFERENCE
+        report.bisect = bisect_passes(source_model, bisect, runtime=bisect_runtime, tolerance=tolerance, feeds=feeds,
                                       prefer_nhwc=prefer_nhwc, precision=precision, source_path=source)
     return report
 
@@ -467,7 +476,7 @@ def bisect_passes(source: Model, passes: list[str], *, runtime: str, tolerance: 
         report = PassManager(steps, verifier=verifier).run(model)
     finally:
         verifier.close()
-    result = BisectResult(list(passes), report.first_broken_pass, report)
+    result = BisectResult(list(passes), report.first_broken_pass, report, runtime=runtime)
     if report.first_broken_pass:
         # The manager stops at the broken pass: ``model`` is the model right after it. Its full
         # metrics, at the tolerance the manager applied at that point (fp16 loosens it).

@@ -38,6 +38,28 @@ def grouped_instance_norm_affine(x):
     return grouped_instance_norm(x) * Const.named("gamma") + Const.named("beta")
 
 
+# A β of exactly 0 or a γ of exactly 1 leaves no Add or no Mul: the exporter may not write it, and
+# cleanup (remove-neutral-arithmetic, canonicalize-attention's zero-bias rule) removes ``+ 0`` and
+# ``* 1``. What is left is still a GroupNorm, with β = 0 or γ = 1.
+
+
+def grouped_instance_norm_scaled(x):
+    """The exporters' GroupNorm with β = 0: no Add after the Mul."""
+    return grouped_instance_norm(x) * Const.named("gamma")
+
+
+def grouped_instance_norm_shifted(x):
+    """The exporters' GroupNorm with γ = 1: no Mul before the Add."""
+    return grouped_instance_norm(x) + Const.named("beta")
+
+
+def affine_or_not(x):
+    """Any of the four: with γ and β, without the Add, without the Mul, without either (for a
+    pattern whose root follows the GroupNorm, such as a SiLU, where no partial match is possible)."""
+    return OneOf(grouped_instance_norm_affine(x), grouped_instance_norm_scaled(x),
+                 grouped_instance_norm_shifted(x), grouped_instance_norm(x))
+
+
 def rank_and_channels(x: gs.Tensor) -> tuple[int, int]:
     if x.shape is None:
         raise Refusal("the input's rank is unknown (shape inference gave it no shape)")

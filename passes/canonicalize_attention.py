@@ -7,6 +7,8 @@ rewrite exact::
     rule                   before                                           after
     onnx-attention         Attention(q, k, v [, mask])  (ONNX, opset 23+;  Softmax(MatMul(q, Transpose(k, (0,1,3,2)))
                            4-D q, k, v)                                     * scale [+ mask]) @ v
+                           Attention(q, k, v, is_causal=1)                  the same, mask = Where(Trilu(ones(S, L)) == 0,
+                                                                            -inf, 0): the causal mask TorchScript writes
     identity-reshape       Reshape(x, shape)  with shape provably x's       x
     sdpa-scale-from-shape  Div(1, Sqrt(Cast(Slice(Shape(q), -1:))))         1/sqrt(H)   H = q's last dim, proven
     scalar-arithmetic      Sqrt(c), Cast(c), Mul(c1, c2) ... of 1-element   the constant
@@ -24,7 +26,13 @@ opset 23) into the same form, so the exporters' older forms and the new op fuse 
 (q, k, v are the head-split projections, and the transpose-pair rule then merges K's two Transposes).
 It respects ``scale`` (default 1/sqrt(H), H proven constant), ``softmax_precision`` (a Cast around
 the Softmax) and a boolean mask proven causal (CLIP's ``kv_idx <= q_idx``: ``Where(mask, 0, -inf)``,
-no row fully masked), and refuses, with the reason: 3-D inputs, ``is_causal``, ``softcap``, a KV cache
+no row fully masked), and lowers ``is_causal=1`` (no attn_mask) to the explicit causal mask the
+TorchScript exporter writes for SDPA(is_causal=True), which fuse-attention proves causal (MHA's
+``unidirectional``) as it proves TorchScript's. ONNX aligns that mask to the upper left (key j is
+seen by query i when j <= i, whatever S and L; torch's SDPA does the same), so it is lowered only
+where the query and key lengths are proven equal: there upper-left and lower-right (ORT's causal
+kernels for a KV cache) agree. It refuses, with the reason: 3-D inputs, ``is_causal`` with an
+attn_mask or with lengths not proven equal, ``softcap``, a KV cache
 (past_key / past_value / nonpad_kv_seqlen), sliding windows, a read of the extra outputs, heads of Q
 and K/V not proven equal (GQA), any other boolean mask, a mask whose last dim is not proven to be the key
 length (Attention pads a shorter one with -inf), and a mask that may hold -inf (Attention zeroes a
@@ -174,6 +182,9 @@ def rewrite_onnx_attention(graph: gs.Graph, m: Match, dims: Dims, names: NameAut
             raise Refusal(f"the head size of '{q.name}' {text(q_shape)} is not a proven constant (the default scale is 1/sqrt of it)")
         scale = 1.0 / np.sqrt(head_dim.value)
     mask = node.inputs[3] if len(node.inputs) > 3 and node.inputs[3].name else None
+    causal = bool(node.attrs.get("is_causal", 0))
+    if causal:
+        _check_causal_lowering(q_shape, k_shape, mask)
     if mask is not None:
         mask_shape = dims.shape(mask)
         boolean = mask.dtype is not None and np.dtype(mask.dtype) == np.bool_
@@ -186,6 +197,8 @@ def rewrite_onnx_attention(graph: gs.Graph, m: Match, dims: Dims, names: NameAut
 
     # What it writes: softmax(q @ kᵀ * scale [+ mask]) @ v, the Softmax in softmax_precision.
     make = Emit(graph, names, node.name or m.output.name)
+    if causal:
+        mask, boolean = _causal_mask(make, q, k, dtype), False
     kt = make.op.Transpose(k, perm=[0, 1, 3, 2], _dtype=dtype)
     scores_shape = None if q.shape is None or k.shape is None else [*q.shape[:3], k.shape[2]]
     scores = make.op.MatMul(q, kt, _dtype=dtype, _shape=scores_shape)
@@ -216,14 +229,41 @@ def _unsupported_attention_form(graph: gs.Graph, node: gs.Node, dims: Dims) -> s
     for i, out in enumerate(node.outputs[1:], start=1):
         if out.name and (out.outputs or any(o is out for o in graph.outputs)):
             return f"output {i} ('{out.name}': present key/value or QK scores) is read"
-    if node.attrs.get("is_causal", 0):
-        return "is_causal=1 (not lowered)"
     if node.attrs.get("softcap", 0.0):
         return f"softcap={node.attrs['softcap']} (not lowered)"
     for window in ("left_window_size", "right_window_size"):
         if node.attrs.get(window, -1) != -1:
             return f"{window}={node.attrs[window]} (a sliding window: not lowered)"
     return None
+
+
+# ---- is_causal=1: the explicit causal mask (its own rule of the lowering: the non-causal path above
+# is untouched by it)
+
+
+def _check_causal_lowering(q_shape, k_shape, mask: gs.Tensor | None) -> None:
+    """is_causal is lowered only alone, and only where query and key lengths are proven equal."""
+    if mask is not None:
+        raise Refusal(f"is_causal=1 with attn_mask '{mask.name}' (both at once are not lowered)")
+    if not same(q_shape[2], k_shape[2]):
+        raise Refusal(f"is_causal=1 with query length {text([q_shape[2]])} and key length {text([k_shape[2]])} not "
+                      "proven equal (ONNX aligns the causal mask to the upper left; not lowered)")
+
+
+def _causal_mask(make: Emit, q: gs.Tensor, k: gs.Tensor, dtype: np.dtype) -> gs.Tensor:
+    """Where(Trilu(Expand(1, (S, L)), upper=0) == 0, -inf, 0): key j hidden from query i where j > i.
+
+    The form TorchScript writes for SDPA(is_causal=True) (onnxopt.attention_masks.CAUSAL_MASK), so
+    fuse-attention proves it causal; S and L are read from q and k at run time. Every row keeps
+    key 0, so no row is all -inf and the Softmax never gives NaN (Attention neither)."""
+    lengths = [make.op.Shape(t, start=2, end=3, _dtype=np.int64, _shape=[1]) for t in (q, k)]
+    shape = make.op.Concat(*lengths, axis=0, _dtype=np.int64, _shape=[2])
+    seq = [q.shape[2] if q.shape is not None else None, k.shape[2] if k.shape is not None else None]
+    ones = make.op.Expand(make.constant("causal_one", np.array(1.0, dtype)), shape, _dtype=dtype, _shape=seq)
+    lower = make.op.Trilu(ones, upper=0, _dtype=dtype, _shape=seq)
+    hidden = make.op.Equal(lower, make.constant("causal_zero", np.array(0.0, dtype)), _dtype=np.bool_, _shape=seq)
+    return make.op.Where(hidden, make.constant("causal_hidden", np.array(-np.inf, dtype)),
+                         make.constant("causal_kept", np.array(0.0, dtype)), _dtype=dtype, _shape=seq)
 
 
 def _additive_mask(mask: gs.Tensor, dtype: np.dtype, make: Emit) -> gs.Tensor:

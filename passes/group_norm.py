@@ -3,7 +3,8 @@
 Before, as both exporters write nn.GroupNorm (the restore shape is ``Shape(x)`` in dynamic exports,
 a constant in static or folded ones), and the standard op:
 
-    x ─ Reshape([0|N, G, -1]) ─ InstanceNormalization(scale=1, B=0, ε) ─ Reshape(Shape(x) | x's shape) ─ Mul(γ) ─ Add(β) ─ y
+    x ─ Reshape([0|N, G, -1]) ─ InstanceNormalization(scale=1, B=0, ε) ─ Reshape(Shape(x) | x's shape) ─ [Mul(γ)] ─ [Add(β)] ─ y
+                                  (no Mul: γ = 1; no Add: β = 0, as cleanup leaves ``* 1`` and ``+ 0``)
     x ─ GroupNormalization(γ, β, num_groups=G, ε) ─ y          (opset 21+: γ, β per channel; 18-20: per group,
                                                                   each repeated over its group's C/G channels)
 
@@ -49,7 +50,11 @@ from onnxopt.group_norm_form import (
     check_divides,
     check_instance_norm_is_plain,
     check_restores_shape,
+    affine_or_not,
+    grouped_instance_norm,
     grouped_instance_norm_affine,
+    grouped_instance_norm_scaled,
+    grouped_instance_norm_shifted,
     groups_from_reshape,
     per_channel,
     rank_and_channels,
@@ -82,8 +87,13 @@ def silu(y):
 
 
 GROUP_NORM = Pattern(instance_norm_group_norm, group_normalization_op, name="group_norm")
+# Without the Add (β = 0), the Mul (γ = 1) or both: rules of their own, after the whole form, so that
+# a GroupNorm with both is never taken without its Add (a match is found from its root, in graph order).
+GROUP_NORM_ZERO_BETA = Pattern(grouped_instance_norm_scaled, name="group_norm (β = 0)")
+GROUP_NORM_UNIT_GAMMA = Pattern(grouped_instance_norm_shifted, name="group_norm (γ = 1)")
+GROUP_NORM_PLAIN = Pattern(grouped_instance_norm, name="group_norm (γ = 1, β = 0)")
 GROUP_NORM_SILU = Pattern(
-    lambda x: silu(instance_norm_group_norm(x)),
+    lambda x: silu(affine_or_not(x)),
     lambda x: silu(group_normalization_op(x)),
     name="group_norm+silu",
 )
@@ -122,8 +132,10 @@ def read_site(match: Match, run: FusionRun) -> GroupNormSite:
         check_instance_norm_is_plain(match.value("in_scale"), match.value("in_bias"), groups)
         if "restore_shape" in match:
             check_restores_shape(match.value("restore_shape"), bool(match.attrs["restore_allowzero"]), x)
-        gamma = per_channel("γ (the Mul after the InstanceNormalization)", match.value("gamma"), rank, channels)
-        beta = per_channel("β (the Add after the Mul)", match.value("beta"), rank, channels)
+        gamma = (per_channel("γ (the Mul after the InstanceNormalization)", match.value("gamma"), rank, channels)
+                 if match.get("gamma") is not None else np.ones(channels, np.float32))
+        beta = (per_channel("β (the Add after the Mul)", match.value("beta"), rank, channels)
+                if match.get("beta") is not None else np.zeros(channels, np.float32))
     else:
         form = "group_normalization"
         groups = int(match.attrs["groups"])
@@ -202,7 +214,10 @@ class FuseGroupNorm(Fusion, OrtFusion):
     # escape check), and its GroupNorm is fused by the second rule, with activation 0. A site is
     # its InstanceNormalization / GroupNormalization node: a refused GroupNorm+SiLU is not seen twice.
     rules = (Rule(GROUP_NORM_SILU, read_site, emit_group_norm, site=_norm),
-             Rule(GROUP_NORM, read_site, emit_group_norm, site=_norm))
+             Rule(GROUP_NORM, read_site, emit_group_norm, site=_norm),
+             Rule(GROUP_NORM_ZERO_BETA, read_site, emit_group_norm, site=_norm),
+             Rule(GROUP_NORM_UNIT_GAMMA, read_site, emit_group_norm, site=_norm),
+             Rule(GROUP_NORM_PLAIN, read_site, emit_group_norm, site=_norm))
 
     def finish(self, run: FusionRun) -> None:
         forms = {key.removeprefix("form:"): n for key, n in run.details.items() if key.startswith("form:")}

@@ -279,3 +279,19 @@ def test_cuda_bisect_keeps_one_candidate_on_disk_and_names_the_pass(tmp_path, cp
     assert len(CpuBackedCudaSession.opened) >= 3  # the candidates of cleanup's modifying passes, the broken one, its metrics
     assert all(len(on_disk) <= 1 for _, on_disk in CpuBackedCudaSession.opened)
     assert not report.bisect.metrics[0].passed
+
+
+def test_bisect_without_a_runtime_runs_each_candidate_where_diff_would_run_it(tmp_path):
+    # fuse-attention writes a packed-QKV MultiHeadAttention ORT CPU cannot run: that candidate goes to
+    # the reference kernels, as `diff` itself would choose for it; the source and cleanup run on ORT CPU.
+    import onnx
+
+    from tests.test_attention_fusion import attention_model
+
+    source = tmp_path / "attention.onnx"
+    onnx.save(attention_model(biases=False), source)
+    report = diff(source, bisect=["cleanup", "fuse-attention"])
+    assert report.ok and report.bisect.first_broken_pass is None
+    fused = [step for step in report.bisect.report.passes if step.name == "fuse-attention"]
+    assert fused[0].result.sites_rewritten == 1 and fused[0].verification is not None
+    assert "onnx.reference for a candidate with ops ORT CPU lacks" in report.table()

@@ -68,15 +68,22 @@ class ProtoBuilder:
         return model
 
 
-def exported_group_norm(b, x, channels, groups, *, rank=4, restore="shape", in_scale=None, gamma_shape=None, eps=1e-5):
-    """nn.GroupNorm as the exporters write it: Reshape, InstanceNormalization, Reshape, Mul, Add."""
+def exported_group_norm(b, x, channels, groups, *, rank=4, restore="shape", in_scale=None, gamma_shape=None, eps=1e-5,
+                        affine=("gamma", "beta"), gamma=None, beta=None):
+    """nn.GroupNorm as the exporters write it: Reshape, InstanceNormalization, Reshape, Mul, Add
+    (``affine`` names the ones written: without "gamma" no Mul, without "beta" no Add)."""
     grouped = b.node("Reshape", x, b.const([0, groups, -1]))
     scale = b.const(np.ones(groups) if in_scale is None else in_scale)
     normed = b.node("InstanceNormalization", grouped, scale, b.const(np.zeros(groups)), epsilon=eps)
     shape = b.node("Shape", x) if restore == "shape" else b.const(restore)
     restored = b.node("Reshape", normed, shape)
     gamma_shape = gamma_shape or (channels,) + (1,) * (rank - 2)
-    return b.node("Add", b.node("Mul", restored, b.random(gamma_shape)), b.random(gamma_shape))
+    y = restored
+    if "gamma" in affine:
+        y = b.node("Mul", y, b.random(gamma_shape) if gamma is None else b.const(gamma))
+    if "beta" in affine:
+        y = b.node("Add", y, b.random(gamma_shape) if beta is None else b.const(beta))
+    return y
 
 
 def silu(b, y, *, sigmoid_first=False):
@@ -257,6 +264,53 @@ def test_any_other_3d_input_is_unsqueezed_to_4d_and_squeezed_back():
     assert_same_computation(proto, model, inputs=_spec({"x": (2, 8, 12)}))
 
 
+@pytest.mark.parametrize("with_silu", [False, True], ids=["alone", "+SiLU"])
+@pytest.mark.parametrize("affine", [("gamma",), ("beta",), ()], ids=["no-Add(β=0)", "no-Mul(γ=1)", "neither"])
+def test_a_group_norm_without_its_add_or_mul_is_still_a_group_norm_with_zero_beta_or_unit_gamma(affine, with_silu):
+    proto = group_norm_model(affine=affine, with_silu=with_silu)
+    model, report = run_passes(proto, ["fuse-group-norm"])
+
+    result = result_of(report, "fuse-group-norm")
+    assert (result.sites_matched, result.sites_rewritten, result.refused) == (1, 1, [])
+    (gn,) = nodes_of(model, "GroupNorm")
+    assert_nhwc_group_norm(gn, groups=4, activation=int(with_silu), channels=8)
+    if "gamma" not in affine:
+        assert np.all(gn.inputs[1].values == 1)
+    if "beta" not in affine:
+        assert np.all(gn.inputs[2].values == 0)
+    assert sorted(op_counts(model)) == ["GroupNorm", "Transpose"]
+    assert_same_computation(proto, model, inputs=_spec(FEED))
+
+
+@pytest.mark.parametrize("restore", ["shape", [2, 8, 4, 3]], ids=["Shape(x)", "constant"])
+def test_a_zero_beta_and_unit_gamma_removed_by_cleanup_still_fuse_under_ort_cuda(restore):
+    # nn.GroupNorm as initialized (γ = 1, β = 0): cleanup and canonicalize-attention drop the `+ 0`
+    # (and a scalar `* 1`) before fuse-group-norm runs.
+    b = ProtoBuilder()
+    x = b.input("x", X_SHAPE if restore == "shape" else [2, 8, 4, 3])
+    y = exported_group_norm(b, x, 8, 4, restore=restore, gamma=np.ones(1), beta=np.zeros((8, 1, 1)))
+    b.output(silu(b, y))
+    proto = b.model()
+
+    model, report = run_passes(proto, ["ort-cuda"])
+
+    result = result_of(report, "fuse-group-norm")
+    assert (result.sites_rewritten, result.refused) == (1, [])
+    assert not nodes_of(model, "InstanceNormalization") and not nodes_of(model, "Add")
+    (gn,) = nodes_of(model, "GroupNorm")
+    assert gn.attrs["activation"] == 1
+    assert_same_computation(proto, model, inputs=_spec(FEED))
+
+
+def test_a_group_norm_with_both_affine_ops_is_taken_whole_not_without_its_add():
+    proto = group_norm_model()
+    model, report = run_passes(proto, ["fuse-group-norm"])
+    assert not nodes_of(model, "Add") and not nodes_of(model, "Mul")
+    (gn,) = nodes_of(model, "GroupNorm")
+    assert not np.all(gn.inputs[2].values == 0)
+    assert_same_computation(proto, model, inputs=_spec(FEED))
+
+
 # ---------------------------------------------------------------- hand-built: lookalikes that must not fuse
 
 
@@ -265,6 +319,22 @@ def test_a_non_unit_instance_norm_scale_is_refused():
     model, report = run_passes(proto, ["fuse-group-norm"])
     assert_refused(report, "fuse-group-norm", "InstanceNormalization scale is not all ones")
     assert not nodes_of(model, "GroupNorm") and nodes_of(model, "InstanceNormalization")
+
+
+def test_a_bare_grouped_instance_norm_with_a_per_group_scale_is_refused():
+    proto = group_norm_model(in_scale=np.array([1.0, 2.0, 1.0, 1.0]), affine=())
+    model, report = run_passes(proto, ["fuse-group-norm"])
+    assert_refused(report, "fuse-group-norm", "InstanceNormalization scale is not all ones")
+    assert not nodes_of(model, "GroupNorm") and nodes_of(model, "InstanceNormalization")
+
+
+@pytest.mark.parametrize("affine", [("gamma",), ("beta",)], ids=["Mul", "Add"])
+def test_a_lone_mul_or_add_that_is_not_per_channel_is_refused(affine):
+    # (C,) broadcasts along W (here W == C == 8), not along the channels
+    proto = group_norm_model(affine=affine, gamma_shape=(8,), x_shape=["batch", 8, 4, 8])
+    model, report = run_passes(proto, ["fuse-group-norm"])
+    assert_refused(report, "fuse-group-norm", "not per channel for a 4-D input (want (8, 1, 1))")
+    assert not nodes_of(model, "GroupNorm")
 
 
 def test_a_gamma_that_is_not_per_channel_is_refused():
@@ -358,6 +428,21 @@ def test_a_residual_sum_in_front_of_a_group_norm_becomes_skip_group_norm_with_th
     s_out = sgn.outputs[1].outputs
     assert [n.op for n in s_out] == ["Transpose"] and s_out[0].attrs["perm"] == [0, 3, 1, 2]
     assert [n.op for n in s_out[0].outputs[0].outputs] == ["Neg"]
+    assert_same_computation(proto, model, inputs=_spec({"a": (2, 8, 4, 3), "c": (2, 8, 4, 3)}))
+
+
+@pytest.mark.parametrize("affine", [("gamma",), ()], ids=["β=0", "γ=1,β=0"])
+def test_a_residual_sum_in_front_of_a_group_norm_without_its_add_becomes_skip_group_norm(affine):
+    b = ProtoBuilder()
+    a, c = b.input("a", X_SHAPE), b.input("c", X_SHAPE)
+    b.output(silu(b, exported_group_norm(b, b.node("Add", a, c), 8, 4, affine=affine)))
+    proto = b.model()
+
+    model, report = run_passes(proto, ["fuse-group-norm", "fuse-skip-group-norm"])
+
+    assert result_of(report, "fuse-skip-group-norm").sites_rewritten == 1
+    (sgn,) = nodes_of(model, "SkipGroupNorm")
+    assert not nodes_of(model, "Add") and np.all(sgn.inputs[2].values == 0)
     assert_same_computation(proto, model, inputs=_spec({"a": (2, 8, 4, 3), "c": (2, 8, 4, 3)}))
 
 

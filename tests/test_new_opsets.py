@@ -20,8 +20,12 @@ SDXL UNet at 21, and the UNet and a text encoder at 18 and 24 (``CASES`` says wh
   float16 on ORT's CPU EP; after ``ort-cuda`` too; both within the README's bound of float32.
 
 On hand-built graphs: the lowering of ONNX Attention computes what Attention computes (ORT's CPU EP
-runs Attention-23) for a custom scale, a float mask and softmax_precision, and refuses what it
-cannot express, with the reason.
+runs Attention-23) for a custom scale, a float mask, softmax_precision and is_causal, and refuses what it
+cannot express, with the reason (is_causal with query and key lengths not proven equal among them).
+
+On CLIP text encoders whose SDPA got no mask (transformers skips it where it can and lets SDPA's
+is_causal do the work; the export then carries ``Attention(is_causal=1)``): every attention becomes a
+MultiHeadAttention/Attention with ``unidirectional=1``, computing what the export computes.
 """
 
 from __future__ import annotations
@@ -180,7 +184,9 @@ def lowered(proto):
     ({"scale": 0.3}, None),
     ({}, np.random.default_rng(0).standard_normal((5, 5)).astype(np.float32)),
     ({"softmax_precision": TensorProto.DOUBLE}, np.full((2, 1, 5, 5), -1e9, np.float32)),
-], ids=["default-scale", "scale", "float-mask", "softmax-precision-double"])
+    ({"is_causal": 1}, None),
+    ({"is_causal": 1, "scale": 0.3, "softmax_precision": TensorProto.DOUBLE}, None),
+], ids=["default-scale", "scale", "float-mask", "softmax-precision-double", "causal", "causal-scale-double"])
 def test_onnx_attention_is_lowered_to_matmul_softmax_computing_what_attention_computes(attrs, mask):
     proto = attention_model(mask=mask, **attrs)
     model, result = lowered(proto)
@@ -191,7 +197,8 @@ def test_onnx_attention_is_lowered_to_matmul_softmax_computing_what_attention_co
 
 
 @pytest.mark.parametrize("make, reason", [
-    (lambda: attention_model(is_causal=1), "is_causal=1"),
+    (lambda: attention_model(is_causal=1, kv_shape=(2, 3, 7, 8)), "query length (5) and key length (7) not proven equal"),
+    (lambda: attention_model(is_causal=1, mask=np.zeros((5, 5), np.float32)), "is_causal=1 with attn_mask"),
     (lambda: attention_model(softcap=30.0), "softcap=30.0"),
     (lambda: attention_model(kv_shape=(2, 1, 5, 8)), "grouped-query attention"),
     (lambda: attention_model(shape=(2, 5, 24), q_num_heads=3, kv_num_heads=3), "only 4-D"),
@@ -199,10 +206,73 @@ def test_onnx_attention_is_lowered_to_matmul_softmax_computing_what_attention_co
     (lambda: attention_model(mask=np.tril(np.ones((5, 5), bool))), "boolean and not proven causal"),
     (lambda: attention_model(mask=np.zeros((5, 3), np.float32)), "not proven to be the key length"),
     (lambda: attention_model(mask=np.full((5, 5), -np.inf, np.float32)), "may hold -inf"),
-], ids=["causal", "softcap", "gqa", "3d", "present-key-read", "bool-mask", "short-mask", "inf-mask"])
+], ids=["causal-q-len-not-kv-len", "causal-with-mask", "softcap", "gqa", "3d", "present-key-read", "bool-mask", "short-mask", "inf-mask"])
 def test_attention_forms_the_lowering_cannot_express_are_refused_and_kept(make, reason):
     proto = make()
     model, result = lowered(proto)
     assert result.sites_rewritten == 0
     assert len(result.refused) == 1 and reason in result.refused[0][1], result.refused
     assert ops(model)["Attention"] == 1
+
+
+def test_the_causal_lowering_is_the_mask_fuse_attention_proves_causal():
+    from onnxopt.attention_masks import is_causal
+    from onnxopt.pattern.dims import Dim, Dims
+
+    model, _ = lowered(attention_model(is_causal=1))
+    (add,) = [n for n in model.graph.nodes if n.op == "Add"]
+    mask = next(t for t in add.inputs if t.inputs and t.inputs[0].op == "Where")
+    q_len = model.graph.inputs[0].shape[2]
+    assert is_causal(model.graph, mask, Dims(), {Dim(q_len)})
+
+
+@pytest.fixture(scope="module")
+def causal_sdpa_export(tmp_path_factory):
+    """export(family) -> (path, built): the dynamo export at opset 23 of a text encoder whose
+    transformers SDPA call got no mask and is_causal=True (transformers skips the mask outside
+    torch.export; here the skip is forced so that the exporter sees that call)."""
+    pytest.importorskip("torch", reason="exporting models needs torch")
+    pytest.importorskip("transformers", reason="exporting models needs transformers")
+    from unittest import mock
+
+    import transformers.masking_utils as masking
+    from models import build
+    from models.export import export
+
+    root, cache = tmp_path_factory.mktemp("causal-sdpa"), {}
+
+    def skip_mask(padding_mask, q_length, kv_length, *args, **kwargs):
+        return padding_mask is None and q_length == kv_length
+
+    def get(family):
+        if family not in cache:
+            built = build(family, size="tiny")
+            path = root / f"{family}.onnx"
+            with mock.patch.object(masking, "_ignore_causal_mask_sdpa", skip_mask):
+                export(built, path, exporter="dynamo", shapes="dynamic", opset=23)
+            cache[family] = path, built
+        return cache[family]
+
+    return get
+
+
+@pytest.mark.models
+@pytest.mark.parametrize("family", ["clip-text", "openclip-text"])
+def test_is_causal_attention_of_a_clip_text_encoder_becomes_unidirectional_and_computes_the_same(causal_sdpa_export, family):
+    path, built = causal_sdpa_export(family)
+    written = [n for n in onnx.load(str(path), load_external_data=False).graph.node if n.op_type == "Attention"]
+    sites = built.sites["attention"]
+    assert len(written) == sites and all(helper.get_attribute_value(a) == 1 for n in written
+                                         for a in n.attribute if a.name == "is_causal")
+    model, report = optimize(path, ["ort-cuda"])
+
+    attention = result_of(report, "fuse-attention")
+    assert attention.refused == [] and attention.sites_rewritten == sites
+    assert attention.details.get("causal") == sites
+    fused = [n for n in model.graph.nodes if n.op in ("MultiHeadAttention", "Attention") and n.domain == CONTRIB]
+    assert len(fused) == sites
+    for node in fused:  # causal by the attribute, no attention_bias
+        assert node.attrs.get("unidirectional") == 1
+        assert len(node.inputs) < 6 or not node.inputs[5].name
+    inputs = InputSpec(shapes={n: tuple(s) for n, s in built.input_shapes().items()})
+    assert_same_computation(path, model, atol=1e-5, rtol=1e-4, inputs=inputs)

@@ -118,6 +118,8 @@ class Dims:
         self._vectors: dict[int, list | None] = {}
         self._depth = 0
         self._max_depth = max_depth
+        # min(d, end) of a Slice [0:end] that neither bound decides: the symbol -> its two bounds
+        self._prefixes: dict[Dim, tuple[Dim, Dim]] = {}
 
     # ---------------------------------------------------------------- tensor shapes
 
@@ -256,7 +258,9 @@ class Dims:
         return [d if s == 1 else None for d, s in zip(shape, value.reshape(-1))]
 
     def _sliced(self, node: gs.Node) -> list | None:
-        """Axes the Slice does not touch keep their dims."""
+        """Axes the Slice does not touch keep their dims; a touched axis sliced ``[0:end]`` with step 1
+        keeps its dim d where ``end`` is provably d or at least d (``mask[..., :key_len]`` with the mask
+        key_len long), and is ``end`` where both are integers and end is smaller."""
         shape = self.shape(node.inputs[0])
         if shape is None:
             return None
@@ -264,8 +268,39 @@ class Dims:
         axes = constant_value(axes_t) if axes_t is not None and not is_absent(axes_t) else np.arange(len(shape))
         if axes is None:
             return None
-        touched = {int(a) % len(shape) for a in axes.reshape(-1)}
-        return [None if i in touched else d for i, d in enumerate(shape)]
+        axes = [int(a) % len(shape) for a in axes.reshape(-1)]
+        starts, ends = (_ints(self.vector(t)) for t in node.inputs[1:3])
+        ends_dims = self.vector(node.inputs[2])
+        steps_t = node.inputs[4] if len(node.inputs) > 4 and not is_absent(node.inputs[4]) else None
+        steps = [1] * len(axes) if steps_t is None else _ints(self.vector(steps_t))
+        out = list(shape)
+        for k, axis in enumerate(axes):
+            out[axis] = None
+            if starts is None or steps is None or ends_dims is None or len(ends_dims) != len(axes):
+                continue
+            if starts[k] != 0 or steps[k] != 1:
+                continue
+            d, end = shape[axis], ends_dims[k]
+            if same(end, d) or (end is not None and end.is_int and end.value >= _SLICE_TO_THE_END):
+                out[axis] = d
+            elif d is not None and end is not None and d.is_int and end.is_int and end.value >= 0:
+                out[axis] = Dim(min(d.value, end.value))
+            elif d is not None and end is not None and not (end.is_int and end.value < 0):
+                out[axis] = self._prefix(d, end)
+        return out
+
+    def _prefix(self, d: Dim, end: Dim) -> Dim:
+        """min(d, end), a size of its own that broadcasting against either bound resolves
+        (CLIP's ``position_ids[:, :seq_len]``, 77 positions, added to a seq_len-long embedding)."""
+        prefix = Dim(1, (f"min({d},{end})",))
+        self._prefixes[prefix] = (d, end)
+        return prefix
+
+    def _drop_prefixes_of(self, found: list) -> list:
+        """Broadcasting b against min(b, c) gives b in a graph that runs: min(b, c) is b, or c < b,
+        which broadcasts only when it is 1. The prefix dims among ``found`` that meet a bound go."""
+        return [d for d in found
+                if not (d in self._prefixes and any(same(other, bound) for other in found for bound in self._prefixes[d]))]
 
     def _conv(self, node: gs.Node) -> list | None:
         """Batch and channels; a spatial dim too where the conv keeps its size (stride 1, "same" pads)."""
@@ -297,7 +332,7 @@ class Dims:
         out = []
         for axis in range(rank):
             found = [s[axis - rank + len(s)] for s in shapes if axis - rank + len(s) >= 0]
-            found = [d for d in found if not same(d, Dim(1))]
+            found = self._drop_prefixes_of([d for d in found if not same(d, Dim(1))])
             if not found:
                 out.append(Dim(1))
             elif all(same(d, found[0]) for d in found[1:]) or all(_never_one(d) for d in found):
@@ -477,6 +512,10 @@ class Dims:
         return data[starts[0] : ends[0] : step]
 
 
+# An end this large slices to the end of any axis (torch writes INT64_MAX; some exporters INT32_MAX).
+_SLICE_TO_THE_END = 2**31 - 1
+
+
 def _decide_equal(a: Dim | None, b: Dim | None) -> bool | None:
     if a is None or b is None:
         return None
@@ -511,6 +550,12 @@ def _arith(op: str, a: Dim | None, b: Dim | None, *, integer: bool = False, fmod
         return exact
     if op in ("Max", "Min") and a == b:
         return a
+    if op == "Sub" and a == b:  # seq - seq: transformers' past length, 0 without a cache
+        return Dim(0)
+    if op in ("Add", "Sub") and b == Dim(0):
+        return a
+    if op == "Add" and a == Dim(0):
+        return b
     if not (a.is_int and b.is_int):
         return None
     x, y = a.value, b.value

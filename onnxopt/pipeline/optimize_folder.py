@@ -361,12 +361,27 @@ def _optimize_component(component: PipelineComponent, out_dir: Path, src: Path, 
         else:
             notes.append(f"fp16 with fp32_auto: relative L2 {error:.2e} to fp32 on a calibration input at the "
                          f"folder's size")
+    notes += _refusal_notes(report)
     data_name = _data_name(component)
     info = save_model(model, out_dir / MODEL_FILE, external_data=True if data_name else None,
                       data_location=data_name)
     written = info.data_path.name if info.data_path else None
     return ComponentReport(name, passes, precision, report, info.weights_nbytes, time.perf_counter() - start,
                            written, notes)
+
+
+def _refusal_notes(report) -> list[str]:
+    """A site a fusion of the preset refused, by reason: the folder summary says what stayed unfused
+    (as the one-model table does), not only --report-json."""
+    from onnxopt import registry
+
+    notes = []
+    for p in report.passes:
+        if not getattr(registry.get_pass(p.name), "is_fusion", False):
+            continue
+        for reason, count in p.result.refusal_counts().most_common():
+            notes.append(f"{p.label}: refused {count} site(s): {reason}")
+    return notes
 
 
 def _copy_unchanged(src: Path, tmp: Path, skip: set[Path]) -> int:

@@ -1,0 +1,63 @@
+"""Write ``models/pipelines/sd15-tiny-optimum``: the repo's tiny SD 1.5 pipeline (seeded random
+weights, ``build_torch_pipeline("sd15", "tiny")``) exported by optimum-onnx, as a user exports one.
+
+    python3 -m models.optimum_fixture --optimum-cli /work/venvs/optimum/bin/optimum-cli [-o DIR]
+
+optimum-onnx pins an older transformers and huggingface_hub than this project's diffusers takes, so
+it runs from its own venv (``python3 -m venv V; V/bin/pip install optimum-onnx torch diffusers``
+with a diffusers that accepts huggingface_hub < 1): this script saves the diffusers pipeline with the
+project's python, then runs that venv's ``optimum-cli export onnx --task text-to-image`` on it.
+The versions used are written to the folder's ``PROVENANCE.txt``.
+"""
+from __future__ import annotations
+
+import argparse
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from .pipelines import build_torch_pipeline
+
+DEFAULT_OUT = Path(__file__).parent / "pipelines" / "sd15-tiny-optimum"
+
+
+def versions(python: Path) -> str:
+    """The versions of the packages that shaped the export, as the optimum venv reports them."""
+    code = ("import importlib.metadata as m\n"
+            "for p in ('optimum-onnx', 'optimum', 'torch', 'transformers', 'diffusers', 'onnx'):\n"
+            "    print(f'{p}=={m.version(p)}')")
+    return subprocess.run([str(python), "-c", code], check=True, capture_output=True, text=True).stdout
+
+
+def write(out: Path, optimum_cli: Path, seed: int = 0) -> None:
+    with tempfile.TemporaryDirectory(prefix="onnxopt-optimum-") as tmp:
+        torch_dir, onnx_dir = Path(tmp) / "torch", Path(tmp) / "onnx"
+        build_torch_pipeline("sd15", "tiny", seed=seed, tokenizer_dir=Path(tmp) / "tok").save_pretrained(str(torch_dir))
+        # transformers 5 saves the tokenizer as tokenizer.json alone; optimum's transformers 4 reads vocab + merges
+        shutil.copytree(Path(tmp) / "tok" / "tokenizer", torch_dir / "tokenizer", dirs_exist_ok=True)
+        subprocess.run([str(optimum_cli), "export", "onnx", "--model", str(torch_dir), "--task", "text-to-image",
+                        str(onnx_dir)], check=True)
+        (onnx_dir / "PROVENANCE.txt").write_text(
+            f"build_torch_pipeline('sd15', 'tiny', seed={seed}) saved by diffusers, then\n"
+            "optimum-cli export onnx --model <that folder> --task text-to-image <this folder>\n"
+            "with, in optimum's venv:\n" + versions(optimum_cli.parent / "python"))
+        if out.exists():
+            shutil.rmtree(out)
+        shutil.copytree(onnx_dir, out)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--optimum-cli", type=Path, required=True, help="optimum-cli of a venv with optimum-onnx")
+    parser.add_argument("-o", "--out", type=Path, default=DEFAULT_OUT)
+    args = parser.parse_args(argv)
+    write(args.out, args.optimum_cli)
+    size = sum(f.stat().st_size for f in args.out.rglob("*") if f.is_file())
+    print(f"wrote {args.out}: {size / 1e6:.2f} MB")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
