@@ -627,21 +627,11 @@ def test_ci_installs_exactly_cpu_in_a_clean_venv_and_fails_when_that_fails(tmp_p
 
 # ----------------------------------------------------------------------------------- 10. small things
 
-def group_norm_near_miss(path: Path) -> Path:
-    from tests.test_group_norm_fusion import X_SHAPE, ProtoBuilder
-
-    b = ProtoBuilder()
-    x = b.input("x", X_SHAPE)
-    grouped = b.node("Reshape", x, b.const([0, 4, -1]))
-    normed = b.node("InstanceNormalization", grouped, b.const(np.ones(4)), b.const(np.zeros(4)))
-    restored = b.node("Reshape", normed, b.node("Shape", x))
-    b.output(b.node("Add", b.node("Div", restored, b.random((8, 1, 1))), b.random((8, 1, 1))))
-    onnx.save(b.model(), path)
-    return path
-
-
 def test_the_strict_message_has_no_literal_backslash_n(tmp_path, capsys):
-    source = group_norm_near_miss(tmp_path / "gn.onnx")
+    from tests.test_explain import group_norm_scaled_by_div
+
+    source = tmp_path / "gn.onnx"
+    onnx.save(group_norm_scaled_by_div(), source)
     code = main(["optimize", "-i", str(source), "-o", str(tmp_path / "o.onnx"), "--passes", "fuse-group-norm", "--strict"])
     err = capsys.readouterr().err
     assert code == 4 and "\\n" not in err and "near miss" in err and len(err.strip().splitlines()) == 1, err
