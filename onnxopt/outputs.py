@@ -74,12 +74,12 @@ class Inputs:
     def alias(self, path) -> str | None:
         """Why writing ``path`` would write an input ("is X, a file this run reads"), or None."""
         path = Path(path)
-        if (ident := identity(path)) in self._files:
-            return f"is {self._files[ident]}, a file the input reads"
         real = Path(os.path.realpath(path))
         for folder in (real, *real.parents):
             if (ident := identity(folder)) in self._folders:
-                return f"is {'inside ' if folder != real else ''}{self._folders[ident]}, the input folder"
+                return f"is {'inside ' if folder != real else ''}the input folder {self._folders[ident]}"
+        if (ident := identity(path)) in self._files:
+            return f"is {self._files[ident]}, a file the input reads"
         return None
 
     def contained_in(self, folder) -> Path | None:
@@ -135,7 +135,7 @@ class Outputs:
         if (inside := self.inputs.contained_in(path)) is not None:
             raise ModelSaveError(f"{path}: {flag} may not be the input folder or contain it ({inside})")
         if (why := self.inputs.alias(path)) is not None:
-            raise ModelSaveError(f"{path}: {flag} may not be inside the input folder ({why})")
+            raise ModelSaveError(f"{path}: {flag} {why}; onnxopt never modifies its input")
         if path.exists() and (not path.is_dir() or any(path.iterdir())):
             raise ModelSaveError(f"{path}: exists and is not an empty folder; onnxopt does not overwrite folders")
         _check_parent(path)
