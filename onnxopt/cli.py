@@ -302,6 +302,7 @@ def cmd_optimize(args) -> int:
     from onnxopt.fusion import explaining
     from onnxopt.loading import load_model
     from onnxopt.outputs import Inputs, Outputs, staged
+    from onnxopt.progress import status
     from onnxopt.report import process_memory
     from onnxopt.saving import check_destination, planned_writes, save_model
     from onnxopt.verify import InputSpec, Tolerance, check_dim_names, load_feeds
@@ -341,7 +342,8 @@ def cmd_optimize(args) -> int:
     inputs = InputSpec(shapes=dict(args.shape), dims=dict(args.dim))
     start = time.perf_counter()
     explained = _explained_passes(args.explain, expanded)
-    with explaining(explained):
+    with explaining(explained), status(not args.quiet) as line:  # on a terminal: the pass being run
+        line.show(Path(args.input).name)
         model, report = optimize(
             source, passes, verify=args.verify, tolerance=Tolerance(args.atol, args.rtol), inputs=inputs, strict=args.strict,
             options={"fp16": _fp16_options(args), "fp8-linear": _fp8_options(args, inputs)},

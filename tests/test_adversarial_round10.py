@@ -354,6 +354,13 @@ def test_optimize_shows_each_component_and_pass_on_a_terminal(optimized):
     assert err.endswith("\r\x1b[K")  # the status line is erased before the report
 
 
+def test_optimize_of_one_model_shows_each_pass_on_a_terminal(tmp_path, monkeypatch):
+    err = FakeTTY()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        assert main(["optimize", "-i", str(relu(tmp_path / "m.onnx")), "-o", str(tmp_path / "o.onnx")]) == 0
+    assert "m.onnx: remove-identity" in err.getvalue() and err.getvalue().endswith("\r\x1b[K"), repr(err.getvalue())
+
+
 def test_optimize_is_silent_on_stderr_when_it_is_not_a_terminal(tmp_path, capsys):
     from onnxopt import progress
 
