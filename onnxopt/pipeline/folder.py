@@ -313,6 +313,7 @@ class PipelineFolder:
         check_folder_paths(root)  # before any file of it is read
         index = read_json(index_path)
         kind = kind_of(index, root)
+        controlnet_folders(root)  # controlnet_<k>/ without controlnet_<k-1>/: said before what the index names
         check_index_entries(root, index)
         check_folder_files(root)
         components = {}

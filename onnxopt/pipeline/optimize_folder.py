@@ -189,6 +189,7 @@ def read_components(folder: Path) -> list[PipelineComponent]:
     check_folder_paths(folder)  # every path, before any file is opened
     index = read_json(folder / "model_index.json")  # a broken index or config would be copied, and generate refuses it
     kind_of(index, folder)  # a pipeline class onnxopt does not run is refused by name
+    controlnet_folders(folder)  # controlnet_<k>/ without controlnet_<k-1>/: said before what the index names
     check_index_entries(folder, index)  # a component the index names and the folder lacks
     check_folder_files(folder)
     out = []
