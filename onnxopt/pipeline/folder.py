@@ -314,7 +314,6 @@ class PipelineFolder:
         index = read_json(index_path)
         kind = kind_of(index, root)
         controlnet_folders(root)  # controlnet_<k>/ without controlnet_<k-1>/: said before what the index names
-        check_index_entries(root, index)
         check_folder_files(root)
         components = {}
         for name in (*MODEL_COMPONENTS, *controlnet_folders(root)[1:]):
@@ -326,6 +325,7 @@ class PipelineFolder:
                 components[name] = Component(name, root / name, model, data, config)
         folder = cls(root, index, kind, components)
         folder._check_complete()
+        check_index_entries(root, index)  # beyond what the kind needs: every component the index names
         return folder
 
     def _check_complete(self) -> None:
