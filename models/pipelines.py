@@ -548,6 +548,7 @@ def write_onnx_folder(kind: str, out_dir, size: str = "tiny", exporter: str = "t
     pipe.scheduler.save_pretrained(str(out_dir / "scheduler"))
     models = component_models(pipe, kind, size, seed)
     if components is not None:
+        _index_only(out_dir, [k for k in models if k not in components])
         models = {k: v for k, v in models.items() if k in components}
     names = data_name if isinstance(data_name, dict) else {k: data_name for k in models}
     for name, bm in models.items():
@@ -565,6 +566,19 @@ def write_onnx_folder(kind: str, out_dir, size: str = "tiny", exporter: str = "t
             resave_external(path, dn)
         _write_component_config(_component_config_source(pipe, name), cdir)
     return models
+
+
+def _index_only(out_dir: Path, left_out: list[str]) -> None:
+    """model_index.json without the entries of the components not written (an index that names a
+    component the folder lacks is refused by onnxopt, as diffusers would fail to load it)."""
+    from onnxopt.pipeline.folder import INDEX_ENTRIES
+
+    path = Path(out_dir) / "model_index.json"
+    index = json.loads(path.read_text())
+    for key, needed in INDEX_ENTRIES.items():
+        if key in index and needed.split("/")[0] in left_out:
+            index[key] = [None, None]
+    path.write_text(json.dumps(index, indent=2))
 
 
 def copy_folder(src, dst) -> None:

@@ -11,6 +11,7 @@ from onnxopt.companions import narrow_interface_casts
 from onnxopt.errors import PassNotApplicableError, PassOrderError
 from onnxopt.model import Model
 from onnxopt.pass_infra import Pass, Sequence
+from onnxopt.progress import show_pass
 from onnxopt.report import OptimizationReport, PassReport, Verification, process_memory
 
 # A verifier compares the current model with the source and says how far apart they are, at a
@@ -116,6 +117,7 @@ class PassManager:
             return self._sequence(p, model, report, properties, auto)
         nodes_before = len(model.graph.nodes)
         companions = list(model.companions.items()) if p.applies_to_companions else []  # not those p makes
+        show_pass(p.name)  # a terminal's status line (onnxopt.progress); nothing otherwise
         t0, cpu0 = time.perf_counter(), time.process_time()
         result = p(model)
         seconds = time.perf_counter() - t0
