@@ -152,6 +152,18 @@ def attention_heads_in_batch(x_q, x_k, x_v):
 ATTENTION = Pattern(attention, attention_heads_in_batch, name="attention")
 
 
+def attention_over_heads(q, k, v):
+    """Q, K, V already split into heads, by whatever computed them (QK RMSNorm, rotary, the joint
+    attention's Concat of two streams): K^T is Transpose(k, (0, 1, 3, 2)) of a (B, N, L, H) k, or
+    Transpose(k, (0, 2, 3, 1)) of a (B, L, N, H) one (the exporters' head split merged into it)."""
+    kt = op.Transpose(k, perm=Var("k_perm"), _name="k_transpose")
+    probs = probabilities(op.MatMul(q, kt, _name="qk"))
+    return merge_heads(op.MatMul(probs, v, _name="pv"))
+
+
+ATTENTION_OVER_HEADS = Pattern(attention_over_heads, name="attention-over-heads")
+
+
 # ---------------------------------------------------------------- the canonical site (the check)
 
 
@@ -286,8 +298,8 @@ def _check_fold(t: str, dims: Dims, node: gs.Node, n: int, h: int) -> None:
         raise Refusal(f"{t.upper()} fold gives {text(result)} from {text(source)}: cannot prove (B*N, S, H)")
 
 
-def _check_casts(m: Match) -> None:
-    weights = onnx.helper.np_dtype_to_tensor_dtype(_dtype(m["wq"]))
+def _check_casts(m: Match, dtype: np.dtype | None = None) -> None:
+    weights = onnx.helper.np_dtype_to_tensor_dtype(dtype if dtype is not None else _dtype(m["wq"]))
     for name, to in m.attrs.items():
         if name.startswith("cast_") and int(to) not in (onnx.TensorProto.FLOAT, weights):
             raise Refusal(f"a Cast inside the attention converts to {onnx.TensorProto.DataType.Name(int(to))}")
@@ -316,7 +328,7 @@ def _one_element(t: gs.Tensor, what: str) -> float:
     return float(value.reshape(-1)[0])
 
 
-def _mask(graph, m: Match, dims: Dims, *, cross, rank, seq_q, seq_k, batch, heads):
+def _mask(graph, m: Match, dims: Dims, *, cross, rank, seq_q, seq_k, batch, heads, dtype=None):
     """(causal, attention_bias tensor, its rank) for the mask of ``m``."""
     mask = m.get("mask")
     if mask is None:
@@ -337,7 +349,7 @@ def _mask(graph, m: Match, dims: Dims, *, cross, rank, seq_q, seq_k, batch, head
         for d, ok in zip(leading, allowed):
             if not (same(d, Dim(1)) or any_same(d, ok)):
                 raise Refusal(f"mask '{mask.name}' has shape {text(shape)}, not (B or 1, N or 1, S, L)")
-    dtype = _dtype(m["wq"])
+    dtype = dtype if dtype is not None else _dtype(m["wq"])
     if mask.dtype is not None and np.dtype(mask.dtype) != dtype:
         raise Refusal(f"mask '{mask.name}' is {np.dtype(mask.dtype)}, the attention {dtype}")
     return False, mask, len(shape)
@@ -353,6 +365,117 @@ def _check_query_read_only_for_shape(m: Match) -> None:
             for consumer in t.outputs:
                 if id(consumer) not in inside and not reads_only_shape(consumer):
                     raise Refusal(f"the query projection '{t.name}' is also read by {consumer.op} '{consumer.name}'")
+
+# ---------------------------------------------------------------- attention over head tensors (DiT)
+
+# How a head tensor is read back as MHA's (B, S, N*H): the tensor, and whether it is (B, N, S, H)
+# (a Transpose(0, 2, 1, 3) first) and a (B, S, N, H) to merge (a Reshape) or already (B, S, N*H).
+BNSH_TO_BSNH = (0, 2, 1, 3)
+
+
+@dataclass
+class HeadInput:
+    tensor: gs.Tensor
+    transpose: bool  # (B, N, S, H): Transpose(0, 2, 1, 3) first
+    merge: bool  # (B, S, N, H): Reshape(0, 0, N*H); False: already (B, S, N*H)
+
+
+@dataclass
+class HeadsSite:
+    """An attention whose Q, K, V are head tensors (B, N, S, H): what lower_heads needs."""
+
+    inputs: dict[str, HeadInput]  # "q", "k", "v"
+    heads: int
+    head_dim: int
+    scale: float | None
+    causal: bool
+    attention_bias: gs.Tensor | None
+    mask_rank: int
+    out_dtype: object
+    out_shape: object
+    kind: str = "over heads"
+
+
+def check_heads_site(graph: gs.Graph, m: Match, dims: Dims) -> HeadsSite:
+    """The conditions of attention-over-heads (module docstring), or Refusal."""
+    perm = tuple(int(p) for p in (m.attrs["k_perm"] or ()))
+    if perm not in ((0, 1, 3, 2), (0, 2, 3, 1)):
+        raise Refusal(f"K is transposed by {list(perm)}: not K^T of (B, N, L, H) or (B, L, N, H) heads")
+    q, k, v = (dims.shape(m[t]) for t in "qkv")
+    if perm == (0, 2, 3, 1) and k is not None and len(k) == 4:
+        k = [k[0], k[2], k[1], k[3]]  # as (B, N, L, H)
+    for t, shape in zip("qkv", (q, k, v)):
+        if shape is None or len(shape) != 4 or not all(d is not None and d.is_int for d in shape[1:4:2]):
+            raise Refusal(f"{t.upper()} '{m[t].name}' is {text(shape)}: not (B, N, S, H) with constant heads and head size")
+    n, h = q[1].value, q[3].value
+    for t, shape in (("K", k), ("V", v)):
+        if not (same(shape[1], Dim(n)) and same(shape[3], Dim(h))):
+            raise Refusal(f"{t} has {text(shape)}: not {n} heads of {h} as Q (grouped-query attention is not fused)")
+        if not same(shape[0], q[0]):
+            raise Refusal(f"cannot prove Q {text(q)} and {t} {text(shape)} have one batch (MatMul broadcasts, MHA does not)")
+    merged = dims.reshaped(m.node("out_merge"))
+    if merged is None or len(merged) != 3 or not same(merged[2], Dim(n * h)) or not (same(merged[0], q[0]) or same(merged[1], q[2])):
+        raise Refusal(f"output merge gives {text(merged)}, not (B, S, {n * h})")
+    axis = m.attrs["axis"]
+    if axis not in (-1, 3):
+        raise Refusal(f"Softmax over axis {axis}, not the key axis")
+    dtype = np.dtype(m["q"].dtype) if m["q"].dtype is not None else None
+    _check_casts(m, dtype or np.dtype(np.float32))
+    scale = _scale(m, h)
+    causal, bias, mask_rank = _mask(graph, m, dims, cross=True, rank=4, seq_q={q[2]}, seq_k={k[2]}, batch={q[0]},
+                                    heads=n, dtype=dtype)
+    if m.has_node("nan_guard"):
+        reason = nan_free_scores(m.node("softmax").inputs[0])
+        if reason is not None:
+            raise Refusal(f"Softmax is NaN-guarded and {reason}")
+    inputs = {"q": _head_input(m["q"], dims, n, h, bnsh=True), "k": _head_input(m["k"], dims, n, h, bnsh=perm == (0, 1, 3, 2)),
+              "v": _head_input(m["v"], dims, n, h, bnsh=True)}
+    return HeadsSite(inputs, n, h, scale, causal, bias, mask_rank, m.output.dtype, m.output.shape)
+
+
+def _head_input(t: gs.Tensor, dims: Dims, n: int, h: int, *, bnsh: bool) -> HeadInput:
+    """Where MHA reads a head tensor from: under its Transpose(0, 2, 1, 3) and head-split Reshape when it has them."""
+    transpose = bnsh
+    producer = t.inputs[0] if len(t.inputs) == 1 else None
+    if bnsh and producer is not None and producer.op == "Transpose" and tuple(producer.attrs.get("perm", ())) == BNSH_TO_BSNH:
+        t, transpose = producer.inputs[0], False
+    producer = t.inputs[0] if len(t.inputs) == 1 else None
+    if not transpose and producer is not None and producer.op == "Reshape":
+        source, split = dims.shape(producer.inputs[0]), dims.reshaped(producer)
+        # (B, S, N*H) -> (B, S, N, H): the head split; one of B, S proven, the element count gives the other
+        if source is not None and len(source) == 3 and same(source[2], Dim(n * h)) and split is not None and \
+                len(split) == 4 and same(split[2], Dim(n)) and same(split[3], Dim(h)) and \
+                (same(split[0], source[0]) or same(split[1], source[1])):
+            return HeadInput(producer.inputs[0], False, False)
+    return HeadInput(t, transpose, True)
+
+
+def lower_heads(make: Emit, s: HeadsSite) -> gs.Tensor:
+    """q, k, v ─ [Transpose(0, 2, 1, 3)] ─ [Reshape(0, 0, N*H)] ─ MultiHeadAttention(query, key, value)"""
+    q, k, v = (_hidden(make, s, t) for t in "qkv")
+    return _mha(make, s, q, k, v)
+
+
+def _hidden(make: Emit, s: HeadsSite, role: str) -> gs.Tensor:
+    source = s.inputs[role]
+    x = source.tensor
+    if source.transpose:
+        x = make.op.Transpose(x, perm=list(BNSH_TO_BSNH), _label=f"{role}_heads",
+                              _shape=[x.shape[i] for i in BNSH_TO_BSNH] if x.shape is not None else None)
+    if source.merge:
+        width = s.heads * s.head_dim
+        x = make.op.Reshape(x, make.constant(f"{role}_hidden.shape", np.array([0, 0, width], np.int64)),
+                            _label=f"{role}_hidden", _shape=[*(x.shape[:2] if x.shape is not None else [None, None]), width])
+    return x
+
+
+def read_heads_site(m: Match, run: FusionRun) -> HeadsSite:
+    site = check_heads_site(run.graph, m, run.memo.setdefault("dims", Dims()))
+    run.details[site.kind] += 1
+    run.details["causal"] += site.causal
+    run.details["attention_bias"] += site.attention_bias is not None
+    return site
+
 
 # ---------------------------------------------------------------- the lowerings (the emit)
 
@@ -547,7 +670,9 @@ class FuseAttention(Fusion, OrtFusion):
     description = "fuse attention (self, cross, VAE, causal CLIP) into com.microsoft MultiHeadAttention/Attention, packing Q/K/V weights and keeping biases"
     requires = frozenset({SHAPES_INFERRED, ATTENTION_CANONICAL})
     LAYOUTS = ("packed", "split", "separate")
-    rules = (Rule(ATTENTION, read_site, emit_attention, label=lambda m: _site_name(m)),)
+    rules = (Rule(ATTENTION, read_site, emit_attention, label=lambda m: _site_name(m)),
+             # after the projections' form: a site it matched (or refused) is not read again
+             Rule(ATTENTION_OVER_HEADS, read_heads_site, lambda make, s: [lower_heads(make, s)], label=lambda m: _site_name(m)))
     defer_rewrites = True  # check every site on the unchanged graph, then rewrite
 
     def __init__(self, layout: str = "packed", cross_layout: str = "separate"):
