@@ -128,6 +128,7 @@ def probabilities(scores):
     """softmax(scores * scale + mask), each step optional"""
     scaled = OneOf(op.Mul(scores, Var("scale"), _name="scale_mul"), op.Div(scores, Var("divisor"), _name="scale_div"), scores)
     masked = OneOf(op.Add(scaled, Var("mask"), _name="mask_add"), scaled)
+    masked = OneOf(op.Add(op.Add(scaled, Var("mask"), _name="mask_add"), Var("second_mask"), _name="second_mask_add"), masked)
     probs = op.Softmax(upcast(masked, "scores"), axis=Var("axis"), _name="softmax")
     guarded = OneOf(op.Where(op.IsNaN(probs), 0.0, probs, _name="nan_guard"), probs)
     return upcast(upcast(guarded, "probs"), "probs_again")
@@ -180,8 +181,8 @@ class AttentionSite:
     head_dim: int
     scale: float | None  # None: MHA's default 1/sqrt(head_dim)
     causal: bool
-    attention_bias: gs.Tensor | None
-    mask_rank: int
+    attention_bias: gs.Tensor | tuple | None  # a pair: two additive masks, MHA reads their sum
+    mask_rank: int | tuple  # a pair with a pair of masks
     out_dtype: object
     out_shape: object
     layout: str = "packed"  # the lowering (the pass's options)
@@ -329,12 +330,21 @@ def _one_element(t: gs.Tensor, what: str) -> float:
 
 
 def _mask(graph, m: Match, dims: Dims, *, cross, rank, seq_q, seq_k, batch, heads, dtype=None):
-    """(causal, attention_bias tensor, its rank) for the mask of ``m``."""
-    mask = m.get("mask")
+    """(causal, attention_bias, its rank) for the mask of ``m``. Two additive masks (T5: the
+    relative-position bias, then the padding mask) give a pair of each: MHA reads their sum."""
+    mask, second = m.get("mask"), m.get("second_mask")
     if mask is None:
         return False, None, 0
-    if not cross and is_causal(graph, mask, dims, seq_q | seq_k):
+    if second is None and not cross and is_causal(graph, mask, dims, seq_q | seq_k):
         return True, None, 0
+    dtype = dtype if dtype is not None else _dtype(m["wq"])
+    ranks = tuple(_bias_rank(t, dims, rank=rank, seq_q=seq_q, seq_k=seq_k, batch=batch, heads=heads, dtype=dtype)
+                  for t in (mask, second) if t is not None)
+    return (False, mask, ranks[0]) if second is None else (False, (mask, second), ranks)
+
+
+def _bias_rank(mask: gs.Tensor, dims: Dims, *, rank, seq_q, seq_k, batch, heads, dtype) -> int:
+    """The rank of an additive mask that attention_bias takes as it is (unsqueezed), or Refusal."""
     shape = dims.shape(mask)
     if shape is None or len(shape) > 4 or len(shape) < 2:
         raise Refusal(f"mask '{mask.name}' has shape {text(shape)}, not (.., S, L)")
@@ -349,10 +359,9 @@ def _mask(graph, m: Match, dims: Dims, *, cross, rank, seq_q, seq_k, batch, head
         for d, ok in zip(leading, allowed):
             if not (same(d, Dim(1)) or any_same(d, ok)):
                 raise Refusal(f"mask '{mask.name}' has shape {text(shape)}, not (B or 1, N or 1, S, L)")
-    dtype = dtype if dtype is not None else _dtype(m["wq"])
     if mask.dtype is not None and np.dtype(mask.dtype) != dtype:
         raise Refusal(f"mask '{mask.name}' is {np.dtype(mask.dtype)}, the attention {dtype}")
-    return False, mask, len(shape)
+    return len(shape)
 
 
 def _check_query_read_only_for_shape(m: Match) -> None:
@@ -389,8 +398,8 @@ class HeadsSite:
     head_dim: int
     scale: float | None
     causal: bool
-    attention_bias: gs.Tensor | None
-    mask_rank: int
+    attention_bias: gs.Tensor | tuple | None  # a pair: two additive masks, MHA reads their sum
+    mask_rank: int | tuple  # a pair with a pair of masks
     out_dtype: object
     out_shape: object
     kind: str = "over heads"
@@ -474,6 +483,7 @@ def read_heads_site(m: Match, run: FusionRun) -> HeadsSite:
     run.details[site.kind] += 1
     run.details["causal"] += site.causal
     run.details["attention_bias"] += site.attention_bias is not None
+    run.details["two additive masks"] += isinstance(site.attention_bias, tuple)
     return site
 
 
@@ -565,12 +575,18 @@ def _mha(make: Emit, s: AttentionSite, query, key=None, value=None) -> gs.Tensor
 
 
 def _attention_bias(make: Emit, s: AttentionSite) -> gs.Tensor | None:
-    """The mask as (.., .., S, L): unsqueezed in front to 4-D."""
-    mask = s.attention_bias
-    if mask is None or s.mask_rank == 4:
+    """The mask as (.., .., S, L): unsqueezed in front to 4-D; two masks added."""
+    if isinstance(s.attention_bias, tuple):
+        first, second = (_as_4d(make, mask, rank) for mask, rank in zip(s.attention_bias, s.mask_rank))
+        return make.op.Add(first, second, _label="attention_bias_sum", _shape=None)
+    return _as_4d(make, s.attention_bias, s.mask_rank)
+
+
+def _as_4d(make: Emit, mask: gs.Tensor | None, rank: int) -> gs.Tensor | None:
+    if mask is None or rank == 4:
         return mask
-    axes = make.constant("attention_bias.axes", np.arange(4 - s.mask_rank, dtype=np.int64))
-    shape = [1] * (4 - s.mask_rank) + list(mask.shape) if mask.shape is not None else None
+    axes = make.constant("attention_bias.axes", np.arange(4 - rank, dtype=np.int64))
+    shape = [1] * (4 - rank) + list(mask.shape) if mask.shape is not None else None
     return make.op.Unsqueeze(mask, axes, _label="attention_bias", _shape=shape)
 
 
@@ -661,6 +677,7 @@ def read_site(m: Match, run: FusionRun) -> AttentionSite:
     run.details["with projection bias"] += site.biased
     run.details["causal"] += site.causal
     run.details["attention_bias"] += site.attention_bias is not None
+    run.details["two additive masks"] += isinstance(site.attention_bias, tuple)
     return site
 
 

@@ -165,6 +165,7 @@ def t5_encoder() -> AttentionModule:
                       feed_forward_proj="gated-gelu", relative_attention_num_buckets=8,
                       relative_attention_max_distance=16, dropout_rate=0.0)
     torch.manual_seed(0)
+    config._attn_implementation = "eager"  # transformers picks SDPA otherwise, which the dynamo exporter cannot decompose here
     model = T5EncoderModel(config).eval()
 
     class Encoder(torch.nn.Module):
