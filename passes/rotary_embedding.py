@@ -17,6 +17,11 @@ What it writes::
 
     position_ids [0]: token s reads row s of the tables.
 
+    and ONNX's RotaryEmbedding (opset 23), which ort-cuda counts as unfused, as the contrib op:
+    RotaryEmbedding(x, cos, sin, position_ids) -> com.microsoft RotaryEmbedding(x, position_ids, cos, sin)
+    (same attributes); without position_ids its per-batch (B, S, R/2) tables become one (B*S, R/2)
+    table and token (b, s) reads row b*S + s.
+
 Conditions (a site that fits the diagram but fails one is refused, with the reason):
     * x is 4-D with a constant, even head size H; the pairs Reshape ends in 2 and the rotated
       Reshape gives x's shape back (every dim but one proven x's: the element count fixes that one),
@@ -83,6 +88,14 @@ def rotary_split(x, cos, sin):
 
 
 ROTARY = Pattern(rotary_sliced, rotary_split, name="interleaved-rotary")
+
+
+def onnx_rotary(x, cos, sin):
+    """ONNX's RotaryEmbedding (opset 23), either form: position_ids given or not."""
+    return op.RotaryEmbedding(x, cos, sin, _name="onnx_rotary", _extra_inputs=True)
+
+
+ONNX_ROTARY = Pattern(onnx_rotary, name="onnx-rotary-embedding")
 
 
 # ---------------------------------------------------------------- the check
@@ -207,6 +220,44 @@ def _table(t: gs.Tensor, dims: Dims) -> tuple[gs.Tensor | None, int]:
     return table, axis
 
 
+# ---------------------------------------------------------------- ONNX's RotaryEmbedding (opset 23)
+
+
+@dataclass
+class OnnxRotarySite:
+    node: gs.Node
+    positions: gs.Tensor | None  # (B, S) ids; None: per-batch (B, S, R/2) tables
+
+
+def check_onnx_rotary(m: Match, run: FusionRun) -> OnnxRotarySite:
+    """The contrib op takes the same attributes and a 4-D input in the same (B, N, S, H) layout."""
+    dims: Dims = run.memo.setdefault("dims", Dims())
+    node = m.node("onnx_rotary")
+    positions = node.inputs[3] if len(node.inputs) > 3 and node.inputs[3].name else None
+    if positions is None and not (dims.rank(m["cos"]) == 3 and dims.rank(m["sin"]) == 3):
+        raise Refusal("without position_ids, cos_cache and sin_cache are not both (B, S, R/2)")
+    return OnnxRotarySite(node, positions)
+
+
+def emit_onnx_rotary(make: Emit, s: OnnxRotarySite) -> list[gs.Tensor]:
+    x, cos, sin = s.node.inputs[:3]
+    positions = s.positions
+    if positions is None:
+        # (B, S, R/2) tables, one per batch: as one (B*S, R/2) table that token (b, s) reads at row b*S + s
+        i64 = np.int64
+        half = make.op.Shape(cos, start=2, end=3, _label="half", _dtype=i64, _shape=[1])
+        flat = make.op.Concat(make.constant("rows", np.array([-1], i64)), half, axis=0, _label="flat", _dtype=i64, _shape=[2])
+        cos, sin = (make.op.Reshape(t, flat, _label=f"{role}_rows", _shape=None) for role, t in (("cos", cos), ("sin", sin)))
+        rows = make.op.Shape(cos, start=0, end=1, _label="row_count", _dtype=i64, _shape=[1])
+        count = make.op.Squeeze(rows, make.constant("squeeze.axes", np.zeros(1, i64)), _label="count", _dtype=i64, _shape=[])
+        indices = make.op.Range(make.constant("zero", np.array(0, i64)), count, make.constant("one", np.array(1, i64)),
+                                _label="rows_range", _dtype=i64, _shape=None)
+        batch_seq = make.op.Shape(s.node.inputs[1], start=0, end=2, _label="batch_seq", _dtype=i64, _shape=[2])
+        positions = make.op.Reshape(indices, batch_seq, _label="position_ids", _dtype=i64, _shape=None)
+    attrs = {k: int(v) for k, v in s.node.attrs.items() if k in ("interleaved", "num_heads", "rotary_embedding_dim") and v}
+    return [make.ms.RotaryEmbedding(x, positions, cos, sin, _label="rotary", _dtype=x.dtype, _shape=x.shape, **attrs)]
+
+
 # ---------------------------------------------------------------- pair-repeated tables
 
 _ELEMENTWISE = frozenset({"Cast", "Cos", "Sin", "Neg", "Identity"})
@@ -277,11 +328,12 @@ def emit_rotary(make: Emit, s: RotarySite) -> list[gs.Tensor]:
     positions = make.constant("position_ids", np.zeros(1, np.int64))
     x = s.x
     if s.sequence_axis == 2:  # (B, N, S, H): the kernel's 4-D layout
-        return [make.ms.RotaryEmbedding(x, positions, cos, sin, interleaved=1, _label="rotary")]
+        return [make.ms.RotaryEmbedding(x, positions, cos, sin, interleaved=1, _label="rotary", _dtype=x.dtype, _shape=x.shape)]
     leading = list(x.shape[:2]) if x.shape is not None else [None, None]
     x3 = make.op.Reshape(x, make.constant("hidden.shape", np.array([0, 0, s.heads * s.head_dim], np.int64)),
                          _label="hidden", _shape=[*leading, s.heads * s.head_dim])
-    y = make.ms.RotaryEmbedding(x3, positions, cos, sin, interleaved=1, num_heads=s.heads, _label="rotary")
+    y = make.ms.RotaryEmbedding(x3, positions, cos, sin, interleaved=1, num_heads=s.heads, _label="rotary",
+                                _dtype=x.dtype, _shape=x3.shape)
     return [make.op.Reshape(y, make.constant("heads.shape", np.array([0, 0, s.heads, s.head_dim], np.int64)),
                             _label="heads", _shape=x.shape)]
 
@@ -303,7 +355,7 @@ class FuseRotaryEmbedding(Fusion, OrtFusion):
     name = "fuse-rotary-embedding"
     description = "fuse the interleaved rotary embedding (Flux's RoPE on Q and K) into com.microsoft RotaryEmbedding"
     requires = frozenset({SHAPES_INFERRED})
-    rules = (Rule(ROTARY, check_rotary, emit_rotary),)
+    rules = (Rule(ROTARY, check_rotary, emit_rotary), Rule(ONNX_ROTARY, check_onnx_rotary, emit_onnx_rotary))
 
     def finish(self, run: FusionRun) -> None:
         run.result.details = {k: v for k, v in run.details.items() if v}
