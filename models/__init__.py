@@ -32,8 +32,22 @@ REGISTRY = {
     "clip-text": "clip",
     "openclip-text": "clip",
     "controlnet": "controlnet",
+    "sd3-medium": "dit",
+    "sd35-medium": "dit",
+    "sd35-large": "dit",
+    "flux-dev": "dit",
+    "flux-schnell": "dit",
+    "t5-xxl": "t5",
+    "vae16-encoder": "vae",
+    "vae16-decoder": "vae",
 }
-FAMILIES = tuple(REGISTRY)
+# The SD-class families (UNet generation): the fusion tests, coverage and graph pins iterate over these.
+FAMILIES = ("unet-sd15", "unet-sd21", "unet-sdxl", "vae-encoder", "vae-decoder", "clip-text", "openclip-text",
+            "controlnet")
+# Diffusion transformers and their encoders (SD3 / SD3.5, Flux.1, T5 v1.1 XXL, the 16-channel VAE).
+DIT_FAMILIES = ("sd3-medium", "sd35-medium", "sd35-large", "flux-dev", "flux-schnell", "t5-xxl", "vae16-encoder",
+                "vae16-decoder")
+ALL_FAMILIES = FAMILIES + DIT_FAMILIES
 
 # (exporter, shapes, attention processor): what today's exporters write, as tests and coverage cover it
 EXPORT_VARIANTS = [
@@ -58,22 +72,29 @@ OPSET_VARIANTS = [
 ]
 
 
-def build(family: str, size: str = "tiny", attention: str = "sdpa", seed: int = 0) -> BuiltModel:
-    """Build ``family`` at ``size`` with ``attention`` ("sdpa" or "classic"), seeded."""
+def build(family: str, size: str = "tiny", attention: str = "sdpa", seed: int = 0, **options) -> BuiltModel:
+    """Build ``family`` at ``size`` with ``attention`` ("sdpa" or "classic"), seeded.
+
+    ``options`` go to the family's builder (the transformer builders take ``dtype``)."""
     if family not in REGISTRY:
-        raise KeyError(f"unknown family {family!r}; known: {', '.join(FAMILIES)}")
+        raise KeyError(f"unknown family {family!r}; known: {', '.join(ALL_FAMILIES)}")
     if size not in SIZES:
         raise ValueError(f"size must be one of {SIZES}, got {size!r}")
     if attention not in ATTENTIONS:
         raise ValueError(f"attention must be one of {ATTENTIONS}, got {attention!r}")
     mod = importlib.import_module(f".{REGISTRY[family]}", __name__)
-    return mod.build(family, size=size, attention=attention, seed=seed)
+    return mod.build(family, size=size, attention=attention, seed=seed, **options)
 
 
-def load_manifest() -> dict:
+DIT_FIXTURES_DIR = FIXTURES_DIR / "dit"
+DIT_MANIFEST = DIT_FIXTURES_DIR / "manifest.json"
+
+
+def load_manifest(fixture_set: str = "sd") -> dict:
+    """The fixtures' manifest: ``sd`` (models/fixtures) or ``dit`` (models/fixtures/dit)."""
     import json
 
-    return json.loads(MANIFEST.read_text())
+    return json.loads((DIT_MANIFEST if fixture_set == "dit" else MANIFEST).read_text())
 
 
 def fixture_path(name: str) -> Path:

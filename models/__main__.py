@@ -7,6 +7,7 @@
     python -m models sites unet-sdxl --size full
     python -m models coverage [--families ...] [--variants ...] [--json out.json]   # see models/coverage.py
     python -m models pipeline sd15 --size tiny -o /tmp/sd15-tiny [--exporter dynamo] [--data-name weights.pb]
+    python -m models export flux-dev --size full --exporter dynamo --dtype bfloat16 -o DIR   # see models/bigexport.py
 """
 from __future__ import annotations
 
@@ -18,8 +19,9 @@ from pathlib import Path
 
 
 def _parser() -> argparse.ArgumentParser:
-    from . import FAMILIES
+    from . import ALL_FAMILIES as FAMILIES
     from .base import ATTENTIONS, SIZES
+    from .bigexport import DTYPES
     from .export import EXPORTERS, SHAPES
     from .pipelines import DATA_NAMES, PIPELINE_KINDS
 
@@ -50,6 +52,8 @@ def _parser() -> argparse.ArgumentParser:
     f = sub.add_parser("fixtures", help="regenerate the committed fixtures")
     f.add_argument("--out", default=None, help="output directory (default models/fixtures)")
     f.add_argument("--only", nargs="*", help="fixture file names or families to regenerate")
+    f.add_argument("--set", choices=("sd", "dit"), default="sd", dest="fixture_set",
+                   help="sd: models/fixtures (SD-class); dit: models/fixtures/dit (transformers, T5)")
 
     sub.add_parser("list", help="list families and fixtures")
 
@@ -68,6 +72,21 @@ def _parser() -> argparse.ArgumentParser:
     pl.add_argument("--no-check", action="store_true", help="skip the ONNX Runtime vs torch check")
     pl.add_argument("-o", "--output", required=True, help="output folder (must not exist or be empty)")
 
+    e = sub.add_parser("export", help="export a (full-size) model into a folder of its own: streamed external "
+                                      "data, weights held once (models/bigexport.py)")
+    e.add_argument("family", choices=FAMILIES)
+    e.add_argument("--size", choices=SIZES, default="full")
+    e.add_argument("--exporter", choices=EXPORTERS, default="dynamo")
+    e.add_argument("--shapes", choices=SHAPES, default="dynamic")
+    e.add_argument("--dtype", choices=DTYPES, default="float32", help="build and export in this precision")
+    e.add_argument("--opset", type=int, default=None, help="override the exporter's opset")
+    e.add_argument("--seed", type=int, default=0)
+    e.add_argument("--layers", type=int, default=None, help="keep N blocks at full width (Flux: N double + N single)")
+    e.add_argument("--check", action="store_true", help="compare with torch on ONNX Runtime CPU at small dims "
+                                                         "(float32; others: load only)")
+    e.add_argument("--tolerance", type=float, default=1e-3, help="relative L2 allowed by --check")
+    e.add_argument("-o", "--output", required=True, help="output folder (must not exist or be empty)")
+
     sub.add_parser("coverage", help="fusion coverage table of the ort-cuda preset (python -m models coverage --help)")
     return p
 
@@ -80,12 +99,12 @@ def main(argv=None) -> int:
         return coverage_main(argv[1:])
     args = _parser().parse_args(argv)
     if args.cmd == "list":
-        from . import FAMILIES, MANIFEST
-        from .make_fixtures import FIXTURES
+        from . import ALL_FAMILIES as FAMILIES, MANIFEST
+        from .make_fixtures import DIT_FIXTURES, FIXTURES
 
         print("families:", ", ".join(FAMILIES))
         print("fixtures:")
-        for spec in FIXTURES:
+        for spec in FIXTURES + DIT_FIXTURES:
             print("  ", spec.name, "(+ .data)" if spec.external_data else "")
         print("manifest:", MANIFEST)
         return 0
@@ -98,11 +117,15 @@ def main(argv=None) -> int:
     if args.cmd == "fixtures":
         from .make_fixtures import make_all
 
-        make_all(args.out, args.only)
+        make_all(args.out, args.only, fixture_set=args.fixture_set)
         return 0
 
     if args.cmd == "pipeline":
         return _pipeline(args)
+    if args.cmd == "export":
+        from .bigexport import main as export_main
+
+        return export_main(args)
 
     # build
     from . import build

@@ -1,6 +1,7 @@
 """Common pieces of the model builders: the BuiltModel record and site counting."""
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -23,6 +24,14 @@ SITE_KEYS = (
     "resnet",             # diffusers ResnetBlock2D
     "upsample",           # diffusers Upsample2D (one Resize each)
     "downsample",         # diffusers Downsample2D (a stride-2 conv each)
+    # diffusion transformers and T5 (models/dit.py, models/t5.py); 0 in the SD-class families
+    "attention_joint",    # attention over text and image streams concatenated (MMDiT: SD3 attn, Flux double blocks)
+    "rms_norm",           # RMSNorm modules: torch.nn.RMSNorm, diffusers RMSNorm (QK norm), transformers T5LayerNorm
+    "gelu_tanh",          # tanh-approximated GELUs: diffusers GELU(approximate="tanh"), nn.GELU("tanh"), T5's gelu_new
+    "gated_gelu",         # T5's gated feed-forward: gelu_new(wi_0 x) * wi_1 x
+    "ada_layer_norm",     # AdaLN modules: AdaLayerNormZero(-Single), SD35AdaLayerNormZeroX, AdaLayerNormContinuous
+    "modulation",         # x * (1 + scale) + shift sites (in the AdaLN modules and after each block's norm2)
+    "rotary",             # rotary embeddings applied (Flux: Q and K of every attention, 2 per attention)
 )
 
 
@@ -54,6 +63,9 @@ class BuiltModel:
     site_modules: dict[str, list[str]] = field(default_factory=dict)
     seed: int = 0
     feed_options: dict = field(default_factory=dict)   # extra make_feeds arguments (vocab, pad_id)
+    # exporter -> a context manager factory entered around that exporter's call only: module swaps
+    # for ops it cannot export (TorchScript lacks aten::rms_norm: models.dit writes Flux's RMSNorm out)
+    export_patches: dict[str, Callable] = field(default_factory=dict)
 
     @property
     def input_names(self) -> list[str]:
@@ -72,14 +84,22 @@ class BuiltModel:
 
         shapes = self.input_shapes(dims)
         specs = [dict(s, shape=shapes[s["name"]]) for s in self.input_specs]
-        return make_feeds(specs, self.seed, **self.feed_options)
+        d = dict(self.example_dims)
+        d.update(dims or {})
+        return make_feeds(specs, self.seed, dims=d, **self.feed_options)
 
     def make_inputs(self, dims: dict | None = None) -> tuple:
         """torch inputs, in ``input_names`` order, at ``dims`` (example dims by default)."""
         import torch
 
         feeds = self.make_feeds(dims)
-        return tuple(torch.from_numpy(feeds[n]) for n in self.input_names)
+        out = []
+        for spec in self.input_specs:
+            t = torch.from_numpy(feeds[spec["name"]])
+            if spec.get("dtype") == "bfloat16":  # numpy has no bfloat16: models.feeds makes float32
+                t = t.to(torch.bfloat16)
+            out.append(t)
+        return tuple(out)
 
     @property
     def example_inputs(self) -> tuple:
@@ -132,7 +152,9 @@ def count_sites(module) -> dict[str, int]:
             counts["layer_norm"] += 1
         if diff_geglu and isinstance(m, diff_geglu):
             counts["geglu"] += 1
-        if (diff_gelu and isinstance(m, diff_gelu)) or (tf_gelu and isinstance(m, tf_gelu)):
+        if diff_gelu and isinstance(m, diff_gelu):
+            counts["gelu_tanh" if getattr(m, "approximate", "none") == "tanh" else "gelu"] += 1
+        if tf_gelu and isinstance(m, tf_gelu):
             counts["gelu"] += 1
         if tf_qgelu and isinstance(m, tf_qgelu):
             counts["quick_gelu"] += 1
@@ -148,7 +170,70 @@ def count_sites(module) -> dict[str, int]:
             counts["upsample"] += 1
         if diff_down and isinstance(m, diff_down):
             counts["downsample"] += 1
+        if diff_attn and isinstance(m, diff_attn) and getattr(m, "added_kv_proj_dim", None) is not None:
+            counts["attention_joint"] += 1
+    _count_transformer_sites(module, counts)
     return counts
+
+
+def _count_transformer_sites(module, counts: dict) -> None:
+    """The diffusion-transformer and T5 sites (see SITE_KEYS); modules that are absent count nothing."""
+    import torch.nn as nn
+
+    kinds = _transformer_classes()
+    for m in module.modules():
+        name = type(m).__name__
+        if name == "FluxAttention" or (kinds["t5_attention"] and isinstance(m, kinds["t5_attention"])):
+            counts["attention"] += 1
+            counts["attention_self"] += 1
+            if getattr(m, "added_kv_proj_dim", None) is not None:
+                counts["attention_joint"] += 1
+        if name == "FluxAttention":
+            counts["rotary"] += 2  # Q and K: every Flux attention gets the image+text rotary embedding
+        if isinstance(m, nn.RMSNorm) or isinstance(m, kinds["rms_norm"]):
+            counts["rms_norm"] += 1
+        if isinstance(m, nn.GELU) and m.approximate == "tanh":
+            counts["gelu_tanh"] += 1
+        if kinds["tf_gelu_tanh"] and isinstance(m, kinds["tf_gelu_tanh"]):
+            counts["gelu_tanh"] += 1
+        if kinds["gated_gelu"] and isinstance(m, kinds["gated_gelu"]):
+            counts["gated_gelu"] += 1
+        if name in MODULATIONS:
+            counts["ada_layer_norm"] += 1
+            counts["modulation"] += MODULATIONS[name]
+        elif name in BLOCK_MODULATIONS:
+            # the block modulates its own norm2 (and norm2_context, unless the context stream ends here)
+            counts["modulation"] += BLOCK_MODULATIONS[name] - (1 if getattr(m, "context_pre_only", False) else 0)
+        if name in TRANSFORMER_BLOCKS or (kinds["t5_block"] and isinstance(m, kinds["t5_block"])):
+            counts["transformer_block"] += 1
+
+
+# AdaLN module -> how many x * (1 + scale) + shift it computes
+MODULATIONS = {"AdaLayerNormZero": 1, "AdaLayerNormZeroSingle": 1, "AdaLayerNormContinuous": 1,
+               "SD35AdaLayerNormZeroX": 2}
+# block -> modulations written in the block itself (norm2 and norm2_context)
+BLOCK_MODULATIONS = {"JointTransformerBlock": 2, "FluxTransformerBlock": 2}
+TRANSFORMER_BLOCKS = ("JointTransformerBlock", "FluxTransformerBlock", "FluxSingleTransformerBlock")
+
+
+def _transformer_classes() -> dict:
+    kinds = {"rms_norm": (), "t5_attention": (), "t5_block": (), "gated_gelu": (), "tf_gelu_tanh": ()}
+    try:
+        from diffusers.models.normalization import RMSNorm
+
+        kinds["rms_norm"] = (RMSNorm,)
+    except ImportError:  # pragma: no cover
+        pass
+    try:
+        from transformers.activations import GELUTanh, NewGELUActivation
+        from transformers.models.t5.modeling_t5 import T5Attention, T5Block, T5DenseGatedActDense, T5LayerNorm
+
+        kinds["rms_norm"] += (T5LayerNorm,)
+        kinds.update(t5_attention=(T5Attention,), t5_block=(T5Block,), gated_gelu=(T5DenseGatedActDense,),
+                     tf_gelu_tanh=(NewGELUActivation, GELUTanh))
+    except ImportError:  # pragma: no cover
+        pass
+    return kinds
 
 
 def site_module_names(module) -> dict[str, list[str]]:
@@ -171,6 +256,28 @@ def set_diffusers_attention(model, attention: str) -> None:
         model.set_attn_processor(AttnProcessor())
     else:
         raise ValueError(f"attention must be one of {ATTENTIONS}, got {attention!r}")
+
+
+def dtype_name(dtype) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"``; None (torch's default) -> ``"float32"``."""
+    return "float32" if dtype is None else str(dtype).removeprefix("torch.")
+
+
+@contextlib.contextmanager
+def default_dtype(dtype):
+    """Construct modules in ``dtype`` (None: leave torch's default): a full-size model built in
+    bfloat16 never exists in float32 (Flux-dev: 24 GB instead of 48 GB)."""
+    import torch
+
+    if dtype is None:
+        yield
+        return
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
 
 
 def check_choice(name: str, value: str, choices) -> None:

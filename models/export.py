@@ -77,6 +77,8 @@ def export(built, path, exporter: str = "torchscript", shapes: str = "dynamic", 
     with contextlib.ExitStack() as stack, torch.no_grad():
         for r in redirect:
             stack.enter_context(r)
+        if exporter in built.export_patches:
+            stack.enter_context(built.export_patches[exporter]())
         stack.enter_context(warnings.catch_warnings())
         warnings.simplefilter("ignore")
         if exporter == "torchscript":

@@ -30,10 +30,12 @@ class FixtureSpec:
     attention: str = "sdpa"
     size: str = "tiny"
     external_data: bool = False
+    opset: int | None = None  # None: the exporter's default
 
     @property
     def name(self) -> str:
-        return f"{self.family}.{self.size}.{self.exporter}.{self.shapes}.{self.attention}.onnx"
+        opset = f".opset{self.opset}" if self.opset else ""
+        return f"{self.family}.{self.size}.{self.exporter}.{self.shapes}.{self.attention}{opset}.onnx"
 
 
 FIXTURES = (
@@ -48,6 +50,27 @@ FIXTURES = (
     FixtureSpec("clip-text", "dynamo", "dynamic"),
     FixtureSpec("controlnet", "torchscript", "dynamic"),
 )
+
+# Diffusion transformers and their text encoder, in models/fixtures/dit/ with a manifest of their own
+# (the SD-class fixture sets -- graph pins, the fp16 matrix -- iterate over the main one).
+DIT_FIXTURES = (
+    FixtureSpec("sd35-medium", "torchscript", "dynamic"),
+    FixtureSpec("sd35-medium", "dynamo", "dynamic"),
+    FixtureSpec("flux-dev", "torchscript", "dynamic"),
+    FixtureSpec("flux-dev", "dynamo", "dynamic"),
+    # RMSNormalization and Attention appear at opset 23 (the rotary embedding stays written out)
+    FixtureSpec("flux-dev", "dynamo", "dynamic", opset=23),
+    FixtureSpec("t5-xxl", "torchscript", "dynamic"),
+    # T5 at opset 23: Attention with the relative-position bias as its mask, RMSNormalization
+    FixtureSpec("t5-xxl", "dynamo", "dynamic", opset=23),
+)
+
+# fixture set -> (folder under models/fixtures, specs, manifest description)
+FIXTURE_SETS = {
+    "sd": ("", FIXTURES, "Tiny SD-class ONNX fixtures; regenerate with `python -m models fixtures`."),
+    "dit": ("dit", DIT_FIXTURES, "Tiny diffusion-transformer (SD3.5, Flux.1) and T5 ONNX fixtures; regenerate "
+                                 "with `python -m models fixtures --set dit`."),
+}
 
 # Op types worth tracking per fixture (exporter quirks; see README).
 TRACKED_OPS = ("Shape", "Constant", "ConstantOfShape", "Cast", "MatMul", "Softmax",
@@ -147,7 +170,7 @@ def make_fixture(spec: FixtureSpec, out_dir: Path, verbose: bool = True) -> dict
     bm = build(spec.family, spec.size, spec.attention)
     with tempfile.TemporaryDirectory() as tmp:
         tmp_path = Path(tmp) / "model.onnx"
-        res = export(bm, tmp_path, spec.exporter, spec.shapes)
+        res = export(bm, tmp_path, spec.exporter, spec.shapes, opset=spec.opset)
         check = check_export(bm, tmp_path)
         if not check.ok:
             raise RuntimeError(f"{spec.name}: export does not match torch: {check}")
@@ -194,6 +217,7 @@ def make_fixture(spec: FixtureSpec, out_dir: Path, verbose: bool = True) -> dict
         "exporter": spec.exporter,
         "shapes": spec.shapes,
         "attention": spec.attention,
+        "export_opset": spec.opset,
         "external_data": spec.external_data,
         "opset": io["opset"],
         "inputs": io["inputs"],
@@ -221,8 +245,10 @@ def make_fixture(spec: FixtureSpec, out_dir: Path, verbose: bool = True) -> dict
     return entry
 
 
-def make_all(out_dir: Path | None = None, only: list[str] | None = None, verbose: bool = True) -> dict:
-    out_dir = Path(out_dir or FIXTURES_DIR)
+def make_all(out_dir: Path | None = None, only: list[str] | None = None, verbose: bool = True,
+             fixture_set: str = "sd") -> dict:
+    folder, specs, description = FIXTURE_SETS[fixture_set]
+    out_dir = Path(out_dir or FIXTURES_DIR / folder)
     out_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     manifest_path = out_dir / "manifest.json"
@@ -230,7 +256,7 @@ def make_all(out_dir: Path | None = None, only: list[str] | None = None, verbose
     if only and manifest_path.exists():
         old = {e["file"]: e for e in json.loads(manifest_path.read_text()).get("fixtures", [])}
     entries = []
-    for spec in FIXTURES:
+    for spec in specs:
         if only and spec.name not in only and spec.family not in only:
             if spec.name in old:
                 entries.append(old[spec.name])
@@ -241,7 +267,7 @@ def make_all(out_dir: Path | None = None, only: list[str] | None = None, verbose
         if p.is_file() and p.name not in known and (p.suffix in (".onnx", ".data")):
             p.unlink()
     manifest = {
-        "description": "Tiny SD-class ONNX fixtures; regenerate with `python -m models fixtures`.",
+        "description": description,
         "versions": versions(),
         "total_bytes": sum(e["bytes"] for e in entries),
         "fixtures": entries,

@@ -1,0 +1,292 @@
+"""Export a full-size model into a folder of its own: streamed, 2 GB-safe, weights held once.
+
+    python -m models export flux-dev --size full --exporter dynamo --dtype bfloat16 -o /data/flux-dev-bf16
+    python -m models export t5-xxl --size full --exporter torchscript -o /data/t5-xxl-ts
+
+What it does, in order:
+
+1. Builds the seeded model directly in ``dtype`` (``torch.set_default_dtype`` around the
+   constructor: a bfloat16 Flux-dev is never 48 GB of float32 first).
+2. ``--check``: torch's outputs at small dims, computed now (the export drops the torch weights).
+3. Exports into a hidden sibling folder ``.<name>.partial-<pid>``:
+   * ``dynamo``: exported with ``optimize=False`` (the ONNX program references the module's
+     parameters, no copy) and saved, a tensor at a time, into one data file; the torch model is
+     dropped; then the optimizer the exporter runs by default (onnxscript's, whose constant
+     folding transposes every Linear weight: a copy of nearly all weights) runs on the saved
+     file, its tensors memory-mapped, and the result is written to ``model.onnx`` +
+     ``model.onnx.data``. Peak: about one copy of the weights plus mapped file pages.
+   * ``torchscript``: past 2 GB the exporter writes one file per tensor; they are then merged,
+     streamed through onnx_ir (memory-mapped in, one tensor at a time out), into
+     ``model.onnx.data`` and removed. Its constant folding stores the transposed Linear weights,
+     a second copy while it runs: in float32 the full Flux-dev needs about 2x its weights (see
+     the README's measurements); prefer ``--dtype bfloat16`` or the dynamo exporter there.
+4. ``--check``: ONNX Runtime CPU runs the file on the same feeds (torch is gone by then: the
+   weights are never in both at once) and the relative L2 error is compared with ``--tolerance``.
+   ONNX Runtime's CPU provider lacks bfloat16 and float16 kernels for most ops: those exports
+   get onnx's full check (with strict shape inference) and an ONNX Runtime load, which fails
+   for bfloat16 (no bfloat16 MatMul on CPU) and is reported, not raised.
+5. Renames the folder into place (and writes ``export.json``: config, sites, dims, op counts,
+   bytes, seconds, peak RSS). A failure removes the partial folder; nothing is left behind.
+
+``--layers N`` keeps the full widths with N blocks (Flux: N double + N single), to try the
+full-size path on a small machine: Flux at full width with one block of each passes 2 GB.
+"""
+from __future__ import annotations
+
+import gc
+import json
+import os
+import resource
+import shutil
+import sys
+import time
+from pathlib import Path
+
+DTYPES = ("float32", "bfloat16", "float16")
+DATA_NAME = "model.onnx.data"
+
+
+def layer_overrides(family: str, layers: int | None) -> dict:
+    """Config entries that keep ``layers`` blocks (full widths)."""
+    if layers is None:
+        return {}
+    if family.startswith("flux"):
+        return {"num_layers": layers, "num_single_layers": layers}
+    if family.startswith("sd3"):
+        from .dit import CONFIGS
+
+        dual = CONFIGS[(family, "full")].get("dual_attention_layers", ())
+        return {"num_layers": layers, "dual_attention_layers": tuple(i for i in dual if i < layers)}
+    if family == "t5-xxl":
+        return {"num_layers": layers}
+    raise ValueError(f"--layers applies to the transformer and T5 families, not {family}")
+
+
+def peak_rss_gb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # kB on Linux
+
+
+def merge_external_data(path: Path, data_name: str = DATA_NAME) -> int:
+    """Rewrite ``path`` so that every tensor lives in one ``data_name`` file next to it, streamed
+    (onnx_ir maps the old files and writes a tensor at a time); the old per-tensor files go.
+    Returns how many files were merged."""
+    import onnx
+    import onnx_ir as ir
+
+    proto = onnx.load(str(path), load_external_data=False)
+    old = {kv.value for t in _tensors(proto) for kv in t.external_data if kv.key == "location"}
+    del proto
+    if old <= {data_name}:
+        return 0
+    model = ir.load(str(path))
+    tmp = path.with_name(path.name + ".merging")
+    ir.save(model, str(tmp), external_data=data_name + ".merging")
+    del model
+    gc.collect()
+    for name in old:
+        (path.parent / name).unlink()
+    os.replace(path.parent / (data_name + ".merging"), path.parent / data_name)
+    # the .onnx names its data file: rewrite the location in place (small: no tensor data inside)
+    proto = onnx.load(str(tmp), load_external_data=False)
+    for t in _tensors(proto):
+        for kv in t.external_data:
+            if kv.key == "location":
+                kv.value = data_name
+    onnx.save(proto, str(path))
+    tmp.unlink()
+    return len(old)
+
+
+def _tensors(proto):
+    from onnx import external_data_helper
+
+    return external_data_helper._get_all_tensors(proto)
+
+
+def relative_l2(got, want) -> float:
+    import numpy as np
+
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    return float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30))
+
+
+def export_folder(family: str, out_dir, *, size: str = "full", exporter: str = "dynamo", shapes: str = "dynamic",
+                  dtype: str = "float32", opset: int | None = None, seed: int = 0, layers: int | None = None,
+                  check: bool = False, check_dims: dict | None = None, tolerance: float = 1e-3,
+                  log=print) -> dict:
+    """Build ``family`` and export it to ``out_dir/model.onnx`` (+ ``model.onnx.data``); see the module doc."""
+    import torch
+
+    from . import build
+    from .export import export, op_counts
+
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+    out_dir = Path(out_dir)
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
+        raise FileExistsError(f"{out_dir} exists and is not an empty folder")
+    partial = out_dir.parent / f".{out_dir.name}.partial-{os.getpid()}"
+    summary = {"family": family, "size": size, "exporter": exporter, "shapes": shapes, "dtype": dtype,
+               "opset": opset, "seed": seed, "layers": layers}
+    t0 = time.perf_counter()
+    try:
+        partial.mkdir(parents=True)
+        kwargs = {"dtype": None if dtype == "float32" else getattr(torch, dtype)}
+        overrides = layer_overrides(family, layers)
+        if overrides:
+            kwargs["overrides"] = overrides
+        built = build(family, size, seed=seed, **kwargs)
+        n_params = sum(p.numel() for p in built.module.parameters())
+        summary.update(params=n_params, config={k: list(v) if isinstance(v, tuple) else v for k, v in built.config.items()},
+                       sites=built.sites, build_seconds=round(time.perf_counter() - t0, 1))
+        log(f"built {family} ({size}, {dtype}): {n_params / 1e9:.3f} B parameters in {summary['build_seconds']} s, "
+            f"peak RSS {peak_rss_gb():.1f} GB")
+        path = partial / "model.onnx"
+        want = _reference(built, check_dims) if check else None
+        if exporter == "dynamo":
+            # optimize=False: the ONNX program references the module's parameters; the onnxscript
+            # optimizer's folding (every Linear weight's Transpose) would copy them all while the
+            # module still holds them. It runs below, on the saved file, once torch is gone.
+            raw = partial / "unoptimized.onnx"
+            res = export(built, raw, exporter, shapes, opset=opset, optimize=False)
+        else:
+            res = export(built, path, exporter, shapes, opset=opset)
+        summary["export_seconds"] = round(res.seconds, 1)
+        log(f"exported ({exporter}, {shapes}) in {res.seconds:.0f} s, {len(res.files)} file(s); "
+            f"peak RSS {peak_rss_gb():.1f} GB")
+        release(built)
+        del built, res
+        gc.collect()
+        if exporter == "dynamo":
+            t1 = time.perf_counter()
+            optimize_streamed(raw, path)
+            summary["optimize_seconds"] = round(time.perf_counter() - t1, 1)
+            log(f"optimized (onnxscript, as the exporter does) in {summary['optimize_seconds']} s; "
+                f"peak RSS {peak_rss_gb():.1f} GB")
+        merged = merge_external_data(path)
+        if merged:
+            log(f"merged {merged} external data files into {DATA_NAME}")
+        if check:
+            summary["check"] = _check(path, want, dtype, tolerance, log)
+        ops = op_counts(path)
+        summary.update(ops=ops, num_nodes=sum(ops.values()),
+                       files={f.name: f.stat().st_size for f in sorted(partial.iterdir())},
+                       peak_rss_gb=round(peak_rss_gb(), 2), seconds=round(time.perf_counter() - t0, 1))
+        (partial / "export.json").write_text(json.dumps(summary, indent=1) + "\n")
+        if out_dir.exists():
+            out_dir.rmdir()
+        os.replace(partial, out_dir)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    log(f"wrote {out_dir} ({sum(summary['files'].values()) / 1e9:.2f} GB) in {summary['seconds']:.0f} s, "
+        f"peak RSS {summary['peak_rss_gb']:.1f} GB")
+    return summary
+
+
+def release(built) -> None:
+    """Drop the builder's references to the torch weights (the module and the export patches' closures)."""
+    built.module = None
+    built.export_patches = {}
+
+
+def optimize_streamed(raw: Path, path: Path) -> None:
+    """Run the optimizer the dynamo exporter runs (``optimize=True``) on a saved model: its tensors are
+    memory-mapped from ``raw``'s data file, the folded ones (transposed weights) are the only copies
+    made, and the result is written a tensor at a time into ``path`` + ``model.onnx.data``."""
+    import onnx_ir as ir
+
+    model = ir.load(str(raw))
+    _exporter_optimize(model)
+    ir.save(model, str(path), external_data=DATA_NAME)
+    del model
+    gc.collect()
+    data = {kv for kv in _locations(raw)}
+    raw.unlink()
+    for name in data:
+        (raw.parent / name).unlink(missing_ok=True)
+
+
+def _exporter_optimize(model) -> None:
+    # torch.onnx's own call (ONNXProgram.optimize), through its lazy import of onnxscript's
+    # versioned framework API: the same passes, in the same order, as export(optimize=True).
+    from torch.onnx._internal._lazy_import import onnxscript_apis
+
+    onnxscript_apis.optimize(model)
+
+
+def _locations(path: Path) -> set[str]:
+    import onnx
+
+    proto = onnx.load(str(path), load_external_data=False)
+    return {kv.value for t in _tensors(proto) for kv in t.external_data if kv.key == "location"}
+
+
+def _reference(built, dims) -> dict:
+    """Torch's outputs at small dims (computed before the export, which drops the torch weights)."""
+    import torch
+
+    d = dict(built.example_dims)
+    d.update(dims or _small_dims(built))
+    with torch.no_grad():
+        outs = [t.float().numpy() for t in built.module(*built.make_inputs(d))]
+    return {"dims": d, "feeds": built.make_feeds(d), "outputs": dict(zip(built.output_names, outs))}
+
+
+def _check(path, want, dtype, tolerance, log) -> dict:
+    """ONNX Runtime CPU on the reference's feeds, against torch's outputs."""
+    import numpy as np
+
+    from .export import run_onnx
+
+    d = want["dims"]
+    if dtype != "float32":
+        import onnx
+        import onnxruntime as ort
+
+        onnx.checker.check_model(str(path), full_check=True)  # by path: > 2 GB models too; with shape inference
+        try:
+            ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])  # graph resolution, kernels
+        except Exception as exc:  # noqa: BLE001 - ORT CPU has no bfloat16 MatMul: reported, not an error
+            if "NOT_IMPLEMENTED" not in str(exc):
+                raise
+            log(f"check: onnx full check passes; ONNX Runtime CPU cannot load it: {str(exc).splitlines()[0][-160:]}")
+            return {"dims": d, "onnx_full_check": True, "ort_cpu_loads": False}
+        log(f"check: loads in ONNX Runtime (its CPU provider lacks {dtype} kernels for most ops to run it)")
+        return {"dims": d, "onnx_full_check": True, "ort_cpu_loads": True}
+    got = run_onnx(path, want["feeds"])
+    errs = {name: relative_l2(g, w) for (name, w), g in zip(want["outputs"].items(), got)}
+    ok = all(np.isfinite(g).all() for g in got) and max(errs.values()) <= tolerance
+    log(f"check at {d}: relative L2 {errs} ({'OK' if ok else 'MISMATCH'}, tolerance {tolerance})")
+    if not ok:
+        raise AssertionError(f"ONNX Runtime differs from torch: relative L2 {errs} > {tolerance}")
+    return {"dims": d, "relative_l2": errs}
+
+
+def _small_dims(built) -> dict:
+    """Dims a CPU can run a full-size model at quickly."""
+    small = {"batch": 1, "height": 16, "width": 16, "sequence": 16}
+    return {k: v for k, v in small.items() if k in built.example_dims}
+
+
+def main(args) -> int:
+    try:
+        export_folder(args.family, args.output, size=args.size, exporter=args.exporter, shapes=args.shapes,
+                      dtype=args.dtype, opset=args.opset, seed=args.seed, layers=args.layers, check=args.check,
+                      tolerance=args.tolerance)
+    except FileExistsError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    except AssertionError as exc:
+        print(str(exc).splitlines()[0], file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    except (ValueError, KeyError) as exc:  # a family/option this builder refuses
+        print(f"error: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}", file=sys.stderr)
+        return 2
+    except Exception as exc:  # noqa: BLE001 - one line, not a traceback (the partial folder is gone)
+        first = str(exc).splitlines()[0] if str(exc) else ""
+        print(f"error: {type(exc).__name__}: {first}", file=sys.stderr)
+        return 3
+    return 0
