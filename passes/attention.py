@@ -420,10 +420,12 @@ def check_heads_site(graph: gs.Graph, m: Match, dims: Dims) -> HeadsSite:
     for t, shape in (("K", k), ("V", v)):
         if not (same(shape[1], Dim(n)) and same(shape[3], Dim(h))):
             raise Refusal(f"{t} has {text(shape)}: not {n} heads of {h} as Q (grouped-query attention is not fused)")
-        if not same(shape[0], q[0]):
+        if not (same(shape[0], q[0]) or _share_batch(m["q"], m[t.lower()], dims)):
             raise Refusal(f"cannot prove Q {text(q)} and {t} {text(shape)} have one batch (MatMul broadcasts, MHA does not)")
     merged = dims.reshaped(m.node("out_merge"))
-    if merged is None or len(merged) != 3 or not same(merged[2], Dim(n * h)) or not (same(merged[0], q[0]) or same(merged[1], q[2])):
+    # N*H proven, and the element count: one of B, S proven fixes the other
+    if merged is None or len(merged) != 3 or not same(merged[2], Dim(n * h)) or not (
+            same(merged[1], q[2]) or any(same(merged[0], d) for d in _batch_sources(m["q"], dims)[1])):
         raise Refusal(f"output merge gives {text(merged)}, not (B, S, {n * h})")
     axis = m.attrs["axis"]
     if axis not in (-1, 3):
@@ -440,6 +442,65 @@ def check_heads_site(graph: gs.Graph, m: Match, dims: Dims) -> HeadsSite:
     inputs = {"q": _head_input(m["q"], dims, n, h, bnsh=True), "k": _head_input(m["k"], dims, n, h, bnsh=perm == (0, 1, 3, 2)),
               "v": _head_input(m["v"], dims, n, h, bnsh=True)}
     return HeadsSite(inputs, n, h, scale, causal, bias, mask_rank, m.output.dtype, m.output.shape)
+
+
+# Ops whose output has their (first) input's batch: every input's, for Concat off the batch axis.
+_KEEPS_BATCH = frozenset({"Cast", "Identity", "Neg", "Sqrt", "Reciprocal", "Softmax", "SimplifiedLayerNormalization",
+                          "RMSNormalization", "LayerNormalization", "com.microsoft.RotaryEmbedding"})
+_ELEMENTWISE = frozenset({"Add", "Sub", "Mul", "Div", "Pow"})
+
+
+def _share_batch(a: gs.Tensor, b: gs.Tensor, dims: Dims) -> bool:
+    """``a`` and ``b`` provably have one batch: a tensor both take their batch from, or one batch dim
+    both reach (a head-split Reshape's target reads it off the same Shape), through ops that keep
+    axis 0 (elementwise against constants, lower ranks or their own statistics, Transposes that keep
+    axis 0, Concats off the batch axis, normalizations, Reshapes proven to keep it)."""
+    ids_a, dims_a = _batch_sources(a, dims)
+    ids_b, dims_b = _batch_sources(b, dims)
+    return bool(ids_a & ids_b) or any(same(x, y) for x in dims_a for y in dims_b)
+
+
+def _batch_sources(t: gs.Tensor, dims: Dims, depth: int = 0) -> tuple[set[int], list]:
+    """(ids of the tensors ``t`` provably takes its batch from, ``t`` included; their batch dims)."""
+    ids, found = {id(t)}, [d[0] for d in (dims.shape(t),) if d]
+    node = t.inputs[0] if len(t.inputs) == 1 else None
+    if node is None or depth > 32:
+        return ids, found
+    kind = f"{node.domain}.{node.op}" if node.domain else node.op
+    follow: list[gs.Tensor] = []
+    if node.op == "Reshape":
+        before, after = dims.shape(node.inputs[0]), dims.reshaped(node)
+        found += [after[0]] if after else []
+        if before and after and same(before[0], after[0]):
+            follow = [node.inputs[0]]
+    elif kind in _KEEPS_BATCH:
+        follow = [node.inputs[0]]
+    elif node.op == "Transpose" and list(node.attrs.get("perm", []))[:1] == [0]:
+        follow = [node.inputs[0]]
+    elif node.op == "ReduceMean" and _keeps_axis_zero(node):
+        follow = [node.inputs[0]]
+    elif node.op == "Concat" and int(node.attrs.get("axis", 0)) not in (0, -(dims.rank(t) or 0)):
+        follow = list(node.inputs)  # Concat does not broadcast: every input has the batch
+    elif node.op in _ELEMENTWISE:
+        x, y = node.inputs[:2]
+        # the operand of the full rank, when the other is a constant, of lower rank or computed from it
+        for main, other in ((x, y), (y, x)):
+            if is_constant(other) or (dims.rank(other) or 0) < (dims.rank(main) or 0) or \
+                    id(main) in _batch_sources(other, dims, depth + 1)[0]:
+                follow = [main]
+                break
+    for source in follow:
+        more_ids, more_dims = _batch_sources(source, dims, depth + 1)
+        ids |= more_ids
+        found += more_dims
+    return ids, found
+
+
+def _keeps_axis_zero(node: gs.Node) -> bool:
+    axes = node.attrs.get("axes")
+    if axes is None and len(node.inputs) > 1 and is_constant(node.inputs[1]):
+        axes = constant_value(node.inputs[1]).reshape(-1).tolist()
+    return axes is not None and 0 not in axes and all(a > 0 or a < -3 or a == -1 for a in axes)
 
 
 def _head_input(t: gs.Tensor, dims: Dims, n: int, h: int, *, bnsh: bool) -> HeadInput:
@@ -578,8 +639,20 @@ def _attention_bias(make: Emit, s: AttentionSite) -> gs.Tensor | None:
     """The mask as (.., .., S, L): unsqueezed in front to 4-D; two masks added."""
     if isinstance(s.attention_bias, tuple):
         first, second = (_as_4d(make, mask, rank) for mask, rank in zip(s.attention_bias, s.mask_rank))
-        return make.op.Add(first, second, _label="attention_bias_sum", _shape=None)
+        # one sum for the layers that share both masks (T5: every layer)
+        name = f"{first.name}+{second.name}__attention_bias"
+        for consumer in first.outputs:
+            if consumer.op == "Add" and consumer.name == name and consumer.inputs[1] is second:
+                return consumer.outputs[0]
+        return make.node("Add", [first, second], first.dtype, _broadcast_shape(first.shape, second.shape), name=name)
     return _as_4d(make, s.attention_bias, s.mask_rank)
+
+
+def _broadcast_shape(a, b):
+    """Two 4-D shape annotations broadcast (a dim of 1 takes the other's)."""
+    if a is None or b is None or len(a) != len(b):
+        return None
+    return [y if x == 1 else x for x, y in zip(a, b)]
 
 
 def _as_4d(make: Emit, mask: gs.Tensor | None, rank: int) -> gs.Tensor | None:
