@@ -12,6 +12,24 @@ What it matches, after canonicalize-attention (which it requires)::
     more Reshape, [Cast] may sit on q and k (upcast_attention), K^T is Transpose(0,2,1), and the
     result is unfolded by Reshape(B,N,S,H) before the Transpose.
 
+    and, as a second rule, attention over head tensors (the diffusion transformers), whatever
+    computed Q, K and V (a QK RMSNorm, written out or fused; Flux's rotary; MMDiT's joint attention,
+    the Concat of the text and image streams along the sequence; Flux's single-stream block)::
+
+    q (B,N,S,H) ─────────────────────────────────── MatMul ── [Mul(scale)] [Add(mask) [Add(mask2)]] [Cast]
+    k (B,N,L,H) ─ Transpose(0,1,3,2) ───────────────┘          Softmax(-1) [Where(IsNaN)] [Cast] ──┐
+      or k (B,L,N,H) ─ Transpose(0,2,3,1)                                                        │
+    v (B,N,L,H) ──────────────────────────────────────────────────────────────────────────── MatMul
+                                                          Transpose(0,2,1,3) ─ Reshape(B,S,N*H) ─ out
+                     ==>
+    q, k, v ─ [Transpose(0,2,1,3)] ─ [Reshape(0,0,N*H)] ─ MultiHeadAttention(query, key, value) ─ out
+
+    where a head tensor that is Transpose(0,2,1,3) of a head split Reshape(x (B,S,N*H)) is read as x
+    itself (RotaryEmbedding's 3-D output, a projection). The conditions are those below that do not
+    name projections, and: Q, K, V have one (N, H), constant; K and V one batch with Q, proven
+    (equal dims, or a tensor or Shape they all take it from); two additive masks (T5: the
+    relative-position bias, then the padding mask) go to attention_bias as their sum.
+
 What it writes: every form above is first read into one canonical :class:`AttentionSite` (the
 check); one small lowering per kind and layout then writes it (``layout`` for self-attention,
 default "packed"; ``cross_layout`` for cross-attention, default "separate")::
