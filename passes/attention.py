@@ -12,6 +12,24 @@ What it matches, after canonicalize-attention (which it requires)::
     more Reshape, [Cast] may sit on q and k (upcast_attention), K^T is Transpose(0,2,1), and the
     result is unfolded by Reshape(B,N,S,H) before the Transpose.
 
+    and, as a second rule, attention over head tensors (the diffusion transformers), whatever
+    computed Q, K and V (a QK RMSNorm, written out or fused; Flux's rotary; MMDiT's joint attention,
+    the Concat of the text and image streams along the sequence; Flux's single-stream block)::
+
+    q (B,N,S,H) ─────────────────────────────────── MatMul ── [Mul(scale)] [Add(mask) [Add(mask2)]] [Cast]
+    k (B,N,L,H) ─ Transpose(0,1,3,2) ───────────────┘          Softmax(-1) [Where(IsNaN)] [Cast] ──┐
+      or k (B,L,N,H) ─ Transpose(0,2,3,1)                                                        │
+    v (B,N,L,H) ──────────────────────────────────────────────────────────────────────────── MatMul
+                                                          Transpose(0,2,1,3) ─ Reshape(B,S,N*H) ─ out
+                     ==>
+    q, k, v ─ [Transpose(0,2,1,3)] ─ [Reshape(0,0,N*H)] ─ MultiHeadAttention(query, key, value) ─ out
+
+    where a head tensor that is Transpose(0,2,1,3) of a head split Reshape(x (B,S,N*H)) is read as x
+    itself (RotaryEmbedding's 3-D output, a projection). The conditions are those below that do not
+    name projections, and: Q, K, V have one (N, H), constant; K and V one batch with Q, proven
+    (equal dims, or a tensor or Shape they all take it from); two additive masks (T5: the
+    relative-position bias, then the padding mask) go to attention_bias as their sum.
+
 What it writes: every form above is first read into one canonical :class:`AttentionSite` (the
 check); one small lowering per kind and layout then writes it (``layout`` for self-attention,
 default "packed"; ``cross_layout`` for cross-attention, default "separate")::
@@ -68,6 +86,7 @@ import onnx
 import onnx_graphsurgeon as gs
 
 from onnxopt.attention_masks import any_same, is_causal, nan_free_scores
+from onnxopt.dim_sources import dim_sources, proven_dim, share_dim
 from onnxopt.errors import PassOptionError
 from onnxopt.fusion import Emit, Fusion, FusionRun, Refusal, Rule
 from onnxopt.pass_infra import ATTENTION_CANONICAL, SHAPES_INFERRED, OrtFusion
@@ -128,6 +147,7 @@ def probabilities(scores):
     """softmax(scores * scale + mask), each step optional"""
     scaled = OneOf(op.Mul(scores, Var("scale"), _name="scale_mul"), op.Div(scores, Var("divisor"), _name="scale_div"), scores)
     masked = OneOf(op.Add(scaled, Var("mask"), _name="mask_add"), scaled)
+    masked = OneOf(op.Add(op.Add(scaled, Var("mask"), _name="mask_add"), Var("second_mask"), _name="second_mask_add"), masked)
     probs = op.Softmax(upcast(masked, "scores"), axis=Var("axis"), _name="softmax")
     guarded = OneOf(op.Where(op.IsNaN(probs), 0.0, probs, _name="nan_guard"), probs)
     return upcast(upcast(guarded, "probs"), "probs_again")
@@ -152,6 +172,18 @@ def attention_heads_in_batch(x_q, x_k, x_v):
 ATTENTION = Pattern(attention, attention_heads_in_batch, name="attention")
 
 
+def attention_over_heads(q, k, v):
+    """Q, K, V already split into heads, by whatever computed them (QK RMSNorm, rotary, the joint
+    attention's Concat of two streams): K^T is Transpose(k, (0, 1, 3, 2)) of a (B, N, L, H) k, or
+    Transpose(k, (0, 2, 3, 1)) of a (B, L, N, H) one (the exporters' head split merged into it)."""
+    kt = op.Transpose(k, perm=Var("k_perm"), _name="k_transpose")
+    probs = probabilities(op.MatMul(q, kt, _name="qk"))
+    return merge_heads(op.MatMul(probs, v, _name="pv"))
+
+
+ATTENTION_OVER_HEADS = Pattern(attention_over_heads, name="attention-over-heads")
+
+
 # ---------------------------------------------------------------- the canonical site (the check)
 
 
@@ -168,8 +200,8 @@ class AttentionSite:
     head_dim: int
     scale: float | None  # None: MHA's default 1/sqrt(head_dim)
     causal: bool
-    attention_bias: gs.Tensor | None
-    mask_rank: int
+    attention_bias: gs.Tensor | tuple | None  # a pair: two additive masks, MHA reads their sum
+    mask_rank: int | tuple  # a pair with a pair of masks
     out_dtype: object
     out_shape: object
     layout: str = "packed"  # the lowering (the pass's options)
@@ -286,8 +318,8 @@ def _check_fold(t: str, dims: Dims, node: gs.Node, n: int, h: int) -> None:
         raise Refusal(f"{t.upper()} fold gives {text(result)} from {text(source)}: cannot prove (B*N, S, H)")
 
 
-def _check_casts(m: Match) -> None:
-    weights = onnx.helper.np_dtype_to_tensor_dtype(_dtype(m["wq"]))
+def _check_casts(m: Match, dtype: np.dtype | None = None) -> None:
+    weights = onnx.helper.np_dtype_to_tensor_dtype(dtype if dtype is not None else _dtype(m["wq"]))
     for name, to in m.attrs.items():
         if name.startswith("cast_") and int(to) not in (onnx.TensorProto.FLOAT, weights):
             raise Refusal(f"a Cast inside the attention converts to {onnx.TensorProto.DataType.Name(int(to))}")
@@ -316,13 +348,22 @@ def _one_element(t: gs.Tensor, what: str) -> float:
     return float(value.reshape(-1)[0])
 
 
-def _mask(graph, m: Match, dims: Dims, *, cross, rank, seq_q, seq_k, batch, heads):
-    """(causal, attention_bias tensor, its rank) for the mask of ``m``."""
-    mask = m.get("mask")
+def _mask(graph, m: Match, dims: Dims, *, cross, rank, seq_q, seq_k, batch, heads, dtype=None):
+    """(causal, attention_bias, its rank) for the mask of ``m``. Two additive masks (T5: the
+    relative-position bias, then the padding mask) give a pair of each: MHA reads their sum."""
+    mask, second = m.get("mask"), m.get("second_mask")
     if mask is None:
         return False, None, 0
-    if not cross and is_causal(graph, mask, dims, seq_q | seq_k):
+    if second is None and not cross and is_causal(graph, mask, dims, seq_q | seq_k):
         return True, None, 0
+    dtype = dtype if dtype is not None else _dtype(m["wq"])
+    ranks = tuple(_bias_rank(t, dims, rank=rank, seq_q=seq_q, seq_k=seq_k, batch=batch, heads=heads, dtype=dtype)
+                  for t in (mask, second) if t is not None)
+    return (False, mask, ranks[0]) if second is None else (False, (mask, second), ranks)
+
+
+def _bias_rank(mask: gs.Tensor, dims: Dims, *, rank, seq_q, seq_k, batch, heads, dtype) -> int:
+    """The rank of an additive mask that attention_bias takes as it is (unsqueezed), or Refusal."""
     shape = dims.shape(mask)
     if shape is None or len(shape) > 4 or len(shape) < 2:
         raise Refusal(f"mask '{mask.name}' has shape {text(shape)}, not (.., S, L)")
@@ -337,10 +378,9 @@ def _mask(graph, m: Match, dims: Dims, *, cross, rank, seq_q, seq_k, batch, head
         for d, ok in zip(leading, allowed):
             if not (same(d, Dim(1)) or any_same(d, ok)):
                 raise Refusal(f"mask '{mask.name}' has shape {text(shape)}, not (B or 1, N or 1, S, L)")
-    dtype = _dtype(m["wq"])
     if mask.dtype is not None and np.dtype(mask.dtype) != dtype:
         raise Refusal(f"mask '{mask.name}' is {np.dtype(mask.dtype)}, the attention {dtype}")
-    return False, mask, len(shape)
+    return len(shape)
 
 
 def _check_query_read_only_for_shape(m: Match) -> None:
@@ -353,6 +393,126 @@ def _check_query_read_only_for_shape(m: Match) -> None:
             for consumer in t.outputs:
                 if id(consumer) not in inside and not reads_only_shape(consumer):
                     raise Refusal(f"the query projection '{t.name}' is also read by {consumer.op} '{consumer.name}'")
+
+# ---------------------------------------------------------------- attention over head tensors (DiT)
+
+# How a head tensor is read back as MHA's (B, S, N*H): the tensor, and whether it is (B, N, S, H)
+# (a Transpose(0, 2, 1, 3) first) and a (B, S, N, H) to merge (a Reshape) or already (B, S, N*H).
+BNSH_TO_BSNH = (0, 2, 1, 3)
+
+
+@dataclass
+class HeadInput:
+    tensor: gs.Tensor
+    transpose: bool  # (B, N, S, H): Transpose(0, 2, 1, 3) first
+    merge: bool  # (B, S, N, H): Reshape(0, 0, N*H); False: already (B, S, N*H)
+
+
+@dataclass
+class HeadsSite:
+    """An attention whose Q, K, V are head tensors (B, N, S, H): what lower_heads needs."""
+
+    inputs: dict[str, HeadInput]  # "q", "k", "v"
+    heads: int
+    head_dim: int
+    scale: float | None
+    causal: bool
+    attention_bias: gs.Tensor | tuple | None  # a pair: two additive masks, MHA reads their sum
+    mask_rank: int | tuple  # a pair with a pair of masks
+    out_dtype: object
+    out_shape: object
+    kind: str = "over heads"
+
+
+def check_heads_site(graph: gs.Graph, m: Match, dims: Dims) -> HeadsSite:
+    """The conditions of attention-over-heads (module docstring), or Refusal."""
+    perm = tuple(int(p) for p in (m.attrs["k_perm"] or ()))
+    if perm not in ((0, 1, 3, 2), (0, 2, 3, 1)):
+        raise Refusal(f"K is transposed by {list(perm)}: not K^T of (B, N, L, H) or (B, L, N, H) heads")
+    q, k, v = (dims.shape(m[t]) for t in "qkv")
+    heads_axis = {"q": 1, "k": 2 if perm == (0, 2, 3, 1) else 1, "v": 1}
+    found = {}
+    for t, shape in zip("qkv", (q, k, v)):
+        # heads and head size: proven constant here, or where the head split gave them
+        n_t, h_t = (proven_dim(m[t], axis, dims) if shape is not None and len(shape) == 4 else None
+                    for axis in (heads_axis[t], 3))
+        if n_t is None or h_t is None:
+            raise Refusal(f"{t.upper()} '{m[t].name}' is {text(shape)}: not (B, N, S, H) with constant heads and head size")
+        found[t] = (n_t, h_t)
+    n, h = found["q"]
+    if perm == (0, 2, 3, 1):
+        k = [k[0], k[2], k[1], k[3]]  # as (B, N, L, H)
+    for t, shape in (("K", k), ("V", v)):
+        if found[t.lower()] != (n, h):
+            raise Refusal(f"{t} has {found[t.lower()][0]} heads of {found[t.lower()][1]}: not {n} of {h} as Q (grouped-query attention is not fused)")
+        if not (same(shape[0], q[0]) or share_dim(m["q"], 0, m[t.lower()], 0, dims)):
+            raise Refusal(f"cannot prove Q {text(q)} and {t} {text(shape)} have one batch (MatMul broadcasts, MHA does not)")
+    merged = dims.reshaped(m.node("out_merge"))
+    # N*H proven, and the element count: one of B, S proven fixes the other
+    if merged is None or len(merged) != 3 or not same(merged[2], Dim(n * h)) or not (
+            same(merged[1], q[2]) or any(same(merged[0], d) for d in dim_sources(m["q"], 0, dims)[1])):
+        raise Refusal(f"output merge gives {text(merged)}, not (B, S, {n * h})")
+    axis = m.attrs["axis"]
+    if axis not in (-1, 3):
+        raise Refusal(f"Softmax over axis {axis}, not the key axis")
+    dtype = np.dtype(m["q"].dtype) if m["q"].dtype is not None else None
+    _check_casts(m, dtype or np.dtype(np.float32))
+    scale = _scale(m, h)
+    causal, bias, mask_rank = _mask(graph, m, dims, cross=True, rank=4, seq_q={q[2]}, seq_k={k[2]}, batch={q[0]},
+                                    heads=n, dtype=dtype)
+    if m.has_node("nan_guard"):
+        reason = nan_free_scores(m.node("softmax").inputs[0])
+        if reason is not None:
+            raise Refusal(f"Softmax is NaN-guarded and {reason}")
+    inputs = {"q": _head_input(m["q"], dims, n, h, bnsh=True), "k": _head_input(m["k"], dims, n, h, bnsh=perm == (0, 1, 3, 2)),
+              "v": _head_input(m["v"], dims, n, h, bnsh=True)}
+    return HeadsSite(inputs, n, h, scale, causal, bias, mask_rank, m.output.dtype, m.output.shape)
+
+
+def _head_input(t: gs.Tensor, dims: Dims, n: int, h: int, *, bnsh: bool) -> HeadInput:
+    """Where MHA reads a head tensor from: under its Transpose(0, 2, 1, 3) and head-split Reshape when it has them."""
+    transpose = bnsh
+    producer = t.inputs[0] if len(t.inputs) == 1 else None
+    if bnsh and producer is not None and producer.op == "Transpose" and tuple(producer.attrs.get("perm", ())) == BNSH_TO_BSNH:
+        t, transpose = producer.inputs[0], False
+    producer = t.inputs[0] if len(t.inputs) == 1 else None
+    if not transpose and producer is not None and producer.op == "Reshape":
+        source, split = dims.shape(producer.inputs[0]), dims.reshaped(producer)
+        # (B, S, N*H) -> (B, S, N, H): the head split; one of B, S proven, the element count gives the other
+        if source is not None and len(source) == 3 and same(source[2], Dim(n * h)) and split is not None and \
+                len(split) == 4 and same(split[2], Dim(n)) and same(split[3], Dim(h)) and \
+                (same(split[0], source[0]) or same(split[1], source[1])):
+            return HeadInput(producer.inputs[0], False, False)
+    return HeadInput(t, transpose, True)
+
+
+def lower_heads(make: Emit, s: HeadsSite) -> gs.Tensor:
+    """q, k, v ─ [Transpose(0, 2, 1, 3)] ─ [Reshape(0, 0, N*H)] ─ MultiHeadAttention(query, key, value)"""
+    q, k, v = (_hidden(make, s, t) for t in "qkv")
+    return _mha(make, s, q, k, v)
+
+
+def _hidden(make: Emit, s: HeadsSite, role: str) -> gs.Tensor:
+    source = s.inputs[role]
+    x = source.tensor
+    if source.transpose:
+        x = make.op.Transpose(x, perm=list(BNSH_TO_BSNH), _label=f"{role}_heads",
+                              _shape=[x.shape[i] for i in BNSH_TO_BSNH] if x.shape is not None else None)
+    if source.merge:
+        width = s.heads * s.head_dim
+        x = make.op.Reshape(x, make.constant(f"{role}_hidden.shape", np.array([0, 0, width], np.int64)),
+                            _label=f"{role}_hidden", _shape=[*(x.shape[:2] if x.shape is not None else [None, None]), width])
+    return x
+
+
+def read_heads_site(m: Match, run: FusionRun) -> HeadsSite:
+    site = check_heads_site(run.graph, m, run.memo.setdefault("dims", Dims()))
+    run.details[site.kind] += 1
+    run.details["causal"] += site.causal
+    run.details["attention_bias"] += site.attention_bias is not None
+    run.details["two additive masks"] += isinstance(site.attention_bias, tuple)
+    return site
+
 
 # ---------------------------------------------------------------- the lowerings (the emit)
 
@@ -442,12 +602,30 @@ def _mha(make: Emit, s: AttentionSite, query, key=None, value=None) -> gs.Tensor
 
 
 def _attention_bias(make: Emit, s: AttentionSite) -> gs.Tensor | None:
-    """The mask as (.., .., S, L): unsqueezed in front to 4-D."""
-    mask = s.attention_bias
-    if mask is None or s.mask_rank == 4:
+    """The mask as (.., .., S, L): unsqueezed in front to 4-D; two masks added."""
+    if isinstance(s.attention_bias, tuple):
+        first, second = (_as_4d(make, mask, rank) for mask, rank in zip(s.attention_bias, s.mask_rank))
+        # one sum for the layers that share both masks (T5: every layer)
+        name = f"{first.name}+{second.name}__attention_bias"
+        for consumer in first.outputs:
+            if consumer.op == "Add" and consumer.name == name and consumer.inputs[1] is second:
+                return consumer.outputs[0]
+        return make.node("Add", [first, second], first.dtype, _broadcast_shape(first.shape, second.shape), name=name)
+    return _as_4d(make, s.attention_bias, s.mask_rank)
+
+
+def _broadcast_shape(a, b):
+    """Two 4-D shape annotations broadcast (a dim of 1 takes the other's)."""
+    if a is None or b is None or len(a) != len(b):
+        return None
+    return [y if x == 1 else x for x, y in zip(a, b)]
+
+
+def _as_4d(make: Emit, mask: gs.Tensor | None, rank: int) -> gs.Tensor | None:
+    if mask is None or rank == 4:
         return mask
-    axes = make.constant("attention_bias.axes", np.arange(4 - s.mask_rank, dtype=np.int64))
-    shape = [1] * (4 - s.mask_rank) + list(mask.shape) if mask.shape is not None else None
+    axes = make.constant("attention_bias.axes", np.arange(4 - rank, dtype=np.int64))
+    shape = [1] * (4 - rank) + list(mask.shape) if mask.shape is not None else None
     return make.op.Unsqueeze(mask, axes, _label="attention_bias", _shape=shape)
 
 
@@ -538,6 +716,7 @@ def read_site(m: Match, run: FusionRun) -> AttentionSite:
     run.details["with projection bias"] += site.biased
     run.details["causal"] += site.causal
     run.details["attention_bias"] += site.attention_bias is not None
+    run.details["two additive masks"] += isinstance(site.attention_bias, tuple)
     return site
 
 
@@ -547,7 +726,9 @@ class FuseAttention(Fusion, OrtFusion):
     description = "fuse attention (self, cross, VAE, causal CLIP) into com.microsoft MultiHeadAttention/Attention, packing Q/K/V weights and keeping biases"
     requires = frozenset({SHAPES_INFERRED, ATTENTION_CANONICAL})
     LAYOUTS = ("packed", "split", "separate")
-    rules = (Rule(ATTENTION, read_site, emit_attention, label=lambda m: _site_name(m)),)
+    rules = (Rule(ATTENTION, read_site, emit_attention, label=lambda m: _site_name(m)),
+             # after the projections' form: a site it matched (or refused) is not read again
+             Rule(ATTENTION_OVER_HEADS, read_heads_site, lambda make, s: [lower_heads(make, s)], label=lambda m: _site_name(m)))
     defer_rewrites = True  # check every site on the unchanged graph, then rewrite
 
     def __init__(self, layout: str = "packed", cross_layout: str = "separate"):

@@ -683,7 +683,7 @@ def test_evaluator_and_output_selection():
     np.testing.assert_allclose(only_sum["sum"], inputs["input"] + inputs["skip"], rtol=1e-6)
     assert {cls.__name__ for cls in reference.CONTRIB_OPS} == {
         "GroupNorm", "SkipGroupNorm", "SkipLayerNormalization", "BiasSplitGelu", "BiasAdd", "FastGelu",
-        "BiasGelu", "QuickGelu", "Gelu", "NhwcConv", "MultiHeadAttention", "Attention", "GemmFloat8",
+        "BiasGelu", "QuickGelu", "Gelu", "NhwcConv", "MultiHeadAttention", "Attention", "RotaryEmbedding", "GemmFloat8",
         "SkipSimplifiedLayerNormalization", "SimplifiedLayerNormalization",
     }  # fmt: skip
     # ONNX Runtime registers SimplifiedLayerNormalization in the ONNX domain; the rest are com.microsoft
