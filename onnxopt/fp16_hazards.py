@@ -43,6 +43,22 @@ whose low-precision copy is clamped instead of overflowing to -inf.
        t ─ Unsqueeze ─ Cast ─ Mul(freqs) ─ Sin/Cos ─ Concat ─ Cast(to=FLOAT) ─ Gemm
        └───────────── float32 ──────────────────────────┘    └ retargeted ┘ └ low ┘
 
+5. Gated feed-forward outputs (float16 only; bfloat16 has float32's range). T5 v1.1's FFN,
+   ``wo(gelu(x W_i0) * (x W_i1))``, overflows float16 with real weights (transformers keeps
+   ``wo`` in float32 for this, ``T5PreTrainedModel._keep_in_fp32_modules``, and clamps the hidden
+   states). Random weights do not show it, so this is a pattern rule, not a measurement::
+
+       x ─ MatMul(W_i0) ─ GELU ─┐
+       x ─ MatMul(W_i1) ────────┴ Mul ─ MatMul(W_o) ─ Add / Skip*Normalization ─ ... residual stream
+                                        └────────────── float32 ───────────────────────────────┘
+
+   The output projection stays float32, and so does the residual stream from there on: every
+   Add, Sum and Skip(Simplified)LayerNormalization it reaches through sums, and every norm that
+   reads it (SimplifiedLayerNormalization / LayerNormalization: their normalized outputs are small
+   and go back to float16 for the next MatMul). A GELU is FastGelu, Gelu, BiasGelu or a Mul chain
+   reaching Tanh or Erf within a few nodes. Decomposed norms (unfused graphs) are not followed:
+   ``--fp32-auto`` calibration covers those.
+
 4. Calibration (``fp32_auto``): a tensor whose magnitude exceeded the range on the calibration
    inputs cannot exist in low precision, so its producer *and* every consumer stay float32
    (keeping only the producer would cast the overflowing value for its consumers). Only those:
@@ -329,3 +345,63 @@ def calibrated_overflows(graph: gs.Graph, ranges: dict, limit: float, low: LowPr
             out.setdefault(id(consumer), (consumer, f"calibration: input '{tensor.name}' reaches {r.absmax:.3g} "
                                                      f"(> {limit:g}, {low.name} max {low.max:g})"))
     return out
+
+
+# ---------------------------------------------------------------- rule 5
+
+GELU_OPS = frozenset({"FastGelu", "Gelu", "BiasGelu"})
+RESIDUAL_SUM_OPS = frozenset({"Add", "Sum", "SkipSimplifiedLayerNormalization", "SkipLayerNormalization"})
+STREAM_NORM_OPS = frozenset({"SimplifiedLayerNormalization", "LayerNormalization"})
+_GELU_CHAIN_DEPTH = 4  # the explicit tanh/erf GELU: Mul <- Mul/Add <- Tanh|Erf
+
+
+def gated_ffn_outputs(graph: gs.Graph) -> dict[int, tuple[gs.Node, str]]:
+    """Rule 5: the output projection of every gated feed-forward, and the residual stream after it."""
+    out: dict[int, tuple[gs.Node, str]] = {}
+    stream: list[gs.Tensor] = []
+    for node in graph.nodes:
+        if node.op not in ("MatMul", "Gemm") or not node.inputs or not _is_gated_product(node.inputs[0]):
+            continue
+        out.setdefault(id(node), (node, "output projection of a gated feed-forward (T5's overflows float16 with real "
+                                        "weights; transformers keeps it float32)"))
+        stream.extend(node.outputs[:1])
+    reason = "residual stream after a gated feed-forward's float32 output projection"
+    seen: set[int] = set()
+    while stream:
+        tensor = stream.pop()
+        if id(tensor) in seen:
+            continue
+        seen.add(id(tensor))
+        for consumer in tensor.outputs:
+            if consumer.op in RESIDUAL_SUM_OPS:
+                out.setdefault(id(consumer), (consumer, reason))
+                sums = consumer.outputs[3:4] if consumer.op.startswith("Skip") else consumer.outputs[:1]
+                stream.extend(t for t in sums if t.name)
+            elif consumer.op in STREAM_NORM_OPS:
+                out.setdefault(id(consumer), (consumer, reason))
+    return out
+
+
+def _is_gated_product(tensor: gs.Tensor) -> bool:
+    """``tensor`` is Mul(GELU(a), b) with b a MatMul/Gemm output."""
+    if len(tensor.inputs) != 1 or tensor.inputs[0].op != "Mul":
+        return False
+    a, b = tensor.inputs[0].inputs[:2]
+    return (_is_gelu(a) and _is_projection(b)) or (_is_gelu(b) and _is_projection(a))
+
+
+def _is_projection(tensor: gs.Tensor) -> bool:
+    return len(tensor.inputs) == 1 and tensor.inputs[0].op in ("MatMul", "Gemm")
+
+
+def _is_gelu(tensor: gs.Tensor, depth: int = _GELU_CHAIN_DEPTH) -> bool:
+    if len(tensor.inputs) != 1:
+        return False
+    node = tensor.inputs[0]
+    if node.op in GELU_OPS:
+        return True
+    if node.op in ("Tanh", "Erf"):
+        return True
+    if depth == 0 or node.op not in ("Mul", "Add"):
+        return False
+    return any(_is_gelu(t, depth - 1) for t in node.inputs if not isinstance(t, gs.Constant))

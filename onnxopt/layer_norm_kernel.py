@@ -53,15 +53,19 @@ def layer_norm_kernel_refusal(ln: gs.Node, normalized: gs.Tensor, gamma: gs.Tens
 def write_skip_layer_norm(make: Emit, ln: gs.Node, input_, skip, gamma, beta, bias, y: gs.Variable,
                           input_skip_bias_sum: gs.Variable | None = None) -> None:
     """SkipLayerNormalization(input, skip, gamma, beta, bias) with ``ln``'s epsilon, computing y
-    (output 0) and, when given, the sum input + skip + bias (output 3)."""
-    inputs = [input_, skip, gamma, beta if beta is not None else make.absent()]
+    (output 0) and, when given, the sum input + skip + bias (output 3). ``ln`` a
+    SimplifiedLayerNormalization (RMSNorm, no beta): SkipSimplifiedLayerNormalization(input, skip,
+    gamma, bias), the same kernel without the mean."""
+    simplified = ln.op == "SimplifiedLayerNormalization"
+    inputs = [input_, skip, gamma] if simplified else [input_, skip, gamma, beta if beta is not None else make.absent()]
     if bias is not None:
         inputs.append(bias)
     outputs = [y]
     if input_skip_bias_sum is not None:
         outputs += [make.absent(), make.absent(), input_skip_bias_sum]
     epsilon = float(ln.attrs.get("epsilon", LAYER_NORM_DEFAULT_EPSILON))
-    make.node("SkipLayerNormalization", inputs, None, None, outputs=outputs, domain=MS_DOMAIN, epsilon=epsilon)
+    op = "SkipSimplifiedLayerNormalization" if simplified else "SkipLayerNormalization"
+    make.node(op, inputs, None, None, outputs=outputs, domain=MS_DOMAIN, epsilon=epsilon)
 
 
 def per_channel(make: Emit, tensor: gs.Tensor, d: int) -> gs.Tensor:

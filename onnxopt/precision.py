@@ -225,16 +225,31 @@ CONTRIB_SIGNATURES: dict[str, Signature] = {
 }
 
 
-@functools.lru_cache(maxsize=1)
+# Ops ONNX Runtime registers in the ONNX domain that ONNX itself does not define (onnx.defs has no
+# schema for them): SimplifiedLayerNormalization, which fuse-rms-norm writes (RMSNorm).
+ORT_ONNX_DOMAIN_SIGNATURES: dict[str, Signature] = {
+    "SimplifiedLayerNormalization": Signature(
+        "SimplifiedLayerNormalization", ("T", "V"), ("V", "U"), False, False,
+        {"T": _F16_F32_F64_BF16, "V": _F16_F32_F64_BF16, "U": frozenset({"tensor(float)", "tensor(double)"})}),
+}
+
+
 def ort_contrib_signatures() -> dict[str, Signature]:
     """Every com.microsoft op in the installed ONNX Runtime's schema registry ({} without ORT)."""
+    return ort_signatures(MS_DOMAIN)
+
+
+@functools.lru_cache(maxsize=4)
+def ort_signatures(domain: str) -> dict[str, Signature]:
+    """Every op of ``domain`` ("" for the ONNX domain) in the installed ONNX Runtime's schema
+    registry ({} without ORT)."""
     try:
         from onnxruntime.capi import onnxruntime_pybind11_state as ort_c
     except ImportError:
         return {}
     latest: dict[str, object] = {}
     for schema in ort_c.get_all_operator_schema():
-        if schema.domain == MS_DOMAIN and (schema.name not in latest or schema.since_version > latest[schema.name].since_version):
+        if schema.domain == domain and (schema.name not in latest or schema.since_version > latest[schema.name].since_version):
             latest[schema.name] = schema
     out = {}
     for name, schema in latest.items():
@@ -265,7 +280,8 @@ def signature(node: gs.Node, versions: dict[str, int]) -> Signature | None:
     if domain == MS_DOMAIN:
         return ort_contrib_signatures().get(node.op) or CONTRIB_SIGNATURES.get(node.op)
     if domain == "":
-        return _onnx_signature(node.op, "", versions.get("", onnx.defs.onnx_opset_version()))
+        return (_onnx_signature(node.op, "", versions.get("", onnx.defs.onnx_opset_version()))
+                or ORT_ONNX_DOMAIN_SIGNATURES.get(node.op))
     return _onnx_signature(node.op, domain, versions.get(domain, 1))
 
 

@@ -54,6 +54,9 @@ PRESETS["ort-cuda"] = Preset(
         "fuse-skip-group-norm",
         "fuse-bias-split-gelu",
         "fuse-layer-norm",  # before bias-add: BiasAdd leaves the Adds that feed a LayerNorm to SkipLayerNorm
+        "fuse-adaln-modulation",  # AdaLN's (1 + scale), shift into the LayerNorm at batch 1, before skip-layer-norm
+        "fuse-rms-norm",  # RMSNorm (and ONNX RMSNormalization) -> SimplifiedLayerNormalization, before skip-layer-norm
+        "fuse-fast-gelu",  # tanh GELU (+ its bias Add) -> FastGelu, before bias-add takes the bias Add
         "fuse-bias-add",
         "fuse-skip-layer-norm",
         "fuse-parallel-gemm",  # after fuse-attention: the time-embedding Linears as one Gemm, every cross-attention K/V as one MatMul

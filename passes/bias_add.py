@@ -32,7 +32,7 @@ from onnxopt.pattern.tensor_facts import dims_agree, dims_conflict, rank_of, sha
 from onnxopt.registry import register_pass
 
 KERNEL_DTYPES = (np.dtype(np.float32), np.dtype(np.float16))
-LAYER_NORMS = ("LayerNormalization", "SkipLayerNormalization")
+LAYER_NORMS = ("LayerNormalization", "SkipLayerNormalization", "SimplifiedLayerNormalization", "SkipSimplifiedLayerNormalization")
 
 
 def linear_residual(x, w, skip, bias=Const()):

@@ -38,7 +38,8 @@ Which nodes stay float32, with the reason in ``details["fp32_nodes"]``: ``fp32_o
 ``fp32_nodes``, nodes without a known schema or with subgraphs, ops ONNX Runtime has no kernel
 of the low type for (``KERNEL_GAPS``: bfloat16 Resize), and the hazards of
 :mod:`onnxopt.fp16_hazards` (out-of-range constants other than attention masks, which are clamped
-to -32752 instead; vanishing epsilons; Sin/Cos arguments; with ``fp32_auto``, tensors that exceed the
+to -32752 instead; vanishing epsilons; Sin/Cos arguments; in float16, the output projection of a
+gated feed-forward and the residual stream after it (T5); with ``fp32_auto``, tensors that exceed the
 range on calibration inputs, and optionally nodes whose own low-precision error exceeds
 ``sensitivity``).
 
@@ -64,6 +65,7 @@ from onnxopt.fp16_hazards import (
     calibrated_overflows,
     constant_hazards,
     constant_node_value,
+    gated_ffn_outputs,
     node_label,
     periodic_arguments,
     uses,
@@ -195,6 +197,9 @@ class Fp16Pass(Pass):
         if self.fp32_periodic:
             for node, reason in periodic_arguments(graph, dependent).values():
                 keep(node, "periodic", reason)
+        if self.low.name == "float16":  # bfloat16 has float32's exponent range
+            for node, reason in gated_ffn_outputs(graph).values():
+                keep(node, "gated-ffn", reason)
         calibration_info = None
         if self.fp32_auto:
             feeds = calibration_feeds(model, self.calibration, inputs=self.calibration_inputs)

@@ -65,11 +65,11 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from onnxopt.fusion import Emit, NameAuthority
-from onnxopt.graph_edit import detach
+from onnxopt.graph_edit import detach, is_standard
 from onnxopt.model import Model
 from onnxopt.pass_infra import CONSTANTS_FOLDED, SHAPES_INFERRED, Pass, PassResult
 from onnxopt.pattern import Const, Pattern, Var, constant_shape, constant_value, is_constant, op
-from onnxopt.pattern.tensor_facts import rank_of, static_dim
+from onnxopt.pattern.tensor_facts import normalize_axis, rank_of, static_dim, static_ints
 from onnxopt.registry import register_pass
 from onnxopt.weights import DerivedValues, read_uncached, stored_values
 
@@ -86,6 +86,7 @@ def matmul(x, w):
     return op.MatMul(x, w, _name="linear")
 
 
+MAX_WEIGHT_BYTES = 1 << 30  # one merged weight at most: computing it when saved holds it whole (Flux: 13 GB in all)
 ATTENTION_OPS = frozenset({"MultiHeadAttention"})  # com.microsoft ops whose key/value inputs may be merged
 
 
@@ -154,6 +155,11 @@ class FuseParallelGemm(Pass):
                                     "fuse-attention's batch-dim proofs follow the time embedding through a Gemm, not through the "
                                     "Split this pass writes (TorchScript dynamic-axes exports lose half their attention fusions)"}
 
+    def __init__(self, *, max_weight_bytes: int = MAX_WEIGHT_BYTES):
+        """max_weight_bytes: the largest merged weight; a group whose members' weights exceed it is
+        merged in consecutive chunks, each at most this size (a member larger than it stays alone)."""
+        self.max_weight_bytes = int(max_weight_bytes)
+
     def run(self, model: Model) -> PassResult:
         graph = model.graph
         result = PassResult(modified=False)
@@ -162,7 +168,7 @@ class FuseParallelGemm(Pass):
             by_input.setdefault(id(linear.x), []).append(linear)
         position = {id(n): i for i, n in enumerate(graph.nodes)}
         names = NameAuthority(graph)
-        groups = members = from_matmul = 0
+        groups = members = from_matmul = splits_folded = 0
         for readers in by_input.values():
             if len(readers) < 2:
                 continue  # nothing reads x in parallel with it: not a site
@@ -179,12 +185,18 @@ class FuseParallelGemm(Pass):
                 if len(group) < 2:
                     result.refuse(group[0].name, f"no other mergeable Linear reads {group[0].x.name} (with this dtype and K)")
                     continue
-                _merge(Emit(graph, names, f"{group[0].x.name}__parallel_gemm"), group)
-                groups += 1
-                members += len(group)
-                from_matmul += sum(m.node.op == "MatMul" for m in group)
+                for chunk in _chunks(group, self.max_weight_bytes):
+                    if len(chunk) < 2:
+                        result.refuse(chunk[0].name, f"its weight and its neighbours' exceed max_weight_bytes={self.max_weight_bytes}")
+                        continue
+                    splits_folded += _merge(Emit(graph, names, f"{chunk[0].x.name}__parallel_gemm"), chunk)
+                    groups += 1
+                    members += len(chunk)
+                    from_matmul += sum(m.node.op == "MatMul" for m in chunk)
         result.sites_rewritten = members
         result.details.update(groups=groups, members=members, from_matmul=from_matmul)
+        if splits_folded:
+            result.details["splits_folded"] = splits_folded
         if not result.sites_matched:
             result.nothing_to_do = ("no two Linears (Gemm, MatMul of a 2-D input, or a cross-attention K/V projection) "
                                     "read the same tensor")
@@ -250,11 +262,63 @@ def _refusal(linear: Linear) -> str | None:
     return None
 
 
-def _merge(make: Emit, group: list[Linear]) -> None:
+def _chunks(group: list[Linear], max_bytes: int) -> list[list[Linear]]:
+    """Consecutive members whose weights together stay within ``max_bytes``."""
+    chunks: list[list[Linear]] = [[]]
+    total = 0
+    for member in group:
+        size = member.n * member.k * _dtype(member.w).itemsize
+        if chunks[-1] and total + size > max_bytes:
+            chunks.append([])
+            total = 0
+        chunks[-1].append(member)
+        total += size
+    return chunks
+
+
+def _column_split(tensor: gs.Tensor, n: int) -> tuple[gs.Node, list[int]] | None:
+    """The Split that alone reads ``tensor`` (a member's output, n columns) along its last axis, with
+    its static sizes: AdaLN's ``chunk(6, dim=1)`` of the modulation. None if there is none."""
+    readers = list(tensor.outputs)
+    if len(readers) != 1 or readers[0].op != "Split" or not is_standard(readers[0]) or readers[0].inputs[0] is not tensor:
+        return None
+    split = readers[0]
+    rank = rank_of(tensor)
+    axis = split.attrs.get("axis", 0)
+    if rank is None or normalize_axis(axis, rank) != rank - 1:
+        return None
+    if len(split.inputs) > 1 and split.inputs[1].name:
+        sizes = static_ints(split.inputs[1])
+    elif "split" in split.attrs:
+        sizes = [int(v) for v in split.attrs["split"]]
+    else:
+        parts = int(split.attrs.get("num_outputs", len(split.outputs)))
+        sizes = [n // parts] * parts if parts and n % parts == 0 else None
+    if sizes is None or sum(sizes) != n or len(sizes) != len(split.outputs):
+        return None
+    return split, sizes
+
+
+def _merge(make: Emit, group: list[Linear]) -> int:
     """One Gemm (MatMul [+ Add] for an N-D input) computes every member's columns; a Split hands
-    each member its output tensor."""
+    each member its output tensor -- or, where a member's output was itself split along its columns
+    (AdaLN's shift/scale/gate chunks), that Split's outputs: the two Splits become one. Returns how
+    many member Splits were folded so."""
     x = group[0].x
-    sizes = [m.n for m in group]
+    sizes: list[int] = []
+    outputs: list[gs.Tensor] = []
+    folded = 0
+    for member in group:
+        inner = _column_split(member.output, member.n)
+        if inner is None or any(t is member.output for t in make.graph.outputs):
+            sizes.append(member.n)
+            outputs.append(member.output)
+            continue
+        split, inner_sizes = inner
+        sizes.extend(inner_sizes)
+        outputs.extend(split.outputs)
+        detach(split)
+        folded += 1
     two_d = rank_of(x) == 2
     trans_b = 1 if two_d and 2 * sum(m.trans_b for m in group) >= len(group) else 0  # MatMul: (K, N) only
     dtype = _dtype(group[0].w)
@@ -264,7 +328,6 @@ def _merge(make: Emit, group: list[Linear]) -> None:
         bias = make.constant("bias", _concatenated_bias(group, dtype, f"{make.prefix}.bias"))
     leading = list(x.shape[:-1]) if x.shape is not None else None
     shape = [*leading, sum(sizes)] if leading is not None else None
-    outputs = [m.output for m in group]
     for member in group:
         for node in member.nodes:
             detach(node)  # its output is handed to the Split below; cleanup drops the node and its weight
@@ -276,6 +339,7 @@ def _merge(make: Emit, group: list[Linear]) -> None:
             merged = make.op.Add(merged, bias)
     make.op.Split(merged, make.constant("split_sizes", np.array(sizes, dtype=np.int64)), axis=-1, _outputs=outputs)
     make.into(make.graph)
+    return folded
 
 
 def _concatenated_weight(group: list[Linear], trans_b: int, name: str) -> DerivedValues:

@@ -6,6 +6,9 @@ it as ONNX Runtime's SkipLayerNormalization (the kernel: onnxopt.layer_norm_kern
                          ==>
     y, _, _, s = SkipLayerNormalization(input, skip, gamma, beta[, bias], epsilon=eps)   (com.microsoft)
 
+    The same with y = SimplifiedLayerNormalization(s, gamma) (RMSNorm, written by fuse-rms-norm): the
+    kernel is SkipSimplifiedLayerNormalization(input, skip, gamma[, bias]), no beta.
+
     Output 3 (input + skip + bias) takes over s, so the residual stream that reads s is unchanged;
     it is left off when only the LayerNorm read s. The bias form folds the Linear's bias Add into
     the kernel (diffusers' ``attn_output / rescale_output_factor`` of 1 between them is gone after
@@ -56,7 +59,18 @@ def bias_skip_layer_norm(x, residual, gamma, beta=Var("beta", optional=True), bi
     return op.LayerNormalization(s, gamma, beta, _name="ln"), s
 
 
+def skip_rms_norm(a, b, gamma):
+    s = op.Add(a, b, _name="sum")
+    return op.SimplifiedLayerNormalization(s, gamma, _name="ln"), s
+
+
+def bias_skip_rms_norm(x, residual, gamma, bias=Const()):
+    s = op.Add(op.Add(x, bias, _name="bias_add"), residual, _name="sum")
+    return op.SimplifiedLayerNormalization(s, gamma, _name="ln"), s
+
+
 SKIP_LAYER_NORM = Pattern(bias_skip_layer_norm, skip_layer_norm, name="skip-layer-norm")
+SKIP_RMS_NORM = Pattern(bias_skip_rms_norm, skip_rms_norm, name="skip-rms-norm")  # fuse-rms-norm's output
 
 
 @dataclass
@@ -96,8 +110,10 @@ def emit_skip_layer_norm(make: Emit, site: SkipLayerNormSite) -> list[gs.Tensor]
 @register_pass
 class FuseSkipLayerNorm(Fusion, OrtFusion):
     name = "fuse-skip-layer-norm"
-    description = "fuse Add (+ bias) + LayerNormalization into com.microsoft SkipLayerNormalization (sum as output 3)"
-    rules = (Rule(SKIP_LAYER_NORM, check_skip_layer_norm, emit_skip_layer_norm),)
+    description = ("fuse Add (+ bias) + LayerNormalization / SimplifiedLayerNormalization (RMSNorm) into com.microsoft "
+                   "SkipLayerNormalization / SkipSimplifiedLayerNormalization (sum as output 3)")
+    rules = (Rule(SKIP_LAYER_NORM, check_skip_layer_norm, emit_skip_layer_norm),
+             Rule(SKIP_RMS_NORM, check_skip_layer_norm, emit_skip_layer_norm))
 
     def finish(self, run: FusionRun) -> None:
         run.result.details.update(dims_assumed_equal=run.details["dims_assumed_equal"],
@@ -223,4 +239,4 @@ def _computed_row_by_row(tensor: gs.Tensor, source: gs.Tensor, depth: int = _ROW
     return all(_computed_row_by_row(t, source, depth - 1) for t in rows)
 
 
-__all__ = ["SKIP_LAYER_NORM", "FuseSkipLayerNorm", "skip_shape_refusal"]
+__all__ = ["SKIP_LAYER_NORM", "SKIP_RMS_NORM", "FuseSkipLayerNorm", "skip_shape_refusal"]

@@ -508,3 +508,42 @@ def test_saved_merged_model_is_valid_and_equal_to_the_source(tmp_path, external)
     save_model(model, out, external_data=external)
     onnx.checker.check_model(str(out), full_check=True)
     assert_same_computation(path, out, atol=1e-5, rtol=1e-5)
+
+
+def test_adaln_modulation_chunks_fold_into_the_merged_split():
+    """AdaLN's ``linear(silu(temb)).chunk(k, dim=1)`` in every block: each member's own column Split
+    (num_outputs, or sizes) becomes part of the merged Split, so one Split hands out every shift,
+    scale and gate. A member whose output something else reads keeps its tensor."""
+    g = Linears()
+    g.gemm("zero", 6)
+    g.nodes.append(helper.make_node("Split", ["zero.y"], ["shift", "scale", "gate"], axis=1, num_outputs=3))
+    g.gemm("cont", 4)
+    g.initializers.append(numpy_helper.from_array(np.array([1, 3], np.int64), "sizes"))
+    g.nodes.append(helper.make_node("Split", ["cont.y", "sizes"], ["c0", "c1"], axis=-1))
+    g.gemm("plain", 3)
+    g.outputs = [helper.make_tensor_value_info(n, F32, None) for n in ("shift", "scale", "gate", "c0", "c1", "plain.y")]
+    proto = make_model(g.nodes, g.inputs, g.outputs, g.initializers)
+    proto.opset_import[0].version = 18  # Split's num_outputs
+    model, result = merge(proto)
+    assert result.details["splits_folded"] == 2 and result.details["members"] == 3
+    assert op_counts(model) == Counter({"Gemm": 1, "Split": 1})
+    _, _, _, sizes = merged_values(model)
+    assert sizes == [2, 2, 2, 1, 3, 3]
+    assert_same_computation(proto, model, atol=1e-5, rtol=1e-5)
+
+
+def test_a_group_over_the_weight_cap_merges_in_chunks():
+    """Merged weights are computed whole when saved: a cap keeps each one bounded (Flux's AdaLN
+    modulations together hold 13 GB in float32). Each chunk of consecutive members within the cap
+    is one Gemm; a member alone in its chunk stays as it was, refused with the reason."""
+    g = Linears()
+    for i, n in enumerate([4, 4, 4, 4, 8]):
+        g.gemm(f"g{i}", n)
+    proto = g.model()
+    cap = 8 * K * 4  # two 4-column members, or the 8-column one alone
+    model, report = optimize(proto, [get_pass(PASS)(max_weight_bytes=cap)])
+    result = step(report)
+    assert result.details["groups"] == 2 and result.details["members"] == 4
+    assert [name for name, _ in result.refused] == ["g4"] and "max_weight_bytes" in result.refused[0][1]
+    assert op_counts(model)["Gemm"] == 3
+    assert_same_computation(proto, model, atol=1e-5, rtol=1e-5)

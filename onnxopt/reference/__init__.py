@@ -32,7 +32,13 @@ from .activations import BiasAdd, BiasGelu, BiasSplitGelu, FastGelu, Gelu, Quick
 from .attention import Attention, MultiHeadAttention
 from .conv import NhwcConv
 from .gemm_float8 import GemmFloat8
-from .norms import GroupNorm, SkipGroupNorm, SkipLayerNormalization
+from .norms import (
+    GroupNorm,
+    SimplifiedLayerNormalization,
+    SkipGroupNorm,
+    SkipLayerNormalization,
+    SkipSimplifiedLayerNormalization,
+)
 
 __all__ = ["CONTRIB_OPS", "evaluator", "run", "unsupported_on_ort_cpu"]
 
@@ -40,6 +46,8 @@ CONTRIB_OPS: list[type] = [
     GroupNorm,
     SkipGroupNorm,
     SkipLayerNormalization,
+    SkipSimplifiedLayerNormalization,
+    SimplifiedLayerNormalization,
     BiasSplitGelu,
     BiasAdd,
     FastGelu,

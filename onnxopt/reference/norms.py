@@ -1,4 +1,5 @@
-"""Normalisation com.microsoft ops: GroupNorm, SkipGroupNorm, SkipLayerNormalization."""
+"""Normalisation ops of ONNX Runtime: GroupNorm, SkipGroupNorm, SkipLayerNormalization,
+SkipSimplifiedLayerNormalization (com.microsoft) and SimplifiedLayerNormalization (ONNX domain)."""
 
 from __future__ import annotations
 
@@ -82,6 +83,19 @@ class SkipGroupNorm(_GroupNormBase):
         return (y.astype(X.dtype), s)
 
 
+def _skip_sum(op: ContribOp, input, skip, bias=None, **per_channel) -> np.ndarray:
+    """input + skip (+ bias) in the compute precision, after checking the shapes the skip norms take."""
+    d = input.shape[-1]
+    if skip.shape not in (input.shape, (1, *input.shape[1:]), input.shape[1:]):
+        raise op._invalid(f"skip must be (B, S, D), (1, S, D) or (S, D) for input {input.shape}, got {skip.shape}")
+    for name, t in (*per_channel.items(), ("bias", bias)):
+        if t is not None and t.shape != (d,):
+            raise op._invalid(f"{name} must have shape ({d},), got {t.shape}")
+    ct = compute_dtype(input)
+    s = input.astype(ct) + skip.astype(ct)
+    return s + bias.astype(ct) if bias is not None else s
+
+
 class SkipLayerNormalization(ContribOp):
     """S = input + skip (+ bias); output = (S - mean) / sqrt(var + epsilon) * gamma (+ beta), over the last axis.
 
@@ -92,16 +106,8 @@ class SkipLayerNormalization(ContribOp):
     """
 
     def _run(self, input, skip, gamma, beta=None, bias=None, epsilon=1e-12):
-        d = input.shape[-1]
-        if skip.shape not in (input.shape, (1, *input.shape[1:]), input.shape[1:]):
-            raise self._invalid(f"skip must be (B, S, D), (1, S, D) or (S, D) for input {input.shape}, got {skip.shape}")
-        for name, t in (("gamma", gamma), ("beta", beta), ("bias", bias)):
-            if t is not None and t.shape != (d,):
-                raise self._invalid(f"{name} must have shape ({d},), got {t.shape}")
-        ct = compute_dtype(input)
-        s = input.astype(ct) + skip.astype(ct)
-        if bias is not None:
-            s = s + bias.astype(ct)
+        s = _skip_sum(self, input, skip, gamma=gamma, beta=beta, bias=bias)
+        ct = s.dtype.type
         mean = s.mean(axis=-1, keepdims=True)
         inv_std = 1.0 / np.sqrt(s.var(axis=-1, keepdims=True) + ct(epsilon))
         y = (s - mean) * inv_std * gamma.astype(ct)
@@ -113,3 +119,54 @@ class SkipLayerNormalization(ContribOp):
             inv_std.astype(np.float32),
             s.astype(input.dtype),
         )
+
+
+def _rms_normalized(s: np.ndarray, epsilon: float) -> tuple[np.ndarray, np.ndarray]:
+    """s / sqrt(mean(s^2) + epsilon) over the last axis, and the inverse RMS (s already in float32)."""
+    inv_rms = 1.0 / np.sqrt((s * s).mean(axis=-1, keepdims=True) + s.dtype.type(epsilon))
+    return s * inv_rms, inv_rms
+
+
+class SimplifiedLayerNormalization(ContribOp):
+    """Y = X / sqrt(mean(X^2) + epsilon) * scale over the axes from ``axis`` (RMSNorm).
+
+    ONNX Runtime registers it in the ONNX domain (not com.microsoft). Inputs: X; scale of the
+    normalized shape. Attributes: axis (default -1; only the last axis is supported here), epsilon
+    (default 1e-5), stash_type (default 1: float32 statistics). Outputs: Y in scale's type;
+    optional inv_std_var (float32). Computed in float32 for fp16/bf16 X, as the kernels do.
+    """
+
+    op_domain = ""
+
+    def _name(self) -> str:
+        return self.onnx_node.op_type
+
+    def _run(self, X, scale, axis=-1, epsilon=1e-5, stash_type=1):
+        if axis not in (-1, X.ndim - 1):
+            raise self._reject(f"axis={axis} (only the last axis)")
+        if stash_type != 1:
+            raise self._reject(f"stash_type={stash_type}")
+        d = X.shape[-1]
+        if scale.size != d:
+            raise self._invalid(f"scale must hold {d} values, got shape {scale.shape}")
+        ct = compute_dtype(X)
+        y, inv_rms = _rms_normalized(X.astype(ct), epsilon)
+        y = y * scale.reshape(d).astype(ct)
+        return (y.astype(scale.dtype), inv_rms.astype(np.float32))
+
+
+class SkipSimplifiedLayerNormalization(ContribOp):
+    """S = input + skip (+ bias); output = S / sqrt(mean(S^2) + epsilon) * gamma, over the last axis.
+
+    Inputs: input (B, S, D) or (S, D); skip (B, S, D), (1, S, D) or (S, D); gamma (D); optional
+    bias (D). Attribute: epsilon (default 1e-12). Outputs: output; optional mean, inv_std_var (float32) and input_skip_bias_sum (S in the input type). The sum
+    is formed in float32 and rounded to the input type for output 3, as the CUDA kernel does.
+    """
+
+    def _run(self, input, skip, gamma, bias=None, epsilon=1e-12):
+        s = _skip_sum(self, input, skip, gamma=gamma, bias=bias)
+        ct = s.dtype.type
+        y, inv_rms = _rms_normalized(s, epsilon)
+        y = y * gamma.astype(ct)
+        mean = s.mean(axis=-1, keepdims=True)  # the spec's output 1; nothing reads it after fuse-skip-layer-norm
+        return (y.astype(input.dtype), mean.astype(np.float32), inv_rms.astype(np.float32), s.astype(input.dtype))
