@@ -49,6 +49,7 @@ PRESETS["ort-cuda"] = Preset(
     "cleanup, then every fusion into ONNX Runtime's com.microsoft ops, then NHWC convolutions",
     ("cleanup",)
     + (
+        "fuse-rotary-embedding",  # before fuse-attention: MHA then reads Q and K from RotaryEmbedding's (B, S, N*H)
         "fuse-attention",  # first: it reads the exporters' attention as written, before layout changes
         "fuse-group-norm",
         "fuse-skip-group-norm",

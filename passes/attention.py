@@ -12,6 +12,24 @@ What it matches, after canonicalize-attention (which it requires)::
     more Reshape, [Cast] may sit on q and k (upcast_attention), K^T is Transpose(0,2,1), and the
     result is unfolded by Reshape(B,N,S,H) before the Transpose.
 
+    and, as a second rule, attention over head tensors (the diffusion transformers), whatever
+    computed Q, K and V (a QK RMSNorm, written out or fused; Flux's rotary; MMDiT's joint attention,
+    the Concat of the text and image streams along the sequence; Flux's single-stream block)::
+
+    q (B,N,S,H) ─────────────────────────────────── MatMul ── [Mul(scale)] [Add(mask) [Add(mask2)]] [Cast]
+    k (B,N,L,H) ─ Transpose(0,1,3,2) ───────────────┘          Softmax(-1) [Where(IsNaN)] [Cast] ──┐
+      or k (B,L,N,H) ─ Transpose(0,2,3,1)                                                        │
+    v (B,N,L,H) ──────────────────────────────────────────────────────────────────────────── MatMul
+                                                          Transpose(0,2,1,3) ─ Reshape(B,S,N*H) ─ out
+                     ==>
+    q, k, v ─ [Transpose(0,2,1,3)] ─ [Reshape(0,0,N*H)] ─ MultiHeadAttention(query, key, value) ─ out
+
+    where a head tensor that is Transpose(0,2,1,3) of a head split Reshape(x (B,S,N*H)) is read as x
+    itself (RotaryEmbedding's 3-D output, a projection). The conditions are those below that do not
+    name projections, and: Q, K, V have one (N, H), constant; K and V one batch with Q, proven
+    (equal dims, or a tensor or Shape they all take it from); two additive masks (T5: the
+    relative-position bias, then the padding mask) go to attention_bias as their sum.
+
 What it writes: every form above is first read into one canonical :class:`AttentionSite` (the
 check); one small lowering per kind and layout then writes it (``layout`` for self-attention,
 default "packed"; ``cross_layout`` for cross-attention, default "separate")::
@@ -128,6 +146,7 @@ def probabilities(scores):
     """softmax(scores * scale + mask), each step optional"""
     scaled = OneOf(op.Mul(scores, Var("scale"), _name="scale_mul"), op.Div(scores, Var("divisor"), _name="scale_div"), scores)
     masked = OneOf(op.Add(scaled, Var("mask"), _name="mask_add"), scaled)
+    masked = OneOf(op.Add(op.Add(scaled, Var("mask"), _name="mask_add"), Var("second_mask"), _name="second_mask_add"), masked)
     probs = op.Softmax(upcast(masked, "scores"), axis=Var("axis"), _name="softmax")
     guarded = OneOf(op.Where(op.IsNaN(probs), 0.0, probs, _name="nan_guard"), probs)
     return upcast(upcast(guarded, "probs"), "probs_again")
@@ -152,6 +171,18 @@ def attention_heads_in_batch(x_q, x_k, x_v):
 ATTENTION = Pattern(attention, attention_heads_in_batch, name="attention")
 
 
+def attention_over_heads(q, k, v):
+    """Q, K, V already split into heads, by whatever computed them (QK RMSNorm, rotary, the joint
+    attention's Concat of two streams): K^T is Transpose(k, (0, 1, 3, 2)) of a (B, N, L, H) k, or
+    Transpose(k, (0, 2, 3, 1)) of a (B, L, N, H) one (the exporters' head split merged into it)."""
+    kt = op.Transpose(k, perm=Var("k_perm"), _name="k_transpose")
+    probs = probabilities(op.MatMul(q, kt, _name="qk"))
+    return merge_heads(op.MatMul(probs, v, _name="pv"))
+
+
+ATTENTION_OVER_HEADS = Pattern(attention_over_heads, name="attention-over-heads")
+
+
 # ---------------------------------------------------------------- the canonical site (the check)
 
 
@@ -168,8 +199,8 @@ class AttentionSite:
     head_dim: int
     scale: float | None  # None: MHA's default 1/sqrt(head_dim)
     causal: bool
-    attention_bias: gs.Tensor | None
-    mask_rank: int
+    attention_bias: gs.Tensor | tuple | None  # a pair: two additive masks, MHA reads their sum
+    mask_rank: int | tuple  # a pair with a pair of masks
     out_dtype: object
     out_shape: object
     layout: str = "packed"  # the lowering (the pass's options)
@@ -286,8 +317,8 @@ def _check_fold(t: str, dims: Dims, node: gs.Node, n: int, h: int) -> None:
         raise Refusal(f"{t.upper()} fold gives {text(result)} from {text(source)}: cannot prove (B*N, S, H)")
 
 
-def _check_casts(m: Match) -> None:
-    weights = onnx.helper.np_dtype_to_tensor_dtype(_dtype(m["wq"]))
+def _check_casts(m: Match, dtype: np.dtype | None = None) -> None:
+    weights = onnx.helper.np_dtype_to_tensor_dtype(dtype if dtype is not None else _dtype(m["wq"]))
     for name, to in m.attrs.items():
         if name.startswith("cast_") and int(to) not in (onnx.TensorProto.FLOAT, weights):
             raise Refusal(f"a Cast inside the attention converts to {onnx.TensorProto.DataType.Name(int(to))}")
@@ -316,13 +347,22 @@ def _one_element(t: gs.Tensor, what: str) -> float:
     return float(value.reshape(-1)[0])
 
 
-def _mask(graph, m: Match, dims: Dims, *, cross, rank, seq_q, seq_k, batch, heads):
-    """(causal, attention_bias tensor, its rank) for the mask of ``m``."""
-    mask = m.get("mask")
+def _mask(graph, m: Match, dims: Dims, *, cross, rank, seq_q, seq_k, batch, heads, dtype=None):
+    """(causal, attention_bias, its rank) for the mask of ``m``. Two additive masks (T5: the
+    relative-position bias, then the padding mask) give a pair of each: MHA reads their sum."""
+    mask, second = m.get("mask"), m.get("second_mask")
     if mask is None:
         return False, None, 0
-    if not cross and is_causal(graph, mask, dims, seq_q | seq_k):
+    if second is None and not cross and is_causal(graph, mask, dims, seq_q | seq_k):
         return True, None, 0
+    dtype = dtype if dtype is not None else _dtype(m["wq"])
+    ranks = tuple(_bias_rank(t, dims, rank=rank, seq_q=seq_q, seq_k=seq_k, batch=batch, heads=heads, dtype=dtype)
+                  for t in (mask, second) if t is not None)
+    return (False, mask, ranks[0]) if second is None else (False, (mask, second), ranks)
+
+
+def _bias_rank(mask: gs.Tensor, dims: Dims, *, rank, seq_q, seq_k, batch, heads, dtype) -> int:
+    """The rank of an additive mask that attention_bias takes as it is (unsqueezed), or Refusal."""
     shape = dims.shape(mask)
     if shape is None or len(shape) > 4 or len(shape) < 2:
         raise Refusal(f"mask '{mask.name}' has shape {text(shape)}, not (.., S, L)")
@@ -337,10 +377,9 @@ def _mask(graph, m: Match, dims: Dims, *, cross, rank, seq_q, seq_k, batch, head
         for d, ok in zip(leading, allowed):
             if not (same(d, Dim(1)) or any_same(d, ok)):
                 raise Refusal(f"mask '{mask.name}' has shape {text(shape)}, not (B or 1, N or 1, S, L)")
-    dtype = _dtype(m["wq"])
     if mask.dtype is not None and np.dtype(mask.dtype) != dtype:
         raise Refusal(f"mask '{mask.name}' is {np.dtype(mask.dtype)}, the attention {dtype}")
-    return False, mask, len(shape)
+    return len(shape)
 
 
 def _check_query_read_only_for_shape(m: Match) -> None:
@@ -353,6 +392,179 @@ def _check_query_read_only_for_shape(m: Match) -> None:
             for consumer in t.outputs:
                 if id(consumer) not in inside and not reads_only_shape(consumer):
                     raise Refusal(f"the query projection '{t.name}' is also read by {consumer.op} '{consumer.name}'")
+
+# ---------------------------------------------------------------- attention over head tensors (DiT)
+
+# How a head tensor is read back as MHA's (B, S, N*H): the tensor, and whether it is (B, N, S, H)
+# (a Transpose(0, 2, 1, 3) first) and a (B, S, N, H) to merge (a Reshape) or already (B, S, N*H).
+BNSH_TO_BSNH = (0, 2, 1, 3)
+
+
+@dataclass
+class HeadInput:
+    tensor: gs.Tensor
+    transpose: bool  # (B, N, S, H): Transpose(0, 2, 1, 3) first
+    merge: bool  # (B, S, N, H): Reshape(0, 0, N*H); False: already (B, S, N*H)
+
+
+@dataclass
+class HeadsSite:
+    """An attention whose Q, K, V are head tensors (B, N, S, H): what lower_heads needs."""
+
+    inputs: dict[str, HeadInput]  # "q", "k", "v"
+    heads: int
+    head_dim: int
+    scale: float | None
+    causal: bool
+    attention_bias: gs.Tensor | tuple | None  # a pair: two additive masks, MHA reads their sum
+    mask_rank: int | tuple  # a pair with a pair of masks
+    out_dtype: object
+    out_shape: object
+    kind: str = "over heads"
+
+
+def check_heads_site(graph: gs.Graph, m: Match, dims: Dims) -> HeadsSite:
+    """The conditions of attention-over-heads (module docstring), or Refusal."""
+    perm = tuple(int(p) for p in (m.attrs["k_perm"] or ()))
+    if perm not in ((0, 1, 3, 2), (0, 2, 3, 1)):
+        raise Refusal(f"K is transposed by {list(perm)}: not K^T of (B, N, L, H) or (B, L, N, H) heads")
+    q, k, v = (dims.shape(m[t]) for t in "qkv")
+    if perm == (0, 2, 3, 1) and k is not None and len(k) == 4:
+        k = [k[0], k[2], k[1], k[3]]  # as (B, N, L, H)
+    for t, shape in zip("qkv", (q, k, v)):
+        if shape is None or len(shape) != 4 or not all(d is not None and d.is_int for d in shape[1:4:2]):
+            raise Refusal(f"{t.upper()} '{m[t].name}' is {text(shape)}: not (B, N, S, H) with constant heads and head size")
+    n, h = q[1].value, q[3].value
+    for t, shape in (("K", k), ("V", v)):
+        if not (same(shape[1], Dim(n)) and same(shape[3], Dim(h))):
+            raise Refusal(f"{t} has {text(shape)}: not {n} heads of {h} as Q (grouped-query attention is not fused)")
+        if not (same(shape[0], q[0]) or _share_batch(m["q"], m[t.lower()], dims)):
+            raise Refusal(f"cannot prove Q {text(q)} and {t} {text(shape)} have one batch (MatMul broadcasts, MHA does not)")
+    merged = dims.reshaped(m.node("out_merge"))
+    # N*H proven, and the element count: one of B, S proven fixes the other
+    if merged is None or len(merged) != 3 or not same(merged[2], Dim(n * h)) or not (
+            same(merged[1], q[2]) or any(same(merged[0], d) for d in _batch_sources(m["q"], dims)[1])):
+        raise Refusal(f"output merge gives {text(merged)}, not (B, S, {n * h})")
+    axis = m.attrs["axis"]
+    if axis not in (-1, 3):
+        raise Refusal(f"Softmax over axis {axis}, not the key axis")
+    dtype = np.dtype(m["q"].dtype) if m["q"].dtype is not None else None
+    _check_casts(m, dtype or np.dtype(np.float32))
+    scale = _scale(m, h)
+    causal, bias, mask_rank = _mask(graph, m, dims, cross=True, rank=4, seq_q={q[2]}, seq_k={k[2]}, batch={q[0]},
+                                    heads=n, dtype=dtype)
+    if m.has_node("nan_guard"):
+        reason = nan_free_scores(m.node("softmax").inputs[0])
+        if reason is not None:
+            raise Refusal(f"Softmax is NaN-guarded and {reason}")
+    inputs = {"q": _head_input(m["q"], dims, n, h, bnsh=True), "k": _head_input(m["k"], dims, n, h, bnsh=perm == (0, 1, 3, 2)),
+              "v": _head_input(m["v"], dims, n, h, bnsh=True)}
+    return HeadsSite(inputs, n, h, scale, causal, bias, mask_rank, m.output.dtype, m.output.shape)
+
+
+# Ops whose output has their (first) input's batch: every input's, for Concat off the batch axis.
+_KEEPS_BATCH = frozenset({"Cast", "Identity", "Neg", "Sqrt", "Reciprocal", "Softmax", "SimplifiedLayerNormalization",
+                          "RMSNormalization", "LayerNormalization", "com.microsoft.RotaryEmbedding"})
+_ELEMENTWISE = frozenset({"Add", "Sub", "Mul", "Div", "Pow"})
+
+
+def _share_batch(a: gs.Tensor, b: gs.Tensor, dims: Dims) -> bool:
+    """``a`` and ``b`` provably have one batch: a tensor both take their batch from, or one batch dim
+    both reach (a head-split Reshape's target reads it off the same Shape), through ops that keep
+    axis 0 (elementwise against constants, lower ranks or their own statistics, Transposes that keep
+    axis 0, Concats off the batch axis, normalizations, Reshapes proven to keep it)."""
+    ids_a, dims_a = _batch_sources(a, dims)
+    ids_b, dims_b = _batch_sources(b, dims)
+    return bool(ids_a & ids_b) or any(same(x, y) for x in dims_a for y in dims_b)
+
+
+def _batch_sources(t: gs.Tensor, dims: Dims, depth: int = 0) -> tuple[set[int], list]:
+    """(ids of the tensors ``t`` provably takes its batch from, ``t`` included; their batch dims)."""
+    ids, found = {id(t)}, [d[0] for d in (dims.shape(t),) if d]
+    node = t.inputs[0] if len(t.inputs) == 1 else None
+    if node is None or depth > 32:
+        return ids, found
+    kind = f"{node.domain}.{node.op}" if node.domain else node.op
+    follow: list[gs.Tensor] = []
+    if node.op == "Reshape":
+        before, after = dims.shape(node.inputs[0]), dims.reshaped(node)
+        found += [after[0]] if after else []
+        if before and after and same(before[0], after[0]):
+            follow = [node.inputs[0]]
+    elif kind in _KEEPS_BATCH:
+        follow = [node.inputs[0]]
+    elif node.op == "Transpose" and list(node.attrs.get("perm", []))[:1] == [0]:
+        follow = [node.inputs[0]]
+    elif node.op == "ReduceMean" and _keeps_axis_zero(node):
+        follow = [node.inputs[0]]
+    elif node.op == "Concat" and int(node.attrs.get("axis", 0)) not in (0, -(dims.rank(t) or 0)):
+        follow = list(node.inputs)  # Concat does not broadcast: every input has the batch
+    elif node.op in _ELEMENTWISE:
+        x, y = node.inputs[:2]
+        # the operand of the full rank, when the other is a constant, of lower rank or computed from it
+        for main, other in ((x, y), (y, x)):
+            if is_constant(other) or (dims.rank(other) or 0) < (dims.rank(main) or 0) or \
+                    id(main) in _batch_sources(other, dims, depth + 1)[0]:
+                follow = [main]
+                break
+    for source in follow:
+        more_ids, more_dims = _batch_sources(source, dims, depth + 1)
+        ids |= more_ids
+        found += more_dims
+    return ids, found
+
+
+def _keeps_axis_zero(node: gs.Node) -> bool:
+    axes = node.attrs.get("axes")
+    if axes is None and len(node.inputs) > 1 and is_constant(node.inputs[1]):
+        axes = constant_value(node.inputs[1]).reshape(-1).tolist()
+    return axes is not None and 0 not in axes and all(a > 0 or a < -3 or a == -1 for a in axes)
+
+
+def _head_input(t: gs.Tensor, dims: Dims, n: int, h: int, *, bnsh: bool) -> HeadInput:
+    """Where MHA reads a head tensor from: under its Transpose(0, 2, 1, 3) and head-split Reshape when it has them."""
+    transpose = bnsh
+    producer = t.inputs[0] if len(t.inputs) == 1 else None
+    if bnsh and producer is not None and producer.op == "Transpose" and tuple(producer.attrs.get("perm", ())) == BNSH_TO_BSNH:
+        t, transpose = producer.inputs[0], False
+    producer = t.inputs[0] if len(t.inputs) == 1 else None
+    if not transpose and producer is not None and producer.op == "Reshape":
+        source, split = dims.shape(producer.inputs[0]), dims.reshaped(producer)
+        # (B, S, N*H) -> (B, S, N, H): the head split; one of B, S proven, the element count gives the other
+        if source is not None and len(source) == 3 and same(source[2], Dim(n * h)) and split is not None and \
+                len(split) == 4 and same(split[2], Dim(n)) and same(split[3], Dim(h)) and \
+                (same(split[0], source[0]) or same(split[1], source[1])):
+            return HeadInput(producer.inputs[0], False, False)
+    return HeadInput(t, transpose, True)
+
+
+def lower_heads(make: Emit, s: HeadsSite) -> gs.Tensor:
+    """q, k, v ─ [Transpose(0, 2, 1, 3)] ─ [Reshape(0, 0, N*H)] ─ MultiHeadAttention(query, key, value)"""
+    q, k, v = (_hidden(make, s, t) for t in "qkv")
+    return _mha(make, s, q, k, v)
+
+
+def _hidden(make: Emit, s: HeadsSite, role: str) -> gs.Tensor:
+    source = s.inputs[role]
+    x = source.tensor
+    if source.transpose:
+        x = make.op.Transpose(x, perm=list(BNSH_TO_BSNH), _label=f"{role}_heads",
+                              _shape=[x.shape[i] for i in BNSH_TO_BSNH] if x.shape is not None else None)
+    if source.merge:
+        width = s.heads * s.head_dim
+        x = make.op.Reshape(x, make.constant(f"{role}_hidden.shape", np.array([0, 0, width], np.int64)),
+                            _label=f"{role}_hidden", _shape=[*(x.shape[:2] if x.shape is not None else [None, None]), width])
+    return x
+
+
+def read_heads_site(m: Match, run: FusionRun) -> HeadsSite:
+    site = check_heads_site(run.graph, m, run.memo.setdefault("dims", Dims()))
+    run.details[site.kind] += 1
+    run.details["causal"] += site.causal
+    run.details["attention_bias"] += site.attention_bias is not None
+    run.details["two additive masks"] += isinstance(site.attention_bias, tuple)
+    return site
+
 
 # ---------------------------------------------------------------- the lowerings (the emit)
 
@@ -442,12 +654,30 @@ def _mha(make: Emit, s: AttentionSite, query, key=None, value=None) -> gs.Tensor
 
 
 def _attention_bias(make: Emit, s: AttentionSite) -> gs.Tensor | None:
-    """The mask as (.., .., S, L): unsqueezed in front to 4-D."""
-    mask = s.attention_bias
-    if mask is None or s.mask_rank == 4:
+    """The mask as (.., .., S, L): unsqueezed in front to 4-D; two masks added."""
+    if isinstance(s.attention_bias, tuple):
+        first, second = (_as_4d(make, mask, rank) for mask, rank in zip(s.attention_bias, s.mask_rank))
+        # one sum for the layers that share both masks (T5: every layer)
+        name = f"{first.name}+{second.name}__attention_bias"
+        for consumer in first.outputs:
+            if consumer.op == "Add" and consumer.name == name and consumer.inputs[1] is second:
+                return consumer.outputs[0]
+        return make.node("Add", [first, second], first.dtype, _broadcast_shape(first.shape, second.shape), name=name)
+    return _as_4d(make, s.attention_bias, s.mask_rank)
+
+
+def _broadcast_shape(a, b):
+    """Two 4-D shape annotations broadcast (a dim of 1 takes the other's)."""
+    if a is None or b is None or len(a) != len(b):
+        return None
+    return [y if x == 1 else x for x, y in zip(a, b)]
+
+
+def _as_4d(make: Emit, mask: gs.Tensor | None, rank: int) -> gs.Tensor | None:
+    if mask is None or rank == 4:
         return mask
-    axes = make.constant("attention_bias.axes", np.arange(4 - s.mask_rank, dtype=np.int64))
-    shape = [1] * (4 - s.mask_rank) + list(mask.shape) if mask.shape is not None else None
+    axes = make.constant("attention_bias.axes", np.arange(4 - rank, dtype=np.int64))
+    shape = [1] * (4 - rank) + list(mask.shape) if mask.shape is not None else None
     return make.op.Unsqueeze(mask, axes, _label="attention_bias", _shape=shape)
 
 
@@ -538,6 +768,7 @@ def read_site(m: Match, run: FusionRun) -> AttentionSite:
     run.details["with projection bias"] += site.biased
     run.details["causal"] += site.causal
     run.details["attention_bias"] += site.attention_bias is not None
+    run.details["two additive masks"] += isinstance(site.attention_bias, tuple)
     return site
 
 
@@ -547,7 +778,9 @@ class FuseAttention(Fusion, OrtFusion):
     description = "fuse attention (self, cross, VAE, causal CLIP) into com.microsoft MultiHeadAttention/Attention, packing Q/K/V weights and keeping biases"
     requires = frozenset({SHAPES_INFERRED, ATTENTION_CANONICAL})
     LAYOUTS = ("packed", "split", "separate")
-    rules = (Rule(ATTENTION, read_site, emit_attention, label=lambda m: _site_name(m)),)
+    rules = (Rule(ATTENTION, read_site, emit_attention, label=lambda m: _site_name(m)),
+             # after the projections' form: a site it matched (or refused) is not read again
+             Rule(ATTENTION_OVER_HEADS, read_heads_site, lambda make, s: [lower_heads(make, s)], label=lambda m: _site_name(m)))
     defer_rewrites = True  # check every site on the unchanged graph, then rewrite
 
     def __init__(self, layout: str = "packed", cross_layout: str = "separate"):

@@ -29,7 +29,7 @@ from onnx.reference import ReferenceEvaluator
 
 from ._common import MS_DOMAIN
 from .activations import BiasAdd, BiasGelu, BiasSplitGelu, FastGelu, Gelu, QuickGelu
-from .attention import Attention, MultiHeadAttention
+from .attention import Attention, MultiHeadAttention, RotaryEmbedding
 from .conv import NhwcConv
 from .gemm_float8 import GemmFloat8
 from .norms import (
@@ -57,6 +57,7 @@ CONTRIB_OPS: list[type] = [
     NhwcConv,
     MultiHeadAttention,
     Attention,
+    RotaryEmbedding,
     GemmFloat8,
 ]
 

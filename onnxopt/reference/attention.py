@@ -300,3 +300,58 @@ class Attention(_AttentionOp):
         if mask.ndim == 4 or mask.shape == (3 * b + 2,):
             raise self._reject(f"mask_index of shape {mask.shape}")
         raise self._invalid(f"mask_index must be ({b},), ({2 * b},), ({b}, {t}) or ({b}, {s}, {t}), got {mask.shape}")
+
+
+class RotaryEmbedding(ContribOp):
+    """Rotary position embedding: pairs of channels rotated by an angle read from position-indexed tables.
+
+    Inputs: input (B, S, N*H) with ``num_heads`` (or H from the tables when full rotation), or
+    (B, N, S, H); position_ids: (1,) an offset (positions offset .. offset+S-1 for every batch) or
+    (B, S); cos_cache, sin_cache: (P, R/2), R = rotary_embedding_dim (default H).
+    Attributes: interleaved (1: the pairs are channels (2i, 2i+1); 0: (i, i + R/2)), num_heads,
+    rotary_embedding_dim (default 0: H); is_packed_batching: only 0 is supported; scale: only 1.0.
+    Per pair (x1, x2) at position p:  (x1 cos - x2 sin, x2 cos + x1 sin), cos = cos_cache[p, i];
+    channels from R on pass unchanged.
+    """
+
+    def _run(self, input, position_ids, cos_cache, sin_cache, interleaved=0, num_heads=0, rotary_embedding_dim=0,
+             is_packed_batching=0, scale=1.0):
+        if is_packed_batching:
+            raise self._reject(f"is_packed_batching={is_packed_batching}")
+        if scale not in (None, 1.0):
+            raise self._reject(f"scale={scale}")
+        if cos_cache.ndim != 2 or cos_cache.shape != sin_cache.shape:
+            raise self._invalid(f"cos_cache and sin_cache must be 2-D of one shape, got {cos_cache.shape}, {sin_cache.shape}")
+        half = cos_cache.shape[1]
+        if input.ndim == 4:  # (B, N, S, H)
+            x = input.transpose(0, 2, 1, 3)
+        elif input.ndim == 3:  # (B, S, N*H)
+            heads = num_heads or input.shape[2] // (rotary_embedding_dim or 2 * half)
+            if not heads or input.shape[2] % heads:
+                raise self._invalid(f"hidden size {input.shape[2]} is not divisible by num_heads={heads}")
+            x = input.reshape(*input.shape[:2], heads, input.shape[2] // heads)
+        else:
+            raise self._invalid(f"input must be (B, S, N*H) or (B, N, S, H), got {input.shape}")
+        b, s, _, h = x.shape
+        rotary = rotary_embedding_dim or h
+        if rotary != 2 * half or rotary > h:
+            raise self._invalid(f"tables of {half} angles for a rotary dim of {rotary} (head size {h})")
+        if position_ids.shape == (1,):
+            positions = np.broadcast_to(np.arange(s) + int(position_ids[0]), (b, s))
+        elif position_ids.shape == (b, s):
+            positions = position_ids
+        else:
+            raise self._invalid(f"position_ids must be (1,) or ({b}, {s}), got {position_ids.shape}")
+        if positions.min() < 0 or positions.max() >= cos_cache.shape[0]:
+            raise self._invalid(f"positions up to {positions.max()} outside tables of {cos_cache.shape[0]} rows")
+        ct = compute_dtype(input)
+        cos = cos_cache.astype(ct)[positions][:, :, None, :]  # (B, S, 1, R/2)
+        sin = sin_cache.astype(ct)[positions][:, :, None, :]
+        x = x.astype(ct)
+        part = x[..., :rotary]
+        x1, x2 = (part[..., 0::2], part[..., 1::2]) if interleaved else (part[..., :half], part[..., half:])
+        r1, r2 = x1 * cos - x2 * sin, x2 * cos + x1 * sin
+        rotated = np.stack([r1, r2], axis=-1).reshape(part.shape) if interleaved else np.concatenate([r1, r2], axis=-1)
+        y = np.concatenate([rotated, x[..., rotary:]], axis=-1)
+        y = y.transpose(0, 2, 1, 3) if input.ndim == 4 else y.reshape(input.shape)
+        return (y.astype(input.dtype),)
