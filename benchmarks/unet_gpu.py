@@ -230,10 +230,12 @@ def onnxopt_fp8(src: Path, dst: Path, passes: list[str], size: str, family: str,
     return {"path": str(dst), "fused": fused, "seconds": report.seconds}
 
 
-def ort_optimizer(src: Path, dst: Path, ort_pythonpath: str) -> dict:
+def ort_optimizer(src: Path, dst: Path, ort_pythonpath: str, script: str = ORT_OPTIMIZE, args: tuple = ()) -> dict:
+    """Run ``script`` (ONNX Runtime's transformers optimizer: SRC DST *ARGS) in a subprocess with
+    ``ort_pythonpath`` first on sys.path; its last printed line is the fused-op summary."""
     env = dict(os.environ, PYTHONPATH=f"{ort_pythonpath}:{os.environ.get('PYTHONPATH', '')}")
     t0 = time.time()
-    proc = subprocess.run([sys.executable, "-c", ORT_OPTIMIZE, str(src), str(dst)], env=env, capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "-c", script, str(src), str(dst), *args], env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         errors = [line for line in proc.stderr.splitlines() if "Error" in line or "error" in line]
         return {"error": (errors or [f"exit {proc.returncode}"])[-1].strip()}
