@@ -395,7 +395,7 @@ def table(family: str, results: dict, dry: bool) -> str:
             continue
         ratio = f"{r['median_ms'] / compiled:.2f}x" if compiled else ""
         graph = {True: "on", False: "off"}.get(r.get("cuda_graph"), "")
-        note = r.get("note") or built.get("note") or built.get("fused") or (f"compile {r['compile_s']:.0f} s" if "compile_s" in r else "")
+        note = r.get("note") or built.get("note") or fused_summary(built.get("fused")) or (f"compile {r['compile_s']:.0f} s" if "compile_s" in r else "")
         lines.append(f"| {ROW_TITLES[label]} | {r['median_ms']:.2f} | {ratio} | {graph} | {r['rel_l2']:.3g} | {r['max_abs']:.3g} | {str(note)[:160]} |")
     profiled = [(label, results[key]["kernels"]) for label, key, _ in rows if "kernels" in (results.get(key) or {})]
     if profiled:
@@ -405,6 +405,13 @@ def table(family: str, results: dict, dry: bool) -> str:
             fam = k["families"]
             lines.append(f"| {ROW_TITLES[label]} | {k['busy_ms']:.2f} | " + " | ".join(f"{fam.get(f, 0):.2f}" for f in FAMILY_COLUMNS) + " |")
     return "\n".join(lines)
+
+
+def fused_summary(fused) -> str:
+    """onnxopt's {pass: "rewritten/matched"} less the passes that found nothing; ORT's op counts as given."""
+    if isinstance(fused, dict):
+        return ", ".join(f"{name.removeprefix('fuse-')} {sites}" for name, sites in fused.items() if not str(sites).startswith("0/0"))
+    return str(fused or "")
 
 
 def main(argv=None) -> int:
