@@ -86,6 +86,7 @@ import onnx
 import onnx_graphsurgeon as gs
 
 from onnxopt.attention_masks import any_same, is_causal, nan_free_scores
+from onnxopt.dim_sources import dim_sources, proven_dim, share_dim
 from onnxopt.errors import PassOptionError
 from onnxopt.fusion import Emit, Fusion, FusionRun, Refusal, Rule
 from onnxopt.pass_infra import ATTENTION_CANONICAL, SHAPES_INFERRED, OrtFusion
@@ -429,21 +430,27 @@ def check_heads_site(graph: gs.Graph, m: Match, dims: Dims) -> HeadsSite:
     if perm not in ((0, 1, 3, 2), (0, 2, 3, 1)):
         raise Refusal(f"K is transposed by {list(perm)}: not K^T of (B, N, L, H) or (B, L, N, H) heads")
     q, k, v = (dims.shape(m[t]) for t in "qkv")
-    if perm == (0, 2, 3, 1) and k is not None and len(k) == 4:
-        k = [k[0], k[2], k[1], k[3]]  # as (B, N, L, H)
+    heads_axis = {"q": 1, "k": 2 if perm == (0, 2, 3, 1) else 1, "v": 1}
+    found = {}
     for t, shape in zip("qkv", (q, k, v)):
-        if shape is None or len(shape) != 4 or not all(d is not None and d.is_int for d in shape[1:4:2]):
+        # heads and head size: proven constant here, or where the head split gave them
+        n_t, h_t = (proven_dim(m[t], axis, dims) if shape is not None and len(shape) == 4 else None
+                    for axis in (heads_axis[t], 3))
+        if n_t is None or h_t is None:
             raise Refusal(f"{t.upper()} '{m[t].name}' is {text(shape)}: not (B, N, S, H) with constant heads and head size")
-    n, h = q[1].value, q[3].value
+        found[t] = (n_t, h_t)
+    n, h = found["q"]
+    if perm == (0, 2, 3, 1):
+        k = [k[0], k[2], k[1], k[3]]  # as (B, N, L, H)
     for t, shape in (("K", k), ("V", v)):
-        if not (same(shape[1], Dim(n)) and same(shape[3], Dim(h))):
-            raise Refusal(f"{t} has {text(shape)}: not {n} heads of {h} as Q (grouped-query attention is not fused)")
-        if not (same(shape[0], q[0]) or _share_batch(m["q"], m[t.lower()], dims)):
+        if found[t.lower()] != (n, h):
+            raise Refusal(f"{t} has {found[t.lower()][0]} heads of {found[t.lower()][1]}: not {n} of {h} as Q (grouped-query attention is not fused)")
+        if not (same(shape[0], q[0]) or share_dim(m["q"], 0, m[t.lower()], 0, dims)):
             raise Refusal(f"cannot prove Q {text(q)} and {t} {text(shape)} have one batch (MatMul broadcasts, MHA does not)")
     merged = dims.reshaped(m.node("out_merge"))
     # N*H proven, and the element count: one of B, S proven fixes the other
     if merged is None or len(merged) != 3 or not same(merged[2], Dim(n * h)) or not (
-            same(merged[1], q[2]) or any(same(merged[0], d) for d in _batch_sources(m["q"], dims)[1])):
+            same(merged[1], q[2]) or any(same(merged[0], d) for d in dim_sources(m["q"], 0, dims)[1])):
         raise Refusal(f"output merge gives {text(merged)}, not (B, S, {n * h})")
     axis = m.attrs["axis"]
     if axis not in (-1, 3):
@@ -460,65 +467,6 @@ def check_heads_site(graph: gs.Graph, m: Match, dims: Dims) -> HeadsSite:
     inputs = {"q": _head_input(m["q"], dims, n, h, bnsh=True), "k": _head_input(m["k"], dims, n, h, bnsh=perm == (0, 1, 3, 2)),
               "v": _head_input(m["v"], dims, n, h, bnsh=True)}
     return HeadsSite(inputs, n, h, scale, causal, bias, mask_rank, m.output.dtype, m.output.shape)
-
-
-# Ops whose output has their (first) input's batch: every input's, for Concat off the batch axis.
-_KEEPS_BATCH = frozenset({"Cast", "Identity", "Neg", "Sqrt", "Reciprocal", "Softmax", "SimplifiedLayerNormalization",
-                          "RMSNormalization", "LayerNormalization", "com.microsoft.RotaryEmbedding"})
-_ELEMENTWISE = frozenset({"Add", "Sub", "Mul", "Div", "Pow"})
-
-
-def _share_batch(a: gs.Tensor, b: gs.Tensor, dims: Dims) -> bool:
-    """``a`` and ``b`` provably have one batch: a tensor both take their batch from, or one batch dim
-    both reach (a head-split Reshape's target reads it off the same Shape), through ops that keep
-    axis 0 (elementwise against constants, lower ranks or their own statistics, Transposes that keep
-    axis 0, Concats off the batch axis, normalizations, Reshapes proven to keep it)."""
-    ids_a, dims_a = _batch_sources(a, dims)
-    ids_b, dims_b = _batch_sources(b, dims)
-    return bool(ids_a & ids_b) or any(same(x, y) for x in dims_a for y in dims_b)
-
-
-def _batch_sources(t: gs.Tensor, dims: Dims, depth: int = 0) -> tuple[set[int], list]:
-    """(ids of the tensors ``t`` provably takes its batch from, ``t`` included; their batch dims)."""
-    ids, found = {id(t)}, [d[0] for d in (dims.shape(t),) if d]
-    node = t.inputs[0] if len(t.inputs) == 1 else None
-    if node is None or depth > 32:
-        return ids, found
-    kind = f"{node.domain}.{node.op}" if node.domain else node.op
-    follow: list[gs.Tensor] = []
-    if node.op == "Reshape":
-        before, after = dims.shape(node.inputs[0]), dims.reshaped(node)
-        found += [after[0]] if after else []
-        if before and after and same(before[0], after[0]):
-            follow = [node.inputs[0]]
-    elif kind in _KEEPS_BATCH:
-        follow = [node.inputs[0]]
-    elif node.op == "Transpose" and list(node.attrs.get("perm", []))[:1] == [0]:
-        follow = [node.inputs[0]]
-    elif node.op == "ReduceMean" and _keeps_axis_zero(node):
-        follow = [node.inputs[0]]
-    elif node.op == "Concat" and int(node.attrs.get("axis", 0)) not in (0, -(dims.rank(t) or 0)):
-        follow = list(node.inputs)  # Concat does not broadcast: every input has the batch
-    elif node.op in _ELEMENTWISE:
-        x, y = node.inputs[:2]
-        # the operand of the full rank, when the other is a constant, of lower rank or computed from it
-        for main, other in ((x, y), (y, x)):
-            if is_constant(other) or (dims.rank(other) or 0) < (dims.rank(main) or 0) or \
-                    id(main) in _batch_sources(other, dims, depth + 1)[0]:
-                follow = [main]
-                break
-    for source in follow:
-        more_ids, more_dims = _batch_sources(source, dims, depth + 1)
-        ids |= more_ids
-        found += more_dims
-    return ids, found
-
-
-def _keeps_axis_zero(node: gs.Node) -> bool:
-    axes = node.attrs.get("axes")
-    if axes is None and len(node.inputs) > 1 and is_constant(node.inputs[1]):
-        axes = constant_value(node.inputs[1]).reshape(-1).tolist()
-    return axes is not None and 0 not in axes and all(a > 0 or a < -3 or a == -1 for a in axes)
 
 
 def _head_input(t: gs.Tensor, dims: Dims, n: int, h: int, *, bnsh: bool) -> HeadInput:

@@ -3,8 +3,8 @@
 What it matches (diffusers' ``apply_rotary_emb(x, (cos, sin), use_real_unbind_dim=-1)``, both exporters)::
 
     pairs   = Reshape(x, (.., H/2, 2))
-    even    = pairs[..., 0]       Slice(0:1)+Squeeze | Gather(0) | Split(1, 1)[0]+Squeeze
-    odd     = pairs[..., 1]       Slice(1:2)+Squeeze | Gather(1) | Split(1, 1)[1]+Squeeze
+    even    = pairs[..., 0]       Slice(0:1)+Squeeze | Gather(0) | Split(1, 1)[0]+Squeeze | x[..., 0::2]
+    odd     = pairs[..., 1]       Slice(1:2)+Squeeze | Gather(1) | Split(1, 1)[1]+Squeeze | x[..., 1::2]
     rotated = Reshape(Concat(Unsqueeze(Neg(odd), -1), Unsqueeze(even, -1), axis=-1), x's shape)
     y       = x * cos + rotated * sin          cos, sin: Unsqueeze..(table (T, H))
 
@@ -44,9 +44,10 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_graphsurgeon as gs
 
+from onnxopt.dim_sources import proven_dim
 from onnxopt.fusion import Emit, Fusion, FusionRun, Refusal, Rule
 from onnxopt.pass_infra import SHAPES_INFERRED, OrtFusion
-from onnxopt.pattern import Const, Match, OneOf, Pattern, Var, constant_value, is_constant, op
+from onnxopt.pattern import Const, Match, OneOf, Pattern, Var, constant_value, is_constant, op, reads_only_shape
 from onnxopt.pattern.dims import Dim, Dims, same, text
 from onnxopt.registry import register_pass
 
@@ -56,13 +57,13 @@ from onnxopt.registry import register_pass
 def _rotated(pairs, even, odd):
     """stack([-odd, even], -1).flatten(-2): each pair (x1, x2) becomes (-x2, x1)"""
     stacked = op.Concat(op.Unsqueeze(op.Neg(odd), Var("neg_axes")), op.Unsqueeze(even, Var("even_axes")),
-                        axis=Var("stack_axis"), _name="stack")
+                        axis=Var("stack_axis"), _name="stack", _external_uses=reads_only_shape)
     return op.Reshape(stacked, Var("rotated_shape"), _name="rotated")
 
 
 def _channel(pairs, t: str):
     """pairs[..., i] by Slice+Squeeze or Gather"""
-    sliced = op.Slice(pairs, Const.named(f"{t}_starts"), Const.named(f"{t}_ends"), Const.named(f"{t}_axes"),
+    sliced = op.Slice(pairs, *(Const.named(f"{t}_slice_{k}") for k in ("starts", "ends", "axes")),
                       _name=f"{t}_slice", _extra_inputs=True)
     return [op.Squeeze(sliced, Const.named(f"{t}_squeeze_axes"), _name=f"{t}_squeeze"),
             op.Gather(pairs, Const.named(f"{t}_index"), axis=Var(f"{t}_gather_axis"), _name=f"{t}_gather")]
@@ -87,7 +88,14 @@ def rotary_split(x, cos, sin):
     return _rotary(x, cos, sin, _rotated(pairs, even, odd))
 
 
-ROTARY = Pattern(rotary_sliced, rotary_split, name="interleaved-rotary")
+def rotary_strided(x, cos, sin):
+    """the pairs as x[..., 0::2] and x[..., 1::2] (models' traceable form for TorchScript)"""
+    even, odd = (op.Slice(x, *(Const.named(f"{t}_strided_{k}") for k in ("starts", "ends", "axes", "steps")),
+                          _name=f"{t}_strided") for t in ("even", "odd"))
+    return _rotary(x, cos, sin, _rotated(None, even, odd))
+
+
+ROTARY = Pattern(rotary_sliced, rotary_split, rotary_strided, name="interleaved-rotary")
 
 
 def onnx_rotary(x, cos, sin):
@@ -118,11 +126,15 @@ def check_rotary(m: Match, run: FusionRun) -> RotarySite:
     if shape is None or len(shape) != 4 or shape[3] is None or not shape[3].is_int or shape[3].value % 2:
         raise Refusal(f"x '{x.name}' is {text(shape)}: not 4-D with a constant, even head size")
     h = shape[3].value
-    pairs = dims.reshaped(m.node("pairs"))
-    if pairs is None or len(pairs) < 2 or not same(pairs[-1], Dim(2)):
-        raise Refusal(f"the pairs Reshape gives {text(pairs)}: its last axis is not the pair (2)")
-    last = len(pairs) - 1
-    _check_channels(m, last)
+    if m.has_node("pairs"):
+        pairs = dims.reshaped(m.node("pairs"))
+        if pairs is None or len(pairs) < 2 or not same(pairs[-1], Dim(2)):
+            raise Refusal(f"the pairs Reshape gives {text(pairs)}: its last axis is not the pair (2)")
+        last = len(pairs) - 1
+        _check_channels(m, last)
+    else:
+        last = len(shape)  # the stacked pair axis, after x's
+        _check_strided(m, len(shape) - 1, h)
     if not _is_axis(m.attrs["stack_axis"], last):
         raise Refusal(f"the pair is stacked on axis {m.attrs['stack_axis']}, not the last")
     for name in ("neg_axes", "even_axes"):
@@ -150,11 +162,11 @@ def check_rotary(m: Match, run: FusionRun) -> RotarySite:
     (cos, axis), (sin, sin_axis) = tables["cos"], tables["sin"]
     if axis != sin_axis:
         raise Refusal("cos and sin run along different axes")
-    heads = shape[2] if axis == 1 else shape[1]
-    if heads is None or not heads.is_int:
+    heads = proven_dim(x, 2 if axis == 1 else 1, dims)  # here, or where the head split gave it
+    if heads is None:
         raise Refusal(f"x '{x.name}' {text(shape)}: the head count is not a proven constant")
     run.details["(B, S, N, H)" if axis == 1 else "(B, N, S, H)"] += 1
-    return RotarySite(x, cos, sin, heads.value, h, axis)
+    return RotarySite(x, cos, sin, heads, h, axis)
 
 
 def _check_channels(m: Match, last: int) -> None:
@@ -182,6 +194,16 @@ def _check_channels(m: Match, last: int) -> None:
                 raise Refusal(f"the {t} channel is not pairs[..., {index}]")
         if not _axes_are(m[f"{t}_squeeze_axes"], last):
             raise Refusal(f"the {t} channel is squeezed on another axis than the last")
+
+
+def _check_strided(m: Match, last: int, h: int) -> None:
+    for t, index in (("even", 0), ("odd", 1)):
+        values = [constant_value(m[f"{t}_strided_{k}"]) for k in ("starts", "ends", "axes", "steps")]
+        if any(v is None or v.size != 1 for v in values):
+            raise Refusal(f"the {t} Slice's arguments are not one-element constants")
+        start, end, axis, step = (int(v.reshape(-1)[0]) for v in values)
+        if start != index or step != 2 or end < h or not _is_axis(axis, last):
+            raise Refusal(f"the {t} channel is not x[..., {index}::2]")
 
 
 def _is_axis(axis, last: int) -> bool:

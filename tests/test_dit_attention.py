@@ -320,12 +320,10 @@ FIXTURE_SITES = {
     "sd35-medium.tiny.dynamo.dynamic.sdpa.onnx": (4, 0),
     "flux-dev.tiny.dynamo.dynamic.sdpa.onnx": (4, 8),
     "flux-dev.tiny.dynamo.dynamic.sdpa.opset23.onnx": (4, 8),
+    "flux-dev.tiny.torchscript.dynamic.sdpa.onnx": (4, 8),  # the builders' strided-slice rotary
     "t5-xxl.tiny.torchscript.dynamic.sdpa.onnx": (2, 0),
 }
 NOT_YET = {
-    # the model builders' traceable rotary takes the pairs by strided Slices (no pair Reshape), and
-    # the heads of unflatten(-1, (-1, H)) are not proven constant on this export
-    "flux-dev.tiny.torchscript.dynamic.sdpa.onnx": (4, 8),
     # ONNX Attention with T5's summed mask: canonicalize-attention cannot prove the mask finite
     "t5-xxl.tiny.dynamo.dynamic.sdpa.opset23.onnx": (2, 0),
 }
