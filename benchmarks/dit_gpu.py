@@ -53,6 +53,8 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
+import shlex
 import shutil
 import sys
 import time
@@ -61,9 +63,10 @@ from pathlib import Path
 
 import numpy as np
 
+from benchmarks.cuda_timing import timed
 from benchmarks.kernels_gpu import family as kernel_family
 from benchmarks.pipeline_gpu import free_device_memory
-from benchmarks.unet_gpu import Steps, onnxopt_fp16, ort_cuda_chain, ort_optimizer
+from benchmarks.unet_gpu import Steps, ort_cuda_chain
 
 SOURCE_DTYPE = {"sd35-medium": "float32", "flux-dev": "bfloat16"}
 ORT_ROWS = ("raw", "ort", "onnxopt-fp16", "onnxopt-bf16")
@@ -112,12 +115,19 @@ class Bench:
         return build(self.family, self.size, seed=self.args.seed, **({"dtype": dtype} if dtype else {}))
 
     def export(self) -> dict:
-        from models.bigexport import export_folder
+        """``python -m models export`` (models/bigexport.py) in a detached process (see :func:`detached`)."""
+        import json
 
-        if self.export_dir.exists():  # a partial folder of a call that was cut off
-            shutil.rmtree(self.export_dir)
-        summary = export_folder(self.family, self.export_dir, size=self.size, exporter=self.args.exporter,
-                                dtype=self.source_dtype, seed=self.args.seed, log=lambda line: print(line, flush=True))
+        if not (self.export_dir / "export.json").is_file():
+            shutil.rmtree(self.export_dir, ignore_errors=True)  # never a half-written folder: bigexport renames into place
+            for partial in self.work.glob(".export.partial-*"):
+                shutil.rmtree(partial, ignore_errors=True)
+        argv = [sys.executable, "-m", "models", "export", self.family, "--size", self.size, "--exporter", self.args.exporter,
+                "--dtype", self.source_dtype, "--seed", str(self.args.seed), "-o", str(self.export_dir)]
+        rc = detached(self.work, "export", argv, self.deadline)
+        if rc != 0:
+            raise RuntimeError(f"models export exited {rc}: {last_line(self.work / 'export.log')}")
+        summary = json.loads((self.export_dir / "export.json").read_text())
         return {"path": str(self.source), "seconds": summary["seconds"], "num_nodes": summary["num_nodes"],
                 "peak_rss_gb": summary["peak_rss_gb"], "bytes": sum(summary["files"].values())}
 
@@ -156,22 +166,45 @@ class Bench:
     def build_raw(self) -> dict:
         if self.dry or self.source_dtype != "float32":
             return {"path": str(self.source), "note": f"the export as written ({self.source_dtype})"}
-        return onnxopt_fp16(self.source, self.work / "raw" / "model.onnx", ["cleanup", "fp16"])
+        return self.onnxopt_cli("raw", ["cleanup", "fp16"], "float16")
 
     def build_ort(self) -> dict:
         convert = "none" if self.dry or self.source_dtype != "float32" else "fp16"
         dst = self.work / "ort" / "model.onnx"
         dst.parent.mkdir(parents=True, exist_ok=True)
-        return ort_optimizer(self.source, dst, self.args.ort_pythonpath, ORT_OPTIMIZE_MMDIT, (convert,))
+        env = {"PYTHONPATH": f"{self.args.ort_pythonpath}:{os.environ.get('PYTHONPATH', '')}"}
+        t0 = time.time()
+        rc = detached(self.work, "ort", [sys.executable, "-c", ORT_OPTIMIZE_MMDIT, str(self.source), str(dst), convert],
+                      self.deadline, env)
+        if rc != 0:
+            raise RuntimeError(f"ONNX Runtime's optimizer exited {rc}: {last_line(self.work / 'ort.log', 'rror')}")
+        return {"path": str(dst), "fused": last_line(self.work / "ort.log"), "seconds": time.time() - t0}
 
     def build_onnxopt(self, low: str) -> dict:
-        label = f"onnxopt-{'bf16' if low == 'bfloat16' else 'fp16'}"
-        dst = self.work / label / "model.onnx"
-        dst.parent.mkdir(parents=True, exist_ok=True)
         # dry run: fp32 (ORT's CPU provider lacks float16/bfloat16 kernels for most of these ops) and no
         # NhwcConv (a CUDA-only op): every other pass of the preset runs on ORT's CPU provider
         passes = ort_cuda_chain(leave_out=("nhwc-conv",)) if self.dry else ["ort-cuda", "fp16"]
-        return onnxopt_fp16(self.source, dst, passes, None if self.dry else {"fp16": {"low_precision": low}})
+        return self.onnxopt_cli(f"onnxopt-{'bf16' if low == 'bfloat16' else 'fp16'}", passes, None if self.dry else low)
+
+    def onnxopt_cli(self, label: str, passes: list[str], low: str | None) -> dict:
+        """``onnxopt optimize`` (the CLI) in a detached process; the fused sites from its JSON report."""
+        import json
+
+        dst = self.work / label / "model.onnx"
+        report = dst.with_suffix(".report.json")
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        argv = [sys.executable, "-m", "onnxopt", "optimize", "-i", str(self.source), "-o", str(dst),
+                "--passes", ",".join(passes), "--external-data", "--report-json", str(report), "-q"]
+        if low:
+            argv += ["--low-precision", low]
+        rc = detached(self.work, label, argv, self.deadline)
+        if rc != 0:
+            raise RuntimeError(f"onnxopt exited {rc}: {last_line(self.work / f'{label}.log')}")
+        r = json.loads(report.read_text())
+        fused = {p["pass"]: f"{p['sites_rewritten']}/{p['sites_matched']}" for p in r["passes"]
+                 if p["pass"].startswith(("fuse", "nhwc")) and not p.get("companion")}
+        return {"path": str(dst), "fused": fused, "seconds": r["seconds"],
+                "peak_rss_gb": (r.get("peak_rss_mb_after_save") or 0) / 1e3}
 
     def ort_row(self, label: str, path: str) -> dict:
         """Time, accuracy and kernels of one ORT model; CUDA graph, or without it when the capture fails."""
@@ -312,6 +345,50 @@ class BoundSession:
         return self.buffers["out:" + name].float().cpu().numpy()
 
 
+def detached(work: Path, name: str, argv: list[str], deadline: float, env: dict | None = None) -> int:
+    """Run ``argv`` in a process of its own session, logging to <work>/<name>.log, and wait for it until
+    ``deadline``; its exit status, or TimeoutError while it still runs. A later call finds it running
+    (where the machine keeps a call's processes) and waits again, or finds it gone without a status
+    and starts it over: the heavy CPU steps are not tied to one call's time limit where they may outlive it."""
+    import subprocess
+
+    rc_file, pid_file, log = work / f"{name}.rc", work / f"{name}.pid", work / f"{name}.log"
+    if not rc_file.exists() and not alive(pid_file):
+        command = f"{shlex.join(argv)} > {shlex.quote(str(log))} 2>&1; echo $? > {shlex.quote(str(rc_file))}.tmp; " \
+                  f"mv {shlex.quote(str(rc_file))}.tmp {shlex.quote(str(rc_file))}"
+        proc = subprocess.Popen(["bash", "-c", command], start_new_session=True, env={**os.environ, **(env or {})})
+        pid_file.write_text(str(proc.pid))
+    while not rc_file.exists():
+        if time.time() > deadline:
+            raise TimeoutError(f"{name} (still running, log {log})")
+        if not alive(pid_file):
+            time.sleep(1)  # the status file is written just before the process ends
+            if not rc_file.exists():
+                raise RuntimeError(f"{name}: the process ended without a status ({last_line(log)})")
+        time.sleep(2)
+    rc = int(rc_file.read_text().strip() or 1)
+    if rc != 0:  # a failed run is retried on the next call, not recorded as done
+        rc_file.unlink()
+    return rc
+
+
+def alive(pid_file: Path) -> bool:
+    try:
+        os.kill(int(pid_file.read_text()), 0)
+    except (OSError, ValueError):
+        return False
+    try:  # a zombie child of this process counts as ended
+        return os.waitpid(int(pid_file.read_text()), os.WNOHANG) == (0, 0)
+    except ChildProcessError:
+        return True
+
+
+def last_line(path: Path, containing: str = "") -> str:
+    lines = [line.strip() for line in path.read_text(errors="replace").splitlines() if line.strip() and containing in line] \
+        if path.exists() else []
+    return lines[-1][:200] if lines else "no output"
+
+
 def release() -> None:
     gc.collect()
     free_device_memory()
@@ -322,31 +399,6 @@ def accuracy(output: np.ndarray, expected: np.ndarray) -> dict:
     return {"max_abs": float(np.abs(output - expected).max()),
             "rel_l2": float(np.linalg.norm(output - expected) / max(np.linalg.norm(expected), 1e-30)),
             "finite": bool(np.isfinite(output).all())}
-
-
-def timed(fn, warmup: int, runs: int, device: str) -> dict:
-    """Median of ``runs`` calls after ``warmup``: CUDA events on the GPU, the host clock on the CPU."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    if device == "cuda":
-        import torch
-
-        torch.cuda.synchronize()
-        for _ in range(runs):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-    else:
-        for _ in range(runs):
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return {"median_ms": float(np.median(times)), "min_ms": float(np.min(times)), "max_ms": float(np.max(times)),
-            "runs": runs, "clock": "cuda-events" if device == "cuda" else "host"}
 
 
 def kernels_by_family(fn, runs: int) -> dict:
@@ -435,6 +487,7 @@ def main(argv=None) -> int:
         ap.error(f"--skip: unknown rows {', '.join(sorted(unknown))}")
     bench = Bench(args)
     steps = Steps(bench.work, args.budget)
+    bench.deadline = steps.deadline
     builds = {"raw": bench.build_raw, "ort": bench.build_ort,
               "onnxopt-fp16": lambda: bench.build_onnxopt("float16"), "onnxopt-bf16": lambda: bench.build_onnxopt("bfloat16")}
     done = True
@@ -463,6 +516,8 @@ def guarded(fn) -> dict:
     """``fn()``, or its error as the row's result: one row failing keeps the others."""
     try:
         return fn()
+    except TimeoutError:  # the budget, not a failure: the step runs again on the next call
+        raise
     except Exception as exc:  # noqa: BLE001
         release()
         return {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"}

@@ -40,6 +40,8 @@ from pathlib import Path
 
 import numpy as np
 
+from benchmarks.cuda_timing import timed as median_time
+
 VARIANTS = {"ts-dynamic": ("torchscript", "dynamic"), "ts-static": ("torchscript", "static"), "dynamo-dynamic": ("dynamo", "dynamic")}
 DIMS = dict(batch=2, height=64, width=64, sequence=77)
 # The latent size each family is run at (its native image size / 8), batch 2 for guidance.
@@ -139,19 +141,7 @@ def torch_timed(work: Path, size: str, family: str, compiled: bool, runs: int) -
         return out[0] if isinstance(out, (tuple, list)) else out
 
     def timed(fn) -> dict:
-        for _ in range(10):
-            fn()
-        torch.cuda.synchronize()
-        times = []
-        for _ in range(runs):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        return {"median_ms": float(np.median(times)), "min_ms": float(np.min(times)), "max_ms": float(np.max(times)),
-                "clock": "cuda-events"}
+        return median_time(fn, 10, runs)
 
     def accuracy(output) -> dict:
         output, expected = output.float().cpu().numpy(), ref["output"]
@@ -230,12 +220,10 @@ def onnxopt_fp8(src: Path, dst: Path, passes: list[str], size: str, family: str,
     return {"path": str(dst), "fused": fused, "seconds": report.seconds}
 
 
-def ort_optimizer(src: Path, dst: Path, ort_pythonpath: str, script: str = ORT_OPTIMIZE, args: tuple = ()) -> dict:
-    """Run ``script`` (ONNX Runtime's transformers optimizer: SRC DST *ARGS) in a subprocess with
-    ``ort_pythonpath`` first on sys.path; its last printed line is the fused-op summary."""
+def ort_optimizer(src: Path, dst: Path, ort_pythonpath: str) -> dict:
     env = dict(os.environ, PYTHONPATH=f"{ort_pythonpath}:{os.environ.get('PYTHONPATH', '')}")
     t0 = time.time()
-    proc = subprocess.run([sys.executable, "-c", script, str(src), str(dst), *args], env=env, capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "-c", ORT_OPTIMIZE, str(src), str(dst)], env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         errors = [line for line in proc.stderr.splitlines() if "Error" in line or "error" in line]
         return {"error": (errors or [f"exit {proc.returncode}"])[-1].strip()}
