@@ -96,7 +96,7 @@ class Bench:
         self.args, self.family, self.dry = args, args.family, args.dry_run
         self.size = "tiny" if self.dry else "full"
         self.device = "cpu" if self.dry else "cuda"
-        self.source_dtype = "float32" if self.dry else SOURCE_DTYPE[self.family]
+        self.source_dtype = "float32" if self.dry else (args.source_dtype or SOURCE_DTYPE[self.family])
         self.runs, self.warmup = (2, 1) if self.dry else (args.runs, args.warmup)
         self.work = args.work / self.family
         self.work.mkdir(parents=True, exist_ok=True)
@@ -473,6 +473,9 @@ def main(argv=None) -> int:
     ap.add_argument("--budget", type=float, default=540, help="seconds; stop between steps after this")
     ap.add_argument("--out", type=Path, help="copy results.json and table.md here")
     ap.add_argument("--exporter", choices=["dynamo", "torchscript"], default="dynamo")
+    ap.add_argument("--source-dtype", choices=["float32", "bfloat16"],
+                    help="dtype the model is built and exported in (default: float32 for sd35-medium, bfloat16 for "
+                         "flux-dev; Flux in float32 needs a 128 GB disk and about 100 GB of RAM for ORT's optimizer)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--runs", type=int, default=20, help="timed calls (median reported)")
     ap.add_argument("--warmup", type=int, default=5)
