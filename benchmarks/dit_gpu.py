@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import os
 import shlex
 import shutil
@@ -116,8 +117,6 @@ class Bench:
 
     def export(self) -> dict:
         """``python -m models export`` (models/bigexport.py) in a detached process (see :func:`detached`)."""
-        import json
-
         if not (self.export_dir / "export.json").is_file():
             shutil.rmtree(self.export_dir, ignore_errors=True)  # never a half-written folder: bigexport renames into place
             for partial in self.work.glob(".export.partial-*"):
@@ -188,8 +187,6 @@ class Bench:
 
     def onnxopt_cli(self, label: str, passes: list[str], low: str | None) -> dict:
         """``onnxopt optimize`` (the CLI) in a detached process; the fused sites from its JSON report."""
-        import json
-
         dst = self.work / label / "model.onnx"
         report = dst.with_suffix(".report.json")
         dst.parent.mkdir(parents=True, exist_ok=True)
@@ -481,6 +478,8 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--ort-pythonpath", default="/tmp/np1", help="put first on sys.path for ORT's optimizer (numpy 1.26)")
     ap.add_argument("--skip", default="", help=f"comma-separated rows not to build or time: {', '.join([*ORT_ROWS, *TORCH_ROWS])}")
+    ap.add_argument("--results-from", type=Path, help="results.json of an earlier machine (its --out): its rows are kept, "
+                    "the steps whose files are gone run again")
     ap.add_argument("--keep-models", action="store_true", help="keep each row's ONNX files after timing it")
     ap.add_argument("--dry-run", action="store_true", help="CPU, tiny configs, fp32, every step once (no torch.compile)")
     args = ap.parse_args(argv)
@@ -491,6 +490,10 @@ def main(argv=None) -> int:
     bench = Bench(args)
     steps = Steps(bench.work, args.budget)
     bench.deadline = steps.deadline
+    if args.results_from:  # an earlier machine's results: its rows stand, its files are gone
+        earlier = json.loads(args.results_from.read_text())
+        steps.results = {**earlier, **steps.results}
+    forget_missing_files(steps, bench)
     builds = {"raw": bench.build_raw, "ort": bench.build_ort,
               "onnxopt-fp16": lambda: bench.build_onnxopt("float16"), "onnxopt-bf16": lambda: bench.build_onnxopt("bfloat16")}
     done = True
@@ -513,6 +516,25 @@ def main(argv=None) -> int:
     print(text)
     steps.save(args.out, text)
     return 0 if done else 3
+
+
+def forget_missing_files(steps, bench) -> None:
+    """Steps whose files are gone (a fresh machine) run again where something still needs them: the
+    export and the reference for any row not done, a build for its row not done."""
+    results = steps.results
+    pending = [k for k in ("raw", "ort", "onnxopt-fp16", "onnxopt-bf16") if f"row:{k}" not in results] + \
+              [k for k in TORCH_ROWS if f"torch:{k}" not in results]
+    if not pending:
+        return
+    if not bench.source.is_file():
+        results.pop("export", None)
+    if not (bench.work / "reference.npz").is_file():
+        results.pop("reference", None)
+    for label in ORT_ROWS:
+        built = results.get(f"build:{label}", {})
+        if f"row:{label}" not in results and "path" in built and not Path(built["path"]).is_file():
+            results.pop(f"build:{label}")
+    steps.results_path.write_text(json.dumps(results, indent=2, default=str))
 
 
 def guarded(fn) -> dict:
