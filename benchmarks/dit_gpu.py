@@ -30,8 +30,7 @@ table). Estimates for one H100 host (16 cores, 128 GB), SD3.5-Medium / Flux-dev:
                   ``convert_float_to_float16(keep_io_types=False)`` for an fp32 source; a subprocess with
                   --ort-pythonpath first (numpy 1.26). ~4 min, 30 GB RSS / ~6 min, 60 GB RSS
   build:onnxopt-fp16, build:onnxopt-bf16
-                  ``onnxopt.optimize(source, ["ort-cuda", "fp16"], options={"fp16": {"low_precision": ...}})``
-                  (the CLI's ``--passes ort-cuda,fp16 --low-precision float16|bfloat16``), external data.
+                  ``onnxopt optimize --passes ort-cuda,fp16 --low-precision float16|bfloat16 --external-data``.
                   ~3 min, < 10 GB RSS each / ~8 min each (run with --budget that leaves it a call of its own)
   row:<label>     one ORT session (IO binding, CUDA graph; without when capture fails, said in the row),
                   warm-up, median of --runs with CUDA events, accuracy against the reference, GPU kernels
@@ -43,6 +42,9 @@ table). Estimates for one H100 host (16 cores, 128 GB), SD3.5-Medium / Flux-dev:
                   fullgraph=True) with its compile time; median of --runs with CUDA events; kernels by family.
                   ~1 min each (compile ~1.5 min) / ~2-3 min each (compile ~3 min), 26 GB GPU
 
+export, build:ort and the onnxopt builds run as detached processes (:func:`detached`): a call whose budget
+ends while one runs stops there, and the next call waits for the same process where the machine kept it
+(or starts it over). --results-from OUT/results.json carries the rows of an earlier machine to a fresh one.
 Every row frees its GPU and host memory before the next. --skip drops rows (raw, ort, onnxopt-fp16,
 onnxopt-bf16, eager-bf16, eager-fp16, compile-bf16). --dry-run: the tiny configs, float32, CPU, ORT's
 CPU provider with host timing, no torch.compile and no ORT fp16 conversion: every step once, to test
