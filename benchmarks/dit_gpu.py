@@ -208,20 +208,26 @@ class Bench:
     def ort_row(self, label: str, path: str) -> dict:
         """Time, accuracy and kernels of one ORT model; CUDA graph, or without it when the capture fails."""
         feeds = self.feeds()
+
+        def opened(cuda_graph: bool) -> BoundSession:
+            session = BoundSession(path, self.device, cuda_graph=cuda_graph)
+            session.bind(feeds, {session.session.get_outputs()[0].name: list(self.reference_output().shape)})
+            session.run()  # with a CUDA graph: the capture
+            return session
+
+        first_error = None
         try:
-            session = BoundSession(path, self.device, cuda_graph=not self.dry)
-            cuda_graph = not self.dry
-        except Exception as exc:  # noqa: BLE001 - say why, keep the row
+            session = opened(cuda_graph=not self.dry)
+        except Exception as exc:  # noqa: BLE001 - no CUDA graph for this model: say why, keep the row
             if self.dry:
                 raise
-            first_error = str(exc).splitlines()[0][:160]
-            session, cuda_graph = BoundSession(path, self.device, cuda_graph=False), False
-        else:
-            first_error = None
+            first_error, session = str(exc).splitlines()[0][:160], None
+        if session is None:  # out of the except block: the failed session's frames are gone
+            release()
+            session = opened(cuda_graph=False)
         try:
-            session.bind(feeds)
-            session.run()
-            result = {"cuda_graph": cuda_graph, **accuracy(session.output(), self.reference_output()),
+            result = {"cuda_graph": not self.dry and first_error is None,
+                      **accuracy(session.output(), self.reference_output()),
                       **timed(session.run, self.warmup, self.runs, self.device)}
             if first_error:
                 result["note"] = f"no CUDA graph: {first_error}"
@@ -287,9 +293,12 @@ class BoundSession:
         self.session = ort.InferenceSession(str(path), so, providers=providers)
         if device == "cuda" and self.session.get_providers()[0] != "CUDAExecutionProvider":
             raise RuntimeError("ONNX Runtime fell back from the CUDA EP")
-        self.path, self.device, self.cuda_graph, self.binding, self.buffers = str(path), device, cuda_graph, None, {}
+        self.device, self.binding, self.buffers = device, None, {}
 
-    def bind(self, feeds: dict) -> None:
+    def bind(self, feeds: dict, output_shapes: dict | None = None) -> None:
+        """Bind ``feeds`` (cast to the model's input types) and output buffers of ``output_shapes``
+        (required with a CUDA graph: its session captures on its first run, which must already see the
+        final buffers; without one, one run with ORT-allocated outputs tells their shapes)."""
         import torch
 
         by_onnx = {1: torch.float32, 10: torch.float16, 16: torch.bfloat16, 11: torch.float64, 7: torch.int64, 6: torch.int32}
@@ -299,9 +308,7 @@ class BoundSession:
             t = torch.from_numpy(np.ascontiguousarray(feeds[i.name])).to(self.device, by_onnx[kind]).contiguous()
             self.buffers[i.name] = t
             binding.bind_input(i.name, self.device, 0, kind, list(t.shape), t.data_ptr())
-        # Output shapes from one run with ORT-allocated outputs on a plain binding (a CUDA-graph session
-        # captures on its first run: that run must already see the final buffers).
-        shapes = self._output_shapes() if self.cuda_graph else None
+        shapes = output_shapes
         if shapes is None:
             probe = self.session.io_binding()
             for i in self.session.get_inputs():
@@ -317,24 +324,6 @@ class BoundSession:
             self.buffers["out:" + o.name] = t
             binding.bind_output(o.name, self.device, 0, kind, list(t.shape), t.data_ptr())
         self.binding = binding
-
-    def _output_shapes(self) -> dict:
-        """Output shapes from one run of a session without CUDA graph on the bound inputs."""
-        import onnxruntime as ort
-
-        so = ort.SessionOptions()
-        so.log_severity_level = 3
-        plain = ort.InferenceSession(self.path, so, providers=["CUDAExecutionProvider"])
-        binding = plain.io_binding()
-        for i in plain.get_inputs():
-            t = self.buffers[i.name]
-            binding.bind_input(i.name, self.device, 0, ONNX_TYPES[i.type], list(t.shape), t.data_ptr())
-        for o in plain.get_outputs():
-            binding.bind_output(o.name, self.device, 0)
-        plain.run_with_iobinding(binding)
-        shapes = {o.name: v.shape() for o, v in zip(plain.get_outputs(), binding.get_outputs())}
-        del binding, plain
-        return shapes
 
     def run(self) -> None:
         self.session.run_with_iobinding(self.binding)
