@@ -40,6 +40,8 @@ from pathlib import Path
 
 import numpy as np
 
+from benchmarks.cuda_timing import timed as median_time
+
 VARIANTS = {"ts-dynamic": ("torchscript", "dynamic"), "ts-static": ("torchscript", "static"), "dynamo-dynamic": ("dynamo", "dynamic")}
 DIMS = dict(batch=2, height=64, width=64, sequence=77)
 # The latent size each family is run at (its native image size / 8), batch 2 for guidance.
@@ -139,19 +141,7 @@ def torch_timed(work: Path, size: str, family: str, compiled: bool, runs: int) -
         return out[0] if isinstance(out, (tuple, list)) else out
 
     def timed(fn) -> dict:
-        for _ in range(10):
-            fn()
-        torch.cuda.synchronize()
-        times = []
-        for _ in range(runs):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        return {"median_ms": float(np.median(times)), "min_ms": float(np.min(times)), "max_ms": float(np.max(times)),
-                "clock": "cuda-events"}
+        return median_time(fn, 10, runs)
 
     def accuracy(output) -> dict:
         output, expected = output.float().cpu().numpy(), ref["output"]

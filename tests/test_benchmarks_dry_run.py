@@ -1,0 +1,51 @@
+"""benchmarks/dit_gpu.py's CPU-testable pieces: bfloat16 bound as bfloat16, and the table.
+
+The whole script's --dry-run (export, ORT's optimizer, onnxopt, torch) takes minutes on CI's CPUs;
+it is run by hand: ``python -m benchmarks.dit_gpu --family sd35-medium --dry-run --exporter torchscript``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from onnx import TensorProto, helper
+
+torch = pytest.importorskip("torch")
+
+
+def test_a_bfloat16_model_is_bound_and_read_in_bfloat16(tmp_path):
+    from benchmarks.dit_gpu import BoundSession
+
+    # bfloat16 and float32 through (ORT's CPU provider has bfloat16 Identity, not Mul): numpy has no
+    # bfloat16, so a binding through numpy arrays would hand the session float32 where it wants bfloat16.
+    graph = helper.make_graph(
+        [helper.make_node("Identity", ["x"], ["y"]), helper.make_node("Identity", ["t"], ["u"])], "g",
+        [helper.make_tensor_value_info("x", TensorProto.BFLOAT16, [2, 3]),
+         helper.make_tensor_value_info("t", TensorProto.FLOAT, [2])],
+        [helper.make_tensor_value_info("y", TensorProto.BFLOAT16, [2, 3]),
+         helper.make_tensor_value_info("u", TensorProto.FLOAT, [2])])
+    path = tmp_path / "m.onnx"
+    path.write_bytes(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString())
+    session = BoundSession(str(path), "cpu", cuda_graph=False)
+    x = np.array([[1.0, 2.0, 0.5], [-1.0, 4.0, 8.0]], np.float32)
+    session.bind({"x": x, "t": np.array([1.5, 2.5], np.float32)})
+    session.run()
+    np.testing.assert_array_equal(session.output(), x)  # exact in bfloat16
+
+
+def test_the_table_compares_each_row_with_torch_compile_and_lists_the_kernel_families():
+    from benchmarks.dit_gpu import table
+
+    kernels = {"busy_ms": 50.0, "families": {"gemm": 30.0, "attention": 15.0, "elementwise": 5.0}}
+    results = {
+        "reference": {"dims": {"batch": 2}},
+        "build:onnxopt-fp16": {"path": "x", "fused": {"fuse-attention": "48/48", "fuse-group-norm": "0/0"}},
+        "row:onnxopt-fp16": {"median_ms": 45.0, "rel_l2": 0.01, "max_abs": 0.1, "cuda_graph": True, "kernels": kernels},
+        "build:ort": {"error": "RuntimeError: boom"},
+        "torch:compile-bf16": {"median_ms": 50.0, "rel_l2": 0.02, "max_abs": 0.2, "compile_s": 65.0, "kernels": kernels},
+    }
+    text = table("sd35-medium", results, dry=False)
+    assert "| onnxopt ort-cuda fp16 | 45.00 | 0.90x | on | 0.01 | 0.1 | attention 48/48 |" in text
+    assert "RuntimeError: boom" in text
+    assert "| torch.compile(reduce-overhead, fullgraph) bf16 | 50.00 | 1.00x |" in text
+    assert "| onnxopt ort-cuda fp16 | 50.00 | 30.00 | 15.00 | 0.00 | 5.00 |" in text
