@@ -94,7 +94,7 @@ def step_feeds(unet, height: int, width: int, sequence: int) -> dict:
 
 def count(args) -> dict:
     from onnxopt import load_model
-    from onnxopt.pipeline.cfg_late import compute_halves_once
+    from onnxopt.passes.cfg_late import compute_halves_once
     from onnxopt.pipeline.step_graph import STEP_INPUTS, build_step_graph
 
     unet = load_model(args.unet)

@@ -38,7 +38,7 @@ file): :mod:`onnxopt.pipeline.static_text`.
 The step graph: after the UNet is written, :func:`onnxopt.pipeline.step_graph.write_step_graph` writes
 ``unet/step.onnx`` beside it (guidance and the scheduler update appended; the UNet's weights referred
 to, not copied); with ``cfg_late`` (``--cfg-late``, off by default until measured on a GPU) what both
-guidance halves share is computed once in it (:mod:`onnxopt.pipeline.cfg_late`). With a ControlNet,
+guidance halves share is computed once in it (:mod:`onnxopt.passes.cfg_late`). With a ControlNet,
 ``merged_step.onnx`` at the root holds the ControlNet and that step graph in one graph
 (:mod:`onnxopt.pipeline.merged_step`; weights referred to as well). More than one ControlNet
 (``controlnet/``, ``controlnet_1/``...: diffusers' MultiControlNetModel layout): each gets the
@@ -398,7 +398,7 @@ def optimize_folder(src, dst, target: str = "ort-cuda", fp16: bool = False, veri
     ``fp16_options``: extra options of the fp16 pass for every component. ``step_graph``: write
     ``unet/step.onnx``; ``context_kv``: with its cross-attention K/V cut into
     ``unet/step.context_kv.onnx``, run once per prompt (:func:`write_step_graph`); ``cfg_late``:
-    with what both guidance halves share computed once (:mod:`onnxopt.pipeline.cfg_late`);
+    with what both guidance halves share computed once (:mod:`onnxopt.passes.cfg_late`);
     ``merged_step``: with a ControlNet, also ``merged_step.onnx`` at the root, the ControlNet and the
     step graph in one graph (:func:`onnxopt.pipeline.merged_step.write_merged_step`).
     ``static_text``: beside each text encoder, ``model.static.b{b}.onnx`` for each batch the
@@ -482,7 +482,7 @@ def _write_static_text(src: Path, tmp: Path, name: str) -> str:
 def _cfg_late_note(step_path: Path) -> str:
     import onnx
 
-    from onnxopt.pipeline.cfg_late import CFG_LATE_METADATA
+    from onnxopt.passes.cfg_late import CFG_LATE_METADATA
 
     props = {p.key: p.value for p in onnx.load(str(step_path), load_external_data=False).metadata_props}
     return props.get(CFG_LATE_METADATA, "nothing moved")

@@ -38,7 +38,7 @@ consumer list then names the step graph's nodes too.) Every new node and tensor 
 :func:`write_step_graph` writes ``step.onnx`` beside a UNet folder's ``model.onnx``, its
 initializers pointing into the UNet's own external data file (no weight is written twice).
 
-``cfg_late`` (issue 14 item 3, :mod:`onnxopt.pipeline.cfg_late`): the part of the UNet that reads
+``cfg_late`` (issue 14 item 3, :mod:`onnxopt.passes.cfg_late`): the part of the UNet that reads
 only the latents and the timestep runs once at batch b, and ``Concat([h, h], axis 0)`` broadcasts
 it where the text side comes in (the first cross-attention's query; SDXL: the time embedding,
 which meets the pooled text there). The graph's interface is the same; its metadata
@@ -89,7 +89,7 @@ class _Builder:
 def build_step_graph(unet: Model, *, cfg_late: bool = False) -> Model:
     """The step graph of ``unet`` (see the module docstring). ``unet`` is left as it was; the
     result shares its weights. ``cfg_late``: compute what both guidance halves share once
-    (:mod:`onnxopt.pipeline.cfg_late`). Raises :class:`UnsupportedModelError` for a graph without
+    (:mod:`onnxopt.passes.cfg_late`). Raises :class:`UnsupportedModelError` for a graph without
     the UNet inputs ``sample``, ``timestep`` and ``encoder_hidden_states``."""
     graph = copy_sharing_constants(unet.graph)
     inputs = {t.name: t for t in graph.inputs}
@@ -176,7 +176,7 @@ def build_step_graph(unet: Model, *, cfg_late: bool = False) -> Model:
                   companions=dict(unet.companions), node_scopes=dict(unet.node_scopes))
     infer_shapes(model)
     if cfg_late:
-        from onnxopt.pipeline.cfg_late import CFG_LATE_METADATA, compute_halves_once
+        from onnxopt.passes.cfg_late import CFG_LATE_METADATA, compute_halves_once
 
         result = compute_halves_once(model, shared_inputs=STEP_INPUTS)
         details = result.details
