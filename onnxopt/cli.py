@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 from onnxopt import registry
+from onnxopt.cli_args import fp16_options, write_report
 from onnxopt.errors import OnnxoptError
 from onnxopt.properties import checking
 
@@ -305,7 +306,7 @@ def cmd_optimize(args) -> int:
     with explaining(explained):
         model, report = optimize(
             source, passes, verify=args.verify, tolerance=Tolerance(args.atol, args.rtol), inputs=inputs, strict=args.strict,
-            options={"fp16": _fp16_options(args), "fp8-linear": _fp8_options(args, inputs)},
+            options={"fp16": fp16_options(args), "fp8-linear": _fp8_options(args, inputs)},
         )
     report.load_seconds = load_seconds
     if not args.quiet:
@@ -342,13 +343,6 @@ def _explained_passes(names: list[str], passes: list[str]) -> set[str]:
     return explained
 
 
-def write_report(path: Path, text: str) -> None:
-    try:
-        path.write_text(text)
-    except OSError as exc:
-        raise OnnxoptError(f"{path}: cannot write report: {exc.strerror or exc}")
-
-
 def _check_fp16_flags(args, passes: list) -> None:
     """The fp16 pass's flags without the fp16 pass, or --calibration without --fp32-auto, would be ignored."""
     given = [flag for flag, value in (("--low-precision", args.low_precision), ("--fp32-ops", args.fp32_ops),
@@ -375,18 +369,6 @@ def _fp8_passes(args, passes: list[str]) -> list[str]:
 
 def _fp8_options(args, inputs) -> dict:
     return {"calibration": args.fp8_calibration, "calibration_inputs": inputs} if args.fp8 else {}
-
-
-def _fp16_options(args) -> dict:
-    options = {
-        "low_precision": args.low_precision,
-        "fp32_ops": tuple(filter(None, (args.fp32_ops or "").split(","))) or None,
-        "fp32_nodes": tuple(filter(None, (args.fp32_nodes or "").split(","))) or None,
-        "keep_io_types": args.keep_io_types,
-        "fp32_auto": args.fp32_auto or None,
-        "calibration": args.calibration,
-    }
-    return {k: v for k, v in options.items() if v is not None}
 
 
 def cmd_passes(args) -> int:

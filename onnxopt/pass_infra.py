@@ -22,7 +22,7 @@ from __future__ import annotations
 import abc
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Iterator
+from typing import Any, Callable, ClassVar, Iterator
 
 from onnxopt.model import Model
 
@@ -106,10 +106,13 @@ class Sequence(Pass):
 
         cleanup = remove-identity, infer-shapes, fold-constants, ..., eliminate-dead-nodes   (fixpoint)
 
-    ``steps`` are pass names. Outside the pass manager, :meth:`run` runs them the same way, unreported.
+    ``steps`` are pass names, which ``lookup`` turns into passes (the registry's ``get_pass`` for
+    the sequences it makes: :func:`onnxopt.registry.fixpoint_sequence`). Outside the pass manager,
+    :meth:`run` runs them the same way, unreported.
     """
 
     steps: ClassVar[tuple[str, ...]] = ()
+    lookup: ClassVar[Callable[[str], type[Pass]]]
     fixpoint: ClassVar[bool] = False
     max_rounds: ClassVar[int] = 8
 
@@ -127,27 +130,13 @@ class Sequence(Pass):
             raise RuntimeError(f"{self.name} reached no fixpoint in {self.max_rounds} rounds: {still} still modify the model")
 
     def run(self, model: Model) -> PassResult:
-        from onnxopt import registry
-
         result = PassResult(modified=False)
         schedule = self.schedule()
         modified = None
         try:
             while True:
                 _, name = schedule.send(modified)
-                modified = registry.get_pass(name)()(model).modified
+                modified = type(self).lookup(name)()(model).modified
                 result.modified = result.modified or modified
         except StopIteration:
             return result
-
-
-_SEQUENCES: dict[tuple, type[Sequence]] = {}
-
-
-def fixpoint_sequence(name: str, description: str, steps: tuple[str, ...]) -> type[Sequence]:
-    """The :class:`Sequence` pass that repeats ``steps`` to a fixpoint (a fixpoint preset's pass)."""
-    key = (name, description, tuple(steps))
-    if key not in _SEQUENCES:
-        _SEQUENCES[key] = type(f"Fixpoint[{name}]", (Sequence,),
-                               {"name": name, "description": description, "steps": tuple(steps), "fixpoint": True})
-    return _SEQUENCES[key]

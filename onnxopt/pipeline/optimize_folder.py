@@ -537,10 +537,10 @@ def cli_optimize_folder(args) -> int:
         raise OnnxoptError("--calibration is for one model; a folder's VAE is calibrated at the folder's size")
     if args.shape or args.dim or args.external_data is not None or args.strict:
         raise OnnxoptError("--shape/--dim/--external-data/--strict are for one model file, not a pipeline folder")
-    from onnxopt.cli import _fp16_options, write_report
+    from onnxopt.cli_args import fp16_options, write_report
 
-    fp16_options = _fp16_options(args)
-    if fp16_options and not args.fp16:
+    fp16_flags = fp16_options(args)
+    if fp16_flags and not args.fp16:
         raise OnnxoptError("fp16 options need --fp16")
     if args.report_json:
         report_path, source = Path(args.report_json).resolve(), Path(args.input).resolve()
@@ -551,7 +551,7 @@ def cli_optimize_folder(args) -> int:
         if report_path.parent != Path(args.output).resolve():  # beside the components: the folder is made first
             check_destination(args.report_json)  # not after the folder is written (exit 2 with the output there)
     report = optimize_folder(args.input, args.output, target=args.target or "ort-cuda", fp16=args.fp16,
-                             verify=args.verify, tolerance=Tolerance(args.atol, args.rtol), fp16_options=fp16_options,
+                             verify=args.verify, tolerance=Tolerance(args.atol, args.rtol), fp16_options=fp16_flags,
                              context_kv=args.context_kv, cfg_late=getattr(args, "cfg_late", False))
     if args.report_json:
         write_report(args.report_json, report.to_json())
