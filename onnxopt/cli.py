@@ -265,7 +265,6 @@ def _profile_arg(text: str):
 
 def cmd_optimize(args) -> int:
     from onnxopt.api import optimize
-    from onnxopt.fusion import explaining
     from onnxopt.loading import load_model
     from onnxopt.report import process_memory
     from onnxopt.saving import check_destination, check_writes, planned_writes, save_model
@@ -303,11 +302,10 @@ def cmd_optimize(args) -> int:
     inputs = InputSpec(shapes=dict(args.shape), dims=dict(args.dim))
     start = time.perf_counter()
     explained = _explained_passes(args.explain, expanded)
-    with explaining(explained):
-        model, report = optimize(
-            source, passes, verify=args.verify, tolerance=Tolerance(args.atol, args.rtol), inputs=inputs, strict=args.strict,
-            options={"fp16": fp16_options(args), "fp8-linear": _fp8_options(args, inputs)},
-        )
+    model, report = optimize(
+        source, passes, verify=args.verify, tolerance=Tolerance(args.atol, args.rtol), inputs=inputs, strict=args.strict,
+        options={"fp16": fp16_options(args), "fp8-linear": _fp8_options(args, inputs)}, explain=explained,
+    )
     report.load_seconds = load_seconds
     if not args.quiet:
         print(report.table())
@@ -334,11 +332,15 @@ def cmd_optimize(args) -> int:
 
 
 def _explained_passes(names: list[str], passes: list[str]) -> set[str]:
-    """--explain's passes (comma-separated or repeated), each one the run includes."""
+    """--explain's passes (comma-separated or repeated), each one the run may include: listed, a
+    preset's step, auto-inserted for a requirement, or a pass's follower."""
+    from onnxopt.manager import passes_in_run
+
     explained = {n.strip() for name in names for n in name.split(",") if n.strip()}
+    possible = passes_in_run(passes) if explained else set()
     for name in sorted(explained):
         registry.get_pass(name)  # an unknown name: exit 2 with a suggestion
-        if name not in passes:
+        if name not in possible:
             raise OnnxoptError(f"--explain {name}: the run does not include that pass (passes: {', '.join(dict.fromkeys(passes))})")
     return explained
 

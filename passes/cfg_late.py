@@ -169,6 +169,8 @@ class CfgLate(Pass):
         self.shared_inputs = frozenset(shared_inputs)
         self.small_row_elements = small_row_elements
 
+    possible_followers = frozenset({"infer-shapes"})
+
     def followers(self, result: PassResult) -> list[str]:
         return ["infer-shapes"] if result.modified else []  # the half-batch tensors get their shapes
 
