@@ -185,8 +185,8 @@ def check_schedule(scheduler, steps: int) -> None:
             model_output = running.scale_model_input(x, t)
             x = running.step(model_output, t, x, return_dict=False)[0]
             if not torch.isfinite(x).all():
-                raise SchedulerError(f"{name} with this scheduler_config.json gives a non-finite sample at timestep "
-                                     f"{float(t):g}")
+                raise SchedulerError(f"{name} with this scheduler_config.json cannot run {steps} steps: its sample "
+                                     f"is not finite at timestep {float(t):g}")
     except SchedulerError:
         raise
     except Exception as exc:  # noqa: BLE001 -- diffusers' own failure on this config: the config's fault
