@@ -19,6 +19,7 @@ from onnxopt import registry
 from onnxopt.cli_args import fp16_options, write_report
 from onnxopt.errors import OnnxoptError
 from onnxopt.properties import checking
+from onnxopt.runtime import ORT_QUIET, set_ort_logging
 
 EXIT_OK, EXIT_VERIFY_FAILED, EXIT_BAD_INPUT, EXIT_INTERNAL = 0, 1, 2, 3
 
@@ -174,7 +175,8 @@ def _add_generate_parser(sub) -> None:
     gen.add_argument("--negative-prompt", default=None)
     gen.add_argument("--steps", type=int, default=50)
     gen.add_argument("--guidance", type=float, default=7.5)
-    gen.add_argument("--scheduler", default="ddim", help="ddim | euler | dpm++2m (diffusers' classes, from the folder's config)")
+    gen.add_argument("--scheduler", default=None, help="ddim | euler | dpm++2m | pndm (diffusers' classes, from the folder's "
+                     "config; default: the folder's own scheduler, as diffusers' pipeline runs it)")
     gen.add_argument("--seed", type=int, default=0, help="as diffusers: torch.Generator('cpu').manual_seed(SEED)")
     gen.add_argument("--height", type=int, help="pixels (default: the UNet's sample_size times the VAE factor)")
     gen.add_argument("--width", type=int)
@@ -188,7 +190,8 @@ def _add_generate_parser(sub) -> None:
     gen.add_argument("--provider", choices=["cpu", "cuda", "tensorrt"], default="cpu")
     gen.add_argument("--no-cuda-graph", dest="cuda_graph", action="store_false", help="cuda/tensorrt: do not capture the step")
     gen.add_argument("--unfused", dest="fused_step", action="store_false", help="UNet + diffusers' scheduler.step (no fused step graph)")
-    gen.add_argument("-o", "--output", required=True, type=Path, help="the PNG to write (atomically)")
+    gen.add_argument("-o", "--output", required=True, type=Path,
+                     help="the image to write (atomically), in the format its suffix names: .png, .jpg, .webp...")
     gen.add_argument("--json", type=Path, help="also write the per-stage timings as JSON")
     gen.add_argument("-q", "--quiet", action="store_true", help="no progress bar, no timings table")
 
@@ -201,12 +204,13 @@ def cmd_generate(args) -> int:
     from onnxopt.pipeline.sessions import quiet_sessions
 
     folder = PipelineFolder.open(args.folder)
-    check_request(folder, steps=args.steps, scheduler=args.scheduler, height=args.height, width=args.width,
-                  controlnet_image=args.controlnet_image, controlnet_scale=args.controlnet_scale)
+    args.scheduler = check_request(folder, steps=args.steps, scheduler=args.scheduler, height=args.height, width=args.width,
+                                   controlnet_image=args.controlnet_image, controlnet_scale=args.controlnet_scale)
     reuse_steps(args.reuse, args.steps)  # a bad schedule is refused before any session exists
     for written in filter(None, (args.output, args.json)):
         _refuse_input(written, folder.root, *(args.controlnet_image or ()))
         images.check_writable(written)
+    images.image_format(args.output)  # a suffix Pillow cannot write is refused before the work
     if args.json and Path(args.json).resolve() == Path(args.output).resolve():  # the timings replaced the PNG
         raise OnnxoptError(f"{args.json}: --json is the image -o writes; give another path")
     with contextlib.nullcontext() if args.debug else quiet_sessions():  # ORT's errors come back as one line
@@ -215,7 +219,7 @@ def cmd_generate(args) -> int:
                       scheduler=args.scheduler, seed=args.seed, height=args.height, width=args.width,
                       controlnet_image=args.controlnet_image, controlnet_scale=args.controlnet_scale,
                       progress=not args.quiet, reuse=args.reuse)
-    images.write_png(result.image, args.output)
+    images.write_image(result.image, args.output)
     if args.json:
         try:
             args.json.write_text(json.dumps(result.timings, indent=2) + "\n")
@@ -494,6 +498,7 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as exc:  # --help (0) or a usage error (2, its one line printed)
         return exc.code if isinstance(exc.code, int) else EXIT_BAD_INPUT
     try:
+        set_ort_logging(args.debug)  # ONNX Runtime's own log lines: only with --debug
         with _quiet_libraries(not args.debug), checking(args.debug):  # --debug: property claims are checked
             return COMMANDS[args.command](args)
     except OnnxoptError as exc:
@@ -548,7 +553,7 @@ def _quiet_libraries(quiet: bool):
     try:
         import onnxruntime
 
-        onnxruntime.set_default_logger_severity(3)  # errors only: they come back as exceptions too
+        onnxruntime.set_default_logger_severity(ORT_QUIET)  # they come back as exceptions: onnxopt's one line
     except ImportError:
         pass
     try:

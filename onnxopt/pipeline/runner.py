@@ -136,6 +136,7 @@ class Pipeline:
         self._schedulers: dict = {}  # name -> diffusers' scheduler (Pipeline._scheduler)
         self._device_loops: dict = {}  # DeviceStepLoop.key -> a loop whose buffers (and captured graphs) stay put
         self.tokenizers = {name: folder.tokenizer(name) for name in _tokenizers_of(folder.kind)}
+        self._warned_truncation: set = set()  # prompts already warned about
         self.static_text = False  # use text_encoder*/model.static.b{b}.onnx (set by load)
         self.text_sources: dict[str, str] = {}  # encoder -> the graph its last prompt ran on, and why
         self._open_once = lambda name, model=None: create_session(  # noqa: E731 (load gives BoundSessions)
@@ -315,9 +316,22 @@ class Pipeline:
     # --- the text side, once per prompt ---------------------------------------------------------
 
     def _token_ids(self, name: str, texts: list[str]) -> np.ndarray:
+        """diffusers' ``encode_prompt``: padded to model_max_length and cut there, and, as diffusers
+        warns, a warning on stderr naming the part of the prompt that was cut (once per prompt)."""
         tokenizer = self.tokenizers[name]
-        return tokenizer(texts, padding="max_length", max_length=tokenizer.model_max_length, truncation=True,
-                         return_tensors="np").input_ids
+        ids = tokenizer(texts, padding="max_length", max_length=tokenizer.model_max_length, truncation=True,
+                        return_tensors="np").input_ids
+        prompt = texts[-1]  # as diffusers: the prompt is checked, the negative prompt is cut silently
+        if prompt not in self._warned_truncation:
+            # transformers' own "longer than the specified maximum" line is not the user's: ours says it
+            tokenizer.deprecation_warnings["sequence-length-is-longer-than-the-specified-maximum"] = True
+            whole = tokenizer(prompt, padding="longest").input_ids
+            if len(whole) > tokenizer.model_max_length:
+                self._warned_truncation.add(prompt)
+                removed = tokenizer.decode(whole[tokenizer.model_max_length - 1: -1])
+                print(f"onnxopt: warning: the following part of your input was truncated because CLIP can only handle "
+                      f"sequences up to {tokenizer.model_max_length} tokens: {removed!r}", file=sys.stderr)
+        return ids
 
     def text_session(self, encoder: str, batch: int):
         """The session that encodes ``batch`` prompts with ``encoder``: its static graph for that
@@ -330,6 +344,8 @@ class Pipeline:
             session = self._open_once(encoder, static.get(batch))
             check_interface(session, static.get(batch) or component.model, "text encoder", ["input_ids"],
                             ["last_hidden_state"] if self.folder.kind != "sdxl" else [])
+            tokenizer = self.tokenizers["tokenizer" if encoder == "text_encoder" else "tokenizer_2"]
+            check_prompt_length(self.folder, encoder, tokenizer.model_max_length, session)
             self.sessions[key] = session
         if batch in static:
             self.text_sources[encoder] = static[batch].name
@@ -368,9 +384,12 @@ class Pipeline:
     # --- one image -----------------------------------------------------------------------------
 
     def __call__(self, prompt: str, negative_prompt: str | None = None, steps: int = 50, guidance: float = 7.5,
-                 scheduler: str = "ddim", seed: int = 0, height: int | None = None, width: int | None = None,
+                 scheduler: str | None = None, seed: int = 0, height: int | None = None, width: int | None = None,
                  controlnet_image=None, controlnet_scale=1.0, progress: bool = True, reuse=None) -> Result:
-        """One image. ``controlnet_image``: the conditioning image (a path, PIL image or array), or a
+        """One image. ``scheduler``: one of :data:`~onnxopt.pipeline.schedulers.SCHEDULERS`, made from
+        the folder's config; None: the folder's own scheduler, as diffusers' pipeline uses it.
+        ``guidance`` <= 1 turns classifier-free guidance off, as diffusers does (the negative prompt
+        is then unused). ``controlnet_image``: the conditioning image (a path, PIL image or array), or a
         list of one per ControlNet (folders with ``controlnet_1/``...); ``controlnet_scale``: one
         scale for every ControlNet, or a list of one per ControlNet (diffusers' semantics)."""
         from diffusers.utils.torch_utils import randn_tensor
@@ -379,8 +398,8 @@ class Pipeline:
 
         torch = _torch()
         folder = self.folder
-        check_request(folder, steps=steps, scheduler=scheduler, height=height, width=width,
-                      controlnet_image=controlnet_image, controlnet_scale=controlnet_scale)
+        scheduler = check_request(folder, steps=steps, scheduler=scheduler, height=height, width=width,
+                                  controlnet_image=controlnet_image, controlnet_scale=controlnet_scale)
         check_numbers(guidance=guidance, seed=seed, controlnet_scale=controlnet_scale)
         check_prompts(prompt, negative_prompt)
         reused = reuse_steps(reuse, steps)
@@ -437,6 +456,12 @@ class Pipeline:
             if any(hint_key(k) in self.sessions for k in range(len(controls))):
                 timings["controlnet_hint_s"] = time.perf_counter() - t0
 
+        # diffusers' do_classifier_free_guidance is guidance > 1: below, one UNet row of the prompt alone.
+        # The step graphs run both rows; at guidance 1 their eps_u + 1 * (eps_c - eps_u) is eps_c
+        # within fp32 rounding, the negative prompt's row cancelling out.
+        cfg = classifier_free_guidance(guidance)
+        step_guidance = guidance if cfg else 1.0
+        timings["classifier_free_guidance"] = cfg
         bar = _progress(steps, progress)
         plan = None
         if self.fused_step:
@@ -454,7 +479,7 @@ class Pipeline:
                 for k, feeds in enumerate(controlnet):
                     static.update(interface_feeds(feeds, k))
             loop = self._step_loop(latents, static, step_controlnet, len(plan))
-            loop.start(plan, latents, static, guidance, step_controlnet)
+            loop.start(plan, latents, static, step_guidance, step_controlnet)
             t1 = time.perf_counter()
             loop.step()  # the first step alone: it includes the graph capture
             timings["first_step_s"] = time.perf_counter() - t1
@@ -476,8 +501,8 @@ class Pipeline:
             timings["steps"] = len(plan)
         else:
             step_times: list = []
-            latents = self._unfused_loop(sched, steps, noise, cond, controlnet, guidance, step_times, bar, folder.kind,
-                                         reused)
+            latents = self._unfused_loop(sched, steps, noise, cond, controlnet, guidance if cfg else None, step_times,
+                                         bar, folder.kind, reused)
             timings["first_step_s"] = step_times[0]
             computed = [t for k, t in enumerate(step_times) if k and k not in reused]
             timings["step_mean_s"] = float(np.mean(computed)) if computed else step_times[0]
@@ -510,10 +535,11 @@ class Pipeline:
     def _scheduler(self, name: str):
         """diffusers' scheduler ``name`` configured from the folder, made once per pipeline (``from_config``
         costs a few ms a call) and reused as diffusers' pipelines reuse theirs: ``set_timesteps`` resets it."""
-        from onnxopt.pipeline.schedulers import make_scheduler
+        from onnxopt.pipeline.schedulers import make_scheduler, pipeline_scheduler_config
 
         if name not in self._schedulers:
-            self._schedulers[name] = make_scheduler(name, self.folder.scheduler_config())
+            self._schedulers[name] = make_scheduler(name, pipeline_scheduler_config(self.folder.scheduler_config(),
+                                                                                    self.folder.kind))
         return self._schedulers[name]
 
     def _plan(self, name: str, scheduler, steps: int):
@@ -527,10 +553,12 @@ class Pipeline:
         return self._plans[key]
 
     def _unscale(self, latents: np.ndarray) -> np.ndarray:
+        """The VAE decoder's input. latents_mean/latents_std are read by StableDiffusionXLPipeline
+        only: the SD and ControlNet pipelines divide by scaling_factor whatever the VAE config holds."""
         config = self.folder.config("vae_decoder")
         scaling = config.get("scaling_factor", 0.18215)
         mean, std = config.get("latents_mean"), config.get("latents_std")
-        if mean is not None and std is not None:
+        if self.folder.kind == "sdxl" and mean is not None and std is not None:
             mean = np.asarray(mean, np.float32).reshape(1, -1, 1, 1)
             std = np.asarray(std, np.float32).reshape(1, -1, 1, 1)
             return latents * std / np.float32(scaling) + mean
@@ -561,8 +589,9 @@ class Pipeline:
         return self._device_loops[key]
 
     def _unfused_loop(self, sched, steps, noise, cond, controlnet, guidance, step_times, bar, kind, reused=frozenset()):
-        """diffusers' loop: UNet session, guidance in numpy, diffusers' scale_model_input and step
-        (at a ``reused`` step: diffusers' step on the last computed guided output, no UNet)."""
+        """diffusers' loop: UNet session, guidance in numpy (``guidance`` None: no guidance, the
+        prompt's own output), diffusers' scale_model_input and step (at a ``reused`` step: diffusers'
+        step on the last computed guided output, no UNet)."""
         torch = _torch()
         sched.set_timesteps(steps)
         if kind == "sdxl" and hasattr(sched, "set_begin_index"):
@@ -591,26 +620,35 @@ class Pipeline:
             feeds.update(residuals)
             eps2 = run_host(unet, feeds)["out_sample"].astype(np.float32)
             eps_u, eps_c = eps2[: len(eps2) // 2], eps2[len(eps2) // 2:]
-            eps = eps_u + np.float32(guidance) * (eps_c - eps_u)
+            eps = eps_c if guidance is None else eps_u + np.float32(guidance) * (eps_c - eps_u)
             latents = sched.step(torch.from_numpy(eps), t, latents, return_dict=False)[0]
             step_times.append(time.perf_counter() - t1)
             bar.update()
         return latents.numpy()
 
 
-def check_request(folder: PipelineFolder, *, steps: int = 50, scheduler: str = "ddim", height=None, width=None,
-                  controlnet_image=None, controlnet_scale=1.0) -> None:
-    """Refuse a bad request before any session exists (one-line :class:`GenerationError`)."""
-    from onnxopt.pipeline.schedulers import SCHEDULERS
+def check_request(folder: PipelineFolder, *, steps: int = 50, scheduler: str | None = None, height=None, width=None,
+                  controlnet_image=None, controlnet_scale=1.0) -> str:
+    """Refuse a bad request before any session exists (one-line :class:`GenerationError`); returns
+    the scheduler's name (``scheduler``, or the folder's own when None)."""
+    from onnxopt.pipeline.schedulers import SCHEDULERS, SchedulerError, check_schedule, folder_scheduler, make_scheduler
+    from onnxopt.pipeline.schedulers import pipeline_scheduler_config
 
-    if scheduler not in SCHEDULERS:
+    if scheduler is not None and scheduler not in SCHEDULERS:
         raise GenerationError(f"unknown scheduler '{scheduler}' (choose from {', '.join(SCHEDULERS)})")
-    if not isinstance(steps, int) or steps < 1:
+    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
         raise GenerationError(f"steps must be at least 1, got {steps}")
-    train_steps = folder.scheduler_config().get("num_train_timesteps", 1000)
-    if isinstance(train_steps, int) and steps > train_steps:  # diffusers' set_timesteps refuses it, deep in the run
-        raise GenerationError(f"steps must be at most {train_steps} (num_train_timesteps of the folder's "
-                              f"scheduler_config.json), got {steps}")
+    try:
+        config = pipeline_scheduler_config(folder.scheduler_config(), folder.kind)
+        scheduler = scheduler or folder_scheduler(folder.scheduler_config())
+        train_steps = config.get("num_train_timesteps", 1000)
+        if steps > train_steps:  # diffusers' set_timesteps refuses it, deep in the run
+            raise GenerationError(f"steps must be at most {train_steps} (num_train_timesteps of the folder's "
+                                  f"scheduler_config.json), got {steps}")
+        check_schedule(make_scheduler(scheduler, config), steps)
+    except SchedulerError as exc:
+        raise GenerationError(str(exc)) from None
+    check_model_configs(folder)
     control_images, names = as_list(controlnet_image), folder.controlnets
     if folder.kind == "controlnet" and not control_images:
         raise GenerationError(f"{folder.root} is a ControlNet pipeline: give a conditioning image (--controlnet-image)")
@@ -632,6 +670,55 @@ def check_request(folder: PipelineFolder, *, steps: int = 50, scheduler: str = "
         if isinstance(image, (str, Path)) and not Path(image).is_file():
             raise GenerationError(f"{image}: no such image")
     _check_size(height, width, folder.vae_scale_factor, allow_none=True)
+    return scheduler
+
+
+def classifier_free_guidance(guidance: float) -> bool:
+    """diffusers' ``do_classifier_free_guidance``: guidance > 1 (the UNets onnxopt runs have no
+    ``time_cond_proj_dim``: :func:`check_model_configs`)."""
+    return guidance > 1
+
+
+def check_model_configs(folder: PipelineFolder) -> None:
+    """Component config values diffusers' pipeline reads that onnxopt would misread or crash on:
+    a one-line GenerationError. (The audit of every field: docs/pipeline-configs.md.)"""
+    unet = folder.config("unet")
+    if unet.get("time_cond_proj_dim") is not None:  # a guidance-distilled UNet (LCM): diffusers feeds timestep_cond
+        raise GenerationError(f"{folder.root / 'unet'}: a UNet with time_cond_proj_dim (guidance embedding, as LCM's) "
+                              "is not supported")
+    vae = folder.config("vae_decoder")
+    if folder.kind == "sdxl" and vae.get("latents_mean") is not None and vae.get("latents_std") is not None:
+        for key in ("latents_mean", "latents_std"):  # StableDiffusionXLPipeline: .view(1, 4, 1, 1)
+            value = vae[key]
+            if not (isinstance(value, list) and len(value) == 4
+                    and all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in value)):
+                raise GenerationError(f"{folder.root / 'vae_decoder' / 'config.json'}: {key} must be 4 finite numbers "
+                                      f"(one per latent channel), got {value!r}")
+    for tokenizer, encoder in (("tokenizer", "text_encoder"), ("tokenizer_2", "text_encoder_2")):
+        path = folder.root / tokenizer / "tokenizer_config.json"
+        if tokenizer in _tokenizers_of(folder.kind) and path.is_file():
+            from onnxopt.pipeline.folder import read_json
+
+            check_prompt_length(folder, encoder, read_json(path).get("model_max_length"))
+
+
+def check_prompt_length(folder: PipelineFolder, encoder: str, length, session=None) -> None:
+    """The tokenizer pads every prompt to ``length`` (its model_max_length) tokens: the text encoder must
+    take that many positions (its config's max_position_embeddings; its graph's input_ids, when
+    ``session`` is given). A GenerationError rather than ONNX Runtime's index error mid-run."""
+    from onnxopt.pipeline.folder import TOKENIZER_NO_LIMIT
+
+    if not isinstance(length, int) or length > TOKENIZER_NO_LIMIT:  # absent, or transformers' "no limit": 77 then
+        return
+    positions = folder.config(encoder).get("max_position_embeddings")
+    if isinstance(positions, int) and length > positions:
+        raise GenerationError(f"{folder.root}: the tokenizer pads prompts to {length} tokens (model_max_length), "
+                              f"{encoder} takes at most {positions} (max_position_embeddings)")
+    if session is not None:
+        dims = next((i.shape for i in session.get_inputs() if i.name == "input_ids"), None)
+        if dims and len(dims) == 2 and isinstance(dims[1], int) and dims[1] != length:
+            raise GenerationError(f"{folder.root}: the tokenizer pads prompts to {length} tokens (model_max_length), "
+                                  f"{encoder}'s graph takes input_ids of {dims[1]}")
 
 
 # torch.Generator.manual_seed's range: what --seed means is torch's seed (see the module docstring)
@@ -808,11 +895,12 @@ def _progress(total: int, enabled: bool):
 def generate(folder, prompt: str, *, output=None, provider: str = "cpu", fused_step: bool = True, cuda_graph: bool = True,
              **options) -> Result:
     """Load ``folder``, generate one image (``options`` as :meth:`Pipeline.__call__`), write it to
-    ``output`` (PNG, atomically) when given."""
+    ``output`` (atomically, in the format its suffix names) when given."""
     if output is not None:
         images.check_writable(output)
+        images.image_format(output)
     pipe = Pipeline.load(folder, provider, fused_step=fused_step, cuda_graph=cuda_graph)
     result = pipe(prompt, **options)
     if output is not None:
-        images.write_png(result.image, output)
+        images.write_image(result.image, output)
     return result

@@ -36,7 +36,6 @@ with one dict of per-image inputs each; ControlNet k's residuals go to the step 
 
 from __future__ import annotations
 
-import contextlib
 import os
 import time
 from pathlib import Path
@@ -44,7 +43,7 @@ from pathlib import Path
 import numpy as np
 
 from onnxopt.errors import MissingDependencyError, OnnxoptError
-from onnxopt.runtime import import_onnxruntime
+from onnxopt.runtime import import_onnxruntime, inference_session, ort_logging, session_options
 
 PROVIDERS = ("cpu", "cuda", "tensorrt")
 ORT_TYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(int64)": np.int64,
@@ -81,20 +80,10 @@ def provider_list(provider: str, *, cuda_graph: bool = False, device_id: int = 0
     return [("TensorrtExecutionProvider", options), cuda]
 
 
-_log_severity = 3  # ONNX Runtime's errors; quiet_sessions: fatal only
-
-
-@contextlib.contextmanager
 def quiet_sessions():
-    """Sessions created inside log nothing but fatal errors: the command line's one-line contract
-    (an allocation that fails also printed ORT's own [E:onnxruntime ...] line above onnxopt's; the
-    error reaches the user as the exception, in one line)."""
-    global _log_severity
-    previous, _log_severity = _log_severity, 4
-    try:
-        yield
-    finally:
-        _log_severity = previous
+    """Sessions created inside log nothing but fatal errors (the default already:
+    :mod:`onnxopt.runtime`), even when ORT's log was switched on outside."""
+    return ort_logging(False)
 
 
 def create_session(model: Path | bytes, provider: str, *, name: str, cuda_graph: bool = False, device_id: int = 0,
@@ -102,8 +91,7 @@ def create_session(model: Path | bytes, provider: str, *, name: str, cuda_graph:
     """An InferenceSession for ``model`` (a path, or serialized bytes: weights inline, or external
     data whose locations are relative to ``external_data_folder``)."""
     ort = require_provider(provider)
-    so = ort.SessionOptions()
-    so.log_severity_level = _log_severity
+    so = session_options(ort)
     if external_data_folder is not None:
         so.add_session_config_entry("session.model_external_initializers_file_folder_path", str(external_data_folder))
     if threads:
@@ -115,10 +103,12 @@ def create_session(model: Path | bytes, provider: str, *, name: str, cuda_graph:
         trt_cache = str(Path(os.environ.get("ONNXOPT_TRT_CACHE", model.parent / ".trt-cache")))
     providers = provider_list(provider, cuda_graph=cuda_graph, device_id=device_id, trt_cache=trt_cache)
     try:
-        return ort.InferenceSession(model if isinstance(model, bytes) else str(model), so, providers=providers)
+        return inference_session(model, providers, so)
     except Exception as exc:  # ORT raises its own exception types with long messages
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        hint = " (a graph optimized for the CUDA EP: use --provider cuda)" if provider == "cpu" and "NOT_IMPLEMENTED" in first else ""
+        hint = (" (a folder optimized for the CUDA EP, with its contrib ops: run it with --provider cuda, or optimize "
+                "it with --target tensorrt, whose standard ONNX every provider runs)"
+                if provider == "cpu" and "NOT_IMPLEMENTED" in first else "")
         raise OnnxoptError(f"{name}: ONNX Runtime cannot load the model: {first}{hint}") from exc
 
 
