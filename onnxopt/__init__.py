@@ -6,14 +6,25 @@
     onnxopt.save_model(model, "unet.opt.onnx")
 """
 
-from onnxopt.api import context_and_denoiser, optimize
-from onnxopt.errors import OnnxoptError
-from onnxopt.loading import load_model
-from onnxopt.manager import PassManager
-from onnxopt.model import Model
-from onnxopt.pass_infra import Pass, PassResult
-from onnxopt.registry import PRESETS, available_passes, register_pass
-from onnxopt.saving import save_model
+# Imported on first use (PEP 562): ``import onnxopt`` and the command line start in milliseconds,
+# so that Ctrl-C while the heavy modules import is already onnxopt's to answer (one line, exit 130).
+_EXPORTS = {
+    "context_and_denoiser": "onnxopt.api", "optimize": "onnxopt.api", "OnnxoptError": "onnxopt.errors",
+    "load_model": "onnxopt.loading", "PassManager": "onnxopt.manager", "Model": "onnxopt.model",
+    "Pass": "onnxopt.pass_infra", "PassResult": "onnxopt.pass_infra", "PRESETS": "onnxopt.registry",
+    "available_passes": "onnxopt.registry", "register_pass": "onnxopt.registry", "save_model": "onnxopt.saving",
+}
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        import importlib
+
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'onnxopt' has no attribute '{name}'")
+
 
 __version__ = "0.1.0"
 
@@ -36,7 +47,9 @@ __all__ = [
 def _map_checkout_passes() -> None:
     """``passes/`` ships as ``onnxopt.passes`` (package-dir in pyproject). In a source checkout,
     the passes beside this package are the ones that belong to it, whatever another install maps:
-    import them from there (also when the checkout is used without installing, PYTHONPATH=.)."""
+    ``import onnxopt.passes`` finds them there (also when the checkout is used without installing,
+    PYTHONPATH=.). Only the finder is installed here: the passes import when the registry asks."""
+    import importlib.abc
     import importlib.util
     import sys
     from pathlib import Path
@@ -44,11 +57,15 @@ def _map_checkout_passes() -> None:
     folder = Path(__file__).resolve().parent.parent / "passes"
     if "onnxopt.passes" in sys.modules or not (folder / "__init__.py").is_file():
         return
-    spec = importlib.util.spec_from_file_location("onnxopt.passes", folder / "__init__.py", submodule_search_locations=[str(folder)])
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["onnxopt.passes"] = module
-    globals()["passes"] = module
-    spec.loader.exec_module(module)
+
+    class CheckoutPasses(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path=None, target=None):
+            if name != "onnxopt.passes":
+                return None
+            return importlib.util.spec_from_file_location(name, folder / "__init__.py",
+                                                          submodule_search_locations=[str(folder)])
+
+    sys.meta_path.insert(0, CheckoutPasses())
 
 
 _map_checkout_passes()

@@ -2,7 +2,11 @@
 
 Exit codes: 0 success; 1 verification failed (nothing written); 2 bad input or usage;
 3 internal error (a bug: rerun with --debug for the traceback); 4 a requested fusion found
-nothing to fuse under --strict.
+nothing to fuse under --strict; 130 interrupted (Ctrl-C: nothing written).
+
+Every output of a command is checked before its work against every file it reads, under any name
+(symbolic links, hard links, bind mounts), and all of them are written or none
+(:mod:`onnxopt.outputs`).
 """
 
 from __future__ import annotations
@@ -10,25 +14,41 @@ from __future__ import annotations
 import argparse
 import contextlib
 import math
+import os
 import re
 import sys
 import time
 from pathlib import Path
 
-from onnxopt import registry
 from onnxopt.cli_args import fp16_options, write_report
 from onnxopt.errors import OnnxoptError
-from onnxopt.properties import checking
-from onnxopt.runtime import ORT_QUIET, set_ort_logging
 
-EXIT_OK, EXIT_VERIFY_FAILED, EXIT_BAD_INPUT, EXIT_INTERNAL = 0, 1, 2, 3
+# Nothing heavy is imported at module level: Ctrl-C while onnx, ONNX Runtime or torch import (the
+# first seconds of any command) reaches main()'s handler, one line and exit 130.
+EXIT_OK, EXIT_VERIFY_FAILED, EXIT_BAD_INPUT, EXIT_INTERNAL, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 
 
 class OneLineParser(argparse.ArgumentParser):
     """Usage errors as one line (``onnxopt: error: ...``) and exit 2, like every other bad input."""
 
     def error(self, message):
-        self.exit(EXIT_BAD_INPUT, f"onnxopt: error: {self.prog}: {message} (see {self.prog} --help)\n")
+        command = self.prog.partition(" ")[2]  # "optimize" for "onnxopt optimize", "" for onnxopt itself
+        where = f"{command}: " if command else ""
+        self.exit(EXIT_BAD_INPUT, f"onnxopt: error: {where}{message} (see {self.prog} --help)\n")
+
+
+class DefaultsHelpFormatter(argparse.HelpFormatter):
+    """Each option's default in its help, where it has a value to show (not None, not a flag's
+    True/False, not already said)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        default = action.default
+        if (default is None or isinstance(default, bool) or default == argparse.SUPPRESS or "default" in text
+                or not action.option_strings):
+            return text
+        shown = " ".join(map(str, default)) if isinstance(default, list) else default
+        return f"{text} (default: {shown})"
 
 
 def _shape_arg(text: str) -> tuple[str, tuple[int, ...]]:
@@ -74,9 +94,22 @@ def _dim_arg(text: str) -> tuple[str, int]:
     return name, int(value)
 
 
+def _version() -> str:
+    """The installed distribution's version, else the checkout's (onnxopt.__version__)."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("onnxopt")
+    except metadata.PackageNotFoundError:
+        from onnxopt import __version__
+
+        return __version__
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(prog="onnxopt", description="Optimize diffusion-model ONNX graphs for ORT CUDA and TensorRT.")
     parser.add_argument("--debug", action="store_true", help="show tracebacks; check every property a pass claims after it")
+    parser.add_argument("--version", action="version", version=f"onnxopt {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     opt = sub.add_parser("optimize", help="run passes over a model")
@@ -150,8 +183,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser("passes", help="list passes and presets")
 
-    info = sub.add_parser("info", help="summarise a model: inputs, outputs, ops, weights")
-    info.add_argument("model")
+    info = sub.add_parser("info", help="summarise a model (inputs, outputs, ops, weights) or a pipeline folder")
+    info.add_argument("model", help="an .onnx file, or a diffusers/optimum ONNX pipeline folder")
 
     build = sub.add_parser("build", help="build a TensorRT engine (through Polygraphy; needs tensorrt and an NVIDIA GPU)")
     build.add_argument("-i", "--input", required=True, help="the .onnx to build (optimize it with --passes tensorrt first)")
@@ -168,26 +201,35 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _image_side_arg(text: str) -> int:
+    """--height/--width: pixels, at most what the latents' shape can hold (a huge side overflowed in torch, exit 3)."""
+    from onnxopt.pipeline.folder import MAX_IMAGE_SIDE
+
+    return _int_arg(1, MAX_IMAGE_SIDE)(text)
+
+
 def _add_generate_parser(sub) -> None:
-    gen = sub.add_parser("generate", help="text to image from an ONNX pipeline folder (ORT CPU, CUDA or TensorRT)")
+    gen = sub.add_parser("generate", help="text to image from an ONNX pipeline folder (ORT CPU, CUDA or TensorRT)",
+                         formatter_class=DefaultsHelpFormatter)
     gen.add_argument("folder", help="a diffusers/optimum ONNX pipeline folder (model_index.json, unet/, ...)")
-    gen.add_argument("--prompt", required=True)
-    gen.add_argument("--negative-prompt", default=None)
-    gen.add_argument("--steps", type=int, default=50)
-    gen.add_argument("--guidance", type=float, default=7.5)
+    gen.add_argument("--prompt", required=True, help="what the image shows")
+    gen.add_argument("--negative-prompt", default=None, help="what it should not show (classifier-free guidance)")
+    gen.add_argument("--steps", type=int, default=50, help="denoising steps")
+    gen.add_argument("--guidance", type=float, default=7.5, help="classifier-free guidance scale (1 or less: no guidance)")
     gen.add_argument("--scheduler", default=None, help="ddim | euler | dpm++2m | pndm (diffusers' classes, from the folder's "
                      "config; default: the folder's own scheduler, as diffusers' pipeline runs it)")
     gen.add_argument("--seed", type=int, default=0, help="as diffusers: torch.Generator('cpu').manual_seed(SEED)")
-    gen.add_argument("--height", type=int, help="pixels (default: the UNet's sample_size times the VAE factor)")
-    gen.add_argument("--width", type=int)
+    gen.add_argument("--height", type=_image_side_arg, metavar="PIXELS",
+                     help="image height (default: the UNet's sample_size times the VAE factor)")
+    gen.add_argument("--width", type=_image_side_arg, metavar="PIXELS", help="image width (default: the UNet's sample_size times the VAE factor)")
     gen.add_argument("--controlnet-image", type=Path, action="append",
                      help="conditioning image (ControlNet folders only); once per ControlNet, in the order "
                           "controlnet/, controlnet_1/, ...")
     gen.add_argument("--controlnet-scale", type=float, nargs="+", default=[1.0], metavar="SCALE",
-                     help="ControlNet conditioning scale: one for all, or one per ControlNet (default 1.0)")
+                     help="ControlNet conditioning scale: one for all, or one per ControlNet")
     gen.add_argument("--reuse", metavar="STEPS", help="opt-in approximation: these 0-based steps reuse the previous step's "
                      "prediction instead of running the UNet, e.g. 30-49:2 (onnxopt.pipeline.step_reuse)")
-    gen.add_argument("--provider", choices=["cpu", "cuda", "tensorrt"], default="cpu")
+    gen.add_argument("--provider", choices=["cpu", "cuda", "tensorrt"], default="cpu", help="where the graphs run")
     gen.add_argument("--no-cuda-graph", dest="cuda_graph", action="store_false", help="cuda/tensorrt: do not capture the step")
     gen.add_argument("--unfused", dest="fused_step", action="store_false", help="UNet + diffusers' scheduler.step (no fused step graph)")
     gen.add_argument("-o", "--output", required=True, type=Path,
@@ -199,6 +241,7 @@ def _add_generate_parser(sub) -> None:
 def cmd_generate(args) -> int:
     import json
 
+    from onnxopt.outputs import Inputs, Outputs, staged
     from onnxopt.pipeline import PipelineFolder, images
     from onnxopt.pipeline.runner import Pipeline, reuse_steps, check_request
     from onnxopt.pipeline.sessions import quiet_sessions
@@ -207,24 +250,25 @@ def cmd_generate(args) -> int:
     args.scheduler = check_request(folder, steps=args.steps, scheduler=args.scheduler, height=args.height, width=args.width,
                                    controlnet_image=args.controlnet_image, controlnet_scale=args.controlnet_scale)
     reuse_steps(args.reuse, args.steps)  # a bad schedule is refused before any session exists
-    for written in filter(None, (args.output, args.json)):
-        _refuse_input(written, folder.root, *(args.controlnet_image or ()))
-        images.check_writable(written)
-    images.image_format(args.output)  # a suffix Pillow cannot write is refused before the work
-    if args.json and Path(args.json).resolve() == Path(args.output).resolve():  # the timings replaced the PNG
+    for image in args.controlnet_image or ():
+        images.check_image(image)  # not an image, or a decompression bomb: before any session exists
+    image_format = images.image_format(args.output)  # a suffix Pillow cannot write is refused before the work
+    if args.json and Path(os.path.realpath(args.json)) == Path(os.path.realpath(args.output)):  # the timings replaced the PNG
         raise OnnxoptError(f"{args.json}: --json is the image -o writes; give another path")
+    outputs = Outputs(Inputs().folder(folder.root).files(*(args.controlnet_image or ())))
+    outputs.file(args.output, "-o")
+    if args.json:
+        outputs.file(args.json, "--json")
     with contextlib.nullcontext() if args.debug else quiet_sessions():  # ORT's errors come back as one line
         pipe = Pipeline.load(folder, args.provider, fused_step=args.fused_step, cuda_graph=args.cuda_graph)
         result = pipe(args.prompt, negative_prompt=args.negative_prompt, steps=args.steps, guidance=args.guidance,
                       scheduler=args.scheduler, seed=args.seed, height=args.height, width=args.width,
                       controlnet_image=args.controlnet_image, controlnet_scale=args.controlnet_scale,
                       progress=not args.quiet, reuse=args.reuse)
-    images.write_image(result.image, args.output)
-    if args.json:
-        try:
-            args.json.write_text(json.dumps(result.timings, indent=2) + "\n")
-        except OSError as exc:
-            raise OnnxoptError(f"{args.json}: cannot write: {exc.strerror or exc}")
+    with staged() as stage:  # the image and the timings: both or neither
+        stage.write(args.output, lambda out: result.image.save(out, format=image_format))
+        if args.json:
+            stage.text(args.json, json.dumps(result.timings, indent=2) + "\n")
     if not args.quiet:
         t = result.timings
         print(f"wrote {args.output} ({result.image.width}x{result.image.height}, {t['steps']} steps, {t['step']})")
@@ -234,28 +278,17 @@ def cmd_generate(args) -> int:
     return EXIT_OK
 
 
-def _refuse_input(path, folder, *files) -> None:
-    """A file a command writes may not be in the (pipeline) folder it reads, nor one of its input files."""
-    real = Path(path).resolve()
-    if folder is not None and Path(folder).resolve() in real.parents:
-        raise OnnxoptError(f"{path}: is inside {folder}, an input of this run; onnxopt never modifies its input")
-    for f in filter(None, files):
-        if real == Path(f).resolve():
-            raise OnnxoptError(f"{path}: is {f}, an input of this run; onnxopt never modifies its input")
-
-
-def check_not_read(path, models, *files) -> None:
-    """A report a command writes (``--json``, ``--markdown``) may not be a model it reads, one of the
-    models' external data files, nor another input file (``--inputs``): ``diff a.onnx b.onnx --json
-    a.onnx`` replaced the source model with the report."""
+def model_inputs(*paths) -> "Inputs":
+    """Every file the models at ``paths`` read (each .onnx and its external data), for the output checks."""
     from onnxopt.loading import load_model
-    from onnxopt.saving import check_destination, check_writes
+    from onnxopt.outputs import Inputs
 
-    _refuse_input(path, None, *files)
-    check_destination(path)  # a missing folder: before the work, not after it
-    for model in filter(None, models):
-        if Path(model).is_file():
-            check_writes([path], load_model(model))
+    inputs = Inputs()
+    for path in filter(None, paths):
+        inputs.files(path)
+        if Path(path).is_file():
+            inputs.model(load_model(path))
+    return inputs
 
 
 def _profile_arg(text: str):
@@ -268,10 +301,12 @@ def _profile_arg(text: str):
 
 
 def cmd_optimize(args) -> int:
+    from onnxopt import registry
     from onnxopt.api import optimize
     from onnxopt.loading import load_model
+    from onnxopt.outputs import Inputs, Outputs, staged
     from onnxopt.report import process_memory
-    from onnxopt.saving import check_destination, check_writes, planned_writes, save_model
+    from onnxopt.saving import check_destination, planned_writes, save_model
     from onnxopt.verify import InputSpec, Tolerance, check_dim_names, load_feeds
 
     if args.fp8 and Path(args.input).is_dir():
@@ -293,13 +328,16 @@ def cmd_optimize(args) -> int:
     expanded = registry.expand(passes)  # unknown names and unwritable outputs fail before any work
     _check_fp16_flags(args, expanded)
     check_destination(args.output, args.input)
-    if args.report_json:  # a report that cannot be written failed after the output was written (exit 2, output there)
-        check_destination(args.report_json)  # (onto an input file: check_writes below says so)
     load_start = time.perf_counter()
     source = load_model(args.input)  # lazy: weights stay on disk; optimize() works on a copy
     load_seconds = time.perf_counter() - load_start
     check_dim_names(source, dict(args.dim))
-    check_writes(planned_writes(source, args.output, external_data=args.external_data) + [p for p in [args.report_json] if p], source)
+    # every file written (model, data files, companions, report) against every file read, before the work
+    outputs = Outputs(Inputs().model(source).files(args.calibration, args.fp8_calibration))
+    for path in planned_writes(source, args.output, external_data=args.external_data):
+        outputs.file(path, "-o")
+    if args.report_json:
+        outputs.file(args.report_json, "--report-json")
     for path in (args.calibration, args.fp8_calibration):
         if path:  # refused now, not only when (or if) a pass gets to read it: fp8-linear may refuse every site first
             load_feeds(path, source)
@@ -321,10 +359,11 @@ def cmd_optimize(args) -> int:
         print(f"onnxopt: verification failed at pass '{report.first_broken_pass}'; {args.output} not written", file=sys.stderr)
         return EXIT_VERIFY_FAILED
     save_start = time.perf_counter()
-    info = save_model(model, args.output, external_data=args.external_data)
-    report.save_seconds, report.memory_after_save = time.perf_counter() - save_start, process_memory()
-    if args.report_json:
-        write_report(args.report_json, report.to_json())
+    with staged() as stage:  # the model's files are renamed into place by save_model, the report right after
+        info = save_model(model, args.output, external_data=args.external_data)
+        report.save_seconds, report.memory_after_save = time.perf_counter() - save_start, process_memory()
+        if args.report_json:
+            stage.text(args.report_json, report.to_json())
     where = f"{info.path}" + (f" (+ {info.data_path.name})" if info.data_path else "")
     if not args.quiet:
         print(f"wrote {where}: {info.weights_nbytes / 1e6:.1f} MB of weights, {time.perf_counter() - start:.1f} s in all")
@@ -338,6 +377,7 @@ def cmd_optimize(args) -> int:
 def _explained_passes(names: list[str], passes: list[str]) -> set[str]:
     """--explain's passes (comma-separated or repeated), each one the run may include: listed, a
     preset's step, auto-inserted for a requirement, or a pass's follower."""
+    from onnxopt import registry
     from onnxopt.manager import passes_in_run
 
     explained = {n.strip() for name in names for n in name.split(",") if n.strip()}
@@ -378,6 +418,8 @@ def _fp8_options(args, inputs) -> dict:
 
 
 def cmd_passes(args) -> int:
+    from onnxopt import registry
+
     passes = registry.available_passes()
     width = max(len(n) for n in list(passes) + list(registry.PRESETS))
     print("passes:")
@@ -395,6 +437,8 @@ def cmd_info(args) -> int:
 
     from onnxopt.loading import load_model
 
+    if Path(args.model).is_dir():
+        return _info_folder(args.model)
     model = load_model(args.model)
     g = model.graph
     print(f"{args.model}: opset {model.opset}, {len(g.nodes)} nodes, {model.weights_nbytes() / 1e6:.1f} MB of weights")
@@ -406,15 +450,58 @@ def cmd_info(args) -> int:
     return EXIT_OK
 
 
+def _info_folder(path) -> int:
+    """A pipeline folder: its class and kind, then each component's graphs with their inputs,
+    outputs and size on disk (headers only: no weight is read)."""
+    import onnx
+
+    from onnxopt.pipeline import PipelineFolder
+
+    folder = PipelineFolder.open(path)  # every path checked before any file is read
+    name = folder.index.get("_class_name", "no _class_name")
+    print(f"{folder.root}: {name} ({folder.kind} pipeline), {len(folder.components)} components, "
+          f"{sum(c.nbytes() for c in folder.components.values()) / 1e6:.1f} MB")
+    for component in folder.components.values():
+        graphs = [component.model] + sorted(p for p in component.folder.glob("*.onnx") if p != component.model)
+        for graph in graphs:
+            proto = onnx.load(str(graph), load_external_data=False)
+            size = graph.stat().st_size + (sum(p.stat().st_size for p in component.external_data) if graph == component.model else 0)
+            print(f"  {component.name}/{graph.name}: opset {_opset(proto)}, {len(proto.graph.node)} nodes, {size / 1e6:.1f} MB")
+            for label, values in (("input", proto.graph.input), ("output", proto.graph.output)):
+                for v in values:
+                    print(f"    {label} {v.name}: {_value_type(v)}")
+    return EXIT_OK
+
+
+def _opset(proto) -> int | str:
+    return next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), "?")
+
+
+def _value_type(value) -> str:
+    import onnx
+
+    t = value.type.tensor_type
+    dims = [d.dim_value if d.HasField("dim_value") else (d.dim_param or "?") for d in t.shape.dim]
+    return f"{onnx.helper.tensor_dtype_to_np_dtype(t.elem_type) if t.elem_type else '?'} {dims}"
+
+
 def cmd_bench(args) -> int:
     from onnxopt.bench import bench, bench_ablation, build_ablation
     from onnxopt.runners.ort_cuda import _require_cuda
     from onnxopt.verify import InputSpec
 
+    from onnxopt import registry
+    from onnxopt.outputs import Outputs, staged
+
     if args.build_only and not args.ablation:
         raise OnnxoptError("--build-only goes with --ablation")
-    for path in filter(None, (args.json, args.markdown)):
-        check_not_read(path, args.models)
+    inputs = model_inputs(*args.models)
+    if args.ablation:  # its models are read (reused) from the work folder
+        inputs.folder(args.work or Path(args.models[0]).with_name(Path(args.models[0]).stem + ".ablation"))
+    outputs = Outputs(inputs)
+    for path, flag in ((args.json, "--json"), (args.markdown, "--markdown")):
+        if path:
+            outputs.file(path, flag)
     if not args.build_only:
         _require_cuda()  # fail with the install hint before loading or building anything
     modes = {"off": (False,), "on": (True,), "both": (False, True)}[args.cuda_graph]
@@ -436,17 +523,16 @@ def cmd_bench(args) -> int:
                        prefer_nhwc=args.prefer_nhwc)
     text = report.markdown()
     print(text)
-    for path, content in ((args.json, report.to_json()), (args.markdown, text + "\n")):
-        if path:
-            try:
-                path.write_text(content)
-            except OSError as exc:
-                raise OnnxoptError(f"{path}: cannot write: {exc.strerror or exc}")
+    with staged() as stage:  # both reports or neither
+        for path, content in ((args.json, report.to_json()), (args.markdown, text + "\n")):
+            if path:
+                stage.text(path, content)
     return EXIT_OK
 
 
 def cmd_diff(args) -> int:
     from onnxopt.diff import diff
+    from onnxopt.outputs import Outputs
     from onnxopt.verify import InputSpec, Tolerance
 
     if args.bisect and not args.passes:
@@ -457,25 +543,27 @@ def cmd_diff(args) -> int:
         raise OnnxoptError("give the optimized model to compare, or --bisect --passes ...")
     passes = [p for p in (args.passes or "").split(",") if p.strip()]
     if args.json:
-        check_not_read(args.json, [args.source, args.optimized], args.inputs)
+        Outputs(model_inputs(args.source, args.optimized).files(args.inputs)).file(args.json, "--json")
     report = diff(args.source, args.optimized, runtime=args.runtime, tolerance=Tolerance(args.atol, args.rtol),
                   inputs=InputSpec(shapes=dict(args.shape), dims=dict(args.dim)), feeds_path=args.inputs,
                   bisect=passes or None, prefer_nhwc=args.prefer_nhwc, precision=args.precision, seed=args.seed)
     print(report.table())
     if args.json:
-        try:
-            args.json.write_text(report.to_json())
-        except OSError as exc:
-            raise OnnxoptError(f"{args.json}: cannot write: {exc.strerror or exc}")
+        write_report(args.json, report.to_json())
     return EXIT_OK if report.ok else EXIT_VERIFY_FAILED
 
 
 def cmd_build(args) -> int:
     from onnxopt.runners.tensorrt import build_engine
 
+    from onnxopt.outputs import Outputs
+
     profiles = dict(args.profile)
     if len(profiles) != len(args.profile):
         raise OnnxoptError("--profile names the same input twice")
+    # the engine may not be the model, its data or the timing cache (which is read, then written)
+    outputs = Outputs(model_inputs(args.input).files(args.timing_cache))
+    outputs.file(args.output, "-o")
     info = build_engine(args.input, args.output, precision=args.precision, profiles=profiles, timing_cache=args.timing_cache,
                         workspace=args.workspace, dims=dict(args.dim))
     print(info.summary())
@@ -493,24 +581,29 @@ def _one_line(message: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    try:
-        args = build_parser().parse_args(argv)
-    except SystemExit as exc:  # --help (0) or a usage error (2, its one line printed)
-        return exc.code if isinstance(exc.code, int) else EXIT_BAD_INPUT
-    try:
+    debug = False
+    try:  # from the first import on: Ctrl-C at any moment is one line and exit 130
+        try:
+            args = build_parser().parse_args(argv)
+        except SystemExit as exc:  # --help (0) or a usage error (2, its one line printed)
+            return exc.code if isinstance(exc.code, int) else EXIT_BAD_INPUT
+        debug = args.debug
+        from onnxopt.library_logs import quiet_libraries
+        from onnxopt.properties import checking
+        from onnxopt.runtime import set_ort_logging
+
         set_ort_logging(args.debug)  # ONNX Runtime's own log lines: only with --debug
-        with _quiet_libraries(not args.debug), checking(args.debug):  # --debug: property claims are checked
+        with quiet_libraries(not args.debug), checking(args.debug):  # --debug: property claims are checked
             return COMMANDS[args.command](args)
     except OnnxoptError as exc:
-        if args.debug:
+        if debug:
             raise
-        print(f"onnxopt: error: {_one_line(str(exc))}", file=sys.stderr)
+        print(f"onnxopt: error: {_error_line(exc)}", file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt:
-        print("onnxopt: interrupted", file=sys.stderr)
-        return 130
+        return _interrupted()
     except Exception as exc:  # a bug in onnxopt: still one line, the traceback on request
-        if args.debug:
+        if debug:
             raise
         if (why := out_of_memory(exc)) is not None:  # the request is too big for this machine, not a bug
             print(f"onnxopt: error: {_one_line(why)}", file=sys.stderr)
@@ -518,6 +611,28 @@ def main(argv: list[str] | None = None) -> int:
         first = next((line for line in str(exc).splitlines() if line.strip()), "")  # one line, as the contract says
         print(f"onnxopt: internal error: {type(exc).__name__}: {first} (rerun with --debug for the traceback)", file=sys.stderr)
         return EXIT_INTERNAL
+
+
+def _interrupted() -> int:
+    """Ctrl-C: a second one while this runs is ignored; the message starts on a line of its own."""
+    import signal
+
+    with contextlib.suppress(ValueError):  # not the main thread: nothing to ignore
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if "onnxopt.progress" in sys.modules:
+        sys.modules["onnxopt.progress"].end_line()  # a status line or tqdm bar left unfinished
+    print("onnxopt: interrupted", file=sys.stderr)
+    return EXIT_INTERRUPTED
+
+
+def _error_line(exc: OnnxoptError) -> str:
+    """The error as one line. A message onnxopt composed of several lines (a fusion's near misses
+    under --strict) is joined with "; "; a newline in a name the user gave is shown escaped."""
+    from onnxopt.errors import PassNotApplicableError
+
+    if isinstance(exc, PassNotApplicableError):
+        return "; ".join(line.strip() for line in str(exc).splitlines() if line.strip())
+    return _one_line(str(exc))
 
 
 def out_of_memory(exc: BaseException) -> str | None:
@@ -534,33 +649,6 @@ def out_of_memory(exc: BaseException) -> str | None:
         return f"out of memory{need}: try a smaller image size"
     need = f" (one buffer of {int(size.group(1)) / 2**30:.1f} GiB)" if size else ""
     return f"ONNX Runtime ran out of memory{need}: try a smaller image size or batch"
-
-
-@contextlib.contextmanager
-def _quiet_libraries(quiet: bool):
-    """Polygraphy's and graphsurgeon's log lines ([W] ..., [E] ...) and ONNX Runtime's warnings are
-    not for onnxopt's users: what went wrong reaches them as onnxopt's own one line (the libraries
-    raise as well as log). --debug shows them."""
-    if not quiet:
-        yield
-        return
-    from onnx_graphsurgeon.logger import G_LOGGER as GS_LOGGER
-    from polygraphy.logger import G_LOGGER
-
-    silent = max(G_LOGGER.CRITICAL, GS_LOGGER.CRITICAL) + 1
-    previous = GS_LOGGER.severity
-    GS_LOGGER.severity = silent
-    try:
-        import onnxruntime
-
-        onnxruntime.set_default_logger_severity(ORT_QUIET)  # they come back as exceptions: onnxopt's one line
-    except ImportError:
-        pass
-    try:
-        with G_LOGGER.verbosity(silent):
-            yield
-    finally:
-        GS_LOGGER.severity = previous
 
 
 if __name__ == "__main__":

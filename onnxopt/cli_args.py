@@ -6,8 +6,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from onnxopt.errors import OnnxoptError
-
 
 def fp16_options(args) -> dict:
     """The fp16 pass's options from ``--low-precision``, ``--fp32-ops``, ... (the flags given only)."""
@@ -23,8 +21,8 @@ def fp16_options(args) -> dict:
 
 
 def write_report(path: Path, text: str) -> None:
-    """``--report-json``: a write that fails is a one-line error."""
-    try:
-        path.write_text(text)
-    except OSError as exc:
-        raise OnnxoptError(f"{path}: cannot write report: {exc.strerror or exc}")
+    """One report file, written atomically (checked before the work as an output of the command)."""
+    from onnxopt.outputs import staged
+
+    with staged() as stage:
+        stage.text(path, text)

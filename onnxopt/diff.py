@@ -429,6 +429,9 @@ def diff(source: str | Path, candidate: str | Path | None = None, *, runtime: st
         check_runtime(runtime, candidate_model)
         _check_same_inputs(source_model, candidate_model)
     feeds = load_feeds(feeds_path, source_model) if feeds_path else random_feeds(source_model, inputs, seed=seed)
+    if feeds_path:
+        for model in filter(None, (source_model, candidate_model)):
+            check_feed_shapes(feeds[0], model, feeds_path)
     report = DiffReport(str(source), str(candidate) if candidate is not None else None, runtime, tolerance,
                         inputs={k: list(v.shape) for k, v in feeds[0].items()})
     if candidate_model is not None:
@@ -443,6 +446,20 @@ def diff(source: str | Path, candidate: str | Path | None = None, *, runtime: st
         report.bisect = bisect_passes(source_model, bisect, runtime=runtime, tolerance=tolerance, feeds=feeds,
                                       prefer_nhwc=prefer_nhwc, precision=precision, source_path=source)
     return report
+
+
+def check_feed_shapes(feed: dict[str, np.ndarray], model: Model, where) -> None:
+    """Each array has the rank of the model's input and its fixed dims: Polygraphy silently reshapes
+    an array of the same size (a [24] array ran as [2, 3, 4]), so a wrong array compared as a right one."""
+    for t in model.graph.inputs:
+        if t.name not in feed or t.shape is None:
+            continue
+        got = feed[t.name].shape
+        fixed_ok = all(not isinstance(d, int) or d < 0 or d == g for d, g in zip(t.shape, got))
+        if len(got) != len(t.shape) or not fixed_ok:
+            expected = "x".join(str(d) if isinstance(d, int) and d >= 0 else str(d or "?") for d in t.shape)
+            raise OnnxoptError(f"{where}: array '{t.name}' has shape {list(got)}; the model's input is "
+                               f"[{expected}] (rank {len(t.shape)})")
 
 
 def _check_same_inputs(source: Model, candidate: Model) -> None:

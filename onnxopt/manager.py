@@ -12,6 +12,7 @@ from onnxopt.errors import PassNotApplicableError, PassOrderError
 from onnxopt.model import Model
 from onnxopt.pass_infra import Pass, Sequence
 from onnxopt.pattern import Tracer
+from onnxopt.progress import show_pass
 from onnxopt.report import OptimizationReport, PassReport, Verification, process_memory
 
 # A verifier compares the current model with the source and says how far apart they are, at a
@@ -121,6 +122,7 @@ class PassManager:
             return self._sequence(p, model, report, properties, auto)
         nodes_before = len(model.graph.nodes)
         companions = list(model.companions.items()) if p.applies_to_companions else []  # not those p makes
+        show_pass(p.name)  # a terminal's status line (onnxopt.progress); nothing otherwise
         t0, cpu0 = time.perf_counter(), time.process_time()
         result = p(model, tracer=self._tracer(p))
         seconds = time.perf_counter() - t0

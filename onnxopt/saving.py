@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO, Iterable
@@ -25,6 +24,7 @@ from onnx_graphsurgeon.ir.tensor import Constant, LazyValues
 
 from onnxopt.errors import ModelSaveError
 from onnxopt.model import Model, SKELETON_THRESHOLD_BYTES
+from onnxopt.outputs import Inputs, Outputs, temp_beside
 from onnxopt.weights import (
     constant_data_type,
     constant_dims,
@@ -181,17 +181,9 @@ def _write_beside(model: Model, path: Path, external_data: bool | None, data_loc
 
 
 def check_destination(path: str | os.PathLike, source: str | os.PathLike | None = None) -> None:
-    """Fail early, before any work, when ``path`` cannot be written or is the source itself."""
-    path = Path(path)
-    if source is not None and _same_file(path, Path(source)):
-        raise ModelSaveError(f"{path}: output is the input file; onnxopt never modifies its input")
-    folder = path.parent if str(path.parent) else Path(".")
-    if not folder.is_dir():
-        raise ModelSaveError(f"{path}: folder {folder} does not exist")
-    if path.is_dir():
-        raise ModelSaveError(f"{path}: is a folder")
-    if not os.access(folder, os.W_OK):
-        raise ModelSaveError(f"{path}: folder {folder} is not writable")
+    """Fail early, before any work, when ``path`` cannot be written or is the source itself
+    (under any name: see :mod:`onnxopt.outputs`)."""
+    Outputs(Inputs().files(source)).file(path)
 
 
 def must_stay_inline(model: Model) -> set[str]:
@@ -239,26 +231,18 @@ def planned_writes(model: Model, path: str | os.PathLike, *, external_data: bool
     return writes
 
 
-def check_writes(writes: Iterable[str | os.PathLike], source: Model) -> None:
+def check_writes(writes: Iterable[str | os.PathLike], source: Model, inputs: Inputs | None = None) -> None:
     """Refuse, before anything is written, a file to write that is a file the input reads.
 
     The input is every file of ``source.source_files`` (the .onnx and each external data file it
-    names; a companion's too). A path to write is compared after resolving symbolic links, and with
-    ``os.path.samefile`` (a hard link is the same file under another name). Two writes to one file
-    (``--report-json out.onnx.data`` beside ``--external-data``) are refused as well.
+    names; a companion's too), and ``inputs`` when given. A path to write is compared by identity
+    (:mod:`onnxopt.outputs`: symbolic links, hard links and bind mounts are the file they name).
+    Two writes to one file (``--report-json out.onnx.data`` beside ``--external-data``) are
+    refused as well.
     """
-    reads = {Path(os.path.realpath(p)) for m in [source, *source.companions.values()] for p in m.source_files}
-    seen: dict[Path, Path] = {}
-    for write in map(Path, writes):
-        real = Path(os.path.realpath(write))
-        if write.is_dir():
-            raise ModelSaveError(f"{write}: is a folder")
-        for read in reads:
-            if real == read or _same_file(write, read):
-                raise ModelSaveError(f"{write}: is {read}, a file the input reads; onnxopt never modifies its input")
-        if real in seen:
-            raise ModelSaveError(f"{write}: would be written twice (also as {seen[real]})")
-        seen[real] = write
+    outputs = Outputs((inputs or Inputs()).model(source))
+    for write in writes:
+        outputs.file(write)
 
 
 def _write(model: Model, out: BinaryIO, data: BinaryIO | None, data_name: str, referenced: Path | None = None) -> None:
@@ -399,17 +383,5 @@ def _align(f: BinaryIO, alignment: int) -> int:
 
 
 def _temp_beside(path: Path, registry: list[Path]) -> Path:
-    fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent if str(path.parent) else ".")
-    os.close(fd)
-    registry.append(Path(name))
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(name, 0o666 & ~umask)  # mkstemp makes 0600 files; outputs get the usual permissions
-    return Path(name)
-
-
-def _same_file(a: Path, b: Path) -> bool:
-    try:
-        return a.exists() and os.path.samefile(a, b)
-    except OSError:
-        return False
+    registry.append(temp_beside(path))
+    return registry[-1]

@@ -36,12 +36,15 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from onnxopt.errors import MissingDependencyError, OnnxoptError
 
 KINDS = ("sd", "sdxl", "controlnet")
+MAX_IMAGE_SIDE = 1 << 16  # pixels: far above any model's, far below what overflows the latents' shape
 CLIP_SEQUENCE = 77  # the prompt length CLIP's text encoders take
 TOKENIZER_NO_LIMIT = 4096  # a model_max_length above it is transformers' "no limit" placeholder
 EXTERNAL_DATA_NAMES = ("model.onnx_data", "model.onnx.data", "weights.pb")
@@ -200,16 +203,75 @@ def controlnet_folders(root: Path) -> list[str]:
     return [controlnet_name(k) for k in sorted(numbers)]
 
 
+# model_index.json's _class_name -> the kind onnxopt runs it as. One table: a pipeline family is an
+# entry here (and in REQUIRED_MODELS), never a branch. Any other class is refused by name: a folder of
+# a model onnxopt does not run (StableDiffusion3Pipeline, FluxPipeline...) was optimized as SDXL.
+PIPELINE_CLASSES = {
+    "StableDiffusionPipeline": "sd",
+    "OnnxStableDiffusionPipeline": "sd",  # diffusers' own ONNX export (convert_stable_diffusion_checkpoint_to_onnx)
+    "StableDiffusionXLPipeline": "sdxl",
+    "StableDiffusionControlNetPipeline": "controlnet",
+}
+
+
 def kind_of(index: dict, root: Path) -> str:
-    """sd / sdxl / controlnet, from model_index.json's class name (and the folders as a fallback)."""
-    name = str(index.get("_class_name", ""))
-    if "ControlNet" in name or "controlnet" in index or (root / "controlnet").is_dir():
-        if "XL" in name:
-            raise PipelineFolderError(f"{root}: {name} (SDXL + ControlNet) is not supported yet")
+    """sd / sdxl / controlnet, from model_index.json's class name (:data:`PIPELINE_CLASSES`); an index
+    without one (hand-written folders) by its folders."""
+    name = index.get("_class_name")
+    if name is not None:
+        if name not in PIPELINE_CLASSES:
+            raise PipelineFolderError(f"{root}: model_index.json names {json.dumps(name)}, a pipeline onnxopt does not "
+                                      f"run (it runs {', '.join(PIPELINE_CLASSES)})")
+        return PIPELINE_CLASSES[name]
+    if "controlnet" in index or (root / "controlnet").is_dir():
         return "controlnet"
-    if "XL" in name or "text_encoder_2" in index or (root / "text_encoder_2").is_dir():
+    if "text_encoder_2" in index or (root / "text_encoder_2").is_dir():
         return "sdxl"
     return "sd"
+
+
+# model_index.json's entries and what each needs in the folder (diffusers' "vae" is optimum's vae_decoder/)
+INDEX_ENTRIES = {
+    "text_encoder": "text_encoder/model.onnx", "text_encoder_2": "text_encoder_2/model.onnx",
+    "unet": "unet/model.onnx", "vae": "vae_decoder/model.onnx", "vae_decoder": "vae_decoder/model.onnx",
+    "vae_encoder": "vae_encoder/model.onnx", "controlnet": "controlnet/model.onnx",
+    "tokenizer": "tokenizer/", "tokenizer_2": "tokenizer_2/", "scheduler": "scheduler/scheduler_config.json",
+}
+
+
+def check_index_entries(root: Path, index: dict) -> None:
+    """Each component model_index.json names (an entry other than [null, null]) is in the folder:
+    one it names and lacks made a folder generate refuses, after optimize said it worked."""
+    for key, needed in INDEX_ENTRIES.items():
+        entry = index.get(key)
+        if entry is None or (isinstance(entry, list) and not any(entry)):
+            continue
+        path = root / needed
+        if not (path.is_dir() if needed.endswith("/") else path.is_file()):
+            raise PipelineFolderError(f"{root}: model_index.json names '{key}', but there is no {needed}")
+
+
+def check_folder_paths(root: Path) -> None:
+    """Every entry of the folder, before any file of it is opened: a symbolic link whose target
+    lies outside the folder or is missing, and anything that is neither a regular file nor a folder
+    (a named pipe blocked the first read forever; a device), is refused. A hard link is a regular
+    file of the folder (its other names may lie anywhere: the bytes are the folder's)."""
+    real_root = Path(os.path.realpath(root))
+    for dirpath, dirs, files in os.walk(root):  # symbolic links to folders are listed, not followed
+        for name in dirs + files:
+            path = Path(dirpath) / name
+            mode = os.lstat(path).st_mode
+            if stat.S_ISLNK(mode):
+                target = Path(os.path.realpath(path))
+                if target != real_root and real_root not in target.parents:
+                    raise PipelineFolderError(f"{path}: a symbolic link out of the input folder; onnxopt reads only inside it")
+                try:
+                    mode = os.stat(path).st_mode
+                except OSError:
+                    raise PipelineFolderError(f"{path}: a symbolic link to nothing ({os.readlink(path)})") from None
+            if not stat.S_ISDIR(mode) and not stat.S_ISREG(mode):
+                raise PipelineFolderError(f"{path}: not a regular file (a named pipe, socket or device); "
+                                          "a pipeline folder holds files")
 
 
 @dataclass
@@ -230,9 +292,11 @@ class PipelineFolder:
         index_path = root / "model_index.json"
         if not index_path.is_file():
             raise PipelineFolderError(f"{root}: not a pipeline folder (no model_index.json)")
+        check_folder_paths(root)  # before any file of it is read
         index = read_json(index_path)
-        check_folder_files(root)
         kind = kind_of(index, root)
+        check_index_entries(root, index)
+        check_folder_files(root)
         components = {}
         for name in (*MODEL_COMPONENTS, *controlnet_folders(root)[1:]):
             model = root / name / MODEL_FILE
@@ -243,6 +307,7 @@ class PipelineFolder:
                 components[name] = Component(name, root / name, model, data, config)
         folder = cls(root, index, kind, components)
         folder._check_complete()
+        folder.default_size  # a sample_size too large for an image is refused here, not deep in a run
         return folder
 
     def _check_complete(self) -> None:
@@ -323,7 +388,11 @@ class PipelineFolder:
         """(height, width) in pixels when none is asked: the UNet's sample_size times the VAE factor."""
         sample = self.config("unet").get("sample_size", 64 if self.kind != "sdxl" else 128)
         h, w = (sample, sample) if isinstance(sample, int) else sample
-        return h * self.vae_scale_factor, w * self.vae_scale_factor
+        size = h * self.vae_scale_factor, w * self.vae_scale_factor
+        if max(size) > MAX_IMAGE_SIDE:
+            raise PipelineFolderError(f"{self.root / 'unet' / 'config.json'}: 'sample_size' {json.dumps(sample)} makes a "
+                                      f"default image of {size[0]}x{size[1]} pixels (at most {MAX_IMAGE_SIDE} a side)")
+        return size
 
     @property
     def force_zeros_for_empty_prompt(self) -> bool:

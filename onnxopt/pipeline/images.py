@@ -16,11 +16,13 @@ from __future__ import annotations
 
 import os
 import tempfile
+import warnings
 from pathlib import Path
 
 import numpy as np
 
 from onnxopt.errors import MissingDependencyError, OnnxoptError
+from onnxopt.outputs import umask
 
 
 def _processor(vae_scale_factor: int, **options):
@@ -48,17 +50,29 @@ def to_pil(pixels: np.ndarray):
     return Image.fromarray((pixels * 255).round().astype("uint8"))
 
 
-def load_image(path):
+def check_image(path) -> None:
+    """Read only ``path``'s header: a one-line error, before any work, when it is not an image or
+    declares too many pixels (see :func:`load_image`)."""
+    load_image(path, header_only=True)
+
+
+def load_image(path, header_only: bool = False):
     """A PIL image from a file, as RGB; a one-line error when it is not a readable image."""
     try:
         from PIL import Image, UnidentifiedImageError
     except ImportError as exc:
         raise MissingDependencyError("generating images needs Pillow: pip install 'onnxopt[pipeline]'") from exc
     try:
-        with Image.open(path) as image:
-            return image.convert("RGB")
+        with warnings.catch_warnings():
+            # PIL warns above MAX_IMAGE_PIXELS and raises above twice that: both refused, before any pixel is decoded
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            with Image.open(path) as image:
+                return None if header_only else image.convert("RGB")
     except FileNotFoundError:
         raise OnnxoptError(f"{path}: no such image")
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
+        raise OnnxoptError(f"{path}: the image declares more pixels than a conditioning image may have "
+                           f"({exc.args[0].split('(')[0].strip() if exc.args else 'too large'})")
     except (OSError, UnidentifiedImageError) as exc:
         raise OnnxoptError(f"{path}: not a readable image: {exc}")
 
@@ -112,6 +126,7 @@ def write_image(image, path) -> Path:
     folder = path.parent if str(path.parent) else Path(".")
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=folder)
     try:
+        os.fchmod(fd, 0o666 & ~umask())  # mkstemp makes 0600 files; an image follows the umask
         with os.fdopen(fd, "wb") as out:
             image.save(out, format=fmt)
         os.replace(tmp, path)

@@ -58,9 +58,13 @@ from pathlib import Path
 
 import numpy as np
 
+from onnxopt import progress as progress_line
 from onnxopt.errors import ModelSaveError, OnnxoptError, VerificationError
+from onnxopt.library_logs import quiet_libraries
+from onnxopt.outputs import Inputs, Outputs, staged, temp_folder_beside
 from onnxopt.pipeline.controlnet_hint import write_hint_graph
-from onnxopt.pipeline.folder import check_folder_files, controlnet_folders, read_json
+from onnxopt.pipeline.folder import (check_folder_files, check_folder_paths, check_index_entries, controlnet_folders,
+                                     kind_of, read_json)
 from onnxopt.pipeline.merged_step import write_merged_step
 from onnxopt.pipeline.step_graph import write_step_graph
 from onnxopt.report import OptimizationReport
@@ -75,6 +79,9 @@ COMPONENTS = TEXT_ENCODERS + DENOISERS + VAES
 DEFAULT_DATA_NAME = "model.onnx_data"   # optimum's name
 VAE_FP16_MAX_REL_L2 = 1e-2              # fp16 VAE vs fp32 on the calibration input; above: keep fp32
 DEFAULT_LATENT_SIZE = 64                # when unet/config.json has no sample_size
+# what the optimization writes besides the source's files (a report may not take one of these names)
+GENERATED_NAMES = {MODEL_FILE, DEFAULT_DATA_NAME, "model.onnx.data", "weights.pb", "step.onnx", "step.context_kv.onnx",
+                   "step.hint.onnx", "step.streams.onnx", "step.streams.down.onnx", "merged_step.onnx"}
 
 
 @dataclass
@@ -130,6 +137,16 @@ class FolderReport:
     def to_json(self) -> str:
         return json.dumps(self.as_dict(), indent=2, default=str)
 
+    def verdict(self, atol: float, rtol: float) -> str:
+        """What ``verify`` compared, and how it came out (a failure raised before: nothing was written)."""
+        checked = [c for c in self.components if c.report and c.report.final_verification]
+        if not checked:
+            return "verify: no component was compared (none was optimized)"
+        errors = ", ".join(f"{c.name} {c.report.final_verification.max_abs_error:.1e}" for c in checked)
+        return (f"verify: each of {len(checked)} components equals its source within atol={atol:g}, rtol={rtol:g} "
+                f"after every pass, on random inputs (max abs err: {errors}); the graphs written from them "
+                "(step.onnx, static text encoders, merged step) are not compared")
+
     def table(self) -> str:
         header = ["component", "passes", "precision", "nodes", "weights MB", "s"]
         rows = []
@@ -169,7 +186,10 @@ def read_components(folder: Path) -> list[PipelineComponent]:
         raise OnnxoptError(f"{folder}: not a folder")
     if not (folder / "model_index.json").is_file():
         raise OnnxoptError(f"{folder}: no model_index.json: not a diffusers/optimum pipeline folder")
-    read_json(folder / "model_index.json")  # a broken index or config would be copied, and generate refuses it
+    check_folder_paths(folder)  # every path, before any file is opened
+    index = read_json(folder / "model_index.json")  # a broken index or config would be copied, and generate refuses it
+    kind_of(index, folder)  # a pipeline class onnxopt does not run is refused by name
+    check_index_entries(folder, index)  # a component the index names and the folder lacks
     check_folder_files(folder)
     out = []
     for sub in sorted(p for p in folder.iterdir() if p.is_dir()):
@@ -201,27 +221,24 @@ def _read_json(path: Path) -> dict:
     return value if isinstance(value, dict) else {}
 
 
-def _check_paths(src: Path, dst: Path) -> None:
-    s, d = src.resolve(), dst.resolve()
-    if d == s or s in d.parents:
-        raise OnnxoptError(f"{dst}: the output folder may not be the input folder or inside it")
-    if d in s.parents:
-        raise OnnxoptError(f"{dst}: the output folder may not contain the input folder")
-    if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
-        raise OnnxoptError(f"{dst}: exists and is not an empty folder; onnxopt does not overwrite pipeline folders")
-    if not dst.parent.is_dir():
-        raise ModelSaveError(f"{dst}: folder {dst.parent} does not exist")
-    if not os.access(dst.parent, os.W_OK):
-        raise ModelSaveError(f"{dst}: folder {dst.parent} is not writable")
-    for root, dirs, files in os.walk(src):
-        for name in dirs + files:
-            p = Path(root) / name
-            if p.is_symlink() and s not in p.resolve().parents:
-                raise OnnxoptError(f"{p}: a symbolic link out of the input folder; onnxopt reads only inside it")
-            if p.is_symlink() and not p.exists():
-                raise OnnxoptError(f"{p}: a symbolic link to nothing ({os.readlink(p)})")
-            if not p.is_dir() and not p.is_file():  # a named pipe, socket or device: copying it fails or blocks
-                raise OnnxoptError(f"{p}: not a regular file (a named pipe, socket or device); a pipeline folder holds files")
+def plan_outputs(src: Path, dst: Path, report_json=None) -> tuple[Path, Path | None, Outputs]:
+    """Check, before any work, the folder to write and the report beside it (:mod:`onnxopt.outputs`):
+    (the folder to build, the report's path inside it or None, the outputs)."""
+    outputs = Outputs(Inputs().folder(src))
+    folder = outputs.folder(dst)
+    if report_json is None:
+        return folder, None, outputs
+    report = Path(report_json)
+    real, into = Path(os.path.realpath(report)), Path(os.path.realpath(folder))
+    if into not in real.parents:
+        outputs.file(report, "--report-json")  # also refuses the output folder itself
+        return folder, None, outputs
+    inside = real.relative_to(into)  # written into the folder before it appears: both or neither
+    if (src / inside).exists() or inside.name in GENERATED_NAMES or inside.name.startswith("model.static."):
+        raise ModelSaveError(f"{report}: --report-json would replace {inside}, a file of the output folder")
+    if not (src / inside).parent.is_dir():
+        raise ModelSaveError(f"{report}: folder {inside.parent} is not in the output folder")
+    return folder, inside, outputs
 
 
 # ----------------------------------------------------------------------------------- presets
@@ -386,7 +403,7 @@ def optimize_folder(src, dst, target: str = "ort-cuda", fp16: bool = False, veri
                     tolerance=None, fp16_options: dict | None = None,
                     vae_max_rel_l2: float = VAE_FP16_MAX_REL_L2, step_graph: bool = True,
                     context_kv: bool = True, cfg_late: bool = False, merged_step: bool = True,
-                    static_text: bool = True) -> FolderReport:
+                    static_text: bool = True, report_json=None, progress: bool = False) -> FolderReport:
     """Optimize every ONNX component of the pipeline folder ``src`` into the new folder ``dst``.
 
     ``target``: "ort-cuda" or "tensorrt", the preset of every component. ``fp16``: add the fp16
@@ -401,7 +418,13 @@ def optimize_folder(src, dst, target: str = "ort-cuda", fp16: bool = False, veri
     ``static_text``: beside each text encoder, ``model.static.b{b}.onnx`` for each batch the
     pipeline feeds it, every node on the CUDA EP so it can be captured
     (:mod:`onnxopt.pipeline.static_text`).
-    Raises OnnxoptError (exit 2) for a bad folder or destination; ``dst`` then does not exist.
+    ``report_json``: also write the report as JSON there, with the folder: both or neither (inside
+    ``dst`` it is written into the folder before the folder appears). ``progress``: a status line
+    (component, pass) on stderr when it is a terminal.
+    Every path of ``src`` is checked before any file of it is read (:func:`check_folder_paths`), and
+    every output before any work (:func:`plan_outputs`): OnnxoptError (exit 2) for a bad folder or
+    destination, and ``dst`` then does not exist. Library log lines stay quiet
+    (:mod:`onnxopt.library_logs`).
     """
     src, dst = Path(src), Path(dst)
     start = time.perf_counter()
@@ -409,50 +432,73 @@ def optimize_folder(src, dst, target: str = "ort-cuda", fp16: bool = False, veri
         raise OnnxoptError(f"unknown target '{target}'; choose one of {', '.join(TARGETS)}")
     components = read_components(src)
     controlnets = controlnet_folders(src)  # refuses controlnet_<k>/ without controlnet_<k-1>/
-    _check_paths(src, dst)
+    dst, report_inside, _ = plan_outputs(src, dst, report_json)
     report = FolderReport(str(src), str(dst), target, fp16)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.tmp-", dir=dst.parent))
+    tmp = temp_folder_beside(dst)
     try:
-        optimized = [c for c in components if is_component(c.name)]
-        skip = {c.model_path for c in optimized}
-        skip |= {c.model_path.parent / f for c in optimized for f in c.data_files}
-        report.copied_files = _copy_unchanged(src, tmp, skip)
-        for c in components:
-            if not is_component(c.name):
-                report.components.append(ComponentReport(c.name, [], "unchanged", None, notes=[
-                    "not a known pipeline component: copied unchanged"]))
-                continue
-            report.components.append(_optimize_component(
-                c, tmp / c.name, src, target, fp16, verify, tolerance, fp16_options or {}, vae_max_rel_l2))
-            if c.name in TEXT_ENCODERS and static_text:
-                report.components[-1].notes.append(_write_static_text(src, tmp, c.name))
-            if c.name == "unet" and step_graph:
-                step = write_step_graph(tmp / "unet", context_kv=context_kv, cfg_late=cfg_late,
-                                        controlnets=max(1, len(controlnets)))
-                context = step.with_name("step.context_kv.onnx").is_file()
-                report.components[-1].notes.append(
-                    "step graph written (onnxopt.pipeline.step_graph)"
-                    + (", cross-attention K/V once per prompt in step.context_kv.onnx" if context else "")
-                    + (f", cfg-late: {_cfg_late_note(step)}" if cfg_late else "")
-                    + (f", the residuals of {len(controlnets)} ControlNets summed" if len(controlnets) > 1 else ""))
-            if is_controlnet(c.name) and step_graph and write_hint_graph(tmp / c.name) is not None:
-                report.components[-1].notes.append("hint once per image: step.hint.onnx + step.onnx "
-                                                   "(onnxopt.pipeline.controlnet_hint)")
-        if step_graph and merged_step and controlnets:
-            report.component("controlnet").notes.append(_merge_step(tmp, controlnets))
-        if step_graph and controlnets:
-            report.component("unet").notes.append(_split_for_two_streams(tmp, controlnets))
-        if dst.exists():
-            dst.rmdir()                 # empty (checked); rename cannot replace a folder on every OS
-        os.replace(tmp, dst)
+        with quiet_libraries(), staged() as stage, progress_line.status(progress) as line:
+            _build(src, tmp, report, components, controlnets, target, fp16, verify, tolerance, fp16_options or {},
+                   vae_max_rel_l2, step_graph, context_kv, cfg_late, merged_step, static_text, line)
+            report.seconds = time.perf_counter() - start
+            if report_inside is not None:
+                if (tmp / report_inside).exists():
+                    raise ModelSaveError(f"{report_json}: --report-json would replace {report_inside}, a file of the "
+                                         "output folder")
+                (tmp / report_inside).write_text(report.to_json())
+            elif report_json is not None:
+                stage.text(report_json, report.to_json())  # renamed once the folder is in place
+            if dst.exists():
+                dst.rmdir()                 # empty (checked); rename cannot replace a folder on every OS
+            os.replace(tmp, dst)
     except BaseException as exc:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+        elif dst.exists() and report_json is not None and report_inside is None:  # the report could not be renamed
+            shutil.rmtree(dst, ignore_errors=True)
         if isinstance(exc, OnnxoptError) and exc.args and str(tmp) in str(exc.args[0]):
             # the message named a file of the temporary folder, just removed: name the source's file instead
             exc.args = (str(exc.args[0]).replace(str(tmp), str(src)), *exc.args[1:])
         raise
-    report.seconds = time.perf_counter() - start
     return report
+
+
+def _build(src: Path, tmp: Path, report: FolderReport, components, controlnets, target, fp16, verify, tolerance,
+           fp16_options, vae_max_rel_l2, step_graph, context_kv, cfg_late, merged_step, static_text, line) -> None:
+    """Write the optimized folder into ``tmp`` (see :func:`optimize_folder`)."""
+    optimized = [c for c in components if is_component(c.name)]
+    skip = {c.model_path for c in optimized}
+    skip |= {c.model_path.parent / f for c in optimized for f in c.data_files}
+    report.copied_files = _copy_unchanged(src, tmp, skip)
+    for number, c in enumerate(components, 1):
+        line.show(f"[{number}/{len(components)}] {c.name}")
+        if not is_component(c.name):
+            report.components.append(ComponentReport(c.name, [], "unchanged", None, notes=[
+                "not a known pipeline component: copied unchanged"]))
+            continue
+        report.components.append(_optimize_component(
+            c, tmp / c.name, src, target, fp16, verify, tolerance, fp16_options, vae_max_rel_l2))
+        if c.name in TEXT_ENCODERS and static_text:
+            line.detail("static text encoder graphs")
+            report.components[-1].notes.append(_write_static_text(src, tmp, c.name))
+        if c.name == "unet" and step_graph:
+            line.detail("step graph")
+            step = write_step_graph(tmp / "unet", context_kv=context_kv, cfg_late=cfg_late,
+                                    controlnets=max(1, len(controlnets)))
+            context = step.with_name("step.context_kv.onnx").is_file()
+            report.components[-1].notes.append(
+                "step graph written (onnxopt.pipeline.step_graph)"
+                + (", cross-attention K/V once per prompt in step.context_kv.onnx" if context else "")
+                + (f", cfg-late: {_cfg_late_note(step)}" if cfg_late else "")
+                + (f", the residuals of {len(controlnets)} ControlNets summed" if len(controlnets) > 1 else ""))
+        if is_controlnet(c.name) and step_graph and write_hint_graph(tmp / c.name) is not None:
+            report.components[-1].notes.append("hint once per image: step.hint.onnx + step.onnx "
+                                               "(onnxopt.pipeline.controlnet_hint)")
+    if step_graph and merged_step and controlnets:
+        line.show("merged step graph")
+        report.component("controlnet").notes.append(_merge_step(tmp, controlnets))
+    if step_graph and controlnets:
+        line.show("two-stream step graphs")
+        report.component("unet").notes.append(_split_for_two_streams(tmp, controlnets))
 
 
 def _write_static_text(src: Path, tmp: Path, name: str) -> str:
@@ -534,25 +580,19 @@ def cli_optimize_folder(args) -> int:
         raise OnnxoptError("--calibration is for one model; a folder's VAE is calibrated at the folder's size")
     if args.shape or args.dim or args.external_data is not None or args.strict:
         raise OnnxoptError("--shape/--dim/--external-data/--strict are for one model file, not a pipeline folder")
-    from onnxopt.cli_args import fp16_options, write_report
+    from onnxopt.cli_args import fp16_options
 
     fp16_flags = fp16_options(args)
     if fp16_flags and not args.fp16:
         raise OnnxoptError("fp16 options need --fp16")
-    if args.report_json:
-        report_path, source = Path(args.report_json).resolve(), Path(args.input).resolve()
-        if report_path == source or source in report_path.parents:
-            raise OnnxoptError(f"{args.report_json}: is inside the input folder; onnxopt never modifies its input")
-        from onnxopt.saving import check_destination
-
-        if report_path.parent != Path(args.output).resolve():  # beside the components: the folder is made first
-            check_destination(args.report_json)  # not after the folder is written (exit 2 with the output there)
     report = optimize_folder(args.input, args.output, target=args.target or "ort-cuda", fp16=args.fp16,
                              verify=args.verify, tolerance=Tolerance(args.atol, args.rtol), fp16_options=fp16_flags,
-                             context_kv=args.context_kv, cfg_late=getattr(args, "cfg_late", False))
-    if args.report_json:
-        write_report(args.report_json, report.to_json())
+                             context_kv=args.context_kv, cfg_late=getattr(args, "cfg_late", False),
+                             report_json=args.report_json, progress=not args.quiet)
     if not args.quiet:
         print(report.table())
+    if args.verify:
+        print(report.verdict(args.atol, args.rtol))
+    if not args.quiet:
         print(f"wrote {args.output}: {report.weights_bytes / 1e6:.1f} MB of weights, {report.seconds:.1f} s in all")
     return 0
