@@ -212,7 +212,7 @@ def _add_generate_parser(sub) -> None:
     gen = sub.add_parser("generate", help="text to image from an ONNX pipeline folder (ORT CPU, CUDA or TensorRT)",
                          formatter_class=DefaultsHelpFormatter)
     gen.add_argument("folder", help="a diffusers/optimum ONNX pipeline folder (model_index.json, unet/, ...)")
-    gen.add_argument("--prompt", required=True, help="what the image shows")
+    gen.add_argument("--prompt", help="what the image shows (required unless --plan)")
     gen.add_argument("--negative-prompt", default=None, help="what it should not show (classifier-free guidance)")
     gen.add_argument("--steps", type=int, default=50, help="denoising steps")
     gen.add_argument("--guidance", type=float, default=7.5, help="classifier-free guidance scale (1 or less: no guidance)")
@@ -232,9 +232,12 @@ def _add_generate_parser(sub) -> None:
     gen.add_argument("--provider", choices=["cpu", "cuda", "tensorrt"], default="cpu", help="where the graphs run")
     gen.add_argument("--no-cuda-graph", dest="cuda_graph", action="store_false", help="cuda/tensorrt: do not capture the step")
     gen.add_argument("--unfused", dest="fused_step", action="store_false", help="UNet + diffusers' scheduler.step (no fused step graph)")
-    gen.add_argument("-o", "--output", required=True, type=Path,
-                     help="the image to write (atomically), in the format its suffix names: .png, .jpg, .webp...")
-    gen.add_argument("--json", type=Path, help="also write the per-stage timings as JSON")
+    gen.add_argument("-o", "--output", type=Path,
+                     help="the image to write (atomically), in the format its suffix names: .png, .jpg, .webp... "
+                          "(required unless --plan)")
+    gen.add_argument("--json", type=Path, help="also write the per-stage timings and the generation plan as JSON")
+    gen.add_argument("--plan", action="store_true",
+                     help="print what the generation would run (components, step graph, sessions) and exit")
     gen.add_argument("-q", "--quiet", action="store_true", help="no progress bar, no timings table")
 
 
@@ -247,6 +250,15 @@ def cmd_generate(args) -> int:
     from onnxopt.pipeline.sessions import quiet_sessions
 
     folder = PipelineFolder.open(args.folder)
+    if args.plan:
+        from onnxopt.pipeline.plan import PlanOptions, plan_generation
+
+        print(plan_generation(folder, args.provider, PlanOptions(fused_step=args.fused_step,
+                                                                 cuda_graph=args.cuda_graph)).text())
+        return EXIT_OK
+    missing = [flag for flag, value in (("--prompt", args.prompt), ("-o/--output", args.output)) if value is None]
+    if missing:
+        raise OnnxoptError(f"generate needs {' and '.join(missing)} (or --plan, which generates nothing)")
     args.scheduler = check_request(folder, steps=args.steps, scheduler=args.scheduler, height=args.height, width=args.width,
                                    controlnet_image=args.controlnet_image, controlnet_scale=args.controlnet_scale)
     reuse_steps(args.reuse, args.steps)  # a bad schedule is refused before any session exists
@@ -268,7 +280,7 @@ def cmd_generate(args) -> int:
     with staged() as stage:  # the image and the timings: both or neither
         stage.write(args.output, lambda out: result.image.save(out, format=image_format))
         if args.json:
-            stage.text(args.json, json.dumps(result.timings, indent=2) + "\n")
+            stage.text(args.json, json.dumps(dict(result.timings, plan=pipe.plan.as_dict()), indent=2) + "\n")
     if not args.quiet:
         t = result.timings
         print(f"wrote {args.output} ({result.image.width}x{result.image.height}, {t['steps']} steps, {t['step']})")
