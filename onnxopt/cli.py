@@ -111,7 +111,17 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--debug", action="store_true", help="show tracebacks; check every property a pass claims after it")
     parser.add_argument("--version", action="version", version=f"onnxopt {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
+    _add_optimize_parser(sub)
+    _add_bench_and_diff_parsers(sub)
+    sub.add_parser("passes", help="list passes and presets")
+    info = sub.add_parser("info", help="summarise a model (inputs, outputs, ops, weights) or a pipeline folder")
+    info.add_argument("model", help="an .onnx file, or a diffusers/optimum ONNX pipeline folder")
+    _add_build_parser(sub)
+    _add_generate_parser(sub)
+    return parser
 
+
+def _add_optimize_parser(sub) -> None:
     opt = sub.add_parser("optimize", help="run passes over a model")
     opt.add_argument("-i", "--input", required=True, help="source .onnx, or a diffusers/optimum ONNX pipeline folder (never modified)")
     opt.add_argument("-o", "--output", required=True, help="where to write the result (atomically; for a folder: a new folder)")
@@ -149,6 +159,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="print, per candidate site of PASS, where its pattern failed or which condition refused it")
     opt.add_argument("-q", "--quiet", action="store_true", help="do not print the report table")
 
+
+def _add_bench_and_diff_parsers(sub) -> None:
     bench = sub.add_parser("bench", help="latency on the ORT CUDA EP of several models on the same inputs")
     bench.add_argument("models", nargs="+", help="models to time; with --ablation: SOURCE, then extra models to time beside it")
     bench.add_argument("--labels", help="comma-separated names for the table (with --ablation: for the extra models)")
@@ -181,11 +193,8 @@ def build_parser() -> argparse.ArgumentParser:
     diff.add_argument("--prefer-nhwc", action="store_true", help="--runtime cuda: the CUDA EP's prefer_nhwc option")
     diff.add_argument("--precision", help="--runtime trt: the engine precision (default: fp16 for a model with fp16 tensors, else fp32)")
 
-    sub.add_parser("passes", help="list passes and presets")
 
-    info = sub.add_parser("info", help="summarise a model (inputs, outputs, ops, weights) or a pipeline folder")
-    info.add_argument("model", help="an .onnx file, or a diffusers/optimum ONNX pipeline folder")
-
+def _add_build_parser(sub) -> None:
     build = sub.add_parser("build", help="build a TensorRT engine (through Polygraphy; needs tensorrt and an NVIDIA GPU)")
     build.add_argument("-i", "--input", required=True, help="the .onnx to build (optimize it with --passes tensorrt first)")
     build.add_argument("-o", "--output", required=True, help="the engine file to write (atomically), e.g. model.plan")
@@ -197,8 +206,6 @@ def build_parser() -> argparse.ArgumentParser:
                        help="value of a symbolic dim for inputs without --profile (default: batch 2, others 8)")
     build.add_argument("--timing-cache", type=Path, help="TensorRT timing cache: read if it exists, written after the build")
     build.add_argument("--workspace", type=int, metavar="MB", help="builder workspace limit in MiB")
-    _add_generate_parser(sub)
-    return parser
 
 
 def _image_side_arg(text: str) -> int:

@@ -2,7 +2,8 @@
 
 * no import cycle: the modules of ``onnxopt`` (with ``onnxopt.passes``, the repo's ``passes/``)
   import each other as a directed acyclic graph, counting imports inside functions too (a cycle
-  deferred to call time is still two modules that each need the other).
+  deferred to call time is still two modules that each need the other);
+* no function of 80 lines or more: a longer one does several things, each of which wants a name.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = {"onnxopt": ROOT / "onnxopt", "onnxopt.passes": ROOT / "passes"}
+MAX_FUNCTION_LINES = 80
 
 
 def package_modules() -> dict[str, Path]:
@@ -97,3 +99,25 @@ def test_the_cycle_finder_finds_a_cycle():
     """The check can fail: two modules that import each other, and a longer loop, are found."""
     graph = {"a": {"b"}, "b": {"a"}, "c": {"d"}, "d": {"e"}, "e": {"c", "a"}, "f": set()}
     assert sorted(import_cycles(graph)) == [["a", "b"], ["c", "d", "e"]]
+
+
+def long_functions(folder: Path) -> list[str]:
+    """``file:line name (n lines)`` for each function of ``folder`` at or over the limit."""
+    found = []
+    for path in sorted(folder.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1
+                if lines >= MAX_FUNCTION_LINES:
+                    found.append(f"{path.relative_to(folder)}:{node.lineno} {node.name} ({lines} lines)")
+    return found
+
+
+def test_no_function_under_onnxopt_has_80_lines_or_more():
+    assert long_functions(ROOT / "onnxopt") == []
+
+
+def test_a_long_function_is_found(tmp_path):
+    body = "\n".join(f"    x{i} = {i}" for i in range(MAX_FUNCTION_LINES))
+    (tmp_path / "m.py").write_text(f"def short():\n    return 1\n\n\ndef long():\n{body}\n")
+    assert long_functions(tmp_path) == [f"m.py:5 long ({MAX_FUNCTION_LINES + 1} lines)"]

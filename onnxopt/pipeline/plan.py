@@ -22,6 +22,7 @@ import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from onnxopt.errors import OnnxoptError
 from onnxopt.pipeline.folder import MERGED_STEP_FILE, PipelineFolder
 
 INMEMORY_STEP_GRAPH_MAX_BYTES = 1_800_000_000  # serialized bytes with the weights inline stay under protobuf's 2 GB
@@ -31,6 +32,15 @@ BOUND = "bound buffers"  # once per prompt or image, on buffers bound per input 
 STEP_LOOP = "step loop"  # every step, bound by the step loop (captured when asked and ORT can)
 HOST = "host feeds"  # numpy in, numpy out
 BUILT = "built graph"  # a small graph onnxopt builds (the reuse step, the ControlNet's input prep)
+
+
+class GenerationError(OnnxoptError):
+    """A bad generation request (size, steps, ControlNet image...): one line, exit code 2."""
+
+
+def hint_key(k: int) -> str:
+    """The session key of ControlNet k's once-per-image hint graph: hint, hint_1, hint_2..."""
+    return "hint" if k == 0 else f"hint_{k}"
 
 
 @dataclass(frozen=True)
@@ -157,8 +167,6 @@ def _entry(folder, key, component, model: Path, runs, binds, capture=False) -> S
 
 def _controlnet_graphs(folder, plan, options, once, capture) -> bool:
     """Each ControlNet's step graph (its hint graph once per image when the folder has one)."""
-    from onnxopt.pipeline.runner import hint_key
-
     hints = False
     for k, name in enumerate(folder.controlnets):
         component = folder.component(name)
@@ -229,7 +237,6 @@ def step_graph_source(folder: PipelineFolder, context_kv: bool = True, step_file
     or the step graph built from ``unet/model.onnx``; (None, why not, False) -> the unfused loop.
     ``context_kv=False`` passes over a step.onnx that reads the K/V of step.context_kv.onnx."""
     from onnxopt.pipeline.multi_controlnet import controlnet_count
-    from onnxopt.pipeline.runner import GenerationError
 
     unet = folder.component("unet")
     controlnets = max(1, len(folder.controlnets))

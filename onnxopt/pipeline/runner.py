@@ -63,10 +63,12 @@ from onnxopt.pipeline.plan import (
     BOUND,
     HOST,
     STEP_LOOP,
+    GenerationError,
     GenerationPlan,
     PlanOptions,
     SessionEntry,
     build_step_graph_in_memory,
+    hint_key,
     plan_generation,
 )
 from onnxopt.pipeline.two_streams import TwoStreamStepLoop
@@ -82,10 +84,6 @@ from onnxopt.pipeline.sessions import (
     run_on_device,
     timestep_feed,
 )
-
-
-class GenerationError(OnnxoptError):
-    """A bad generation request (size, steps, ControlNet image...): one line, exit code 2."""
 
 
 @dataclass
@@ -739,11 +737,6 @@ def reuse_steps(reuse, steps: int) -> frozenset:
         return parse_reuse(reuse, steps)
     except ReuseScheduleError as exc:
         raise GenerationError(str(exc)) from None
-
-
-def hint_key(k: int) -> str:
-    """The session key of ControlNet k's once-per-image hint graph: hint, hint_1, hint_2..."""
-    return "hint" if k == 0 else f"hint_{k}"
 
 
 def _tokenizers_of(kind: str) -> tuple[str, ...]:

@@ -477,24 +477,33 @@ def controlnet_prepare_model(dtype=np.float32, timestep_dtype=np.float32, timest
     bound buffers: :func:`onnxopt.pipeline.merged_step.emit_controlnet_inputs`'s nodes (the merged
     step graph holds the same ones). ``timestep_shape`` is the ControlNet's timestep: () a scalar,
     (1,) one value, else one per row."""
-    import onnx
     import onnx_graphsurgeon as gs
 
     from onnxopt.fusion import Emit, NameAuthority
     from onnxopt.pipeline.merged_step import emit_controlnet_inputs
 
-    inputs = [gs.Variable("latents", np.float32, ["batch", 4, "height", "width"]),
-              gs.Variable("step_index", np.int64, [1]),
-              gs.Variable("schedule_timesteps", np.dtype(timestep_dtype), ["schedule"]),
-              gs.Variable("schedule_coefficients", np.float32, ["schedule", 6])]
-    graph = gs.Graph(inputs=inputs, name="controlnet_prepare", opset=17)
+    graph = gs.Graph(name="controlnet_prepare", opset=17)
     make = Emit(graph, NameAuthority(graph), "prepare")
+    inputs = [make.variable(name, kind, shape, exact=True) for name, kind, shape in (
+        ("latents", np.float32, ["batch", 4, "height", "width"]), ("step_index", np.int64, [1]),
+        ("schedule_timesteps", np.dtype(timestep_dtype), ["schedule"]), ("schedule_coefficients", np.float32, ["schedule", 6]))]
+    graph.inputs = inputs
     sample, timestep = emit_controlnet_inputs(make, *inputs, sample_dtype=dtype, timestep_dtype=timestep_dtype,
                                               timestep_shape=tuple(timestep_shape))
     sample.name, sample.shape = "sample", ["batch2", 4, "height", "width"]
     timestep.name = "timestep"
     timestep.shape = [] if len(timestep_shape) == 0 else [1] if tuple(timestep_shape) == (1,) else ["batch2"]
-    graph.nodes, graph.outputs = make.nodes, [sample, timestep]
+    make.into(graph)
+    graph.outputs = [sample, timestep]
+    return serialized_graph(graph)
+
+
+def serialized_graph(graph) -> bytes:
+    """A small graph onnxopt builds for a session of its own (the ControlNet's input graph, the
+    reuse step), checked and serialized (IR version 8: every ORT build reads it)."""
+    import onnx
+    import onnx_graphsurgeon as gs
+
     model = gs.export_onnx(graph)
     model.ir_version = 8
     onnx.checker.check_model(model)

@@ -67,10 +67,10 @@ def parse_reuse(spec: str | None, steps: int) -> frozenset[int]:
 
 def reuse_step_model(opset: int = 17) -> bytes:
     """The reuse graph of the module docstring (float32 latents, state and guided output)."""
-    import onnx
     import onnx_graphsurgeon as gs
 
     from onnxopt.fusion import Emit, NameAuthority
+    from onnxopt.pipeline.sessions import serialized_graph
 
     f32, latent = np.float32, ["images", 4, "height", "width"]
     graph = gs.Graph(name="reuse_step", opset=opset)
@@ -92,7 +92,4 @@ def reuse_step_model(opset: int = 17) -> bytes:
     make.into(graph)
     graph.inputs = [latents, state, step_index, coefficients, eps]
     graph.outputs = [latents_out, state_out, step_index_out]
-    model = gs.export_onnx(graph)
-    model.ir_version = 8
-    onnx.checker.check_model(model)
-    return model.SerializeToString()
+    return serialized_graph(graph)
