@@ -112,6 +112,29 @@ def create_session(model: Path | bytes, provider: str, *, name: str, cuda_graph:
         raise OnnxoptError(f"{name}: ONNX Runtime cannot load the model: {first}{hint}") from exc
 
 
+def fixed_outputs(ort, session, binding, device: str, device_id: int = 0, *, probe_uncaptured: bool = True) -> dict:
+    """Bind every output of ``session`` in ``binding`` to a buffer of its own, allocated once and
+    returned by output name. The shapes (they may be symbolic) come from one run with outputs ORT
+    allocates, under graph id -1 (``probe_uncaptured``): on a graph id, ORT's first run also
+    captures, and the captured graph would then write into those temporary outputs forever after.
+    The one place the bound-buffer sessions (BoundSession, the step loops' ControlNets and two
+    streams' cut) learn their output buffers."""
+    names = [o.name for o in session.get_outputs()]
+    for name in names:
+        binding.bind_output(name, device, device_id)
+    probe = ort.RunOptions()
+    if probe_uncaptured:
+        probe.add_run_config_entry("gpu_graph_id", "-1")
+    session.run_with_iobinding(binding, probe)
+    outputs = {name: ort.OrtValue.ortvalue_from_shape_and_type(list(value.shape()), ORT_TYPES.get(value.data_type(), np.float32),
+                                                              device, device_id)
+               for name, value in zip(names, binding.get_outputs())}
+    binding.clear_binding_outputs()
+    for name, value in outputs.items():
+        binding.bind_ortvalue_output(name, value)
+    return outputs
+
+
 def input_types(session) -> dict[str, np.dtype]:
     return {i.name: np.dtype(ORT_TYPES.get(i.type, np.float32)) for i in session.get_inputs()}
 
@@ -408,16 +431,9 @@ class DeviceStepLoop:
             binding.bind_ortvalue_input("sample", sample)
             binding.bind_ortvalue_input("timestep", timestep)
             # The residual shapes: from one run on zeros (they may be symbolic), not captured.
-            for output in session.get_outputs():
-                binding.bind_output(output.name, self.device, self.device_id)
-            session.run_with_iobinding(binding, self._probe_options())
-            outputs = {}
-            for output, value in zip(session.get_outputs(), binding.get_outputs()):
-                dtype = np.float16 if "float16" in value.data_type() else np.float32
-                outputs[output.name] = self._empty(value.shape(), dtype)
-            binding.clear_binding_outputs()
+            outputs = fixed_outputs(self.ort, session, binding, self.device, self.device_id)
+            self._keep += outputs.values()
             for name, value in outputs.items():
-                binding.bind_ortvalue_output(name, value)
                 residuals[interface_name(name, k)] = value
             self.cn_static.append(static)
             self.controlnet_bindings.append(binding)
