@@ -190,7 +190,7 @@ def _plan_step(folder, plan, options, io_binding, two_streams, hints) -> None:
     controlnet = plan.controlnet_models[0] if plan.controlnet_models else None
     streams = None
     if two_streams and controlnet is not None and io_binding and step_source == "unet/step.onnx":
-        streams = two_stream_graphs(folder)
+        streams = folder.component("unet").two_stream_models
     merged = None
     if controlnet is not None and options.merged_step and streams is None:
         merged = merged_step_graph(folder, plan.controlnet_models, step_source)
@@ -292,16 +292,6 @@ def merged_step_graph(folder: PipelineFolder, controlnet_models: list[Path], ste
         return None
     expected = {step_source, *(_relative(folder, m) for m in controlnet_models)}
     return merged if set(merged_parts(merged)) == expected else None
-
-
-def two_stream_graphs(folder: PipelineFolder) -> tuple[Path, Path] | None:
-    """(rest, down) of onnxopt.pipeline.two_streams beside unet/step.onnx, when the folder has them."""
-    from onnxopt.companions import companion_path
-    from onnxopt.pipeline.two_streams import COMPANION, FILE
-
-    rest = folder.component("unet").folder / FILE
-    down = companion_path(rest, COMPANION)
-    return (rest, down) if rest.is_file() and down.is_file() else None
 
 
 def _relative(folder: PipelineFolder, path: Path) -> str:

@@ -45,10 +45,10 @@ import onnx_graphsurgeon as gs
 
 from onnxopt.errors import UnsupportedModelError
 from onnxopt.model import Model
+from onnxopt.pipeline.folder import STREAMS_COMPANION, STREAMS_FILE
 from onnxopt.pipeline.sessions import DeviceStepLoop, fixed_outputs, input_types
 
-FILE = "step.streams.onnx"
-COMPANION = "down"
+FILE, COMPANION = STREAMS_FILE, STREAMS_COMPANION  # the folder's names (onnxopt.pipeline.folder)
 
 
 def split_step_graph(step: Model, residual_inputs) -> Model:
