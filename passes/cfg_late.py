@@ -409,7 +409,7 @@ class _HalfBatch:
         for o in list(node.outputs):
             if not self.present(o):
                 continue
-            h = gs.Variable(self.names(f"{o.name}/half"), dtype=o.dtype, shape=self._half_shape(o.shape))
+            h = Emit(self.graph, self.names, PREFIX).variable(f"{o.name}/half", o.dtype, self._half_shape(o.shape))
             replace_output(node, o, h)
             self.half[id(o)] = h
             self.full_of[id(h)] = o
