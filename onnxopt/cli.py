@@ -199,12 +199,13 @@ def cmd_generate(args) -> int:
     import json
 
     from onnxopt.pipeline import PipelineFolder, images
-    from onnxopt.pipeline.runner import Pipeline, reuse_steps, check_request
+    from onnxopt.pipeline.runner import Pipeline, check_request, fusable, reuse_steps
     from onnxopt.pipeline.sessions import quiet_sessions
 
     folder = PipelineFolder.open(args.folder)
     args.scheduler = check_request(folder, steps=args.steps, scheduler=args.scheduler, height=args.height, width=args.width,
-                                   controlnet_image=args.controlnet_image, controlnet_scale=args.controlnet_scale)
+                                   controlnet_image=args.controlnet_image, controlnet_scale=args.controlnet_scale,
+                                   status=False if args.quiet else None)
     reuse_steps(args.reuse, args.steps)  # a bad schedule is refused before any session exists
     for written in filter(None, (args.output, args.json)):
         _refuse_input(written, folder.root, *(args.controlnet_image or ()))
@@ -213,7 +214,8 @@ def cmd_generate(args) -> int:
     if args.json and Path(args.json).resolve() == Path(args.output).resolve():  # the timings replaced the PNG
         raise OnnxoptError(f"{args.json}: --json is the image -o writes; give another path")
     with contextlib.nullcontext() if args.debug else quiet_sessions():  # ORT's errors come back as one line
-        pipe = Pipeline.load(folder, args.provider, fused_step=args.fused_step, cuda_graph=args.cuda_graph)
+        pipe = Pipeline.load(folder, args.provider, fused_step=args.fused_step and fusable(args.scheduler),
+                             cuda_graph=args.cuda_graph, status=False if args.quiet else None)
         result = pipe(args.prompt, negative_prompt=args.negative_prompt, steps=args.steps, guidance=args.guidance,
                       scheduler=args.scheduler, seed=args.seed, height=args.height, width=args.width,
                       controlnet_image=args.controlnet_image, controlnet_scale=args.controlnet_scale,

@@ -379,7 +379,7 @@ def test_cli_writes_the_png_and_the_timings(tmp_path):
     (lambda d, o: [d / "unet", "--prompt", "a", "-o", o], "not a pipeline folder"),
     (lambda d, o: [d, "--prompt", "a", "--height", "36", "-o", o], "multiple of 8"),
     (lambda d, o: [d, "--prompt", "a", "--steps", "0", "-o", o], "steps must be at least 1"),
-    (lambda d, o: [d, "--prompt", "a", "--scheduler", "pndm", "-o", o], "unknown scheduler"),
+    (lambda d, o: [d, "--prompt", "a", "--scheduler", "lms", "-o", o], "unknown scheduler"),
     (lambda d, o: [d, "--prompt", "a", "-o", Path("/no/such/dir/x.png")], "does not exist"),
     (lambda d, o: [d, "--prompt", "a", "--controlnet-image", o, "-o", o], "has no controlnet"),
     (lambda d, o: [d, "--prompt", "a", "--provider", "tensorrt", "-o", o], "needs TensorRT"),
@@ -806,3 +806,27 @@ def test_cli_refuses_an_image_name_pillow_cannot_write_before_the_work(tmp_path,
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and ("unknown image format" in err or "no image suffix" in err)
     assert not list(tmp_path.iterdir())
+
+
+def test_start_up_says_what_it_does_on_a_terminal_only(monkeypatch, capsys):
+    """generate showed nothing for its seconds of start-up (imports, sessions, the step graph built in
+    memory), then a progress bar: on a terminal, one status line now says what it is doing and is
+    cleared before the bar; off a terminal (a pipe, a log file) nothing is written."""
+    import io
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    terminal = Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    pipe = Pipeline.load(COMMITTED_SD15, "cpu", threads=THREADS)
+    pipe("a cat", steps=1, scheduler="euler", height=32, width=32, progress=False)
+    said = terminal.getvalue()
+    for what in ("importing torch and diffusers", "loading vae_decoder", "preparing the step graph", "loading text_encoder"):
+        assert f"\r\x1b[Konnxopt: {what}..." in said, said
+    assert said.endswith("\r\x1b[K")  # cleared: what comes next starts on a clean line
+    monkeypatch.setattr(sys, "stderr", io.StringIO())  # not a terminal
+    Pipeline.load(COMMITTED_SD15, "cpu", threads=THREADS)("a cat", steps=1, scheduler="euler", height=32, width=32,
+                                                          progress=False)
+    assert sys.stderr.getvalue() == ""

@@ -92,6 +92,41 @@ class Result:
         return images.to_pil(self.pixels)
 
 
+class StartupStatus:
+    """What start-up is doing, on one line of stderr (``say(text)`` replaces it; ``done()`` clears
+    it), when ``enabled`` (None: when stderr is a terminal); nothing otherwise."""
+
+    line_shown = False  # the one status line of stderr, whichever instance wrote it
+
+    def __init__(self, enabled: bool | None = None):
+        self.enabled = sys.stderr.isatty() if enabled is None else enabled
+
+    def __call__(self, text: str) -> None:
+        if self.enabled:
+            sys.stderr.write(f"\r\x1b[Konnxopt: {text}...")
+            sys.stderr.flush()
+            StartupStatus.line_shown = True
+
+    @staticmethod
+    def done() -> None:
+        if StartupStatus.line_shown:
+            sys.stderr.write("\r\x1b[K")
+            sys.stderr.flush()
+            StartupStatus.line_shown = False
+
+
+def clears_status(function):
+    """``function``, clearing a status line it leaves when it raises (an error then starts its own line)."""
+    @functools.wraps(function)
+    def run(*args, **kwargs):
+        try:
+            return function(*args, **kwargs)
+        except BaseException:
+            StartupStatus.done()
+            raise
+    return run
+
+
 def _torch():
     try:
         import torch
@@ -132,6 +167,7 @@ class Pipeline:
         self.merged_step = False  # the step session is merged_step.onnx (ControlNet inside)
         self.launch_timing = False  # time each step's launch apart from its wait (DeviceStepLoop)
         self.calls = 0
+        self.status = StartupStatus(False)  # what loading a session on first use says (load sets it)
         self._plans: dict = {}  # (scheduler, steps) -> StepPlan
         self._schedulers: dict = {}  # name -> diffusers' scheduler (Pipeline._scheduler)
         self._device_loops: dict = {}  # DeviceStepLoop.key -> a loop whose buffers (and captured graphs) stay put
@@ -148,10 +184,12 @@ class Pipeline:
         return "step" in self.sessions
 
     @classmethod
+    @clears_status
     def load(cls, folder, provider: str = "cpu", *, fused_step: bool = True, cuda_graph: bool = True, device_id: int = 0,
              threads: int | None = None, io_binding: bool | None = None, context_kv: bool = True,
              controlnet_hint: bool = True, merged_step: bool = True, launch_timing: bool = False,
-             step_file: str | None = None, two_streams: bool | None = None, static_text: bool = True) -> "Pipeline":
+             step_file: str | None = None, two_streams: bool | None = None, static_text: bool = True,
+             status: bool | None = None) -> "Pipeline":
         """Open ``folder`` and create its sessions on ``provider`` (cpu | cuda | tensorrt).
 
         ``cuda_graph`` (cuda/tensorrt): capture the step graph as CUDA graphs. ``fused_step=False``
@@ -189,15 +227,22 @@ class Pipeline:
         the loop then waits for the device; ``timings["step_launch_mean_s"]`` is the host's part of
         a step (the step's CPU-side overhead is at most that plus the wait's return), beside
         ``step_mean_s``, the whole step.
+
+        ``status``: say what start-up is doing (importing, loading each component, building the step
+        graph) on one line of stderr, cleared when done; None: only when stderr is a terminal.
         """
         start = time.perf_counter()
+        say = StartupStatus(status)
         folder = folder if isinstance(folder, PipelineFolder) else PipelineFolder.open(folder)
         require_provider(provider)
+        say("importing torch and diffusers")
         _torch()
         graph = cuda_graph and provider != "cpu"
-        make = lambda name, model=None, **kw: create_session(  # noqa: E731
-            model or folder.component(name).model, provider, name=f"{folder.root / name}", device_id=device_id,
-            threads=threads, **kw)
+
+        def make(name, model=None, **kw):
+            say(f"loading {name}" + (f" ({Path(model).name})" if isinstance(model, (str, Path)) else ""))
+            return create_session(model or folder.component(name).model, provider, name=f"{folder.root / name}",
+                                  device_id=device_id, threads=threads, **kw)
         io_binding = provider != "cpu" if io_binding is None else io_binding
         two_streams = provider != "cpu" if two_streams is None else two_streams
 
@@ -241,6 +286,7 @@ class Pipeline:
         controlnet_model = controlnet_models[0] if controlnet_models else None
         step_source, merged = "unfused", None
         if fused_step:
+            say("preparing the step graph")
             step_model, step_source = _step_graph(folder, context_kv, step_file)
             context = folder.component("unet").context_model if step_source == "unet/step.onnx" else None
             if step_file is not None:
@@ -287,6 +333,8 @@ class Pipeline:
         pipe.controlnet_models = controlnet_models
         pipe.launch_timing = launch_timing
         pipe.static_text, pipe._open_once = static_text, open_text
+        pipe.status = say
+        say.done()
         return pipe
 
     def _controlnet_session(self, k: int = 0):
@@ -383,6 +431,7 @@ class Pipeline:
 
     # --- one image -----------------------------------------------------------------------------
 
+    @clears_status
     def __call__(self, prompt: str, negative_prompt: str | None = None, steps: int = 50, guidance: float = 7.5,
                  scheduler: str | None = None, seed: int = 0, height: int | None = None, width: int | None = None,
                  controlnet_image=None, controlnet_scale=1.0, progress: bool = True, reuse=None) -> Result:
@@ -462,13 +511,16 @@ class Pipeline:
         cfg = classifier_free_guidance(guidance)
         step_guidance = guidance if cfg else 1.0
         timings["classifier_free_guidance"] = cfg
-        bar = _progress(steps, progress)
         plan = None
         if self.fused_step:
             try:
                 plan = self._plan(scheduler, sched, steps)
             except SchedulerError as exc:  # e.g. DDIM with clip_sample: not affine, diffusers' own step then
                 timings["step"] = f"unfused: {exc}"
+        if plan is None:
+            self._unet_session()
+        self.status.done()
+        bar = _progress(steps, progress)
         if plan is not None:
             latents = (noise * plan.init_noise_sigma).numpy()
             static, step_controlnet = cond, controlnet
@@ -588,6 +640,16 @@ class Pipeline:
             self._device_loops[key] = loop
         return self._device_loops[key]
 
+    def _unet_session(self):
+        """The UNet's own session: made at load for the unfused loop; on first use when a fused
+        pipeline meets a scheduler the step graph cannot run."""
+        if "unet" not in self.sessions:
+            self.status("loading unet (the scheduler's own step, unfused)")
+            self.sessions["unet"] = create_session(self.folder.component("unet").model, self.provider,
+                                                   name=str(self.folder.root / "unet"), device_id=self.device_id,
+                                                   threads=self.threads)
+        return self.sessions["unet"]
+
     def _unfused_loop(self, sched, steps, noise, cond, controlnet, guidance, step_times, bar, kind, reused=frozenset()):
         """diffusers' loop: UNet session, guidance in numpy (``guidance`` None: no guidance, the
         prompt's own output), diffusers' scale_model_input and step (at a ``reused`` step: diffusers'
@@ -597,11 +659,7 @@ class Pipeline:
         if kind == "sdxl" and hasattr(sched, "set_begin_index"):
             sched.set_begin_index(0)
         latents = noise * sched.init_noise_sigma
-        if "unet" not in self.sessions:  # a fused pipeline meeting a scheduler the step graph cannot run
-            self.sessions["unet"] = create_session(self.folder.component("unet").model, self.provider,
-                                                   name=str(self.folder.root / "unet"), device_id=self.device_id,
-                                                   threads=self.threads)
-        unet = self.sessions["unet"]
+        unet = self._unet_session()
         eps = None
         for k, t in enumerate(sched.timesteps):
             t1 = time.perf_counter()
@@ -627,10 +685,14 @@ class Pipeline:
         return latents.numpy()
 
 
+@clears_status
 def check_request(folder: PipelineFolder, *, steps: int = 50, scheduler: str | None = None, height=None, width=None,
-                  controlnet_image=None, controlnet_scale=1.0) -> str:
+                  controlnet_image=None, controlnet_scale=1.0, status: bool | None = False) -> str:
     """Refuse a bad request before any session exists (one-line :class:`GenerationError`); returns
-    the scheduler's name (``scheduler``, or the folder's own when None)."""
+    the scheduler's name (``scheduler``, or the folder's own when None). ``status``: as
+    :meth:`Pipeline.load`'s (the scheduler's check imports torch and diffusers: seconds)."""
+    say = StartupStatus(status)
+    say("importing torch and diffusers")
     from onnxopt.pipeline.schedulers import SCHEDULERS, SchedulerError, check_schedule, folder_scheduler, make_scheduler
     from onnxopt.pipeline.schedulers import pipeline_scheduler_config
 
@@ -670,7 +732,15 @@ def check_request(folder: PipelineFolder, *, steps: int = 50, scheduler: str | N
         if isinstance(image, (str, Path)) and not Path(image).is_file():
             raise GenerationError(f"{image}: no such image")
     _check_size(height, width, folder.vae_scale_factor, allow_none=True)
+    say.done()
     return scheduler
+
+
+def fusable(scheduler: str) -> bool:
+    """Whether the fused step graph can run ``scheduler`` (else a load need not prepare it)."""
+    from onnxopt.pipeline.schedulers import FUSED_SCHEDULERS
+
+    return scheduler in FUSED_SCHEDULERS
 
 
 def classifier_free_guidance(guidance: float) -> bool:
@@ -899,7 +969,10 @@ def generate(folder, prompt: str, *, output=None, provider: str = "cpu", fused_s
     if output is not None:
         images.check_writable(output)
         images.image_format(output)
-    pipe = Pipeline.load(folder, provider, fused_step=fused_step, cuda_graph=cuda_graph)
+    folder = folder if isinstance(folder, PipelineFolder) else PipelineFolder.open(folder)
+    options["scheduler"] = check_request(folder, steps=options.get("steps", 50), scheduler=options.get("scheduler"))
+    pipe = Pipeline.load(folder, provider, fused_step=fused_step and fusable(options["scheduler"]), cuda_graph=cuda_graph,
+                         status=None if options.get("progress", True) else False)
     result = pipe(prompt, **options)
     if output is not None:
         images.write_image(result.image, output)
