@@ -458,7 +458,7 @@ class Pipeline:
             controls.append(images.preprocess_control_image(image, height, width, factor))
             # as diffusers: the (first) preprocessed image sets the size; later ones are resized to it
             height, width = controls[0].shape[-2:]
-        default_h, default_w = folder.default_size
+        default_h, default_w = default_size(folder)
         height, width = height or default_h, width or default_w
         _check_size(height, width, factor)
 
@@ -756,6 +756,11 @@ def check_model_configs(folder: PipelineFolder) -> None:
     if unet.get("time_cond_proj_dim") is not None:  # a guidance-distilled UNet (LCM): diffusers feeds timestep_cond
         raise GenerationError(f"{folder.root / 'unet'}: a UNet with time_cond_proj_dim (guidance embedding, as LCM's) "
                               "is not supported")
+    if folder.kind == "sd" and "_diffusers_version" in unet:
+        _written_before_0_9(unet)  # unparsable: diffusers' StableDiffusionPipeline fails on it
+    if folder.kind != "sdxl" and folder.config("text_encoder").get("use_attention_mask"):
+        raise GenerationError(f"{folder.root / 'text_encoder' / 'config.json'}: use_attention_mask is set: diffusers "
+                              "then feeds the tokenizer's attention mask to the text encoder, which onnxopt does not")
     vae = folder.config("vae_decoder")
     if folder.kind == "sdxl" and vae.get("latents_mean") is not None and vae.get("latents_std") is not None:
         for key in ("latents_mean", "latents_std"):  # StableDiffusionXLPipeline: .view(1, 4, 1, 1)
@@ -770,6 +775,30 @@ def check_model_configs(folder: PipelineFolder) -> None:
             from onnxopt.pipeline.folder import read_json
 
             check_prompt_length(folder, encoder, read_json(path).get("model_max_length"))
+
+
+def default_size(folder: PipelineFolder) -> tuple[int, int]:
+    """(height, width) when none is asked: the UNet's sample_size times the VAE factor, after
+    StableDiffusionPipeline.__init__'s correction of old configs (a UNet config written by diffusers
+    before 0.9 with an integer sample_size under 64 means 64: the SD 1.x checkpoints of that time)."""
+    unet = folder.config("unet")
+    sample = unet.get("sample_size")
+    if folder.kind == "sd" and isinstance(sample, int) and sample < 64 and _written_before_0_9(unet):
+        return 64 * folder.vae_scale_factor, 64 * folder.vae_scale_factor
+    return folder.default_size
+
+
+def _written_before_0_9(config: dict) -> bool:
+    """Whether the config's ``_diffusers_version`` is before 0.9.0.dev0 (diffusers' own comparison)."""
+    from packaging import version
+
+    written = config.get("_diffusers_version")
+    if written is None:
+        return False
+    try:
+        return version.parse(version.parse(str(written)).base_version) < version.parse("0.9.0.dev0")
+    except version.InvalidVersion:
+        raise GenerationError(f"unet/config.json: _diffusers_version {written!r} is not a version") from None
 
 
 def check_prompt_length(folder: PipelineFolder, encoder: str, length, session=None) -> None:
