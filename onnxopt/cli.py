@@ -253,21 +253,23 @@ def cmd_generate(args) -> int:
 
     from onnxopt.outputs import Inputs, Outputs, staged
     from onnxopt.pipeline import PipelineFolder, images
-    from onnxopt.pipeline.runner import Pipeline, reuse_steps, check_request
+    from onnxopt.pipeline.runner import Pipeline, check_request, fusable, reuse_steps
     from onnxopt.pipeline.sessions import quiet_sessions
 
     folder = PipelineFolder.open(args.folder)
     if args.plan:
-        from onnxopt.pipeline.plan import PlanOptions, plan_generation
+        from onnxopt.pipeline.plan import PlanOptions, folder_scheduler_name, plan_generation
 
-        print(plan_generation(folder, args.provider, PlanOptions(fused_step=args.fused_step,
-                                                                 cuda_graph=args.cuda_graph)).text())
+        options = PlanOptions(fused_step=args.fused_step, cuda_graph=args.cuda_graph,
+                              scheduler=args.scheduler or folder_scheduler_name(folder))
+        print(plan_generation(folder, args.provider, options).text())
         return EXIT_OK
     missing = [flag for flag, value in (("--prompt", args.prompt), ("-o/--output", args.output)) if value is None]
     if missing:
         raise OnnxoptError(f"generate needs {' and '.join(missing)} (or --plan, which generates nothing)")
     args.scheduler = check_request(folder, steps=args.steps, scheduler=args.scheduler, height=args.height, width=args.width,
-                                   controlnet_image=args.controlnet_image, controlnet_scale=args.controlnet_scale)
+                                   controlnet_image=args.controlnet_image, controlnet_scale=args.controlnet_scale,
+                                   status=False if args.quiet else None)
     reuse_steps(args.reuse, args.steps)  # a bad schedule is refused before any session exists
     for image in args.controlnet_image or ():
         images.check_image(image)  # not an image, or a decompression bomb: before any session exists
@@ -279,7 +281,8 @@ def cmd_generate(args) -> int:
     if args.json:
         outputs.file(args.json, "--json")
     with contextlib.nullcontext() if args.debug else quiet_sessions():  # ORT's errors come back as one line
-        pipe = Pipeline.load(folder, args.provider, fused_step=args.fused_step, cuda_graph=args.cuda_graph)
+        pipe = Pipeline.load(folder, args.provider, fused_step=args.fused_step and fusable(args.scheduler),
+                             cuda_graph=args.cuda_graph, status=False if args.quiet else None)
         result = pipe(args.prompt, negative_prompt=args.negative_prompt, steps=args.steps, guidance=args.guidance,
                       scheduler=args.scheduler, seed=args.seed, height=args.height, width=args.width,
                       controlnet_image=args.controlnet_image, controlnet_scale=args.controlnet_scale,

@@ -379,7 +379,7 @@ def test_cli_writes_the_png_and_the_timings(tmp_path):
     (lambda d, o: [d / "unet", "--prompt", "a", "-o", o], "not a pipeline folder"),
     (lambda d, o: [d, "--prompt", "a", "--height", "36", "-o", o], "multiple of 8"),
     (lambda d, o: [d, "--prompt", "a", "--steps", "0", "-o", o], "steps must be at least 1"),
-    (lambda d, o: [d, "--prompt", "a", "--scheduler", "pndm", "-o", o], "unknown scheduler"),
+    (lambda d, o: [d, "--prompt", "a", "--scheduler", "lms", "-o", o], "unknown scheduler"),
     (lambda d, o: [d, "--prompt", "a", "-o", Path("/no/such/dir/x.png")], "does not exist"),
     (lambda d, o: [d, "--prompt", "a", "--controlnet-image", o, "-o", o], "has no controlnet"),
     (lambda d, o: [d, "--prompt", "a", "--provider", "tensorrt", "-o", o], "needs TensorRT"),
@@ -744,8 +744,10 @@ def test_a_prompt_longer_than_the_tokenizer_takes_is_warned_about_once(capsys):
     ({"scheduler/scheduler_config.json": {"prediction_type": "sample_x"}}, "cannot run 2 steps"),
     ({"scheduler/scheduler_config.json": {"_class_name": "LMSDiscreteScheduler"}}, "choose one with --scheduler"),
     ({"unet/config.json": {"time_cond_proj_dim": 256}}, "time_cond_proj_dim"),
+    ({"text_encoder/config.json": {"use_attention_mask": True}}, "use_attention_mask is set"),
+    ({"unet/config.json": {"_diffusers_version": "zero.eight"}}, "is not a version"),
 ], ids=["tokenizer-longer-than-encoder", "trained-betas-length", "timestep-spacing", "prediction-type",
-        "folder-scheduler-class", "guidance-embedding-unet"])
+        "folder-scheduler-class", "guidance-embedding-unet", "text-attention-mask", "unet-version"])
 def test_cli_folder_configs_a_run_cannot_take_exit_2_before_the_work(tmp_path, capsys, monkeypatch, edits, expected):
     """Each of these crashed mid-run (exit 3) or ran on a misread config: now one line, exit 2,
     before any session exists."""
@@ -806,3 +808,60 @@ def test_cli_refuses_an_image_name_pillow_cannot_write_before_the_work(tmp_path,
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and ("unknown image format" in err or "no image suffix" in err)
     assert not list(tmp_path.iterdir())
+
+
+def test_start_up_says_what_it_does_on_a_terminal_only(monkeypatch, capsys):
+    """generate showed nothing for its seconds of start-up (imports, sessions, the step graph built in
+    memory), then a progress bar: on a terminal, one status line now says what it is doing and is
+    cleared before the bar; off a terminal (a pipe, a log file) nothing is written."""
+    import io
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    terminal = Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    pipe = Pipeline.load(COMMITTED_SD15, "cpu", threads=THREADS)
+    pipe("a cat", steps=1, scheduler="euler", height=32, width=32, progress=False)
+    said = terminal.getvalue()
+    for what in ("importing torch and diffusers", "loading vae_decoder", "preparing the step graph", "loading text_encoder"):
+        assert f"\r\x1b[Konnxopt: {what}..." in said, said
+    assert said.endswith("\r\x1b[K")  # cleared: what comes next starts on a clean line
+    monkeypatch.setattr(sys, "stderr", io.StringIO())  # not a terminal
+    Pipeline.load(COMMITTED_SD15, "cpu", threads=THREADS)("a cat", steps=1, scheduler="euler", height=32, width=32,
+                                                          progress=False)
+    assert sys.stderr.getvalue() == ""
+
+
+@pytest.mark.parametrize("kind, written, sample, expected", [
+    ("sd15", "0.8.0", 16, 64), ("sd15", "0.9.0", 16, 16), ("sd15", "0.8.1", 96, 96), ("sd15", None, 16, 16),
+    ("sd15", "0.8.0", [16, 24], [16, 24]), ("sd15-controlnet", "0.8.0", 16, 16), ("sdxl", "0.8.0", 16, 16),
+])
+def test_default_size_is_the_one_the_diffusers_pipeline_computes(built, tmp_path, kind, written, sample, expected):
+    """StableDiffusionPipeline.__init__ reads a UNet config written before diffusers 0.9 with
+    sample_size under 64 as 64 (SD 1.x's old configs); the ControlNet and SDXL pipelines do not.
+    The default size (no --height/--width) follows the same class's rule: diffusers' own pipeline
+    is built with that config and its default compared."""
+    from diffusers.configuration_utils import FrozenDict
+
+    from onnxopt.pipeline.runner import default_size
+
+    b = built(kind)
+    keys = {"sample_size": sample, "_diffusers_version": written}
+    folder = copy_folder(b.folder, tmp_path / kind, **{"unet/config.json": keys})
+    if written is None:
+        path = folder / "unet" / "config.json"
+        path.write_text(json.dumps({k: v for k, v in json.loads(path.read_text()).items() if k != "_diffusers_version"}))
+    unet = b.torch_pipe.unet
+    before = unet._internal_dict
+    unet._internal_dict = FrozenDict({k: v for k, v in {**before, **keys}.items() if v is not None})
+    try:
+        pipe = type(b.torch_pipe)(**b.torch_pipe.components)
+        size = pipe.unet.config.sample_size
+    finally:
+        unet._internal_dict = before
+    assert size == expected
+    factor = pipe.vae_scale_factor
+    h, w = (size, size) if isinstance(size, int) else size
+    assert default_size(PipelineFolder.open(folder)) == (h * factor, w * factor)

@@ -6,7 +6,8 @@ session exists, that says what a generation runs; the runner makes exactly its s
   encoder made on first use; on CUDA the same graphs are on bound buffers with capture asked.
 * ``fused_step=False``: diffusers' loop, the UNet at every step.
 * ``Pipeline.load`` makes the plan's sessions, no others.
-* ``onnxopt generate FOLDER --plan`` prints it and writes nothing; ``--json`` of a run carries it.
+* ``onnxopt generate FOLDER --plan`` prints it and writes nothing (a scheduler the fused step cannot
+  run plans diffusers' loop); ``--json`` of a run carries it.
 """
 
 from __future__ import annotations
@@ -60,12 +61,17 @@ def test_load_makes_the_plans_sessions_and_no_other(fused_step):
 
 
 def test_generate_plan_prints_it_and_writes_nothing(tmp_path, capsys):
+    """With DDIM the step graph is built from the UNet; with the folder's own scheduler (PNDM, which
+    the fused step cannot run) the plan is diffusers' loop, and no step graph is built."""
     out = tmp_path / "cat.png"
-    assert main(["generate", str(SD15), "--plan", "-o", str(out)]) == 0
+    assert main(["generate", str(SD15), "--plan", "--scheduler", "ddim", "-o", str(out)]) == 0
     text = capsys.readouterr().out
     assert "components: text_encoder, unet, vae_decoder" in text and "step graph: built in memory" in text
     assert "vae_decoder/model.onnx: once per image" in text
     assert not out.exists() and list(tmp_path.iterdir()) == []
+    assert main(["generate", str(SD15), "--plan"]) == 0
+    text = capsys.readouterr().out
+    assert "scheduler:  pndm" in text and "step graph: unfused" in text and "unet/model.onnx: every step" in text
 
 
 def test_generate_without_a_prompt_or_output_is_a_usage_error(tmp_path, capsys):

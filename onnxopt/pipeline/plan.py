@@ -19,7 +19,7 @@ Which rewrite is used, and why one is passed over, follows the folder (files wri
 from __future__ import annotations
 
 import sys
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from onnxopt.errors import OnnxoptError
@@ -97,7 +97,7 @@ class GenerationPlan:
                  f"  components: {', '.join(self.components)}",
                  f"  step graph: {self.step}",
                  f"  step loop:  {self.step_loop}" + (", CUDA graphs asked" if self.capture else ""),
-                 f"  scheduler:  {self.scheduler} (the folder's own; --scheduler picks another)"]
+                 f"  scheduler:  {self.scheduler}"]
         if self.controlnets:
             lines.append(f"  ControlNets: {', '.join(self.controlnets)}" + (" (inside the merged step graph)"
                                                                            if self.merged_step else ""))
@@ -122,16 +122,21 @@ class PlanOptions:
     step_file: str | None = None
     two_streams: bool | None = None
     static_text: bool = True
+    scheduler: str | None = None  # the request's: one the fused step cannot run (pndm) plans diffusers' loop
 
 
 def plan_generation(folder: PipelineFolder, provider: str, options: PlanOptions = PlanOptions()) -> GenerationPlan:
     """The plan for ``folder`` on ``provider`` (cpu | cuda | tensorrt) with ``options``."""
+    from onnxopt.pipeline.schedulers import FUSED_SCHEDULERS
+
+    if options.scheduler is not None and options.scheduler not in FUSED_SCHEDULERS:
+        options = replace(options, fused_step=False)
     capture = options.cuda_graph and provider != "cpu"
     io_binding = provider != "cpu" if options.io_binding is None else options.io_binding
     two_streams = provider != "cpu" if options.two_streams is None else options.two_streams
     once = BOUND if io_binding else HOST
     plan = GenerationPlan(folder.root, folder.kind, provider, _components(folder), "unfused", "unfused", capture, [],
-                          False, _folder_scheduler(folder), [], io_binding, options.static_text)
+                          False, options.scheduler or folder_scheduler_name(folder), [], io_binding, options.static_text)
     if folder.has("vae_decoder"):
         plan.sessions.append(_entry(folder, "vae_decoder", "vae_decoder", folder.component("vae_decoder").model,
                                     "once per image", once, capture and io_binding))
@@ -147,7 +152,8 @@ def plan_generation(folder: PipelineFolder, provider: str, options: PlanOptions 
     return plan
 
 
-def _folder_scheduler(folder: PipelineFolder) -> str:
+def folder_scheduler_name(folder: PipelineFolder) -> str:
+    """The folder's own scheduler (what a request without one gets), or why onnxopt runs none."""
     from onnxopt.pipeline.schedulers import SchedulerError, folder_scheduler
 
     try:

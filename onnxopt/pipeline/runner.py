@@ -98,6 +98,41 @@ class Result:
         return images.to_pil(self.pixels)
 
 
+class StartupStatus:
+    """What start-up is doing, on one line of stderr (``say(text)`` replaces it; ``done()`` clears
+    it), when ``enabled`` (None: when stderr is a terminal); nothing otherwise."""
+
+    line_shown = False  # the one status line of stderr, whichever instance wrote it
+
+    def __init__(self, enabled: bool | None = None):
+        self.enabled = sys.stderr.isatty() if enabled is None else enabled
+
+    def __call__(self, text: str) -> None:
+        if self.enabled:
+            sys.stderr.write(f"\r\x1b[Konnxopt: {text}...")
+            sys.stderr.flush()
+            StartupStatus.line_shown = True
+
+    @staticmethod
+    def done() -> None:
+        if StartupStatus.line_shown:
+            sys.stderr.write("\r\x1b[K")
+            sys.stderr.flush()
+            StartupStatus.line_shown = False
+
+
+def clears_status(function):
+    """``function``, clearing a status line it leaves when it raises (an error then starts its own line)."""
+    @functools.wraps(function)
+    def run(*args, **kwargs):
+        try:
+            return function(*args, **kwargs)
+        except BaseException:
+            StartupStatus.done()
+            raise
+    return run
+
+
 def _torch():
     try:
         import torch
@@ -139,6 +174,7 @@ class Pipeline:
         self.merged_step = False  # the step session is merged_step.onnx (ControlNet inside)
         self.launch_timing = False  # time each step's launch apart from its wait (DeviceStepLoop)
         self.calls = 0
+        self.status = StartupStatus(False)  # what loading a session on first use says (load sets it)
         self._plans: dict = {}  # (scheduler, steps) -> StepPlan
         self._schedulers: dict = {}  # name -> diffusers' scheduler (Pipeline._scheduler)
         self._device_loops: dict = {}  # DeviceStepLoop.key -> a loop whose buffers (and captured graphs) stay put
@@ -155,10 +191,12 @@ class Pipeline:
         return "step" in self.sessions
 
     @classmethod
+    @clears_status
     def load(cls, folder, provider: str = "cpu", *, fused_step: bool = True, cuda_graph: bool = True, device_id: int = 0,
              threads: int | None = None, io_binding: bool | None = None, context_kv: bool = True,
              controlnet_hint: bool = True, merged_step: bool = True, launch_timing: bool = False,
-             step_file: str | None = None, two_streams: bool | None = None, static_text: bool = True) -> "Pipeline":
+             step_file: str | None = None, two_streams: bool | None = None, static_text: bool = True,
+             status: bool | None = None) -> "Pipeline":
         """Open ``folder`` and create its sessions on ``provider`` (cpu | cuda | tensorrt).
 
         ``cuda_graph`` (cuda/tensorrt): capture the step graph as CUDA graphs. ``fused_step=False``
@@ -196,24 +234,31 @@ class Pipeline:
         the loop then waits for the device; ``timings["step_launch_mean_s"]`` is the host's part of
         a step (the step's CPU-side overhead is at most that plus the wait's return), beside
         ``step_mean_s``, the whole step.
+
+        ``status``: say what start-up is doing (importing, loading each component, building the step
+        graph) on one line of stderr, cleared when done; None: only when stderr is a terminal.
         """
         start = time.perf_counter()
+        say = StartupStatus(status)
         folder = folder if isinstance(folder, PipelineFolder) else PipelineFolder.open(folder)
         require_provider(provider)
+        say("importing torch and diffusers")
         _torch()
         options = PlanOptions(fused_step=fused_step, cuda_graph=cuda_graph, io_binding=io_binding, context_kv=context_kv,
                               controlnet_hint=controlnet_hint, merged_step=merged_step, step_file=step_file,
                               two_streams=two_streams, static_text=static_text)
         return cls.from_plan(folder, plan_generation(folder, provider, options), device_id=device_id, threads=threads,
-                             launch_timing=launch_timing, start=start)
+                             launch_timing=launch_timing, start=start, say=say)
 
     @classmethod
     def from_plan(cls, folder: PipelineFolder, plan: GenerationPlan, *, device_id: int = 0, threads: int | None = None,
-                  launch_timing: bool = False, start: float | None = None) -> "Pipeline":
+                  launch_timing: bool = False, start: float | None = None, say: StartupStatus | None = None) -> "Pipeline":
         """Create the sessions ``plan`` lists, in its order, each as its ``binds`` says (text
-        encoders on first use); the step session's capture outcome decides the rest's."""
+        encoders on first use); the step session's capture outcome decides the rest's. ``say``:
+        the start-up status line (:class:`StartupStatus`)."""
         start = time.perf_counter() if start is None else start
-        sessions = _SessionMaker(folder, plan, device_id, threads)
+        say = say or StartupStatus(False)
+        sessions = _SessionMaker(folder, plan, device_id, threads, say)
         for entry in plan.sessions:
             if not entry.lazy:
                 sessions.make(entry)
@@ -230,6 +275,8 @@ class Pipeline:
         pipe.controlnet_models = plan.controlnet_models
         pipe.launch_timing = launch_timing
         pipe.static_text, pipe._open_once = plan.static_text, sessions.text_encoder
+        pipe.status = say
+        say.done()
         return pipe
 
     def _controlnet_session(self, k: int = 0):
@@ -326,6 +373,7 @@ class Pipeline:
 
     # --- one image -----------------------------------------------------------------------------
 
+    @clears_status
     def __call__(self, prompt: str, negative_prompt: str | None = None, steps: int = 50, guidance: float = 7.5,
                  scheduler: str | None = None, seed: int = 0, height: int | None = None, width: int | None = None,
                  controlnet_image=None, controlnet_scale=1.0, progress: bool = True, reuse=None) -> Result:
@@ -350,7 +398,7 @@ class Pipeline:
             controls.append(images.preprocess_control_image(image, height, width, factor))
             # as diffusers: the (first) preprocessed image sets the size; later ones are resized to it
             height, width = controls[0].shape[-2:]
-        default_h, default_w = folder.default_size
+        default_h, default_w = default_size(folder)
         height, width = height or default_h, width or default_w
         _check_size(height, width, factor)
 
@@ -428,13 +476,16 @@ class Pipeline:
         # within fp32 rounding, the negative prompt's row cancelling out.
         cfg = classifier_free_guidance(guidance)
         timings["classifier_free_guidance"] = cfg
-        bar = _progress(steps, progress)
         plan = None
         if self.fused_step:
             try:
                 plan = self._plan(name, sched, steps)
             except SchedulerError as exc:  # e.g. DDIM with clip_sample: not affine, diffusers' own step then
                 timings["step"] = f"unfused: {exc}"
+        if plan is None:
+            self._unet_session()
+        self.status.done()
+        bar = _progress(steps, progress)
         if plan is not None:
             latents = self._fused_loop(plan, noise, cond, controlnet, guidance if cfg else 1.0, reused, bar, timings)
         else:
@@ -553,6 +604,16 @@ class Pipeline:
             self._device_loops[key] = loop
         return self._device_loops[key]
 
+    def _unet_session(self):
+        """The UNet's own session: made at load for the unfused loop; on first use when a fused
+        pipeline meets a scheduler the step graph cannot run."""
+        if "unet" not in self.sessions:
+            self.status("loading unet (the scheduler's own step, unfused)")
+            self.sessions["unet"] = create_session(self.folder.component("unet").model, self.provider,
+                                                   name=str(self.folder.root / "unet"), device_id=self.device_id,
+                                                   threads=self.threads)
+        return self.sessions["unet"]
+
     def _unfused_loop(self, sched, steps, noise, cond, controlnet, guidance, step_times, bar, kind, reused=frozenset()):
         """diffusers' loop: UNet session, guidance in numpy (``guidance`` None: no guidance, the
         prompt's own output), diffusers' scale_model_input and step (at a ``reused`` step: diffusers'
@@ -562,11 +623,7 @@ class Pipeline:
         if kind == "sdxl" and hasattr(sched, "set_begin_index"):
             sched.set_begin_index(0)
         latents = noise * sched.init_noise_sigma
-        if "unet" not in self.sessions:  # a fused pipeline meeting a scheduler the step graph cannot run
-            self.sessions["unet"] = create_session(self.folder.component("unet").model, self.provider,
-                                                   name=str(self.folder.root / "unet"), device_id=self.device_id,
-                                                   threads=self.threads)
-        unet = self.sessions["unet"]
+        unet = self._unet_session()
         eps = None
         for k, t in enumerate(sched.timesteps):
             t1 = time.perf_counter()
@@ -592,10 +649,14 @@ class Pipeline:
         return latents.numpy()
 
 
+@clears_status
 def check_request(folder: PipelineFolder, *, steps: int = 50, scheduler: str | None = None, height=None, width=None,
-                  controlnet_image=None, controlnet_scale=1.0) -> str:
+                  controlnet_image=None, controlnet_scale=1.0, status: bool | None = False) -> str:
     """Refuse a bad request before any session exists (one-line :class:`GenerationError`); returns
-    the scheduler's name (``scheduler``, or the folder's own when None)."""
+    the scheduler's name (``scheduler``, or the folder's own when None). ``status``: as
+    :meth:`Pipeline.load`'s (the scheduler's check imports torch and diffusers: seconds)."""
+    say = StartupStatus(status)
+    say("importing torch and diffusers")
     from onnxopt.pipeline.schedulers import SCHEDULERS, SchedulerError, check_schedule, folder_scheduler, make_scheduler
     from onnxopt.pipeline.schedulers import pipeline_scheduler_config
 
@@ -635,7 +696,15 @@ def check_request(folder: PipelineFolder, *, steps: int = 50, scheduler: str | N
         if isinstance(image, (str, Path)) and not Path(image).is_file():
             raise GenerationError(f"{image}: no such image")
     _check_size(height, width, folder.vae_scale_factor, allow_none=True)
+    say.done()
     return scheduler
+
+
+def fusable(scheduler: str) -> bool:
+    """Whether the fused step graph can run ``scheduler`` (else a load need not prepare it)."""
+    from onnxopt.pipeline.schedulers import FUSED_SCHEDULERS
+
+    return scheduler in FUSED_SCHEDULERS
 
 
 def classifier_free_guidance(guidance: float) -> bool:
@@ -651,6 +720,11 @@ def check_model_configs(folder: PipelineFolder) -> None:
     if unet.get("time_cond_proj_dim") is not None:  # a guidance-distilled UNet (LCM): diffusers feeds timestep_cond
         raise GenerationError(f"{folder.root / 'unet'}: a UNet with time_cond_proj_dim (guidance embedding, as LCM's) "
                               "is not supported")
+    if folder.kind == "sd" and "_diffusers_version" in unet:
+        _written_before_0_9(unet)  # unparsable: diffusers' StableDiffusionPipeline fails on it
+    if folder.kind != "sdxl" and folder.config("text_encoder").get("use_attention_mask"):
+        raise GenerationError(f"{folder.root / 'text_encoder' / 'config.json'}: use_attention_mask is set: diffusers "
+                              "then feeds the tokenizer's attention mask to the text encoder, which onnxopt does not")
     vae = folder.config("vae_decoder")
     if folder.kind == "sdxl" and vae.get("latents_mean") is not None and vae.get("latents_std") is not None:
         for key in ("latents_mean", "latents_std"):  # StableDiffusionXLPipeline: .view(1, 4, 1, 1)
@@ -665,6 +739,30 @@ def check_model_configs(folder: PipelineFolder) -> None:
             from onnxopt.pipeline.folder import read_json
 
             check_prompt_length(folder, encoder, read_json(path).get("model_max_length"))
+
+
+def default_size(folder: PipelineFolder) -> tuple[int, int]:
+    """(height, width) when none is asked: the UNet's sample_size times the VAE factor, after
+    StableDiffusionPipeline.__init__'s correction of old configs (a UNet config written by diffusers
+    before 0.9 with an integer sample_size under 64 means 64: the SD 1.x checkpoints of that time)."""
+    unet = folder.config("unet")
+    sample = unet.get("sample_size")
+    if folder.kind == "sd" and isinstance(sample, int) and sample < 64 and _written_before_0_9(unet):
+        return 64 * folder.vae_scale_factor, 64 * folder.vae_scale_factor
+    return folder.default_size
+
+
+def _written_before_0_9(config: dict) -> bool:
+    """Whether the config's ``_diffusers_version`` is before 0.9.0.dev0 (diffusers' own comparison)."""
+    from packaging import version
+
+    written = config.get("_diffusers_version")
+    if written is None:
+        return False
+    try:
+        return version.parse(version.parse(str(written)).base_version) < version.parse("0.9.0.dev0")
+    except version.InvalidVersion:
+        raise GenerationError(f"unet/config.json: _diffusers_version {written!r} is not a version") from None
 
 
 def check_prompt_length(folder: PipelineFolder, encoder: str, length, session=None) -> None:
@@ -755,13 +853,15 @@ def _check_size(height, width, factor: int, allow_none: bool = False) -> None:
 class _SessionMaker:
     """The sessions of a plan's entries (:meth:`Pipeline.from_plan`), by what each binds."""
 
-    def __init__(self, folder: PipelineFolder, plan: GenerationPlan, device_id: int, threads: int | None):
-        self.folder, self.plan, self.device_id, self.threads = folder, plan, device_id, threads
+    def __init__(self, folder: PipelineFolder, plan: GenerationPlan, device_id: int, threads: int | None,
+                 say: StartupStatus):
+        self.folder, self.plan, self.device_id, self.threads, self.say = folder, plan, device_id, threads, say
         self.io_binding, self.requested = plan.io_binding, plan.capture
         self.capture = plan.capture  # the step session's outcome, once it is made
         self.sessions: dict = {}
 
     def open(self, component: str, model=None, **kw):
+        self.say(f"loading {component}" + (f" ({Path(model).name})" if isinstance(model, (str, Path)) else ""))
         return create_session(model or self.folder.component(component).model, self.plan.provider,
                               name=f"{self.folder.root / component}", device_id=self.device_id, threads=self.threads, **kw)
 
@@ -798,6 +898,8 @@ class _SessionMaker:
         elif entry.binds == HOST:
             session = self.open(entry.component, entry.model)
         elif entry.key == "step":
+            if self.plan.build_step_graph:
+                self.say("preparing the step graph")
             model = build_step_graph_in_memory(self.folder) if self.plan.build_step_graph else entry.model
             beside = {"external_data_folder": self.folder.component("unet").folder} if isinstance(model, bytes) else {}
             session, self.capture = self.captured("unet", model, say=True, **beside)
@@ -855,7 +957,10 @@ def generate(folder, prompt: str, *, output=None, provider: str = "cpu", fused_s
     if output is not None:
         images.check_writable(output)
         images.image_format(output)
-    pipe = Pipeline.load(folder, provider, fused_step=fused_step, cuda_graph=cuda_graph)
+    folder = folder if isinstance(folder, PipelineFolder) else PipelineFolder.open(folder)
+    options["scheduler"] = check_request(folder, steps=options.get("steps", 50), scheduler=options.get("scheduler"))
+    pipe = Pipeline.load(folder, provider, fused_step=fused_step and fusable(options["scheduler"]), cuda_graph=cuda_graph,
+                         status=None if options.get("progress", True) else False)
     result = pipe(prompt, **options)
     if output is not None:
         images.write_image(result.image, output)
