@@ -602,21 +602,56 @@ def _one_line(message: str) -> str:
     return message.replace("\r", "\\r").replace("\n", "\\n")
 
 
+@contextlib.contextmanager
+def _interrupts_between_imports():
+    """Ctrl-C while a module imports is answered when the import is over. Raised inside a C
+    extension's initialisation (onnx's, while it calls back into Python), KeyboardInterrupt left it
+    half made and the process died of SIGSEGV instead of exit 130. A deferred one is delivered
+    again, 20 ms later, by ``_thread.interrupt_main``, until no import is under way."""
+    import _thread
+    import signal
+    import threading
+
+    def importing(frame) -> bool:
+        while frame is not None:
+            if frame.f_code.co_filename.startswith("<frozen importlib"):
+                return True
+            frame = frame.f_back
+        return False
+
+    def on_interrupt(signum, frame):
+        if importing(frame):
+            threading.Timer(0.02, _thread.interrupt_main).start()
+            return
+        raise KeyboardInterrupt
+
+    try:
+        previous = signal.signal(signal.SIGINT, on_interrupt)
+    except ValueError:  # not the main thread: signals are not ours to handle
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def main(argv: list[str] | None = None) -> int:
     debug = False
     try:  # from the first import on: Ctrl-C at any moment is one line and exit 130
-        try:
-            args = build_parser().parse_args(argv)
-        except SystemExit as exc:  # --help (0) or a usage error (2, its one line printed)
-            return exc.code if isinstance(exc.code, int) else EXIT_BAD_INPUT
-        debug = args.debug
-        from onnxopt.library_logs import quiet_libraries
-        from onnxopt.properties import checking
-        from onnxopt.runtime import set_ort_logging
+        with _interrupts_between_imports():
+            try:
+                args = build_parser().parse_args(argv)
+            except SystemExit as exc:  # --help (0) or a usage error (2, its one line printed)
+                return exc.code if isinstance(exc.code, int) else EXIT_BAD_INPUT
+            debug = args.debug
+            from onnxopt.library_logs import quiet_libraries
+            from onnxopt.properties import checking
+            from onnxopt.runtime import set_ort_logging
 
-        set_ort_logging(args.debug)  # ONNX Runtime's own log lines: only with --debug
-        with quiet_libraries(not args.debug), checking(args.debug):  # --debug: property claims are checked
-            return COMMANDS[args.command](args)
+            set_ort_logging(args.debug)  # ONNX Runtime's own log lines: only with --debug
+            with quiet_libraries(not args.debug), checking(args.debug):  # --debug: property claims are checked
+                return COMMANDS[args.command](args)
     except OnnxoptError as exc:
         if debug:
             raise
@@ -636,14 +671,20 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _interrupted() -> int:
-    """Ctrl-C: a second one while this runs is ignored; the message starts on a line of its own."""
+    """Ctrl-C: the message starts on a line of its own; a second Ctrl-C while it prints is ignored."""
     import signal
 
-    with contextlib.suppress(ValueError):  # not the main thread: nothing to ignore
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-    if "onnxopt.progress" in sys.modules:
-        sys.modules["onnxopt.progress"].end_line()  # a status line or tqdm bar left unfinished
-    print("onnxopt: interrupted", file=sys.stderr)
+    try:
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    except ValueError:  # not the main thread
+        previous = None
+    try:
+        if "onnxopt.progress" in sys.modules:
+            sys.modules["onnxopt.progress"].end_line()  # a status line or tqdm bar left unfinished
+        print("onnxopt: interrupted", file=sys.stderr)
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
     return EXIT_INTERRUPTED
 
 

@@ -92,6 +92,14 @@ class Inputs:
         return None
 
 
+def _check_parent(path: Path) -> None:
+    folder = _folder_of(path)
+    if not folder.is_dir():
+        raise ModelSaveError(f"{path}: folder {folder} does not exist")
+    if not os.access(folder, os.W_OK):
+        raise ModelSaveError(f"{path}: folder {folder} is not writable")
+
+
 class Outputs:
     """The outputs of one command, each checked when it is named (before any work)."""
 
@@ -111,13 +119,9 @@ class Outputs:
         """A file to write (replaced if it exists): refused when it is a folder, its folder is
         missing or not writable, or it is an input or another output under any name."""
         path = Path(path)
-        folder = _folder_of(path)
         if path.is_dir():
-            raise ModelSaveError(f"{path}: {flag} is a folder")
-        if not folder.is_dir():
-            raise ModelSaveError(f"{path}: folder {folder} does not exist")
-        if not os.access(folder, os.W_OK):
-            raise ModelSaveError(f"{path}: folder {folder} is not writable")
+            raise ModelSaveError(f"{path}: is a folder, not a file ({flag})")
+        _check_parent(path)
         self._refuse_alias(path, flag)
         self.planned.append((path, flag))
         return path
@@ -134,11 +138,7 @@ class Outputs:
             raise ModelSaveError(f"{path}: {flag} may not be inside the input folder ({why})")
         if path.exists() and (not path.is_dir() or any(path.iterdir())):
             raise ModelSaveError(f"{path}: exists and is not an empty folder; onnxopt does not overwrite folders")
-        parent = _folder_of(path)
-        if not parent.is_dir():
-            raise ModelSaveError(f"{path}: folder {parent} does not exist")
-        if not os.access(parent, os.W_OK):
-            raise ModelSaveError(f"{path}: folder {parent} is not writable")
+        _check_parent(path)
         self._refuse_alias(path, flag)
         self.planned.append((path, flag))
         return path

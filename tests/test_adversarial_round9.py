@@ -130,7 +130,8 @@ def _vae_folder(tmp_path: Path, sample_size=None) -> Path:
     """model_index.json, unet/config.json and vae_decoder/ of the committed folder: the smallest folder."""
     src = tmp_path / "src"
     (src / "unet").mkdir(parents=True)
-    shutil.copy(COMMITTED_SD15 / "model_index.json", src)
+    index = json.loads((COMMITTED_SD15 / "model_index.json").read_text())  # naming only what the folder holds
+    (src / "model_index.json").write_text(json.dumps({"_class_name": index["_class_name"], "vae": index["vae"]}))
     shutil.copy(COMMITTED_SD15 / "unet" / "config.json", src / "unet")
     shutil.copytree(COMMITTED_SD15 / "vae_decoder", src / "vae_decoder")
     if sample_size is not None:

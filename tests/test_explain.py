@@ -51,7 +51,7 @@ def test_without_explain_nothing_is_traced():
     assert all(p.result.trace is None for p in report.passes) and report.explain() == ""
 
 
-def test_a_requested_fusion_that_matches_nothing_reports_its_near_misses():
+def group_norm_scaled_by_div():
     """γ applied by Div, not Mul: the GroupNorm pattern fails one node below its root Add."""
     b = ProtoBuilder()
     x = b.input("x", X_SHAPE)
@@ -59,7 +59,11 @@ def test_a_requested_fusion_that_matches_nothing_reports_its_near_misses():
     normed = b.node("InstanceNormalization", grouped, b.const(np.ones(4)), b.const(np.zeros(4)))
     restored = b.node("Reshape", normed, b.node("Shape", x))
     b.output(b.node("Add", b.node("Div", restored, b.random((8, 1, 1))), b.random((8, 1, 1))))
-    model = b.model()
+    return b.model()
+
+
+def test_a_requested_fusion_that_matches_nothing_reports_its_near_misses():
+    model = group_norm_scaled_by_div()
     _, report = optimize(model, ["fuse-group-norm"])
     (note,) = [n for n in report.notes if n.startswith("fuse-group-norm")]
     div = _node_named(model, "Div")

@@ -236,7 +236,8 @@ def _vae_only_folder(src: Path, dst: Path, conv_gain: float = 1.0) -> Path:
 
     (dst / "unet").mkdir(parents=True)
     (dst / "vae_decoder").mkdir()
-    shutil.copy(src / "model_index.json", dst)
+    index = json.loads((src / "model_index.json").read_text())  # naming only what the folder holds
+    (dst / "model_index.json").write_text(json.dumps({"_class_name": index["_class_name"], "vae": index["vae"]}))
     shutil.copy(src / "unet" / "config.json", dst / "unet")
     shutil.copy(src / "vae_decoder" / "config.json", dst / "vae_decoder")
     model = onnx.load(str(src / "vae_decoder" / "model.onnx"))

@@ -197,10 +197,28 @@ def check_folder_files(root: Path) -> None:
             length = read_json(path).get("model_max_length")
             if length is not None and not _positive_int(length):
                 raise PipelineFolderError(f"{path}: 'model_max_length' must be a positive integer, got {json.dumps(length)}")
+    configs = {}
     for name in CONFIG_FIELDS:
         path = root / name / "config.json"
         if path.is_file():
-            check_config(path, name, read_json(path))
+            configs[name] = read_json(path)
+            check_config(path, name, configs[name])
+    sample = configs.get("unet", {}).get("sample_size")
+    if sample is not None:
+        default_size(root, sample, configs.get("vae_decoder", {}))
+
+
+def default_size(root: Path, sample, vae_config: dict) -> tuple[int, int]:
+    """(height, width) in pixels for a UNet ``sample_size`` (n or [h, w]) and the VAE's config; a
+    size beyond :data:`MAX_IMAGE_SIDE` is refused (it overflowed the latents' shape: exit 3)."""
+    channels = vae_config.get("block_out_channels")
+    factor = 2 ** (len(channels) - 1) if channels else 8
+    h, w = (sample, sample) if isinstance(sample, int) else sample
+    size = h * factor, w * factor
+    if max(size) > MAX_IMAGE_SIDE:
+        raise PipelineFolderError(f"{root / 'unet' / 'config.json'}: 'sample_size' {json.dumps(sample)} makes a default "
+                                  f"image of {size[0]}x{size[1]} pixels (at most {MAX_IMAGE_SIDE} a side)")
+    return size
 
 
 def controlnet_name(k: int) -> str:
@@ -328,7 +346,6 @@ class PipelineFolder:
                 components[name] = Component(name, root / name, model, data, config)
         folder = cls(root, index, kind, components)
         folder._check_complete()
-        folder.default_size  # a sample_size too large for an image is refused here, not deep in a run
         return folder
 
     def _check_complete(self) -> None:
@@ -408,12 +425,7 @@ class PipelineFolder:
     def default_size(self) -> tuple[int, int]:
         """(height, width) in pixels when none is asked: the UNet's sample_size times the VAE factor."""
         sample = self.config("unet").get("sample_size", 64 if self.kind != "sdxl" else 128)
-        h, w = (sample, sample) if isinstance(sample, int) else sample
-        size = h * self.vae_scale_factor, w * self.vae_scale_factor
-        if max(size) > MAX_IMAGE_SIDE:
-            raise PipelineFolderError(f"{self.root / 'unet' / 'config.json'}: 'sample_size' {json.dumps(sample)} makes a "
-                                      f"default image of {size[0]}x{size[1]} pixels (at most {MAX_IMAGE_SIDE} a side)")
-        return size
+        return default_size(self.root, sample, self.config("vae_decoder"))
 
     @property
     def force_zeros_for_empty_prompt(self) -> bool:

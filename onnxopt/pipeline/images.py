@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from onnxopt.errors import MissingDependencyError, OnnxoptError
-from onnxopt.outputs import umask
+from onnxopt.outputs import Outputs, umask
 
 
 def _processor(vae_scale_factor: int, **options):
@@ -90,15 +90,8 @@ def preprocess_control_image(image, height: int | None, width: int | None, vae_s
 
 
 def check_writable(path) -> None:
-    """Fail before any work when the image cannot be written there."""
-    path = Path(path)
-    folder = path.parent if str(path.parent) else Path(".")
-    if path.is_dir():
-        raise OnnxoptError(f"{path}: is a folder")
-    if not folder.is_dir():
-        raise OnnxoptError(f"{path}: folder {folder} does not exist")
-    if not os.access(folder, os.W_OK):
-        raise OnnxoptError(f"{path}: folder {folder} is not writable")
+    """Fail before any work when the image cannot be written there (:class:`onnxopt.outputs.Outputs`)."""
+    Outputs().file(path)
 
 
 def image_format(path) -> str:

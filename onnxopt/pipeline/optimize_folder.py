@@ -143,7 +143,7 @@ class FolderReport:
         if not checked:
             return "verify: no component was compared (none was optimized)"
         errors = ", ".join(f"{c.name} {c.report.final_verification.max_abs_error:.1e}" for c in checked)
-        return (f"verify: each of {len(checked)} components equals its source within atol={atol:g}, rtol={rtol:g} "
+        return (f"verify: each of {len(checked)} component{'s' if len(checked) > 1 else ''} equals its source within atol={atol:g}, rtol={rtol:g} "
                 f"after every pass, on random inputs (max abs err: {errors}); the graphs written from them "
                 "(step.onnx, static text encoders, merged step) are not compared")
 
