@@ -290,7 +290,9 @@ def cmd_generate(args) -> int:
     with staged() as stage:  # the image and the timings: both or neither
         stage.write(args.output, lambda out: result.image.save(out, format=image_format))
         if args.json:
-            stage.text(args.json, json.dumps(dict(result.timings, plan=pipe.plan.as_dict()), indent=2) + "\n")
+            plan = getattr(pipe, "plan", None)  # what the run loaded (Pipeline.from_plan's)
+            report = dict(result.timings, **({"plan": plan.as_dict()} if plan is not None else {}))
+            stage.text(args.json, json.dumps(report, indent=2) + "\n")
     if not args.quiet:
         t = result.timings
         print(f"wrote {args.output} ({result.image.width}x{result.image.height}, {t['steps']} steps, {t['step']})")
