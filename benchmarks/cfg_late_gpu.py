@@ -1,4 +1,4 @@
-"""cfg-late measured (issue 14 item 3): what moves to batch b, and what it saves per denoising step.
+"""cfg-late measured: what moves to batch b, and what it saves per denoising step.
 
     # CPU, any UNet (tiny here; the full-size folders on the GPU host): nodes and FLOPs that move
     python -m benchmarks.cfg_late_gpu count --unet /tmp/pipe-bench/sd15/folder/unet/model.onnx --height 64 --width 64

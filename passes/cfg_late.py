@@ -1,4 +1,4 @@
-"""CFG duplication late (issue 14 item 3, seed 001): compute at batch b what both guidance halves share.
+"""CFG duplication late: compute at batch b what both classifier-free-guidance halves share.
 
 The step graph (:mod:`onnxopt.pipeline.step_graph`) runs the UNet at batch 2b on two copies of the
 same latents and one timestep; the halves differ only where the text side (batch 2b: uncond rows,

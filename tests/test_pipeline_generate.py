@@ -1,6 +1,6 @@
 """onnxopt.pipeline.generate: the ONNX pipeline gives the diffusers torch pipeline's image.
 
-The claim (issue 13, "Done when"): for the tiny SD 1.5, SDXL and SD 1.5 + ControlNet folders,
+The claim: for the tiny SD 1.5, SDXL and SD 1.5 + ControlNet folders,
 exported from the torch pipeline ``models.pipelines.build_torch_pipeline(kind, "tiny", seed)``,
 fp32 on the ORT CPU EP, for each of DDIM, Euler and DPM-Solver++ 2M, ``Pipeline`` gives the final
 latents and the image of diffusers' own ``__call__`` with the same scheduler object, prompt,

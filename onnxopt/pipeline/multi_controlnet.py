@@ -1,4 +1,4 @@
-"""More than one ControlNet (issue 14 item 5): diffusers' MultiControlNetModel on the step graphs.
+"""More than one ControlNet: diffusers' MultiControlNetModel on the step graphs.
 
 diffusers' ``MultiControlNetModel`` runs each ControlNet on its own image and conditioning scale,
 at the same ``sample``, ``timestep`` and text, and sums their residuals before the UNet reads them

@@ -209,7 +209,7 @@ class Pipeline:
         ``write_step_graph(unet_dir, file_name=..., cfg_late=True)`` writes: for ablations.
 
         The pipeline rewrites an optimized folder holds, each used when present and switched on
-        (switching one off is the ablation of issue 14; a rewrite that is off never needs a file):
+        (switching one off measures what it buys; a rewrite that is off never needs a file):
 
         * ``context_kv``: ``unet/step.context_kv.onnx`` once per prompt (cross-attention K/V, and
           SDXL's added conditioning) and ``unet/step.onnx`` reading them; off: the step graph of

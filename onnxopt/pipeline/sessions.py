@@ -268,7 +268,7 @@ class DeviceStepLoop:
                  cuda_graph: bool = False, graph_ids: tuple[int, int] = (0, 1), device_id: int = 0, device: str = "cuda",
                  launch_timing: bool = False):
         self.ort, self.step_session, self.cuda_graph, self.device_id = ort, step_session, cuda_graph, device_id
-        # The step's host side (issue 14 item 6, "CPU-side overhead"): the step graph's run returns
+        # The step's host side (its CPU-side overhead): the step graph's run returns
         # once its work is queued, and the loop then waits for it (synchronize_outputs), so a step
         # still ends when the device is done; ``launches`` holds each step's time to that return.
         self.launch_timing = launch_timing

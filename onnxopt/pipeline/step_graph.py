@@ -23,8 +23,8 @@ Why the schedule is a table and the step a counter: every input of a run is boun
 feeds step k+1 on the device (latents, state, step index), so a denoising loop is N replays of one
 captured CUDA graph with nothing written from the host in between. The host neither waits for a
 step nor copies anything between steps. The schedule is an input, not baked in, so one graph (one
-engine, one capture) serves every scheduler and step count (seed 001: a baked-in scheduler forces
-an engine rebuild).
+engine, one capture) serves every scheduler and step count (a scheduler baked into the graph would
+force a TensorRT engine rebuild and a new capture for each).
 
 The latents, the state, the coefficients and the update stay float32 whatever the UNet's precision
 (an fp16-io UNet gets Casts around it), so fifty steps do not accumulate fp16 rounding.
@@ -38,7 +38,7 @@ consumer list then names the step graph's nodes too.) Every new node and tensor 
 :func:`write_step_graph` writes ``step.onnx`` beside a UNet folder's ``model.onnx``, its
 initializers pointing into the UNet's own external data file (no weight is written twice).
 
-``cfg_late`` (issue 14 item 3, :mod:`onnxopt.passes.cfg_late`): the part of the UNet that reads
+``cfg_late`` (:mod:`onnxopt.passes.cfg_late`): the part of the UNet that reads
 only the latents and the timestep runs once at batch b, and ``Concat([h, h], axis 0)`` broadcasts
 it where the text side comes in (the first cross-attention's query; SDXL: the time embedding,
 which meets the pooled text there). The graph's interface is the same; its metadata
@@ -189,7 +189,7 @@ def write_step_graph(unet_dir: str | os.PathLike, *, file_name: str = "step.onnx
     (atomically). Weights stored in external data files of ``unet_dir`` are referenced where they
     are, not copied; an inline UNet gives an inline step graph (own data file past ~1.8 GB).
 
-    ``context_kv`` (the text side once per prompt, issue 14): the ``context-kv`` pass first cuts
+    ``context_kv`` (the text side once per prompt): the ``context-kv`` pass first cuts
     every cross-attention's K/V projection of ``encoder_hidden_states`` out of the UNet; the step
     graph is built around the rest and the cut part is written beside it as
     ``<stem>.context_kv.onnx`` (its inputs: the prompt's conditioning; its outputs: inputs of the

@@ -1,4 +1,4 @@
-"""Step reuse (seed 003): chosen later steps reuse the previous step's guided model output.
+"""Step reuse: chosen later steps reuse the previous step's guided model output.
 
 At a reused step the UNet does not run; the scheduler update alone advances the latents with the
 last computed guided output ``eps``::

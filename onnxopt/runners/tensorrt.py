@@ -11,7 +11,7 @@ How an ONNX file becomes an engine:
     network (NetworkFromOnnxPath(strongly_typed=True)) ─ CreateConfig(profiles, timing cache,
     workspace) ─ engine bytes ─ written atomically to engine_path; the timing cache saved back.
 
-Precision (issue 4's choice): TensorRT gets a *strongly typed* low-precision graph, not a float32
+Precision: TensorRT gets a *strongly typed* low-precision graph, not a float32
 graph plus the builder's FP16/BF16 flags and per-layer precision constraints.
 
 * The flags are on their way out: weak typing is deprecated since TensorRT 10.12, and TensorRT 11
