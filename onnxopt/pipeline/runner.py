@@ -372,7 +372,7 @@ class Pipeline:
         prompt = texts[-1]  # as diffusers: the prompt is checked, the negative prompt is cut silently
         if prompt not in self._warned_truncation:
             # transformers' own "longer than the specified maximum" line is not the user's: ours says it
-            tokenizer.deprecation_warnings["sequence-length-is-longer-than-the-specified-maximum"] = True
+            getattr(tokenizer, "deprecation_warnings", {})["sequence-length-is-longer-than-the-specified-maximum"] = True
             whole = tokenizer(prompt, padding="longest").input_ids
             if len(whole) > tokenizer.model_max_length:
                 self._warned_truncation.add(prompt)
@@ -519,8 +519,9 @@ class Pipeline:
                 timings["step"] = f"unfused: {exc}"
         if plan is None:
             self._unet_session()
+            sched.set_timesteps(steps)  # PNDM runs steps + 1 (its second timestep twice): the bar counts them
         self.status.done()
-        bar = _progress(steps, progress)
+        bar = _progress(len(plan) if plan is not None else len(sched.timesteps), progress)
         if plan is not None:
             latents = (noise * plan.init_noise_sigma).numpy()
             static, step_controlnet = cond, controlnet
