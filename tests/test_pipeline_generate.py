@@ -92,8 +92,10 @@ class Built:
         scheduler class made from_config of the pipeline's, as users swap schedulers."""
         import diffusers
 
-        config = PipelineFolder.open(folder or self.folder).scheduler_config()
-        own = getattr(diffusers, config["_class_name"]).from_config(config)
+        opened = PipelineFolder.open(folder or self.folder)
+        config = opened.scheduler_config()
+        # from_pretrained makes the class model_index.json names, from the config whatever its _class_name
+        own = getattr(diffusers, opened.index["scheduler"][1]).from_config(config)
         pipe = type(self.torch_pipe)(**dict(self.torch_pipe.components, scheduler=own))
         if scheduler is not None:
             pipe.scheduler = make_scheduler(scheduler, dict(pipe.scheduler.config))
@@ -691,14 +693,19 @@ def test_clip_sample_in_the_folder_gives_the_diffusers_image(built, tmp_path, ki
         assert result.timings["step"].startswith("unfused") == (kind == "sd15-controlnet")
 
 
-def test_the_folders_own_scheduler_is_used_by_default(built):
+def test_the_folders_own_scheduler_is_used_by_default(built, tmp_path):
     """SD 1.5 folders ship PNDMScheduler: without a scheduler a run uses it (onnxopt used DDIM),
-    and gives diffusers' image with the folder's own scheduler."""
+    and gives diffusers' image with the folder's own scheduler. The class is model_index.json's
+    (what from_pretrained makes), even where scheduler_config.json's _class_name says another."""
     b = built("sd15")
     assert PipelineFolder.open(b.folder).scheduler_config()["_class_name"] == "PNDMScheduler"
     result = b.onnx()(progress=False, **b.request())
     assert "PNDMScheduler" in result.timings["step"]
     assert_same_image(result.latents, result.pixels, *b.reference(None))
+    folder = copy_folder(b.folder, tmp_path / "sd15", **{"scheduler/scheduler_config.json": {"_class_name": "DDIMScheduler"}})
+    relabelled = Pipeline.load(folder, "cpu", threads=THREADS)(progress=False, **b.request())
+    assert "PNDMScheduler" in relabelled.timings["step"]
+    assert_same_image(relabelled.latents, relabelled.pixels, *b.reference(None, folder=folder))
 
 
 @pytest.mark.parametrize("length", [20, 77])

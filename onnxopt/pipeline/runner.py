@@ -314,7 +314,7 @@ class Pipeline:
         prompt = texts[-1]  # as diffusers: the prompt is checked, the negative prompt is cut silently
         if prompt not in self._warned_truncation:
             # transformers' own "longer than the specified maximum" line is not the user's: ours says it
-            tokenizer.deprecation_warnings["sequence-length-is-longer-than-the-specified-maximum"] = True
+            getattr(tokenizer, "deprecation_warnings", {})["sequence-length-is-longer-than-the-specified-maximum"] = True
             whole = tokenizer(prompt, padding="longest").input_ids
             if len(whole) > tokenizer.model_max_length:
                 self._warned_truncation.add(prompt)
@@ -484,8 +484,9 @@ class Pipeline:
                 timings["step"] = f"unfused: {exc}"
         if plan is None:
             self._unet_session()
+            sched.set_timesteps(steps)  # PNDM runs steps + 1 (its second timestep twice): the bar counts them
         self.status.done()
-        bar = _progress(steps, progress)
+        bar = _progress(len(plan) if plan is not None else len(sched.timesteps), progress)
         if plan is not None:
             latents = self._fused_loop(plan, noise, cond, controlnet, guidance if cfg else 1.0, reused, bar, timings)
         else:
@@ -554,8 +555,9 @@ class Pipeline:
         from onnxopt.pipeline.schedulers import make_scheduler, pipeline_scheduler_config
 
         if name not in self._schedulers:
-            self._schedulers[name] = make_scheduler(name, pipeline_scheduler_config(self.folder.scheduler_config(),
-                                                                                    self.folder.kind))
+            config = pipeline_scheduler_config(self.folder.scheduler_config(), self.folder.kind,
+                                               folder_scheduler_class(self.folder))
+            self._schedulers[name] = make_scheduler(name, config)
         return self._schedulers[name]
 
     def _plan(self, name: str, scheduler, steps: int):
@@ -664,17 +666,6 @@ def check_request(folder: PipelineFolder, *, steps: int = 50, scheduler: str | N
         raise GenerationError(f"unknown scheduler '{scheduler}' (choose from {', '.join(SCHEDULERS)})")
     if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
         raise GenerationError(f"steps must be at least 1, got {steps}")
-    try:
-        config = pipeline_scheduler_config(folder.scheduler_config(), folder.kind)
-        scheduler = scheduler or folder_scheduler(folder.scheduler_config())
-        train_steps = config.get("num_train_timesteps", 1000)
-        if steps > train_steps:  # diffusers' set_timesteps refuses it, deep in the run
-            raise GenerationError(f"steps must be at most {train_steps} (num_train_timesteps of the folder's "
-                                  f"scheduler_config.json), got {steps}")
-        check_schedule(make_scheduler(scheduler, config), steps)
-    except SchedulerError as exc:
-        raise GenerationError(str(exc)) from None
-    check_model_configs(folder)
     control_images, names = as_list(controlnet_image), folder.controlnets
     if folder.kind == "controlnet" and not control_images:
         raise GenerationError(f"{folder.root} is a ControlNet pipeline: give a conditioning image (--controlnet-image)")
@@ -696,8 +687,30 @@ def check_request(folder: PipelineFolder, *, steps: int = 50, scheduler: str | N
         if isinstance(image, (str, Path)) and not Path(image).is_file():
             raise GenerationError(f"{image}: no such image")
     _check_size(height, width, folder.vae_scale_factor, allow_none=True)
+    own = folder_scheduler_class(folder)
+    try:
+        config = pipeline_scheduler_config(folder.scheduler_config(), folder.kind, own)
+        scheduler = scheduler or folder_scheduler(folder.scheduler_config(), own)
+        train_steps = config.get("num_train_timesteps", 1000)
+        if steps > train_steps:  # diffusers' set_timesteps refuses it, deep in the run
+            raise GenerationError(f"steps must be at most {train_steps} (num_train_timesteps of the folder's "
+                                  f"scheduler_config.json), got {steps}")
+        check_schedule(make_scheduler(scheduler, config), steps)
+    except SchedulerError as exc:
+        raise GenerationError(str(exc)) from None
+    check_model_configs(folder)
     say.done()
     return scheduler
+
+
+def folder_scheduler_class(folder: PipelineFolder) -> str | None:
+    """The scheduler class diffusers loads for the folder: model_index.json's ["diffusers", class]
+    entry (from_pretrained makes that class, whatever the config's _class_name says), else the
+    config's _class_name."""
+    entry = getattr(folder, "index", {}).get("scheduler")
+    if isinstance(entry, list) and len(entry) == 2 and isinstance(entry[1], str):
+        return entry[1]
+    return folder.scheduler_config().get("_class_name")
 
 
 def fusable(scheduler: str) -> bool:

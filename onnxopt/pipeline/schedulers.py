@@ -124,15 +124,16 @@ def check_config_values(config: dict) -> None:
         raise SchedulerError(f"scheduler_config.json: steps_offset must be an integer in 0..{train - 1}, got {offset!r}")
 
 
-def folder_scheduler(config: dict) -> str:
-    """The name that makes the folder's own scheduler as it is configured (``_class_name`` of its
-    scheduler_config.json), or a one-line SchedulerError listing the names a run takes."""
-    cls = config.get("_class_name")
+def folder_scheduler(config: dict, class_name: str | None = None) -> str:
+    """The name that makes the folder's own scheduler as it is configured (``class_name``, model_index.json's
+    entry, else the config's ``_class_name``), or a one-line SchedulerError listing the names a run takes."""
+    cls = class_name or config.get("_class_name")
     name = FOLDER_CLASSES.get(cls)
     if name == "dpm++2m" and (config.get("algorithm_type", "dpmsolver++"), config.get("solver_order", 2)) != ("dpmsolver++", 2):
         name = None  # "dpm++2m" forces DPM-Solver++ of order 2: not this config's solver
     if name is None:
-        raise SchedulerError(f"the folder's scheduler {cls} ({_describe(config)}) is not one onnxopt runs as configured: "
+        raise SchedulerError(f"the folder's scheduler {cls} ({_describe(dict(config, _class_name=cls))}) is not one "
+                             f"onnxopt runs as configured: "
                              f"choose one with --scheduler ({', '.join(SCHEDULERS)})")
     return name
 
@@ -142,14 +143,15 @@ def _describe(config: dict) -> str:
     return ", ".join(f"{k}={config.get(k)!r}" for k in keys) or "scheduler_config.json"
 
 
-def pipeline_scheduler_config(config: dict, kind: str) -> dict:
+def pipeline_scheduler_config(config: dict, kind: str, class_name: str | None = None) -> dict:
     """The scheduler config diffusers' pipeline of ``kind`` holds after loading the folder: the
-    folder's class made from ``config`` (its defaults filled in), with the corrections that
+    folder's class (``class_name``, model_index.json's entry, else the config's ``_class_name``)
+    made from ``config`` (its defaults filled in), with the corrections that
     ``StableDiffusionPipeline.__init__`` makes to an outdated config (``steps_offset`` != 1 -> 1,
     ``clip_sample`` True -> False; SDXL's and the ControlNet pipeline's keep the config as it is)."""
     classes = _diffusers_classes()
     check_config_values(config)
-    cls = getattr(classes, str(config.get("_class_name")), None)
+    cls = getattr(classes, str(class_name or config.get("_class_name")), None)
     if isinstance(cls, type) and issubclass(cls, classes.SchedulerMixin):
         try:
             config = dict(cls.from_config(config).config)
