@@ -163,6 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
     build.add_argument("--timing-cache", type=Path, help="TensorRT timing cache: read if it exists, written after the build")
     build.add_argument("--workspace", type=int, metavar="MB", help="builder workspace limit in MiB")
     _add_generate_parser(sub)
+    _add_serve_parser(sub)
     return parser
 
 
@@ -190,6 +191,12 @@ def _add_generate_parser(sub) -> None:
     gen.add_argument("-o", "--output", required=True, type=Path, help="the PNG to write (atomically)")
     gen.add_argument("--json", type=Path, help="also write the per-stage timings as JSON")
     gen.add_argument("-q", "--quiet", action="store_true", help="no progress bar, no timings table")
+
+
+def _add_serve_parser(sub) -> None:
+    from onnxopt.serve.command import add_parser  # imports neither Ray nor the pipeline
+
+    add_parser(sub)
 
 
 def cmd_generate(args) -> int:
@@ -497,6 +504,7 @@ def cmd_build(args) -> int:
 COMMANDS = {"optimize": cmd_optimize, "passes": cmd_passes, "info": cmd_info, "bench": cmd_bench, "diff": cmd_diff}
 COMMANDS["build"] = cmd_build
 COMMANDS["generate"] = cmd_generate
+COMMANDS["serve"] = lambda args: __import__("onnxopt.serve.command", fromlist=["cmd_serve"]).cmd_serve(args)
 
 
 def _one_line(message: str) -> str:
