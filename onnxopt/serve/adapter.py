@@ -46,8 +46,8 @@ def check_against_folder(pipe, request: ImageRequest) -> None:
     """The pipeline's own request checks (steps over the folder's train steps...), as GenerationError."""
     from onnxopt.pipeline.runner import check_request
 
-    check_request(pipe.folder, steps=request.steps, scheduler=request.scheduler, height=request.height,
-                  width=request.width)
+    check_request(pipe.folder, steps=request.steps, height=request.height, width=request.width,
+                  **_scheduler(request))
 
 
 def make_images(pipe, group: list[ImageRequest]) -> list[bytes]:
@@ -55,7 +55,7 @@ def make_images(pipe, group: list[ImageRequest]) -> list[bytes]:
     pngs = []
     for r in group:
         result = pipe(r.prompt, negative_prompt=r.negative_prompt, steps=r.steps, guidance=r.guidance,
-                      scheduler=r.scheduler, seed=r.seed, height=r.height, width=r.width, progress=False)
+                      seed=r.seed, height=r.height, width=r.width, progress=False, **_scheduler(r))
         out = io.BytesIO()
         result.image.save(out, format="PNG")  # as onnxopt generate writes its file
         pngs.append(out.getvalue())
@@ -67,3 +67,8 @@ def bad_request_errors() -> tuple[type[Exception], ...]:
     from onnxopt.pipeline.runner import GenerationError
 
     return (GenerationError,)
+
+
+def _scheduler(request: ImageRequest) -> dict:
+    """The scheduler argument: left out when the request left it out, so the pipeline's own default applies."""
+    return {"scheduler": request.scheduler} if request.scheduler is not None else {}

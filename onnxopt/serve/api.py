@@ -39,7 +39,7 @@ class Defaults:
     """What a request that leaves a field out gets: the defaults of ``onnxopt generate``."""
     steps: int = 50
     guidance: float = 7.5
-    scheduler: str = "ddim"
+    scheduler: str | None = None  # None: the pipeline's own default (what generate runs without --scheduler)
     height: int | None = None  # None: the folder's own size
     width: int | None = None
 
@@ -52,7 +52,7 @@ class ImageRequest:
     seed: int
     steps: int
     guidance: float
-    scheduler: str
+    scheduler: str | None
     height: int | None
     width: int | None
 
@@ -95,7 +95,7 @@ def parse_generation(raw: bytes, limits: Limits, defaults: Defaults, schedulers,
             or abs(guidance) > 1e4:
         raise RequestError(f"guidance must be a finite number (|guidance| <= 10000), got {guidance!r}")
     scheduler = body.get("scheduler", defaults.scheduler)
-    if scheduler not in schedulers:
+    if scheduler is not None and scheduler not in schedulers:
         raise RequestError(f"unknown scheduler {scheduler!r} (choose from {', '.join(schedulers)})")
     if body.get("response_format", "b64_json") != "b64_json":
         raise RequestError("response_format must be b64_json (the service returns images inline)")
