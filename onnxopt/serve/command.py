@@ -67,6 +67,10 @@ def cmd_serve(args) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):  # after ray.init, which installs its own SIGTERM handler
         signal.signal(sig, lambda *_: stop.set())
     try:
+        gpus = ray.cluster_resources().get("GPU", 0)
+        if args.provider == "cuda" and gpus < args.replicas:  # Ray would wait for GPUs forever
+            raise OnnxoptError(f"--replicas {args.replicas} with cuda needs {args.replicas} GPUs; the Ray cluster has "
+                               f"{gpus:g} (--provider cpu, or fewer replicas)")
         serve.start(http_options={"host": args.host, "port": args.port})
         serve.run(build_app(config), name=APP_NAME, route_prefix="/", blocking=False)
         print(f"onnxopt serve: {args.replicas} replica(s) of {folder.root} on {args.provider}, "
