@@ -118,6 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("model", help="an .onnx file, or a diffusers/optimum ONNX pipeline folder")
     _add_build_parser(sub)
     _add_generate_parser(sub)
+    _add_serve_parser(sub)
     return parser
 
 
@@ -255,6 +256,12 @@ def _add_generate_parser(sub) -> None:
     gen.add_argument("--plan", action="store_true",
                      help="print what the generation would run (components, step graph, sessions) and exit")
     gen.add_argument("-q", "--quiet", action="store_true", help="no progress bar, no timings table")
+
+
+def _add_serve_parser(sub) -> None:
+    from onnxopt.serve.command import add_parser  # imports neither Ray nor the pipeline
+
+    add_parser(sub)
 
 
 def cmd_generate(args) -> int:
@@ -627,6 +634,15 @@ def cmd_build(args) -> int:
 COMMANDS = {"optimize": cmd_optimize, "passes": cmd_passes, "info": cmd_info, "bench": cmd_bench, "diff": cmd_diff}
 COMMANDS["build"] = cmd_build
 COMMANDS["generate"] = cmd_generate
+
+
+def cmd_serve(args) -> int:
+    from onnxopt.serve.command import cmd_serve as serve  # Ray is imported only by this command
+
+    return serve(args)
+
+
+COMMANDS["serve"] = cmd_serve
 
 
 def _one_line(message: str) -> str:
