@@ -749,7 +749,7 @@ def test_a_prompt_longer_than_the_tokenizer_takes_is_warned_about_once(capsys):
     ({"scheduler/scheduler_config.json": {"trained_betas": [0.01] * 10}}, "trained_betas must be a list of"),
     ({"scheduler/scheduler_config.json": {"timestep_spacing": "uniform"}}, "unknown timestep_spacing 'uniform'"),
     ({"scheduler/scheduler_config.json": {"prediction_type": "sample_x"}}, "cannot run 2 steps"),
-    ({"scheduler/scheduler_config.json": {"_class_name": "LMSDiscreteScheduler"}}, "choose one with --scheduler"),
+    ({"model_index.json": {"scheduler": ["diffusers", "LMSDiscreteScheduler"]}}, "choose one with --scheduler"),
     ({"unet/config.json": {"time_cond_proj_dim": 256}}, "time_cond_proj_dim"),
     ({"text_encoder/config.json": {"use_attention_mask": True}}, "use_attention_mask is set"),
     ({"unet/config.json": {"_diffusers_version": "zero.eight"}}, "is not a version"),
@@ -765,7 +765,7 @@ def test_cli_folder_configs_a_run_cannot_take_exit_2_before_the_work(tmp_path, c
 
     folder = tmp_path / "sd15"
     shutil.copytree(COMMITTED_SD15, folder)
-    for relative, keys in edits.items():  # unet/ of the committed folder has no config.json: made here
+    for relative, keys in edits.items():
         path = folder / relative
         path.write_text(json.dumps({**(json.loads(path.read_text()) if path.is_file() else {}), **keys}))
     monkeypatch.setattr(runner.Pipeline, "load", lambda *a, **k: pytest.fail("sessions made for a refused request"))
