@@ -289,11 +289,11 @@ def cmd_generate(args) -> int:
     reuse_steps(args.reuse, args.steps)  # a bad schedule is refused before any session exists
     for image in args.controlnet_image or ():
         images.check_image(image)  # not an image, or a decompression bomb: before any session exists
-    image_format = images.image_format(args.output)  # a suffix Pillow cannot write is refused before the work
     if args.json and Path(os.path.realpath(args.json)) == Path(os.path.realpath(args.output)):  # the timings replaced the PNG
         raise OnnxoptError(f"{args.json}: --json is the image -o writes; give another path")
     outputs = Outputs(Inputs().folder(folder.root).files(*(args.controlnet_image or ())))
-    outputs.file(args.output, "-o")
+    outputs.file(args.output, "-o")  # an input's name, whatever its suffix, says so first
+    image_format = images.image_format(args.output)  # a suffix Pillow cannot write is refused before the work
     if args.json:
         outputs.file(args.json, "--json")
     with contextlib.nullcontext() if args.debug else quiet_sessions():  # ORT's errors come back as one line

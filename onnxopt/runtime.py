@@ -22,7 +22,13 @@ from __future__ import annotations
 import contextlib
 import os
 
+import numpy as np
+
 from onnxopt.errors import MissingDependencyError
+
+# ONNX Runtime's type strings (NodeArg.type, OrtValue.data_type()) and the NumPy types they hold.
+ORT_TYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(int64)": np.int64,
+             "tensor(int32)": np.int32, "tensor(double)": np.float64, "tensor(bool)": np.bool_}
 
 ORT_QUIET = 4  # ORT's severities: 0 verbose, 1 info, 2 warning, 3 error, 4 fatal
 ORT_VERBOSE = 2  # warnings and errors: what ORT prints by default

@@ -43,11 +43,9 @@ from pathlib import Path
 import numpy as np
 
 from onnxopt.errors import MissingDependencyError, OnnxoptError
-from onnxopt.runtime import import_onnxruntime, inference_session, ort_logging, session_options
+from onnxopt.runtime import ORT_TYPES, import_onnxruntime, inference_session, ort_logging, session_options
 
 PROVIDERS = ("cpu", "cuda", "tensorrt")
-ORT_TYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(int64)": np.int64,
-             "tensor(int32)": np.int32, "tensor(double)": np.float64, "tensor(bool)": np.bool_}
 
 
 def require_provider(provider: str):

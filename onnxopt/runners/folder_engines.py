@@ -55,12 +55,11 @@ def build_folder_engines(folder: Path, components: list[str], compute_capabiliti
     """Build ``<component>/model.plan`` for each of ``components`` of the (not yet renamed) output
     ``folder``; returns a report note per component. Raises OnnxoptError (one line) when one fails."""
     from onnxopt.loading import load_model
-    from onnxopt.pipeline.optimize_folder import _read_json  # a config.json, or {} (the defaults apply)
     from onnxopt.runners.tensorrt import build_engine, graph_precision, model_inputs
 
-    sample = _read_json(folder / "unet" / "config.json").get("sample_size") or DEFAULT_LATENT
+    sample = _config(folder / "unet" / "config.json").get("sample_size") or DEFAULT_LATENT
     latent = int(min(sample) if isinstance(sample, list) else sample)
-    vae = _read_json(folder / "vae_decoder" / "config.json") or _read_json(folder / "vae_encoder" / "config.json")
+    vae = _config(folder / "vae_decoder" / "config.json") or _config(folder / "vae_encoder" / "config.json")
     factor = 2 ** (len(vae.get("block_out_channels", (0, 0, 0, 0))) - 1)
     cache = folder / TIMING_CACHE
     notes = {}
@@ -83,3 +82,11 @@ def build_folder_engines(folder: Path, components: list[str], compute_capabiliti
         cache.unlink(missing_ok=True)  # one cache for the components of this run, not a file of the folder
     return notes
 
+
+def _config(path: Path) -> dict:
+    """A component's config.json, or {} (the defaults apply): the optimized folder holds what its source held."""
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return value if isinstance(value, dict) else {}
