@@ -341,9 +341,11 @@ def test_captured_step_reads_each_prompts_kv_on_the_device(tmp_path):
     latents = []
     for prompt in ("a photo of a red cat", "a watercolor of a lighthouse"):
         got, expected = captured(prompt, **request), host(prompt, **request)
-        np.testing.assert_allclose(got.latents, expected.latents, rtol=0, atol=1e-3 * np.abs(expected.latents).max())
+        # the two sessions' kernels differ (cuBLAS/cuDNN pick per session): on an H100 the largest
+        # difference was 1.1e-3 of the latents' range; another prompt's K/V moves them by far more
+        np.testing.assert_allclose(got.latents, expected.latents, rtol=0, atol=3e-3 * np.abs(expected.latents).max())
         latents.append(got.latents)
-    assert not np.allclose(*latents)
+    assert np.abs(latents[0] - latents[1]).max() > 0.1 * np.abs(latents[0]).max()
     assert captured.cuda_graph and captured.sessions["context"].cuda_graph
     (loop,) = captured._device_loops.values()
     (companion,) = captured.sessions["context"]._bound.values()
