@@ -60,6 +60,7 @@ import numpy as np
 
 from onnxopt import progress as progress_line
 from onnxopt.errors import ModelSaveError, OnnxoptError, VerificationError
+from onnxopt.loading import read_json_object as _read_json  # a config.json, or {} (the defaults apply)
 from onnxopt.library_logs import quiet_libraries
 from onnxopt.outputs import Inputs, Outputs, staged, temp_folder_beside
 from onnxopt.pipeline.controlnet_hint import write_hint_graph
@@ -211,15 +212,6 @@ def read_components(folder: Path) -> list[PipelineComponent]:
     if not any(is_component(c.name) for c in out):
         raise OnnxoptError(f"{folder}: no component folder ({', '.join(COMPONENTS)}) holds a {MODEL_FILE}")
     return out
-
-
-def _read_json(path: Path) -> dict:
-    """A component's config.json, or {} where it is missing or unreadable (the defaults then apply)."""
-    try:
-        value = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    return value if isinstance(value, dict) else {}
 
 
 def plan_outputs(src: Path, dst: Path, report_json=None) -> tuple[Path, Path | None, Outputs]:
