@@ -102,8 +102,14 @@ class ServiceProcess:
             time.sleep(1)
         raise TimeoutError(f"onnxopt serve did not answer /healthz in {timeout:.0f} s")
 
-    def generate(self, body: dict, timeout: float = 600):
-        return call(self.base + "/v1/images/generations", body, timeout)
+    def generate(self, body: dict, timeout: float = 600, busy_retries: int = 0):
+        """POST one request. With ``busy_retries``, a 503 (the queue was full) is retried after the
+        Retry-After the service sent, as a well-behaved client does, up to that many times."""
+        for attempt in range(busy_retries + 1):
+            status, headers, payload = call(self.base + "/v1/images/generations", body, timeout)
+            if status != 503 or attempt == busy_retries:
+                return status, headers, payload
+            time.sleep(float(headers.get("retry-after", 1)))
 
     def replica_pids(self) -> list[int]:
         return sorted(pid for pid, _ in process_tree(self.process.pid) if "ServeReplica" in command_line(pid))
