@@ -1,6 +1,6 @@
 """The replica: one optimized pipeline on one GPU (or the CPU), behind Ray Serve's HTTP proxy.
 
-    GET  /healthz                  200 {"status": "ok"} once this replica's pipeline is loaded
+    GET  /healthz                  200 {"status": "ok", "pid": the replica's process} once its pipeline is loaded
     GET  /metrics                  this replica's numbers as JSON (Prometheus gets them, and Ray
                                    Serve's own, from Ray's metrics export: onnxopt.serve.metrics)
     POST /v1/images/generations    see onnxopt.serve.api
@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import dataclasses
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -63,7 +64,7 @@ class ImageService:
     async def __call__(self, request: Request):
         path = request.url.path.rstrip("/") or "/"
         if path == "/healthz" and request.method == "GET":
-            return JSONResponse({"status": "ok"})
+            return JSONResponse({"status": "ok", "pid": os.getpid()})  # which replica answered (a restart shows)
         if path == "/metrics" and request.method == "GET":
             return JSONResponse(self.metrics.snapshot())
         if path != GENERATIONS_PATH:
