@@ -129,3 +129,47 @@ def test_replica_metrics_export_latency_queue_depth_and_batches():
     assert [t["status"] for _, t in made["onnxopt_requests_total"].values] == ["ok", "ok", "4xx", "5xx"]
     assert metrics.snapshot() == {"queue_depth": 0, "served": 2, "failed": 1, "refused": 1,
                                   "latency_p50_s": 1.5, "latency_p99_s": 1.5}
+
+
+def _row(scenario, replicas, max_batch, load_x, images_per_s, single_s=1.0, p99_s=1.5):
+    return {"scenario": scenario, "replicas": replicas, "max_batch": max_batch, "steps": 20, "load_x": load_x,
+            "images_per_s": images_per_s, "single_image_s": single_s, "p99_s": p99_s}
+
+
+def test_load_benchmark_summary_compares_peaks_against_their_baselines():
+    from benchmarks.serve_load import _parse, markdown, summary
+
+    dry = _parse(["models/pipelines/sd15-tiny", "--dry-run"])
+    assert (dry.provider, dry.size, dry.steps) == ("cpu", "64x64", [2]) and dry.step_s <= 10
+    rows = [_row("batching-off", 1, 1, 1, 2.0), _row("batching-off", 1, 1, 3, 2.5), _row("batching-on", 1, 4, 1, 2.0),
+            _row("batching-on", 1, 4, 3, 4.0, p99_s=1.8), _row("replicas-2", 2, 4, 3, 7.8),
+            dict(_row("replica-killed", 2, 4, 2, 3.0), replica_back_s=20.0)]
+    summed = {r["scenario"]: r for r in summary(rows)}
+    assert set(summed) == {"batching-off", "batching-on", "replicas-2"}  # a kill run is no throughput peak
+    assert summed["batching-off"]["gain"] is None
+    assert summed["batching-on"]["gain"] == pytest.approx(1.6) and summed["batching-on"]["p99_over_single"] == 1.8
+    assert summed["replicas-2"]["gain"] == pytest.approx(1.95)
+    table = markdown(rows, list(summed.values()))
+    assert "| replica-killed | 2 | 4 |" in table and "| 1.95 |" in table
+
+
+class FakeService:
+    """Answers as a service under a kill would: images, a full queue, a dead replica, a dropped connection."""
+
+    def __init__(self, answers):
+        self.answers = answers
+
+    def generate(self, body, timeout=None):
+        answer = self.answers[body["seed"] % len(self.answers)]
+        if isinstance(answer, Exception):
+            raise answer
+        return answer, {}, {"data": [{}]} if answer == 200 else {"error": {"message": "x"}}
+
+
+def test_load_step_counts_each_kind_of_failure_apart():
+    from benchmarks.serve_load import offered_step
+
+    service = FakeService([200, 503, 500, ConnectionResetError("reset"), 200, TimeoutError("timed out")])
+    row = offered_step(service, {"prompt": "x"}, rate=200, seconds=0.06, deadline_s=1)
+    assert row["requests"] == 12 and row["ok"] == 4
+    assert (row["503"], row["other_5xx"], row["4xx"], row["not_http"]) == (2, 2, 0, 4)
