@@ -157,7 +157,7 @@ def replica_killer(service: ServiceProcess, after_s: float, back_within_s: float
     """A callable ``during(t0)`` that SIGKILLs one replica ``after_s`` into the load step and times
     its return: until /healthz is answered by a replica process that was not there before the kill
     (Ray Serve's restart, loaded and routed to). ``during.report``: killed_pid, replica_back_s (None:
-    not back within ``back_within_s``)."""
+    not back within ``back_within_s``; 0 does not wait)."""
     def during(t0: float):
         time.sleep(max(0.0, t0 + after_s - time.perf_counter()))
         before = service.replica_pids()
