@@ -27,7 +27,7 @@ from onnx import shape_inference
 from onnxopt.model import Model
 from onnxopt.pass_infra import CONSTANTS_FOLDED, NO_DEAD_NODES, SHAPES_INFERRED
 from onnxopt.pattern.constants import is_constant
-from onnxopt.weights import is_external
+from onnxopt.weights import is_external, numpy_dtype
 
 LIMIT = 5  # tensors or nodes named in a violation
 # fold-constants leaves constant results larger than this computed at run time (model size).
@@ -91,7 +91,7 @@ def _within_threshold(tensor: gs.Tensor) -> bool:
     if shape is None or dtype is None or not all(isinstance(d, (int, np.integer)) and d >= 0 for d in shape):
         return False  # the folder would have had to compute it to know; a static-shape miss is what this catches
     try:
-        itemsize = np.dtype(dtype).itemsize
+        itemsize = numpy_dtype(dtype).itemsize
     except TypeError:
         return False
     return int(np.prod(shape, dtype=np.int64)) * itemsize <= FOLD_SIZE_THRESHOLD

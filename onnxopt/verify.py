@@ -31,6 +31,7 @@ from onnxopt.model import Model
 from onnxopt.report import Verification
 from onnxopt.runtime import import_onnxruntime
 from onnxopt.saving import AUTO_EXTERNAL_BYTES, save_model
+from onnxopt.weights import numpy_dtype
 
 # Concrete values for symbolic dims, by name. Exporters name dims freely ("batch", "s30",
 # "height"), so a dim we cannot place gets DEFAULT_DIM; users override with --shape/dims=.
@@ -148,7 +149,7 @@ def _concrete_dim(dim, named: dict[str, int]) -> int:
 
 def random_feeds(model: Model, spec: InputSpec | None = None, seed: int = 0, iterations: int = 1) -> list[dict[str, np.ndarray]]:
     meta = input_metadata(model, spec)
-    ranges = {t.name: (INT_RANGE if np.issubdtype(np.dtype(t.dtype), np.integer) else FLOAT_RANGE) for t in model.graph.inputs}
+    ranges = {t.name: (INT_RANGE if np.issubdtype(numpy_dtype(t.dtype), np.integer) else FLOAT_RANGE) for t in model.graph.inputs}
     with _quiet():
         loader = DataLoader(seed=seed, iterations=iterations, input_metadata=meta, val_range=ranges)
         return [dict(feed) for feed in loader]

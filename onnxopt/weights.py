@@ -41,6 +41,18 @@ def onnx_dtype_to_numpy(data_type: int) -> np.dtype:
     return np.dtype(helper.tensor_dtype_to_np_dtype(data_type))
 
 
+def numpy_dtype(dtype) -> np.dtype:
+    """The NumPy dtype of a tensor's ``dtype`` as onnx-graphsurgeon holds it.
+
+    onnx-graphsurgeon keeps a NumPy dtype where NumPy has one, and the ONNX element type (an int)
+    where it has none: bfloat16 and the float8 types. ``np.dtype(16)`` raises; this maps those
+    through ONNX's ml_dtypes types (``ml_dtypes.bfloat16``...), which compare, print and convert
+    like NumPy dtypes."""
+    if isinstance(dtype, (int, np.integer)):
+        return onnx_dtype_to_numpy(int(dtype))
+    return np.dtype(dtype)
+
+
 @dataclass(frozen=True)
 class ExternalLocation:
     path: Path

@@ -33,6 +33,7 @@ from onnxopt.pass_infra import OrtFusion
 from onnxopt.pattern import Literal, Match, OneOf, Pattern, Var, constant_value, is_constant, op
 from onnxopt.pattern.tensor_facts import normalize_axis, rank_of, shape_of, static_dim, static_ints
 from onnxopt.registry import register_pass
+from onnxopt.weights import numpy_dtype
 
 ONE = Literal(1.0, rtol=0, atol=0)
 
@@ -84,7 +85,7 @@ def emit(make: Emit, match: Match) -> list[gs.Tensor]:
     ln, x, scale, shift = match.node("ln"), match["x"], match["scale"], match["shift"]
     d = static_dim(x, -1)
     channels = make.constant("channels", np.array([d], np.int64))
-    one = make.constant("one", np.ones((), dtype=np.dtype(scale.dtype)))
+    one = make.constant("one", np.ones((), dtype=numpy_dtype(scale.dtype)))
     gamma = make.op.Reshape(make.op.Add(scale, one, _shape=scale.shape), channels, _shape=[d], _label="gamma")
     beta = make.op.Reshape(shift, channels, _shape=[d], _label="beta")
     attrs = {k: ln.attrs[k] for k in ("epsilon", "stash_type") if k in ln.attrs}

@@ -80,6 +80,7 @@ from onnxopt.model import Model
 from onnxopt.pass_infra import SHAPES_INFERRED, Pass, PassResult
 from onnxopt.pattern.constants import constant_shape, constant_value, is_constant
 from onnxopt.pattern.dims import Dims
+from onnxopt.weights import numpy_dtype
 
 DUP, FREE, FULL = "duplicated", "free", "full"
 DOUBLED, UNKNOWN = "doubled", "unknown"  # shape-vector element tags; a same element is ("same", value or None)
@@ -555,7 +556,7 @@ class _HalfBatch:
             self.halved[id(t)] = self.half_shape_of[id(t)]
             return self.halved[id(t)]
         make = Emit(self.graph, self.names, f"{PREFIX}/{t.name}")
-        mask = np.ones(len(tags), dtype=np.dtype(t.dtype) if t.dtype is not None else np.int64)
+        mask = np.ones(len(tags), dtype=numpy_dtype(t.dtype) if t.dtype is not None else np.int64)
         mask[0] = 2
         if is_constant(t):
             value = constant_value(t)

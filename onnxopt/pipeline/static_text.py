@@ -50,6 +50,7 @@ import onnx_graphsurgeon as gs
 
 from onnxopt.errors import UnsupportedModelError
 from onnxopt.model import Model
+from onnxopt.weights import numpy_dtype
 
 STATIC_PREFIX = "model.static.b"  # model.static.b{batch}.onnx
 DEFAULT_SEQUENCE = 77
@@ -125,7 +126,7 @@ def _dtype_name(tensor: gs.Tensor) -> str | None:
     if tensor.dtype is None:
         return None
     try:
-        return np.dtype(tensor.dtype).name
+        return numpy_dtype(tensor.dtype).name
     except TypeError:
         return str(tensor.dtype)
 
@@ -220,7 +221,7 @@ def rewrite_integer_argmax(graph: gs.Graph, sequence: int) -> int:
     count = 0
     for node in [n for n in graph.nodes if n.op == "ArgMax" and n.domain in ("", "ai.onnx", None)]:
         x = node.inputs[0]
-        if x.dtype is None or not np.issubdtype(np.dtype(x.dtype), np.integer):
+        if x.dtype is None or not np.issubdtype(numpy_dtype(x.dtype), np.integer):
             continue
         if not x.shape or not all(isinstance(d, int) for d in x.shape):
             raise UnsupportedModelError(f"{node.name}: ArgMax input {x.name} has no static shape")
