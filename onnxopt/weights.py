@@ -152,7 +152,7 @@ class DerivedValues(LazyValues):
     """
 
     def __init__(self, shape, dtype, compute: Callable[[], np.ndarray], name: str = "", elements_of=None):
-        proto = onnx.TensorProto(name=name, data_type=helper.np_dtype_to_tensor_dtype(np.dtype(dtype)))
+        proto = onnx.TensorProto(name=name, data_type=helper.np_dtype_to_tensor_dtype(numpy_dtype(dtype)))
         proto.dims.extend(int(d) for d in shape)
         super().__init__(proto)
         self._compute = compute
