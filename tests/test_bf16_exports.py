@@ -65,3 +65,14 @@ def test_ort_cuda_takes_the_bf16_export_of_the_tiny_sd35_medium_and_verifies_in_
         assert result_of(report, "fuse-attention").sites_rewritten > 0
     # ORT's CPU build has no bfloat16 MatMul, and onnx.checker knows no SimplifiedLayerNormalization
     # (ORT's op in the ONNX domain): the verification above ran the result on the reference evaluator.
+
+
+def test_verify_draws_bf16_inputs_and_compares_bf16_outputs(tmp_path):
+    """--verify used to refuse a bfloat16 input (no random values for it)."""
+    from onnxopt.cli import main
+
+    add = helper.make_graph([helper.make_node("Add", ["x", "x"], ["out"])], "bf16_add",
+                            [helper.make_tensor_value_info("x", TensorProto.BFLOAT16, [2, 3])],
+                            [helper.make_tensor_value_info("out", TensorProto.BFLOAT16, [2, 3])])
+    onnx.save(helper.make_model(add, opset_imports=[helper.make_opsetid("", 17)]), tmp_path / "in.onnx")
+    assert main(["optimize", "-q", "-i", str(tmp_path / "in.onnx"), "-o", str(tmp_path / "out.onnx"), "--verify"]) == 0
