@@ -58,9 +58,6 @@ class FoldConstants(Pass):
         load_small_external_constants(model)
         before = len(graph.nodes)
         result = PassResult(modified=False)
-        for node in graph.nodes:
-            if needs_bfloat16_kernel(node) and _reads_constants_only(node):
-                result.refuse(node.name or node.op, "bfloat16: ONNX Runtime's CPU build, which folds, has no kernel for it")
         severity = G_LOGGER.severity
         G_LOGGER.severity = max(severity, G_LOGGER.ERROR)  # graphsurgeon logs every partition it tries
         quiet_onnxruntime()  # and the sessions it folds with warn about their own graph optimizations
@@ -78,10 +75,14 @@ class FoldConstants(Pass):
                     should_exclude_node=excluded_from_folding,
                 )
                 graph.cleanup(remove_unused_graph_inputs=False)
+                fold_bfloat16_on_reference(graph, self.size_threshold)
                 if len(graph.nodes) == count:
                     break
         finally:
             G_LOGGER.severity = severity
+        for node in graph.nodes:
+            if needs_bfloat16_kernel(node) and _reads_constants_only(node):
+                result.refuse(node.name or node.op, "bfloat16: neither ONNX Runtime's CPU build nor the reference evaluator folds it")
         folded = before - len(graph.nodes)
         rejoined = join_ranged_shapes(graph, split)
         graph.cleanup(remove_unused_graph_inputs=False).toposort()
@@ -161,6 +162,48 @@ def reads_large_external_weight(node: gs.Node) -> bool:
 
 def excluded_from_folding(node: gs.Node) -> bool:
     return reads_large_external_weight(node) or needs_bfloat16_kernel(node)
+
+
+def fold_bfloat16_on_reference(graph: gs.Graph, size_threshold: int) -> None:
+    """Evaluate the nodes graphsurgeon's folder leaves for want of a bfloat16 CPU kernel (an
+    attention scale computed from a shape, cast to bfloat16) one by one on onnx.reference, in
+    order, so that what they feed folds too; a node it cannot evaluate stays."""
+    from onnx import helper
+    from onnx.reference import ReferenceEvaluator
+
+    from onnxopt.pattern import constant_value
+
+    opset = graph.opset
+    for node in graph.toposort().nodes:
+        if not (needs_bfloat16_kernel(node) and _reads_constants_only(node)) or node.domain not in ("", "ai.onnx", None):
+            continue
+        if any(isinstance(v, gs.Graph) for v in node.attrs.values()) or reads_large_external_weight(node):
+            continue
+        inputs = [t for t in node.inputs if t.name]
+        try:
+            feeds = {t.name: constant_value(t) for t in inputs}
+            proto = helper.make_model(
+                helper.make_graph([gs.export_onnx(gs.Graph(nodes=[node], inputs=[], outputs=list(node.outputs), opset=opset),
+                                                  do_type_check=False).graph.node[0]], "fold",
+                                  [helper.make_tensor_value_info(t.name, helper.np_dtype_to_tensor_dtype(v.dtype), v.shape)
+                                   for t, v in zip(inputs, feeds.values())],
+                                  [helper.make_empty_tensor_value_info(t.name) for t in node.outputs]),
+                opset_imports=[helper.make_opsetid("", opset)])
+            values = ReferenceEvaluator(proto).run(None, feeds)
+        except Exception:  # an op the reference evaluator lacks, or a value it cannot type: leave it
+            continue
+        if any(np.asarray(v).nbytes > size_threshold for v in values):
+            continue
+        for out, value in zip(list(node.outputs), values):
+            constant = gs.Constant(out.name, np.asarray(value))
+            for consumer in list(out.outputs):
+                for i, t in enumerate(consumer.inputs):
+                    if t is out:
+                        consumer.inputs[i] = constant
+            graph.outputs[:] = [constant if t is out else t for t in graph.outputs]
+        node.outputs.clear()
+        node.inputs.clear()
+    graph.cleanup(remove_unused_graph_inputs=False)
 
 
 def _reads_constants_only(node: gs.Node) -> bool:
