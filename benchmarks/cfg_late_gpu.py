@@ -1,4 +1,4 @@
-"""cfg-late measured (issue 14 item 3): what moves to batch b, and what it saves per denoising step.
+"""cfg-late measured: what moves to batch b, and what it saves per denoising step.
 
     # CPU, any UNet (tiny here; the full-size folders on the GPU host): nodes and FLOPs that move
     python -m benchmarks.cfg_late_gpu count --unet /tmp/pipe-bench/sd15/folder/unet/model.onnx --height 64 --width 64
@@ -94,7 +94,7 @@ def step_feeds(unet, height: int, width: int, sequence: int) -> dict:
 
 def count(args) -> dict:
     from onnxopt import load_model
-    from onnxopt.pipeline.cfg_late import compute_halves_once
+    from onnxopt.passes.cfg_late import compute_halves_once
     from onnxopt.pipeline.step_graph import STEP_INPUTS, build_step_graph
 
     unet = load_model(args.unet)

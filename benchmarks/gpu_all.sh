@@ -2,13 +2,13 @@
 # Every GPU measurement the open issues ask for, as resumable steps that each fit one 10-minute
 # call of the device machine (onnxruntime-gpu installed in /tmp/site, ORT's optimizer's numpy 1.26
 # in /tmp/np1; see DEVELOPERS notes in README). Usage: bash benchmarks/gpu_all.sh STEP [OUT]
-#   fusion      issue 3: raw fp16 / ORT optimizer / onnxopt on TS-dynamic, TS-static, dynamo exports,
-#               and one more onnxopt variant ($FUSION_EXTRA, unet_gpu's --extra; default: session 3's
+#   fusion      raw fp16 / ORT optimizer / onnxopt on TS-dynamic, TS-static, dynamo exports,
+#               and one more onnxopt variant ($FUSION_EXTRA, unet_gpu's --extra; default: the
 #               packed-KV cross-attention)
-#   ablation-ts issue 6: onnxopt bench --ablation on the TS-dynamic export (+ ORT optimizer), and diff
-#   ablation-dy issue 6: the same on the dynamo export
-#   context-kv  issue 5: per-step latency with and without context-KV extraction
-#   sdxl        issue 12: the full SDXL UNet (TorchScript dynamic export, 10 GB fp32) through
+#   ablation-ts onnxopt bench --ablation on the TS-dynamic export (+ ORT optimizer), and diff
+#   ablation-dy the same on the dynamo export
+#   context-kv  per-step latency with and without context-KV extraction
+#   sdxl        the full SDXL UNet (TorchScript dynamic export, 10 GB fp32) through
 #               ort-cuda,fp16, written with external data: loads, runs, latency with and without
 #               CUDA graph, accuracy against torch fp32 at 128x128 latents
 # Rerun a step until it prints its table: every step skips what it already did.

@@ -577,7 +577,7 @@ def case_onnx_attention():
         # its own first run; the Attention variants against MHA Split + separate.
         same_layout = {label: "split" for label in ("MHA Split + separate Q,K,V", "MHA Split + separate K,V",
                                                     "ONNX Attention-23, 4-D (exporter form)", "ONNX Attention-23, 3-D (q_num_heads)")}
-        # Graph optimizations off: session 5 found the 4-D form "faster than the H100 can be" with them
+        # Graph optimizations off: an earlier H100 run found the 4-D form "faster than the H100 can be" with them
         # on, most likely common-subexpression elimination merging the COPIES identical standard-domain
         # copies (it leaves com.microsoft nodes alone). Nothing here needs ORT's fusions.
         out.append({"name": f"self-attention S={s} heads={heads} d={hd}", "flops": flops, "count": 1,

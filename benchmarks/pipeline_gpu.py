@@ -1,4 +1,4 @@
-"""Text to image end to end on one GPU: onnxopt vs diffusers eager vs diffusers + torch.compile (issue 13, item 4).
+"""Text to image end to end on one GPU: onnxopt vs diffusers eager vs diffusers + torch.compile.
 
     python -m benchmarks.pipeline_gpu --kind sd15 --work /tmp/pipe-bench --budget 540 --out benchmarks/results/pipeline-sd15
     python -m benchmarks.pipeline_gpu --kind sdxl --work /tmp/pipe-bench --budget 540 --out benchmarks/results/pipeline-sdxl

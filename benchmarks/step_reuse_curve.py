@@ -1,4 +1,4 @@
-"""Step reuse against fewer steps at the same compute (issue 14, item 4): the quality curve.
+"""Step reuse against fewer steps at the same compute: the quality curve.
 
     python -m benchmarks.step_reuse_curve --folder /tmp/pipe-bench/sd15/optimized --provider cuda \
         --steps 50 --scheduler ddim --out benchmarks/results/step-reuse-sd15

@@ -1,4 +1,4 @@
-"""Why the VAE decode stage swings between identical pipelines (GPU probe; issue 13, the H100 session-7 tables).
+"""Why the VAE decode stage swings between identical pipelines (GPU probe; the H100 pipeline tables of benchmarks/results/h100-2026-11-25-session7/).
 
 In benchmarks/results/h100-2026-11-25-session7, the SD 1.5 ablation rows "+ text side once per
 prompt" and "default, launch timing" took 24-26 ms for the VAE decode, the other rows of the same

@@ -24,6 +24,7 @@ def optimize(
     strict: bool = False,
     options: dict[str, dict] | None = None,
     returns: str = "model",
+    explain: Iterable[str] = (),
 ) -> tuple[Model | object, OptimizationReport]:
     """Load ``source`` (path, ModelProto, graph, Model, ``onnx_ir.Model`` or
     ``torch.onnx.ONNXProgram``), run ``passes`` and return the result.
@@ -37,6 +38,8 @@ def optimize(
     given in memory is copied first. ``options`` maps a pass name to its constructor arguments
     (``{"fp16": {"fp32_ops": ["Resize"]}}``), wherever that pass comes from. With ``verify``, the result of every pass is compared with the
     source on random inputs and the report names the first pass that broke ``tolerance``.
+    ``explain``: pass names (auto-inserted ones too) whose every candidate site is traced, for
+    ``report.explain()``.
     """
     if returns not in ("model", "same"):
         raise OnnxoptError(f"returns must be 'model' or 'same', not {returns!r}")
@@ -53,7 +56,8 @@ def optimize(
     steps = [registry.get_pass(s)(**options.get(s, {})) if isinstance(s, str) else s for s in steps]
     verifier = Verifier(model, tolerance=tolerance, inputs=inputs) if verify else None
     try:
-        report = PassManager(steps, verifier=verifier, strict=strict, requested=requested).run(model)
+        report = PassManager(steps, verifier=verifier, strict=strict, requested=requested,
+                             explain=explain).run(model)
         if verifier is not None:
             report.notes.extend(verifier.notes)
     finally:

@@ -20,6 +20,7 @@ import sys
 import time
 from pathlib import Path
 
+from onnxopt.cli_args import fp16_options, write_report
 from onnxopt.errors import OnnxoptError
 
 # Nothing heavy is imported at module level: Ctrl-C while onnx, ONNX Runtime or torch import (the
@@ -110,7 +111,18 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--debug", action="store_true", help="show tracebacks; check every property a pass claims after it")
     parser.add_argument("--version", action="version", version=f"onnxopt {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
+    _add_optimize_parser(sub)
+    _add_bench_and_diff_parsers(sub)
+    sub.add_parser("passes", help="list passes and presets")
+    info = sub.add_parser("info", help="summarise a model (inputs, outputs, ops, weights) or a pipeline folder")
+    info.add_argument("model", help="an .onnx file, or a diffusers/optimum ONNX pipeline folder")
+    _add_build_parser(sub)
+    _add_generate_parser(sub)
+    _add_serve_parser(sub)
+    return parser
 
+
+def _add_optimize_parser(sub) -> None:
     opt = sub.add_parser("optimize", help="run passes over a model")
     opt.add_argument("-i", "--input", required=True, help="source .onnx, or a diffusers/optimum ONNX pipeline folder (never modified)")
     opt.add_argument("-o", "--output", required=True, help="where to write the result (atomically; for a folder: a new folder)")
@@ -153,6 +165,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="print, per candidate site of PASS, where its pattern failed or which condition refused it")
     opt.add_argument("-q", "--quiet", action="store_true", help="do not print the report table")
 
+
+def _add_bench_and_diff_parsers(sub) -> None:
     bench = sub.add_parser("bench", help="latency on the ORT CUDA EP of several models on the same inputs")
     bench.add_argument("models", nargs="+", help="models to time; with --ablation: SOURCE, then extra models to time beside it")
     bench.add_argument("--labels", help="comma-separated names for the table (with --ablation: for the extra models)")
@@ -185,11 +199,8 @@ def build_parser() -> argparse.ArgumentParser:
     diff.add_argument("--prefer-nhwc", action="store_true", help="--runtime cuda: the CUDA EP's prefer_nhwc option")
     diff.add_argument("--precision", help="--runtime trt: the engine precision (default: fp16 for a model with fp16 tensors, else fp32)")
 
-    sub.add_parser("passes", help="list passes and presets")
 
-    info = sub.add_parser("info", help="summarise a model (inputs, outputs, ops, weights) or a pipeline folder")
-    info.add_argument("model", help="an .onnx file, or a diffusers/optimum ONNX pipeline folder")
-
+def _add_build_parser(sub) -> None:
     build = sub.add_parser("build", help="build a TensorRT engine through Polygraphy (TensorRT-RTX: on any machine, for --compute-capability)")
     build.add_argument("-i", "--input", required=True, help="the .onnx to build (optimize it with --passes tensorrt first)")
     build.add_argument("-o", "--output", required=True, help="the engine file to write (atomically), e.g. model.plan")
@@ -205,8 +216,6 @@ def build_parser() -> argparse.ArgumentParser:
     build.add_argument("--timing-cache", type=Path, help="TensorRT timing cache: read if it exists, written after the build")
     build.add_argument("--workspace", type=_int_arg(1), metavar="MB", help="builder workspace limit in MiB")
     build.add_argument("--report-json", type=Path, help="also write the build report (time, size, I/O types, layers) as JSON")
-    _add_generate_parser(sub)
-    return parser
 
 
 def _image_side_arg(text: str) -> int:
@@ -220,11 +229,12 @@ def _add_generate_parser(sub) -> None:
     gen = sub.add_parser("generate", help="text to image from an ONNX pipeline folder (ORT CPU, CUDA or TensorRT)",
                          formatter_class=DefaultsHelpFormatter)
     gen.add_argument("folder", help="a diffusers/optimum ONNX pipeline folder (model_index.json, unet/, ...)")
-    gen.add_argument("--prompt", required=True, help="what the image shows")
+    gen.add_argument("--prompt", help="what the image shows (required unless --plan)")
     gen.add_argument("--negative-prompt", default=None, help="what it should not show (classifier-free guidance)")
     gen.add_argument("--steps", type=int, default=50, help="denoising steps")
-    gen.add_argument("--guidance", type=float, default=7.5, help="classifier-free guidance scale")
-    gen.add_argument("--scheduler", default="ddim", help="ddim | euler | dpm++2m (diffusers' classes, from the folder's config)")
+    gen.add_argument("--guidance", type=float, default=7.5, help="classifier-free guidance scale (1 or less: no guidance)")
+    gen.add_argument("--scheduler", default=None, help="ddim | euler | dpm++2m | pndm (diffusers' classes, from the folder's "
+                     "config; default: the folder's own scheduler, as diffusers' pipeline runs it)")
     gen.add_argument("--seed", type=int, default=0, help="as diffusers: torch.Generator('cpu').manual_seed(SEED)")
     gen.add_argument("--height", type=_image_side_arg, metavar="PIXELS",
                      help="image height (default: the UNet's sample_size times the VAE factor)")
@@ -239,9 +249,19 @@ def _add_generate_parser(sub) -> None:
     gen.add_argument("--provider", choices=["cpu", "cuda", "tensorrt"], default="cpu", help="where the graphs run")
     gen.add_argument("--no-cuda-graph", dest="cuda_graph", action="store_false", help="cuda/tensorrt: do not capture the step")
     gen.add_argument("--unfused", dest="fused_step", action="store_false", help="UNet + diffusers' scheduler.step (no fused step graph)")
-    gen.add_argument("-o", "--output", required=True, type=Path, help="the PNG to write (atomically)")
-    gen.add_argument("--json", type=Path, help="also write the per-stage timings as JSON")
+    gen.add_argument("-o", "--output", type=Path,
+                     help="the image to write (atomically), in the format its suffix names: .png, .jpg, .webp... "
+                          "(required unless --plan)")
+    gen.add_argument("--json", type=Path, help="also write the per-stage timings and the generation plan as JSON")
+    gen.add_argument("--plan", action="store_true",
+                     help="print what the generation would run (components, step graph, sessions) and exit")
     gen.add_argument("-q", "--quiet", action="store_true", help="no progress bar, no timings table")
+
+
+def _add_serve_parser(sub) -> None:
+    from onnxopt.serve.command import add_parser  # imports neither Ray nor the pipeline
+
+    add_parser(sub)
 
 
 def cmd_generate(args) -> int:
@@ -249,31 +269,46 @@ def cmd_generate(args) -> int:
 
     from onnxopt.outputs import Inputs, Outputs, staged
     from onnxopt.pipeline import PipelineFolder, images
-    from onnxopt.pipeline.runner import Pipeline, reuse_steps, check_request
+    from onnxopt.pipeline.runner import Pipeline, check_request, fusable, reuse_steps
     from onnxopt.pipeline.sessions import quiet_sessions
 
     folder = PipelineFolder.open(args.folder)
-    check_request(folder, steps=args.steps, scheduler=args.scheduler, height=args.height, width=args.width,
-                  controlnet_image=args.controlnet_image, controlnet_scale=args.controlnet_scale)
+    if args.plan:
+        from onnxopt.pipeline.plan import PlanOptions, folder_scheduler_name, plan_generation
+
+        options = PlanOptions(fused_step=args.fused_step, cuda_graph=args.cuda_graph,
+                              scheduler=args.scheduler or folder_scheduler_name(folder))
+        print(plan_generation(folder, args.provider, options).text())
+        return EXIT_OK
+    missing = [flag for flag, value in (("--prompt", args.prompt), ("-o/--output", args.output)) if value is None]
+    if missing:
+        raise OnnxoptError(f"generate needs {' and '.join(missing)} (or --plan, which generates nothing)")
+    args.scheduler = check_request(folder, steps=args.steps, scheduler=args.scheduler, height=args.height, width=args.width,
+                                   controlnet_image=args.controlnet_image, controlnet_scale=args.controlnet_scale,
+                                   status=False if args.quiet else None)
     reuse_steps(args.reuse, args.steps)  # a bad schedule is refused before any session exists
     for image in args.controlnet_image or ():
         images.check_image(image)  # not an image, or a decompression bomb: before any session exists
     if args.json and Path(os.path.realpath(args.json)) == Path(os.path.realpath(args.output)):  # the timings replaced the PNG
         raise OnnxoptError(f"{args.json}: --json is the image -o writes; give another path")
     outputs = Outputs(Inputs().folder(folder.root).files(*(args.controlnet_image or ())))
-    outputs.file(args.output, "-o")
+    outputs.file(args.output, "-o")  # an input's name, whatever its suffix, says so first
+    image_format = images.image_format(args.output)  # a suffix Pillow cannot write is refused before the work
     if args.json:
         outputs.file(args.json, "--json")
     with contextlib.nullcontext() if args.debug else quiet_sessions():  # ORT's errors come back as one line
-        pipe = Pipeline.load(folder, args.provider, fused_step=args.fused_step, cuda_graph=args.cuda_graph)
+        pipe = Pipeline.load(folder, args.provider, fused_step=args.fused_step and fusable(args.scheduler),
+                             cuda_graph=args.cuda_graph, status=False if args.quiet else None)
         result = pipe(args.prompt, negative_prompt=args.negative_prompt, steps=args.steps, guidance=args.guidance,
                       scheduler=args.scheduler, seed=args.seed, height=args.height, width=args.width,
                       controlnet_image=args.controlnet_image, controlnet_scale=args.controlnet_scale,
                       progress=not args.quiet, reuse=args.reuse)
     with staged() as stage:  # the image and the timings: both or neither
-        stage.write(args.output, lambda out: result.image.save(out, format="PNG"))
+        stage.write(args.output, lambda out: result.image.save(out, format=image_format))
         if args.json:
-            stage.text(args.json, json.dumps(result.timings, indent=2) + "\n")
+            plan = getattr(pipe, "plan", None)  # what the run loaded (Pipeline.from_plan's)
+            report = dict(result.timings, **({"plan": plan.as_dict()} if plan is not None else {}))
+            stage.text(args.json, json.dumps(report, indent=2) + "\n")
     if not args.quiet:
         t = result.timings
         print(f"wrote {args.output} ({result.image.width}x{result.image.height}, {t['steps']} steps, {t['step']})")
@@ -317,7 +352,6 @@ def _profile_arg(text: str):
 def cmd_optimize(args) -> int:
     from onnxopt import registry
     from onnxopt.api import optimize
-    from onnxopt.fusion import explaining
     from onnxopt.loading import load_model
     from onnxopt.outputs import Inputs, Outputs, staged
     from onnxopt.progress import status
@@ -362,11 +396,11 @@ def cmd_optimize(args) -> int:
     inputs = InputSpec(shapes=dict(args.shape), dims=dict(args.dim))
     start = time.perf_counter()
     explained = _explained_passes(args.explain, expanded)
-    with explaining(explained), status(not args.quiet) as line:  # on a terminal: the pass being run
+    with status(not args.quiet) as line:  # on a terminal: the pass being run
         line.show(Path(args.input).name)
         model, report = optimize(
             source, passes, verify=args.verify, tolerance=Tolerance(args.atol, args.rtol), inputs=inputs, strict=args.strict,
-            options={"fp16": _fp16_options(args), "fp8-linear": _fp8_options(args, inputs)},
+            options={"fp16": fp16_options(args), "fp8-linear": _fp8_options(args, inputs)}, explain=explained,
         )
     report.load_seconds = load_seconds
     if not args.quiet:
@@ -395,23 +429,18 @@ def cmd_optimize(args) -> int:
 
 
 def _explained_passes(names: list[str], passes: list[str]) -> set[str]:
-    """--explain's passes (comma-separated or repeated), each one the run includes."""
+    """--explain's passes (comma-separated or repeated), each one the run may include: listed, a
+    preset's step, auto-inserted for a requirement, or a pass's follower."""
     from onnxopt import registry
+    from onnxopt.manager import passes_in_run
 
     explained = {n.strip() for name in names for n in name.split(",") if n.strip()}
+    possible = passes_in_run(passes) if explained else set()
     for name in sorted(explained):
         registry.get_pass(name)  # an unknown name: exit 2 with a suggestion
-        if name not in passes:
+        if name not in possible:
             raise OnnxoptError(f"--explain {name}: the run does not include that pass (passes: {', '.join(dict.fromkeys(passes))})")
     return explained
-
-
-def write_report(path: Path, text: str) -> None:
-    """One report file, written atomically (checked before the work as an output of the command)."""
-    from onnxopt.outputs import staged
-
-    with staged() as stage:
-        stage.text(path, text)
 
 
 def _check_fp16_flags(args, passes: list) -> None:
@@ -440,18 +469,6 @@ def _fp8_passes(args, passes: list[str]) -> list[str]:
 
 def _fp8_options(args, inputs) -> dict:
     return {"calibration": args.fp8_calibration, "calibration_inputs": inputs} if args.fp8 else {}
-
-
-def _fp16_options(args) -> dict:
-    options = {
-        "low_precision": args.low_precision,
-        "fp32_ops": tuple(filter(None, (args.fp32_ops or "").split(","))) or None,
-        "fp32_nodes": tuple(filter(None, (args.fp32_nodes or "").split(","))) or None,
-        "keep_io_types": args.keep_io_types,
-        "fp32_auto": args.fp32_auto or None,
-        "calibration": args.calibration,
-    }
-    return {k: v for k, v in options.items() if v is not None}
 
 
 def cmd_passes(args) -> int:
@@ -619,6 +636,15 @@ COMMANDS["build"] = cmd_build
 COMMANDS["generate"] = cmd_generate
 
 
+def cmd_serve(args) -> int:
+    from onnxopt.serve.command import cmd_serve as serve  # Ray is imported only by this command
+
+    return serve(args)
+
+
+COMMANDS["serve"] = cmd_serve
+
+
 def _one_line(message: str) -> str:
     """An error message as one line: a newline can only come from a name the user gave (a path), shown escaped."""
     return message.replace("\r", "\\r").replace("\n", "\\n")
@@ -669,7 +695,9 @@ def main(argv: list[str] | None = None) -> int:
             debug = args.debug
             from onnxopt.library_logs import quiet_libraries
             from onnxopt.properties import checking
+            from onnxopt.runtime import set_ort_logging
 
+            set_ort_logging(args.debug)  # ONNX Runtime's own log lines: only with --debug
             with quiet_libraries(not args.debug), checking(args.debug):  # --debug: property claims are checked
                 return COMMANDS[args.command](args)
     except OnnxoptError as exc:

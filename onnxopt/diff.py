@@ -40,11 +40,12 @@ import tempfile
 import time
 import warnings
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 
 import numpy as np
 from polygraphy.backend.base import BaseRunner
-from polygraphy.backend.onnxrt import OnnxrtRunner, SessionFromOnnx
+from polygraphy.backend.onnxrt import OnnxrtRunner
 from polygraphy.common import TensorMetadata
 from polygraphy.comparator import Comparator, SimpleCompareFunc
 from polygraphy.comparator.struct import IterationResult, RunResults
@@ -55,7 +56,7 @@ from onnxopt.errors import MissingDependencyError, OnnxoptError
 from onnxopt.loading import load_model
 from onnxopt.model import Model
 from onnxopt.report import OptimizationReport
-from onnxopt.runtime import import_onnxruntime
+from onnxopt.runtime import import_onnxruntime, inference_session
 from onnxopt.verify import InputSpec, ReferenceRunner, Tolerance, Verifier, _quiet, load_feeds, random_feeds, runner_for
 from onnxopt.weights import numpy_dtype
 
@@ -271,7 +272,7 @@ def runner_for_path(runtime: str, path: str | Path, model: Model, *, name: str, 
     if runtime == "trt":
         return tensorrt_runner(str(path), precision or trt_precision(model), shapes)
     if runtime == "cpu":
-        return OnnxrtRunner(SessionFromOnnx(str(path), providers=["CPUExecutionProvider"]), name=name)
+        return OnnxrtRunner(partial(inference_session, str(path), ["CPUExecutionProvider"]), name=name)
     return ReferenceRunner(model.to_onnx(), name=name)
 
 
@@ -307,7 +308,7 @@ def source_runner(path: str | Path, model: Model) -> BaseRunner:
     import_onnxruntime()
     if reference.unsupported_on_ort_cpu(model.skeleton()):
         return ReferenceRunner(model.to_onnx(), name="reference")
-    return OnnxrtRunner(SessionFromOnnx(str(path), providers=["CPUExecutionProvider"]), name="reference")
+    return OnnxrtRunner(partial(inference_session, str(path), ["CPUExecutionProvider"]), name="reference")
 
 
 # ----------------------------------------------------------------------------------- inputs

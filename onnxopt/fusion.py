@@ -24,17 +24,16 @@ The loop (:meth:`Fusion.run`), for each rule in order:
 * clean up after a rule that rewrote (dead matched nodes still count as consumers until then), and
   toposort once at the end; ``modified`` is "rewrote a site".
 
-With a ``tracer`` (``--explain``) every candidate is recorded: where its pattern failed, or which
-condition refused it. When a fusion the user named matches no site, the pass manager asks
+With a ``tracer`` (``--explain``: the pass manager passes one in) every candidate is recorded:
+where its pattern failed, or which condition refused it. When a fusion the user named matches no site, the pass manager asks
 :meth:`Fusion.trace` for the near misses (the candidates that got furthest) and reports them.
 """
 
 from __future__ import annotations
 
-import contextlib
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar, Iterator, Sequence
+from typing import Any, Callable, ClassVar, Sequence
 
 import numpy as np
 import onnx_graphsurgeon as gs
@@ -256,11 +255,9 @@ class Fusion(Pass):
     """
 
     is_fusion = True
+    traces = True
     rules: ClassVar[tuple[Rule, ...]] = ()
     defer_rewrites: ClassVar[bool] = False
-    # A Tracer to record every candidate of every rule on (``--explain``); None: no tracing.
-    tracer: Tracer | None = None
-
     def rules_for(self, model: Model) -> Sequence[Rule]:
         return self.rules
 
@@ -271,10 +268,11 @@ class Fusion(Pass):
     def finish(self, run: FusionRun) -> None:
         """Called at the end of the run (put pass-specific facts into ``run.result.details``)."""
 
-    def run(self, model: Model) -> PassResult:
+    def run(self, model: Model, *, tracer: Tracer | None = None) -> PassResult:
+        """The loop of the module docstring; with ``tracer``, every candidate of every rule is
+        recorded on it (``PassResult.trace``)."""
         graph = model.graph
         result = PassResult(modified=False)
-        tracer = self.tracer or (Tracer() if self.name in _EXPLAINED else None)
         run = FusionRun(model, self, NameAuthority(graph), result, tracer)
         seen: set[int] = set()
         deferred: list[Site] = []
@@ -341,19 +339,3 @@ def near_miss_lines(tracer: Tracer, limit: int = 5) -> list[str]:
     misses = sorted(tracer.near_misses(min_progress=1), key=lambda c: -c.best_failure.progress)
     return [f"{c.pattern}: {c.op_type} '{c.node}': {c.best_failure.reason} "
             f"(at {c.best_failure.where}, graph node '{c.best_failure.graph_node}')" for c in misses[:limit]]
-
-
-# Names of the passes asked to explain themselves (``--explain``): every candidate is traced.
-_EXPLAINED: set[str] = set()
-
-
-@contextlib.contextmanager
-def explaining(names) -> Iterator[None]:
-    """Within the block, the fusions named in ``names`` trace every candidate of every rule
-    (``PassResult.trace``), for :meth:`onnxopt.report.OptimizationReport.explain`."""
-    added = set(names) - _EXPLAINED
-    _EXPLAINED.update(added)
-    try:
-        yield
-    finally:
-        _EXPLAINED.difference_update(added)

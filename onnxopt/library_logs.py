@@ -35,7 +35,9 @@ def quiet_libraries(quiet: bool | None = None):
     try:
         import onnxruntime
 
-        onnxruntime.set_default_logger_severity(3)  # errors only: they come back as exceptions too
+        from onnxopt.runtime import ORT_QUIET
+
+        onnxruntime.set_default_logger_severity(ORT_QUIET)  # they come back as exceptions: onnxopt's one line
     except ImportError:
         pass
     try:

@@ -194,3 +194,15 @@ def _check_external_data(proto: onnx.ModelProto, base_dir: Path, where: str) -> 
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     return text[0] if text else type(exc).__name__
+
+
+def read_json_object(path: Path) -> dict:
+    """A JSON object file (a component's config.json), or {} where it is missing, unreadable or not an
+    object: the defaults then apply."""
+    import json
+
+    try:
+        value = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return {}
+    return value if isinstance(value, dict) else {}

@@ -11,6 +11,7 @@ from onnxopt.companions import narrow_interface_casts
 from onnxopt.errors import PassNotApplicableError, PassOrderError
 from onnxopt.model import Model
 from onnxopt.pass_infra import Pass, Sequence
+from onnxopt.pattern import Tracer
 from onnxopt.progress import show_pass
 from onnxopt.report import OptimizationReport, PassReport, Verification, process_memory
 
@@ -40,6 +41,9 @@ class PassManager:
       the report as "infer-shapes (cleanup round 2)".
     * Order: a pass listed before one of its ``runs_after`` passes is refused up front
       (:class:`PassOrderError`, one line saying why and where to put it).
+    * Explaining: each run of a pass named in ``explain`` (auto-inserted ones and followers too)
+      gets a fresh :class:`~onnxopt.pattern.Tracer` when the pass ``traces``; the trace is its
+      result's ``trace``, which :meth:`~onnxopt.report.OptimizationReport.explain` prints.
     * Companions: once a pass has split the model (``context-kv``), every later pass runs on the
       main model and on each companion (unless it sets ``applies_to_companions = False``); the
       companion runs appear in the report as their own rows. Afterwards, a Cast pair that a pass
@@ -49,12 +53,13 @@ class PassManager:
     """
 
     def __init__(self, passes: Iterable[Pass | str], *, verifier: Verifier | None = None, strict: bool = False,
-                 requested: set[str] | None = None):
+                 requested: set[str] | None = None, explain: Iterable[str] = ()):
         self.passes = [registry.get_pass(p)() if isinstance(p, str) else p for p in passes]
         check_order(self.passes)
         self.verifier = verifier
         self.strict = strict
         self.requested = requested
+        self.explain = frozenset(explain)
 
     def run(self, model: Model) -> OptimizationReport:
         report = OptimizationReport(model=str(model.source or model.graph.name or "model"))
@@ -119,7 +124,7 @@ class PassManager:
         companions = list(model.companions.items()) if p.applies_to_companions else []  # not those p makes
         show_pass(p.name)  # a terminal's status line (onnxopt.progress); nothing otherwise
         t0, cpu0 = time.perf_counter(), time.process_time()
-        result = p(model)
+        result = p(model, tracer=self._tracer(p))
         seconds = time.perf_counter() - t0
         step = PassReport(p.name, result, nodes_before, len(model.graph.nodes), seconds, auto=auto, memory=process_memory(),
                           cpu_seconds=time.process_time() - cpu0, round=round_)
@@ -127,7 +132,7 @@ class PassManager:
         modified = result.modified
         for name, companion in companions:
             nodes, t0, cpu0 = len(companion.graph.nodes), time.perf_counter(), time.process_time()
-            part = p(companion)
+            part = p(companion, tracer=self._tracer(p))
             report.passes.append(PassReport(p.name, part, nodes, len(companion.graph.nodes), time.perf_counter() - t0,
                                             auto=auto, companion=name, memory=process_memory(),
                                             cpu_seconds=time.process_time() - cpu0, round=round_))
@@ -158,6 +163,28 @@ class PassManager:
             if not self._step(registry.get_pass(name)(), model, report, properties, auto=p.name):
                 return False
         return True
+
+
+    def _tracer(self, p: Pass) -> Tracer | None:
+        return Tracer() if p.name in self.explain and p.traces else None
+
+
+def passes_in_run(passes: Iterable[str]) -> set[str]:
+    """Every pass name a run of ``passes`` (names, presets expanded) may include: the passes, the
+    steps of sequences, the providers of their requirements (auto-inserted) and their possible
+    followers."""
+    names: set[str] = set()
+    pending = [registry.get_pass(name) for name in passes]
+    while pending:
+        cls = pending.pop()
+        if cls.name in names:
+            continue
+        names.add(cls.name)
+        more = [registry.provider_of(prop) for prop in cls.requires] + [registry.get_pass(n) for n in cls.possible_followers]
+        if issubclass(cls, Sequence):
+            more += [registry.get_pass(n) for n in cls.steps]
+        pending += [c for c in more if c is not None]
+    return names
 
 
 def check_order(passes: list[Pass]) -> None:

@@ -10,8 +10,11 @@ A pass declares
   refuses a list that puts them the other way round, before any work,
 * whether it also applies to a model's companions (``applies_to_companions``, see
   :mod:`onnxopt.model`): by default every pass that runs after a split runs on both parts,
-* the passes that complete it (``followers``): the manager runs them right after it, as steps of
-  their own, reported, timed and verified one by one (nhwc-conv, then sink-transposes).
+* the passes that complete it (``followers``, each one of ``possible_followers``): the manager runs
+  them right after it, as steps of their own, reported, timed and verified one by one (nhwc-conv,
+  then sink-transposes),
+* whether it ``traces`` its pattern candidates: its ``run`` then takes ``tracer=``, which the pass
+  manager passes for the passes ``--explain`` names (every candidate, and why it failed).
 
 ``run`` edits ``model.graph`` in place and returns a :class:`PassResult` saying what it did: how
 many sites fit its pattern, how many it rewrote, and why it refused the others.
@@ -22,7 +25,7 @@ from __future__ import annotations
 import abc
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Iterator
+from typing import Any, Callable, ClassVar, Iterator
 
 from onnxopt.model import Model
 
@@ -71,13 +74,18 @@ class Pass(abc.ABC):
     runs_after: ClassVar[dict[str, str]] = {}
     # Run on the companions too (fp16 converts the context-KV graph as well as the denoiser).
     applies_to_companions: ClassVar[bool] = True
+    # Every name ``followers`` may return (the CLI checks an --explain name against them before any work).
+    possible_followers: ClassVar[frozenset[str]] = frozenset()
+    # ``run`` takes ``tracer=`` (a pattern Tracer) and records every candidate on it.
+    traces: ClassVar[bool] = False
 
-    def __call__(self, model: Model) -> PassResult:
-        return self.run(model)
+    def __call__(self, model: Model, *, tracer=None) -> PassResult:
+        """Run the pass; ``tracer`` (``--explain``) reaches a pass that ``traces``, others run as always."""
+        return self.run(model, tracer=tracer) if tracer is not None and self.traces else self.run(model)
 
     def followers(self, result: PassResult) -> list[str]:
-        """Names of the passes that complete this one after a run that gave ``result``; the pass
-        manager runs each right after it, as its own step (default: none)."""
+        """Names of the passes that complete this one after a run that gave ``result`` (some of
+        ``possible_followers``); the pass manager runs each right after it, as its own step (default: none)."""
         return []
 
     @abc.abstractmethod
@@ -106,10 +114,13 @@ class Sequence(Pass):
 
         cleanup = remove-identity, infer-shapes, fold-constants, ..., eliminate-dead-nodes   (fixpoint)
 
-    ``steps`` are pass names. Outside the pass manager, :meth:`run` runs them the same way, unreported.
+    ``steps`` are pass names, which ``lookup`` turns into passes (the registry's ``get_pass`` for
+    the sequences it makes: :func:`onnxopt.registry.fixpoint_sequence`). Outside the pass manager,
+    :meth:`run` runs them the same way, unreported.
     """
 
     steps: ClassVar[tuple[str, ...]] = ()
+    lookup: ClassVar[Callable[[str], type[Pass]]]
     fixpoint: ClassVar[bool] = False
     max_rounds: ClassVar[int] = 8
 
@@ -127,27 +138,13 @@ class Sequence(Pass):
             raise RuntimeError(f"{self.name} reached no fixpoint in {self.max_rounds} rounds: {still} still modify the model")
 
     def run(self, model: Model) -> PassResult:
-        from onnxopt import registry
-
         result = PassResult(modified=False)
         schedule = self.schedule()
         modified = None
         try:
             while True:
                 _, name = schedule.send(modified)
-                modified = registry.get_pass(name)()(model).modified
+                modified = type(self).lookup(name)()(model).modified
                 result.modified = result.modified or modified
         except StopIteration:
             return result
-
-
-_SEQUENCES: dict[tuple, type[Sequence]] = {}
-
-
-def fixpoint_sequence(name: str, description: str, steps: tuple[str, ...]) -> type[Sequence]:
-    """The :class:`Sequence` pass that repeats ``steps`` to a fixpoint (a fixpoint preset's pass)."""
-    key = (name, description, tuple(steps))
-    if key not in _SEQUENCES:
-        _SEQUENCES[key] = type(f"Fixpoint[{name}]", (Sequence,),
-                               {"name": name, "description": description, "steps": tuple(steps), "fixpoint": True})
-    return _SEQUENCES[key]

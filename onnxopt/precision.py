@@ -38,7 +38,7 @@ from onnx import TensorProto
 
 from onnxopt.domains import MS_DOMAIN
 from onnxopt.model import Model
-from onnxopt.weights import constant_data_type, element_sources, iter_values_bytes
+from onnxopt.weights import constant_data_type, element_sources, iter_values_bytes, onnx_dtype_to_numpy
 
 FLOAT = TensorProto.FLOAT
 
@@ -384,7 +384,7 @@ def value_stats(values, low: LowPrecision, chunk_elems: int = 1 << 20) -> ValueS
     chunk at a time. Reductions only: no temporaries the size of the chunk on the common path.
     """
     if isinstance(values, gs.Constant):
-        dtype = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(constant_data_type(values)))
+        dtype = onnx_dtype_to_numpy(constant_data_type(values))
         size = int(np.prod(values.shape, dtype=np.int64))
         # a tensor that rearranges others (packed Q/K/V, a transposed conv weight) is not computed:
         # its elements are its sources'
@@ -571,7 +571,7 @@ _FLOAT_TYPES = {TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16, Te
 
 def _probe_session(model: Model, names: list[str], types: dict[str, int], workdir: Path, *, cuda: bool = False):
     """An ORT session of ``model`` with ``names`` added as graph outputs (CPU EP, or CUDA EP without TF32)."""
-    from onnxopt.runtime import import_onnxruntime
+    from onnxopt.runtime import import_onnxruntime, inference_session, session_options
     from onnxopt.saving import AUTO_EXTERNAL_BYTES, save_model
 
     ort = import_onnxruntime()
@@ -584,16 +584,15 @@ def _probe_session(model: Model, names: list[str], types: dict[str, int], workdi
         tensor = tensors[name]
         tensor.dtype = onnx.helper.tensor_dtype_to_np_dtype(types[name])
         probed.graph.outputs.append(tensor)
-    options = ort.SessionOptions()
-    options.log_severity_level = 3
+    options = session_options(ort)
     # Graph optimizations could fuse away the tensors we ask for; basic ones keep names.
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     providers = CUDA_CHECK_PROVIDERS if cuda else ["CPUExecutionProvider"]
     if probed.weights_nbytes() > AUTO_EXTERNAL_BYTES:
         path = workdir / "probe.onnx"
         save_model(probed, path, external_data=True)
-        return ort.InferenceSession(str(path), options, providers=providers)
-    return ort.InferenceSession(probed.to_onnx().SerializeToString(), options, providers=providers)
+        return inference_session(path, providers, options)
+    return inference_session(probed.to_onnx().SerializeToString(), providers, options)
 
 
 # ---------------------------------------------------------------- accuracy

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from importlib import metadata
 
 from onnxopt.errors import UnknownPassError
-from onnxopt.pass_infra import Pass, fixpoint_sequence
+from onnxopt.pass_infra import Pass, Sequence
 
 ENTRY_POINT_GROUP = "onnxopt.passes"
 
@@ -121,6 +121,19 @@ def _load() -> None:
 def available_passes() -> dict[str, type[Pass]]:
     _load()
     return dict(sorted(_PASSES.items()))
+
+
+_SEQUENCES: dict[tuple, type[Sequence]] = {}
+
+
+def fixpoint_sequence(name: str, description: str, steps: tuple[str, ...]) -> type[Sequence]:
+    """The :class:`Sequence` pass that repeats ``steps`` to a fixpoint (a fixpoint preset's pass)."""
+    key = (name, description, tuple(steps))
+    if key not in _SEQUENCES:
+        _SEQUENCES[key] = type(f"Fixpoint[{name}]", (Sequence,),
+                               {"name": name, "description": description, "steps": tuple(steps), "fixpoint": True,
+                                "lookup": staticmethod(get_pass)})
+    return _SEQUENCES[key]
 
 
 def get_pass(name: str) -> type[Pass]:

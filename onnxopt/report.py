@@ -122,21 +122,24 @@ class OptimizationReport:
         }
 
     def explain(self, names=None) -> str:
-        """Per candidate site of each pass in ``names`` (default: every pass that traced its patterns,
-        see ``onnxopt optimize --explain``): where its pattern failed, or which condition refused it."""
+        """Per run of each pass in ``names`` (default: every pass that traced its patterns, see
+        ``onnxopt optimize --explain``): for a pass that traces, each candidate site, where its
+        pattern failed or which condition refused it; for any other, what it did (nodes, its
+        details, the sites it refused). A named pass that did not run says so. No line is wider
+        than ``EXPLAIN_WIDTH``."""
         lines: list[str] = []
         for p in self.passes:
             r = p.result
-            if names is not None and p.name not in names:
-                continue
-            if names is None and r.trace is None:
+            if (names is not None and p.name not in names) or (names is None and r.trace is None):
                 continue
             lines.append(f"{p.label}: {r.sites_matched} site(s) matched, {r.sites_rewritten} rewritten, {len(r.refused)} refused")
             if r.trace is not None:
                 lines += ["  " + line for line in r.trace.report(limit=50).splitlines()]
-            else:  # a pass not written on onnxopt.fusion: its refusals only
-                lines += [f"  REFUSED '{site}': {reason}" for site, reason in r.refused]
-        return "\n".join(lines)
+            else:
+                lines += ["  " + line for line in _what_it_did(p)]
+        ran = {p.name for p in self.passes}
+        lines += [f"{name}: did not run (nothing required it)" for name in sorted(set(names or ()) - ran)]
+        return "\n".join(wrapped for line in lines for wrapped in _wrap(line, EXPLAIN_WIDTH))
 
     def to_json(self) -> str:
         return json.dumps(self.as_dict(), indent=2, default=str)
@@ -192,3 +195,45 @@ def _mb(nbytes: int) -> float:
 
 def _round(seconds: float | None) -> float | None:
     return None if seconds is None else round(seconds, 4)
+
+
+EXPLAIN_WIDTH = 100  # columns: a terminal's width, so that the explanation reads without scrolling sideways
+EXPLAIN_LIMIT = 50  # refusals and list items shown per pass
+
+
+def _what_it_did(p: PassReport) -> list[str]:
+    """A pass that does not trace patterns: whether it changed the graph, why it found nothing to
+    do, its details (lists cut at EXPLAIN_LIMIT items) and the sites it refused, with the reason."""
+    r = p.result
+    lines = [f"{'modified the graph' if r.modified else 'left the graph as it was'}: "
+             f"{p.nodes_before} -> {p.nodes_after} nodes"]
+    if r.nothing_to_do:
+        lines.append(f"nothing to do: {r.nothing_to_do}")
+    for key, value in r.details.items():
+        if key != "listing":
+            lines.append(f"{key}: {_brief(value)}")
+    lines += list(r.details.get("listing", ()))[:EXPLAIN_LIMIT]
+    lines += [f"REFUSED '{site}': {reason}" for site, reason in r.refused[:EXPLAIN_LIMIT]]
+    if len(r.refused) > EXPLAIN_LIMIT:
+        lines.append(f"... {len(r.refused) - EXPLAIN_LIMIT} more refused sites (the JSON report lists them)")
+    return lines
+
+
+def _brief(value) -> str:
+    if isinstance(value, dict):
+        return ", ".join(f"{k} {_brief(v)}" for k, v in value.items()) or "none"
+    if isinstance(value, (list, tuple)):
+        shown = ", ".join(_brief(v) for v in value[:EXPLAIN_LIMIT // 5])
+        more = f", ... ({len(value)} in all)" if len(value) > EXPLAIN_LIMIT // 5 else ""
+        return f"[{shown}{more}]"
+    return str(value)
+
+
+def _wrap(line: str, width: int) -> list[str]:
+    """``line`` cut at spaces to ``width`` columns, continuation lines indented under its text."""
+    if len(line) <= width:
+        return [line]
+    import textwrap
+
+    indent = " " * (len(line) - len(line.lstrip()) + 4)
+    return textwrap.wrap(line, width, subsequent_indent=indent, break_long_words=True, break_on_hyphens=False) or [line]

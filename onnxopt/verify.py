@@ -14,6 +14,7 @@ import re
 import tempfile
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Callable
 
@@ -21,7 +22,7 @@ import ml_dtypes
 import numpy as np
 import onnx
 from polygraphy.backend.base import BaseRunner
-from polygraphy.backend.onnxrt import OnnxrtRunner, SessionFromOnnx
+from polygraphy.backend.onnxrt import OnnxrtRunner
 from polygraphy.common import TensorMetadata
 from polygraphy.comparator import Comparator, DataLoader, SimpleCompareFunc
 from polygraphy.comparator.struct import RunResults
@@ -30,7 +31,7 @@ from polygraphy.logger import G_LOGGER
 from onnxopt.errors import OnnxoptError
 from onnxopt.model import Model
 from onnxopt.report import Verification
-from onnxopt.runtime import import_onnxruntime
+from onnxopt.runtime import import_onnxruntime, inference_session
 from onnxopt.saving import AUTO_EXTERNAL_BYTES, save_model
 from onnxopt.weights import numpy_dtype
 
@@ -275,11 +276,11 @@ def runner_for(model: Model, name: str, workdir: Path, *, low_precision_on_refer
     if model.weights_nbytes() > AUTO_EXTERNAL_BYTES:
         path = workdir / f"{name}.onnx"
         save_model(model, path, external_data=True)
-        return OnnxrtRunner(SessionFromOnnx(str(path), providers=["CPUExecutionProvider"]), name=name)
+        return OnnxrtRunner(partial(inference_session, str(path), ["CPUExecutionProvider"]), name=name)
     proto = model.to_onnx()
     if reference.unsupported_on_ort_cpu(proto) or (low_precision_on_reference and computes_in_low_precision(proto)):
         return ReferenceRunner(proto, name=name)
-    return OnnxrtRunner(SessionFromOnnx(proto.SerializeToString(), providers=["CPUExecutionProvider"]), name=name)
+    return OnnxrtRunner(partial(inference_session, proto.SerializeToString(), ["CPUExecutionProvider"]), name=name)
 
 
 class ChainedRunner(BaseRunner):

@@ -321,7 +321,7 @@ def element_sources(constant: Constant) -> list[LazyValues | np.ndarray]:
     while pending:
         values = pending.pop(0)
         if isinstance(values, DerivedValues) and values.elements_of is not None \
-                and all(np.dtype(s.dtype) == np.dtype(values.dtype) for s in values.elements_of):
+                and all(numpy_dtype(s.dtype) == numpy_dtype(values.dtype) for s in values.elements_of):
             pending[:0] = values.elements_of
         else:
             found.append(values)

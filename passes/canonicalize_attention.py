@@ -61,7 +61,7 @@ from onnxopt.fusion import Emit, NameAuthority, Refusal
 from onnxopt.graph_edit import bypass, detach, is_standard
 from onnxopt.model import Model
 from onnxopt.pass_infra import ATTENTION_CANONICAL, CONSTANTS_FOLDED, SHAPES_INFERRED, Pass, PassResult
-from onnxopt.pattern import Const, Match, OneOf, Pattern, Var, constant_value, is_constant, op, replace
+from onnxopt.pattern import Const, Match, OneOf, Pattern, Tracer, Var, constant_value, is_constant, op, replace
 from onnxopt.pattern.dims import Dim, Dims, same, same_dims, text
 from onnxopt.registry import register_pass
 from onnxopt.weights import numpy_dtype
@@ -455,10 +455,11 @@ class CanonicalizeAttention(Pass):
     requires = frozenset({SHAPES_INFERRED})
     provides = frozenset({ATTENTION_CANONICAL})
     preserves = frozenset({SHAPES_INFERRED, CONSTANTS_FOLDED})
+    traces = True
 
-    def run(self, model: Model) -> PassResult:
+    def run(self, model: Model, *, tracer: Tracer | None = None) -> PassResult:
         graph = model.graph
-        result = PassResult(modified=False)
+        result = PassResult(modified=False, trace=tracer)
         counts: Counter = Counter()
         names = NameAuthority(graph)
         for rule in RULES:
@@ -469,10 +470,12 @@ class CanonicalizeAttention(Pass):
                 result.sites_matched += rewritten
                 result.sites_rewritten += rewritten
             dims = Dims()
-            for match in rule.pattern.find(graph, overlap=rule.overlap):
+            for match in rule.pattern.find(graph, overlap=rule.overlap, trace=tracer or False):
                 try:
                     rule.rewrite(graph, match, dims, names)
                 except Refusal as refusal:
+                    if tracer is not None:
+                        tracer.refuse(rule.pattern.name, match.root, refusal.reason)
                     if not refusal.not_a_site:
                         result.sites_matched += 1
                         result.refuse(f"{rule.pattern.name} at '{match.root.name}'", refusal.reason)

@@ -248,6 +248,8 @@ class Fp16Pass(Pass):
             result.details["calibration"] = calibration_info
         return result
 
+    possible_followers = frozenset({"remove-redundant-casts"})
+
     def followers(self, result: PassResult) -> list[str]:
         """remove-redundant-casts, after a run that changed types (the manager runs it as its own step)."""
         return ["remove-redundant-casts"] if result.modified else []

@@ -115,6 +115,8 @@ class NhwcConvPass(Fusion):
         if run.details["as MatMul"]:
             run.result.details["as MatMul"] = run.details["as MatMul"]
 
+    possible_followers = frozenset({"sink-transposes"})
+
     def followers(self, result) -> list[str]:
         """sink-transposes, after a run that wrapped convolutions in Transposes (unless ``sink=False``)."""
         return ["sink-transposes"] if result.sites_rewritten and self.sink else []

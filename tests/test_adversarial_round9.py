@@ -190,9 +190,9 @@ GENERATE_CONFIGS = {
     "scaling_factor-string": (lambda f: edit_json(f / "vae_decoder" / "config.json", scaling_factor="x"),
                               "'scaling_factor'"),
     "num_train_timesteps-string": (lambda f: edit_json(f / "scheduler" / "scheduler_config.json", num_train_timesteps="1000"),
-                                   "scheduler_config.json: DDIMScheduler cannot be made from it"),
+                                   "scheduler_config.json: num_train_timesteps must be a positive integer, got '1000'"),
     "beta_start-string": (lambda f: edit_json(f / "scheduler" / "scheduler_config.json", beta_start="a"),
-                          "scheduler_config.json: DDIMScheduler cannot be made from it"),
+                          "scheduler_config.json: PNDMScheduler cannot be made from it"),
     "empty-tokenizer": (lambda f: [p.unlink() for p in (f / "tokenizer").iterdir()],
                         "no tokenizer vocabulary (tokenizer.json, or vocab.json and merges.txt)"),
 }

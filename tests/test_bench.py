@@ -14,8 +14,11 @@ from onnxopt.runners.ort_cuda import Timing
 from tests.conftest import FIXTURES
 
 UNET = FIXTURES / "unet-sd15.tiny.torchscript.dynamic.sdpa.onnx"
-FUSIONS = ["fuse-attention", "fuse-group-norm", "fuse-skip-group-norm", "fuse-bias-split-gelu", "fuse-layer-norm",
-           "fuse-bias-add", "fuse-skip-layer-norm", "fuse-parallel-gemm", "nhwc-conv", "fold-conv-bias", "fuse-bias-layer-norm"]
+FUSIONS = ["fuse-rotary-embedding", "fuse-attention", "fuse-group-norm", "fuse-skip-group-norm", "fuse-bias-split-gelu",
+           "fuse-layer-norm", "fuse-adaln-modulation", "fuse-rms-norm", "fuse-fast-gelu", "fuse-bias-add", "fuse-skip-layer-norm",
+           "fuse-parallel-gemm", "nhwc-conv", "fold-conv-bias", "fuse-bias-layer-norm"]
+# The file each ablation step writes: 00 source, 01 cleanup, then one per fusion in FUSIONS' order.
+AT = {name: i for i, name in enumerate(FUSIONS, start=2)}
 
 
 def test_ablation_plan_adds_one_fusion_per_step_with_fp16_last():
@@ -61,16 +64,21 @@ def test_ablation_builds_every_model_on_the_tiny_unet_and_reuses_them(tmp_path, 
     assert "fuse-attention 8/8" in printed and "fuse-group-norm 21/21" in printed
     files = sorted(work.glob("*.onnx"))
     assert [f.name for f in files] == ["00-source-fp16.onnx", "01-cleanup.onnx"] + [
-        f"{i:02d}-{name}.onnx" for i, name in enumerate(FUSIONS[:-1], start=2)] + ["12-fuse-bias-layer-norm-ort-cuda-fp16.onnx"]
+        f"{i:02d}-{name}.onnx" for i, name in enumerate(FUSIONS[:-1], start=2)] + [
+        f"{AT['fuse-bias-layer-norm']:02d}-fuse-bias-layer-norm-ort-cuda-fp16.onnx"]
     ops = [contrib_ops(f) for f in files]
     assert ops[0] == ops[1] == Counter()  # fp16 alone, then cleanup: nothing fused yet
-    assert ops[2] == Counter({"MultiHeadAttention": 8})
-    assert ops[3]["GroupNorm"] == 21 and ops[4]["SkipGroupNorm"] == 15 and ops[4]["GroupNorm"] == 6
-    assert ops[7]["BiasAdd"] == 4 and ops[8]["SkipLayerNormalization"] == 8
-    assert ops[9] == ops[8]  # fuse-parallel-gemm writes standard ops (one Gemm + Split)
-    assert ops[10]["NhwcConv"] == 33 - 13  # the 13 1x1 convs run as channels-last MatMuls
-    assert ops[11]["BiasAdd"] == 4 + 5  # fold-conv-bias: conv + residual sums
-    assert ops[12]["SkipLayerNormalization"] == 8 + 4  # fuse-bias-layer-norm: each transformer's norm1
+    assert ops[AT["fuse-rotary-embedding"]] == Counter()  # a UNet has no rotary embedding
+    assert ops[AT["fuse-attention"]] == Counter({"MultiHeadAttention": 8})
+    assert ops[AT["fuse-group-norm"]]["GroupNorm"] == 21
+    assert ops[AT["fuse-skip-group-norm"]]["SkipGroupNorm"] == 15 and ops[AT["fuse-skip-group-norm"]]["GroupNorm"] == 6
+    for nothing_in_a_unet in ("fuse-adaln-modulation", "fuse-rms-norm", "fuse-fast-gelu"):
+        assert ops[AT[nothing_in_a_unet]] == ops[AT[nothing_in_a_unet] - 1]
+    assert ops[AT["fuse-bias-add"]]["BiasAdd"] == 4 and ops[AT["fuse-skip-layer-norm"]]["SkipLayerNormalization"] == 8
+    assert ops[AT["fuse-parallel-gemm"]] == ops[AT["fuse-skip-layer-norm"]]  # standard ops (one Gemm + Split)
+    assert ops[AT["nhwc-conv"]]["NhwcConv"] == 33 - 13  # the 13 1x1 convs run as channels-last MatMuls
+    assert ops[AT["fold-conv-bias"]]["BiasAdd"] == 4 + 5  # fold-conv-bias: conv + residual sums
+    assert ops[AT["fuse-bias-layer-norm"]]["SkipLayerNormalization"] == 8 + 4  # each transformer's norm1
     assert all(sum(after.values()) >= sum(before.values()) for before, after in zip(ops, ops[1:]))
     assert fp16_share(UNET) == 0 and all(fp16_share(f) > 0.95 for f in files)  # every step is fp16
     for f in files:
@@ -79,7 +87,7 @@ def test_ablation_builds_every_model_on_the_tiny_unet_and_reuses_them(tmp_path, 
     mtimes = [f.stat().st_mtime_ns for f in files]
     steps = build_ablation(UNET, ["ort-cuda", "fp16"], work, log=lambda _: None)
     assert all(s.reused for s in steps) and [f.stat().st_mtime_ns for f in files] == mtimes
-    assert steps[2].rewritten == "fuse-attention 8/8"
+    assert steps[AT["fuse-attention"]].rewritten == "fuse-attention 8/8"
     # Other passes under the same file name are rebuilt, not reused.
     steps = build_ablation(UNET, ["cleanup"], work, log=lambda _: None)
     assert not steps[1].reused and steps[1].path.endswith("01-cleanup.onnx") and contrib_ops(steps[1].path) == Counter()

@@ -31,7 +31,7 @@ from onnx import TensorProto, helper
 
 import onnxopt
 from onnxopt import load_model
-from onnxopt.pipeline.cfg_late import CFG_LATE_METADATA, CfgLate, compute_halves_once
+from onnxopt.passes.cfg_late import CFG_LATE_METADATA, CfgLate, compute_halves_once
 from onnxopt.pipeline.step_graph import STEP_INPUTS, build_step_graph
 from tests.test_pipeline_step_graph import H, W, runner, step_feeds, step_runner
 
@@ -213,6 +213,26 @@ def test_a_concat_of_two_different_tensors_seeds_nothing():
                         [value("a", [1, 4]), value("b", [1, 4])], [value("y", [2, 4])])
     result = CfgLate({"a", "b"}).run(model)
     assert not result.modified and "nothing computed" in result.nothing_to_do
+
+
+def test_cfg_late_is_a_registered_pass_the_manager_runs_by_name():
+    """``--passes cfg-late``: the manager infers shapes first (the pass requires them) and again
+    after the rewrite (its follower); a lookalike is a refusal in the report, with its reason; the
+    graph computes what it did."""
+    nodes = [helper.make_node("Concat", ["a", "a"], ["x"], axis=0), helper.make_node("Relu", ["x"], ["r"]),
+             helper.make_node("Transpose", ["r"], ["y"], perm=[1, 0, 2])]
+    model = graph_model(nodes, [value("a", [1, 6, 4])], [value("y", [6, 2, 4])])
+    before = model.to_onnx()
+    model, report = onnxopt.optimize(model, ["cfg-late"])
+    steps = [(step.name, step.auto) for step in report.passes]
+    assert steps == [("infer-shapes", "cfg-late"), ("cfg-late", None), ("infer-shapes", "cfg-late")]
+    result = report.passes[1].result
+    assert result.modified and result.sites_rewritten == 1
+    assert result.refused == [(next(n.name for n in model.graph.nodes if n.op == "Transpose"),
+                               "perm [1, 0, 2] moves the batch axis")]
+    feeds = {"a": np.random.default_rng(3).standard_normal((1, 6, 4)).astype(np.float32)}
+    expected, got = run_both(before, model, feeds)
+    np.testing.assert_array_equal(got[0], expected[0])
 
 
 @pytest.mark.parametrize("case", ["odd reshape", "transpose", "text batch", "batched constant"])

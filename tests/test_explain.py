@@ -9,7 +9,6 @@ import pytest
 
 from onnxopt import optimize
 from onnxopt.cli import main
-from onnxopt.fusion import explaining
 from tests.test_attention_fusion import attention_model
 from tests.test_group_norm_fusion import ProtoBuilder, X_SHAPE, group_norm_model
 
@@ -29,8 +28,7 @@ def attention_over_the_query_axis() -> onnx.ModelProto:
 
 def test_explain_names_the_group_norm_whose_instance_norm_scale_is_not_one_and_the_condition():
     model = group_norm_model(in_scale=np.full(4, 3.0))
-    with explaining({"fuse-group-norm"}):
-        _, report = optimize(model, ["fuse-group-norm"])
+    _, report = optimize(model, ["fuse-group-norm"], explain={"fuse-group-norm"})
     text = report.explain()
     norm = _node_named(model, "InstanceNormalization")
     line = next(line for line in text.splitlines() if "REFUSED" in line)
@@ -87,7 +85,56 @@ def test_explain_of_a_pass_the_run_does_not_include_is_a_usage_error(tmp_path, c
 @pytest.mark.parametrize("rewritten", [True, False])
 def test_explain_lists_matched_sites_too(rewritten):
     model = group_norm_model() if rewritten else group_norm_model(in_scale=np.full(4, 3.0))
-    with explaining({"fuse-group-norm"}):
-        _, report = optimize(model, ["fuse-group-norm"])
+    _, report = optimize(model, ["fuse-group-norm"], explain={"fuse-group-norm"})
     text = report.explain()
     assert ("  ok   Add" in text) == rewritten and ("REFUSED" in text) != rewritten, text
+
+
+def test_explain_on_the_tiny_unet_prints_the_pattern_one_node_a_line_and_no_wide_line(fixtures_dir, tmp_path, capsys):
+    """The attention pattern spelled as one expression was a line of 136,611 characters: now each
+    pattern node is one line (``%k = Op(...)``) and no line of the explanation passes 100 columns."""
+    source = fixtures_dir / "unet-sd15.tiny.torchscript.dynamic.sdpa.onnx"
+    code = main(["optimize", "-i", str(source), "-o", str(tmp_path / "o.onnx"), "--passes", "fuse-attention",
+                 "--explain", "fuse-attention", "--quiet"])
+    text = capsys.readouterr().out
+    assert code == 0
+    assert "pattern attention:" in text and "%1 = MatMul(" in text and "candidates (root op" in text, text[:2000]
+    assert max(len(line) for line in text.splitlines()) <= 100
+
+
+def test_an_auto_inserted_pass_can_be_explained_by_name(fixtures_dir, tmp_path, capsys):
+    """canonicalize-attention runs only because fuse-attention requires it: --explain names it, and
+    its candidates are traced like a listed pass's."""
+    source = fixtures_dir / "unet-sd15.tiny.dynamo.static.sdpa.onnx"
+    code = main(["optimize", "-i", str(source), "-o", str(tmp_path / "o.onnx"), "--passes", "fuse-attention",
+                 "--explain", "canonicalize-attention", "--quiet"])
+    text = capsys.readouterr().out
+    assert code == 0
+    assert text.startswith("canonicalize-attention (for fuse-attention): "), text[:500]
+    assert "pattern " in text and "candidates (root op" in text, text[:2000]
+
+
+def test_a_pass_not_built_on_rules_says_what_it_did():
+    """fold-constants traces no pattern: --explain prints whether it changed the graph, its node
+    counts and details, not a bare header."""
+    _, report = optimize(group_norm_model(), ["fold-constants"], explain={"fold-constants"})
+    (header, *body) = report.explain({"fold-constants"}).splitlines()
+    assert header.startswith("fold-constants: ") and body, report.explain()
+    assert "nodes" in body[0] and ("modified the graph" in body[0] or "left the graph as it was" in body[0])
+
+
+def test_tracing_comes_from_the_pass_manager_not_from_a_global():
+    """The same pass object traces in the run that names it and not in the next one."""
+    from onnxopt import registry
+    from onnxopt.manager import PassManager
+    from onnxopt.loading import load_model
+
+    fusion = registry.get_pass("fuse-group-norm")()
+    traced = PassManager([fusion], explain={"fuse-group-norm"}).run(load_model(group_norm_model()))
+    plain = PassManager([fusion]).run(load_model(group_norm_model()))
+    (traced_step,) = [p for p in traced.passes if p.name == "fuse-group-norm"]
+    (plain_step,) = [p for p in plain.passes if p.name == "fuse-group-norm"]
+    assert traced_step.result.trace is not None and plain_step.result.trace is None
+    import onnxopt.fusion
+
+    assert not hasattr(onnxopt.fusion, "explaining")

@@ -1,6 +1,6 @@
 """onnxopt.pipeline.generate: the ONNX pipeline gives the diffusers torch pipeline's image.
 
-The claim (issue 13, "Done when"): for the tiny SD 1.5, SDXL and SD 1.5 + ControlNet folders,
+The claim: for the tiny SD 1.5, SDXL and SD 1.5 + ControlNet folders,
 exported from the torch pipeline ``models.pipelines.build_torch_pipeline(kind, "tiny", seed)``,
 fp32 on the ORT CPU EP, for each of DDIM, Euler and DPM-Solver++ 2M, ``Pipeline`` gives the final
 latents and the image of diffusers' own ``__call__`` with the same scheduler object, prompt,
@@ -86,13 +86,28 @@ class Built:
         request.update(overrides)
         return request
 
-    def reference(self, scheduler: str, **overrides):
+    def diffusers_pipeline(self, scheduler: str | None, folder: Path | None = None):
+        """diffusers' pipeline as a user gets it from the folder: its class made with the folder's own
+        scheduler (the class's __init__ may correct an outdated scheduler config), then the requested
+        scheduler class made from_config of the pipeline's, as users swap schedulers."""
+        import diffusers
+
+        opened = PipelineFolder.open(folder or self.folder)
+        config = opened.scheduler_config()
+        # from_pretrained makes the class model_index.json names, from the config whatever its _class_name
+        own = getattr(diffusers, opened.index["scheduler"][1]).from_config(config)
+        pipe = type(self.torch_pipe)(**dict(self.torch_pipe.components, scheduler=own))
+        if scheduler is not None:
+            pipe.scheduler = make_scheduler(scheduler, dict(pipe.scheduler.config))
+        pipe.set_progress_bar_config(disable=True)
+        return pipe
+
+    def reference(self, scheduler: str | None, folder: Path | None = None, **overrides):
         """diffusers' __call__: (final latents, image [H, W, 3] in [0, 1])."""
         import torch
 
         r = self.request(**overrides)
-        pipe = self.torch_pipe
-        pipe.scheduler = make_scheduler(scheduler, PipelineFolder.open(self.folder).scheduler_config())
+        pipe = self.diffusers_pipeline(scheduler, folder)
         final = {}
 
         def keep_latents(_pipe, i, _t, kwargs):
@@ -149,6 +164,8 @@ def test_onnx_pipeline_gives_the_diffusers_image(built, kind, scheduler):
     assert np.asarray(result.image).tolist() == (result.pixels * 255).round().astype(np.uint8).tolist()
     if (kind, scheduler) == ("sdxl", "ddim"):  # clip_sample (DDIM's default, absent from SDXL's config)
         assert result.timings["step"].startswith("unfused") and "clip_sample" in result.timings["step"]
+    elif scheduler == "pndm":  # PLMS reads three earlier outputs: diffusers' own step in the host loop
+        assert result.timings["step"].startswith("unfused: PNDMScheduler is not supported by the fused step graph")
     else:
         assert result.timings["step"] == "built in memory from unet/model.onnx"
 
@@ -324,9 +341,11 @@ def test_captured_step_reads_each_prompts_kv_on_the_device(tmp_path):
     latents = []
     for prompt in ("a photo of a red cat", "a watercolor of a lighthouse"):
         got, expected = captured(prompt, **request), host(prompt, **request)
-        np.testing.assert_allclose(got.latents, expected.latents, rtol=0, atol=1e-3 * np.abs(expected.latents).max())
+        # the two sessions' kernels differ (cuBLAS/cuDNN pick per session): on an H100 the largest
+        # difference was 1.1e-3 of the latents' range; another prompt's K/V moves them by far more
+        np.testing.assert_allclose(got.latents, expected.latents, rtol=0, atol=3e-3 * np.abs(expected.latents).max())
         latents.append(got.latents)
-    assert not np.allclose(*latents)
+    assert np.abs(latents[0] - latents[1]).max() > 0.1 * np.abs(latents[0]).max()
     assert captured.cuda_graph and captured.sessions["context"].cuda_graph
     (loop,) = captured._device_loops.values()
     (companion,) = captured.sessions["context"]._bound.values()
@@ -364,7 +383,7 @@ def test_cli_writes_the_png_and_the_timings(tmp_path):
     (lambda d, o: [d / "unet", "--prompt", "a", "-o", o], "not a pipeline folder"),
     (lambda d, o: [d, "--prompt", "a", "--height", "36", "-o", o], "multiple of 8"),
     (lambda d, o: [d, "--prompt", "a", "--steps", "0", "-o", o], "steps must be at least 1"),
-    (lambda d, o: [d, "--prompt", "a", "--scheduler", "pndm", "-o", o], "unknown scheduler"),
+    (lambda d, o: [d, "--prompt", "a", "--scheduler", "lms", "-o", o], "unknown scheduler"),
     (lambda d, o: [d, "--prompt", "a", "-o", Path("/no/such/dir/x.png")], "does not exist"),
     (lambda d, o: [d, "--prompt", "a", "--controlnet-image", o, "-o", o], "has no controlnet"),
     (lambda d, o: [d, "--prompt", "a", "--provider", "tensorrt", "-o", o], "needs TensorRT"),
@@ -547,3 +566,311 @@ def test_postprocess_is_diffusers_image_processor_bit_for_bit():
         got = images.postprocess(decoded)
         assert got.dtype == np.float32 and got.shape == expected.shape == (2, 24, 40, 3)
         np.testing.assert_array_equal(got, expected)
+
+
+# --- diffusers' semantics for what the folder and the request say ---------------------------------
+
+def copy_folder(source: Path, dest: Path, **edits) -> Path:
+    """A copy of a pipeline folder with JSON files edited: ``edits`` maps a relative path
+    ("scheduler/scheduler_config.json") to the keys to set in it."""
+    import shutil
+
+    shutil.copytree(source, dest)
+    for relative, keys in edits.items():
+        path = dest / relative
+        path.write_text(json.dumps({**json.loads(path.read_text()), **keys}, indent=2))
+    return dest
+
+
+@pytest.mark.parametrize("kind, guidance, fused", [
+    ("sd15", 0.0, True), ("sd15", 1.0, False), ("sd15", -3.0, True), ("sd15", 0.5, False),
+    ("sd15-controlnet", 0.0, True), ("sdxl", 1.0, True),
+])
+def test_guidance_at_most_one_turns_guidance_off_as_diffusers_does(built, kind, guidance, fused):
+    """diffusers' do_classifier_free_guidance is guidance > 1: at 1, 0 or below, one UNet row of the
+    prompt alone, the negative prompt unused. onnxopt computed eps_u + g * (eps_c - eps_u), so
+    guidance 0 gave the negative prompt's image. Now: diffusers' image, in the fused step graph
+    (guidance fed as 1, the negative row cancelling) and in the host loop (the prompt's row), and
+    another negative prompt changes nothing."""
+    b = built(kind)
+    pipe = b.onnx(fused)
+    result = pipe(scheduler="euler", progress=False, **b.request(guidance=guidance))
+    assert result.timings["classifier_free_guidance"] is False
+    assert result.timings["step"].startswith("unfused") != fused
+    ref_latents, ref_pixels = b.reference("euler", guidance=guidance)
+    assert_same_image(result.latents, result.pixels, ref_latents, ref_pixels)
+    other = pipe(scheduler="euler", progress=False, **b.request(guidance=guidance, negative_prompt="a dog, oil paint"))
+    np.testing.assert_allclose(other.latents, result.latents, rtol=0, atol=1e-5 * np.abs(ref_latents).max())
+
+
+def test_guidance_off_in_the_cfg_late_step_graph(built, tmp_path):
+    """The cfg-late step graph (what both guidance halves share computed once) takes guidance <= 1
+    as the others do: diffusers' image without guidance."""
+    import shutil
+
+    from onnxopt.pipeline.step_graph import write_step_graph
+
+    b = built("sd15")
+    folder = tmp_path / "sd15"
+    shutil.copytree(b.folder, folder)
+    write_step_graph(folder / "unet", file_name="step.cfg_late.onnx", context_kv=False, cfg_late=True)
+    pipe = Pipeline.load(folder, "cpu", threads=THREADS, step_file="step.cfg_late.onnx")
+    result = pipe(scheduler="dpm++2m", progress=False, **b.request(guidance=0.0))
+    assert result.timings["step"] == "unet/step.cfg_late.onnx"
+    assert_same_image(result.latents, result.pixels, *b.reference("dpm++2m", guidance=0.0))
+
+
+@pytest.mark.parametrize("kind", ["sd15", "sdxl"])
+def test_latents_mean_and_std_as_the_pipeline_class_reads_them(built, tmp_path, kind):
+    """A VAE config with latents_mean/latents_std: StableDiffusionXLPipeline denormalizes with them,
+    StableDiffusionPipeline divides by scaling_factor and ignores them. onnxopt applied them in both."""
+    b = built(kind)
+    stats = {"latents_mean": [0.5, -0.25, 0.125, 1.0], "latents_std": [2.0, 0.5, 1.5, 0.75]}
+    folder = copy_folder(b.folder, tmp_path / kind, **{"vae_decoder/config.json": stats})
+    vae = b.torch_pipe.vae
+    before = {key: vae.config.get(key) for key in stats}
+    vae.register_to_config(**stats)
+    try:
+        ref_latents, ref_pixels = b.reference("euler", folder=folder)
+    finally:
+        vae.register_to_config(**before)
+    result = Pipeline.load(folder, "cpu", threads=THREADS)(scheduler="euler", progress=False, **b.request())
+    assert_same_image(result.latents, result.pixels, ref_latents, ref_pixels)
+    plain = b.onnx()(scheduler="euler", progress=False, **b.request())
+    assert np.array_equal(plain.pixels, result.pixels) == (kind == "sd15")
+
+
+SCHEDULER_LOOKALIKES = {  # scheduler_config.json edits that look harmless and change diffusers' schedule
+    "clip_sample": {"clip_sample": True},
+    "steps_offset_0": {"steps_offset": 0},
+    "both": {"clip_sample": True, "steps_offset": 0},
+    "no_keys": {"clip_sample": None, "steps_offset": None},  # removed below: the class defaults apply
+    "ddim_class": {"_class_name": "DDIMScheduler", "clip_sample": True, "set_alpha_to_one": True},
+}
+
+
+def _lookalike_config(config: dict, name: str) -> dict:
+    edited = {**config, **SCHEDULER_LOOKALIKES[name]}
+    return {k: v for k, v in edited.items() if v is not None}
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_scheduler_config_is_the_one_the_diffusers_pipeline_holds(built, kind):
+    """For each kind and each lookalike config, every scheduler a run makes has the config of
+    diffusers' own: its pipeline class built with the folder's scheduler (StableDiffusionPipeline
+    resets steps_offset to 1 and clip_sample to False; SDXL's and the ControlNet pipeline's do not),
+    then the requested class from_config of that. Without the pipeline's corrections onnxopt ran
+    DDIM with clip_sample (clipping x0 to [-1, 1] every step) where diffusers does not."""
+    import diffusers
+
+    from onnxopt.pipeline.schedulers import SCHEDULERS, pipeline_scheduler_config
+
+    b = built(kind)
+    config = PipelineFolder.open(b.folder).scheduler_config()
+    folder_kind = KINDS[kind]
+    differs = 0
+    for name in SCHEDULER_LOOKALIKES:
+        edited = _lookalike_config(config, name)
+        own = getattr(diffusers, edited["_class_name"]).from_config(edited)
+        holds = type(b.torch_pipe)(**dict(b.torch_pipe.components, scheduler=own)).scheduler.config
+        for scheduler in SCHEDULERS:
+            expected = dict(make_scheduler(scheduler, dict(holds)).config)
+            got = dict(make_scheduler(scheduler, pipeline_scheduler_config(edited, folder_kind)).config)
+            assert got == expected, (name, scheduler)
+            differs += got != dict(make_scheduler(scheduler, edited).config)
+    assert (differs > 0) == (folder_kind == "sd")  # the corrections matter for the SD pipeline only
+
+
+@pytest.mark.parametrize("kind, scheduler", [("sd15", "ddim"), ("sd15", None), ("sd15-controlnet", "ddim")])
+def test_clip_sample_in_the_folder_gives_the_diffusers_image(built, tmp_path, kind, scheduler):
+    """clip_sample true and steps_offset 0 in scheduler_config.json: the SD pipeline resets both
+    (DDIM without clipping, the fused step graph), the ControlNet pipeline keeps them (DDIM clips:
+    diffusers' step, unfused). The same image as diffusers either way; None: the folder's PNDM."""
+    b = built(kind)
+    folder = copy_folder(b.folder, tmp_path / kind,
+                         **{"scheduler/scheduler_config.json": SCHEDULER_LOOKALIKES["both"]})
+    result = Pipeline.load(folder, "cpu", threads=THREADS)(scheduler=scheduler, progress=False, **b.request())
+    assert_same_image(result.latents, result.pixels, *b.reference(scheduler, folder=folder))
+    if scheduler == "ddim":
+        assert result.timings["step"].startswith("unfused") == (kind == "sd15-controlnet")
+
+
+def test_the_folders_own_scheduler_is_used_by_default(built, tmp_path):
+    """SD 1.5 folders ship PNDMScheduler: without a scheduler a run uses it (onnxopt used DDIM),
+    and gives diffusers' image with the folder's own scheduler. The class is model_index.json's
+    (what from_pretrained makes), even where scheduler_config.json's _class_name says another."""
+    b = built("sd15")
+    assert PipelineFolder.open(b.folder).scheduler_config()["_class_name"] == "PNDMScheduler"
+    result = b.onnx()(progress=False, **b.request())
+    assert "PNDMScheduler" in result.timings["step"]
+    assert_same_image(result.latents, result.pixels, *b.reference(None))
+    folder = copy_folder(b.folder, tmp_path / "sd15", **{"scheduler/scheduler_config.json": {"_class_name": "DDIMScheduler"}})
+    relabelled = Pipeline.load(folder, "cpu", threads=THREADS)(progress=False, **b.request())
+    assert "PNDMScheduler" in relabelled.timings["step"]
+    assert_same_image(relabelled.latents, relabelled.pixels, *b.reference(None, folder=folder))
+
+
+@pytest.mark.parametrize("length", [20, 77])
+def test_a_shorter_tokenizer_length_gives_the_diffusers_image(built, tmp_path, length):
+    """model_max_length below the text encoder's positions: diffusers pads prompts to it, and so does a run."""
+    b = built("sd15")
+    folder = copy_folder(b.folder, tmp_path / "sd15", **{"tokenizer/tokenizer_config.json": {"model_max_length": length}})
+    tokenizer = b.torch_pipe.tokenizer
+    before, tokenizer.model_max_length = tokenizer.model_max_length, length
+    try:
+        reference = b.reference("euler", folder=folder)
+    finally:
+        tokenizer.model_max_length = before
+    result = Pipeline.load(folder, "cpu", threads=THREADS)(scheduler="euler", progress=False, **b.request())
+    assert_same_image(result.latents, result.pixels, *reference)
+
+
+def test_a_prompt_longer_than_the_tokenizer_takes_is_warned_about_once(capsys):
+    """diffusers warns when it cuts a prompt ("The following part of your input was truncated because
+    CLIP can only handle sequences up to 77 tokens: ..."); a run did it silently. Now the same warning
+    on stderr, naming the part cut, once per prompt; the negative prompt is cut silently, as in diffusers."""
+    pipe = Pipeline.load(COMMITTED_SD15, "cpu", threads=THREADS, fused_step=False)
+    prompt = " ".join(f"word{k}" for k in range(60)) + " the end"
+    tokenizer = pipe.tokenizers["tokenizer"]
+    ids = tokenizer(prompt).input_ids
+    assert len(ids) > tokenizer.model_max_length
+    removed = tokenizer.decode(ids[tokenizer.model_max_length - 1: -1])
+    capsys.readouterr()
+    for _ in range(2):
+        pipe(prompt, negative_prompt=prompt + " again", steps=1, scheduler="euler", height=32, width=32, progress=False)
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "truncated because CLIP can only handle sequences up to 77 tokens" in lines[0]
+    assert repr(removed) in lines[0] and "the end" in removed
+    pipe("a short prompt", steps=1, scheduler="euler", height=32, width=32, progress=False)
+    assert capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize("edits, expected", [
+    ({"tokenizer/tokenizer_config.json": {"model_max_length": 100}},
+     "pads prompts to 100 tokens (model_max_length), text_encoder takes at most 77"),
+    ({"scheduler/scheduler_config.json": {"trained_betas": [0.01] * 10}}, "trained_betas must be a list of"),
+    ({"scheduler/scheduler_config.json": {"timestep_spacing": "uniform"}}, "unknown timestep_spacing 'uniform'"),
+    ({"scheduler/scheduler_config.json": {"prediction_type": "sample_x"}}, "cannot run 2 steps"),
+    ({"model_index.json": {"scheduler": ["diffusers", "LMSDiscreteScheduler"]}}, "choose one with --scheduler"),
+    ({"unet/config.json": {"time_cond_proj_dim": 256}}, "time_cond_proj_dim"),
+    ({"text_encoder/config.json": {"use_attention_mask": True}}, "use_attention_mask is set"),
+    ({"unet/config.json": {"_diffusers_version": "zero.eight"}}, "is not a version"),
+], ids=["tokenizer-longer-than-encoder", "trained-betas-length", "timestep-spacing", "prediction-type",
+        "folder-scheduler-class", "guidance-embedding-unet", "text-attention-mask", "unet-version"])
+def test_cli_folder_configs_a_run_cannot_take_exit_2_before_the_work(tmp_path, capsys, monkeypatch, edits, expected):
+    """Each of these crashed mid-run (exit 3) or ran on a misread config: now one line, exit 2,
+    before any session exists."""
+    import shutil
+
+    import onnxopt.pipeline.runner as runner
+    from onnxopt.cli import main
+
+    folder = tmp_path / "sd15"
+    shutil.copytree(COMMITTED_SD15, folder)
+    for relative, keys in edits.items():
+        path = folder / relative
+        path.write_text(json.dumps({**(json.loads(path.read_text()) if path.is_file() else {}), **keys}))
+    monkeypatch.setattr(runner.Pipeline, "load", lambda *a, **k: pytest.fail("sessions made for a refused request"))
+    out = tmp_path / "x.png"
+    assert main(["generate", str(folder), "--prompt", "a", "--steps", "2", "-o", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and expected in err and "Traceback" not in err, err
+    assert not out.exists()
+
+
+def test_cli_steps_equal_to_num_train_timesteps_is_refused_before_the_work(tmp_path, capsys, monkeypatch):
+    """The check said steps <= num_train_timesteps and then diffusers failed at the last step
+    (timestep 1000 of 0..999 with "leading" spacing and steps_offset 1): exit 3 after all the work."""
+    import onnxopt.pipeline.runner as runner
+    from onnxopt.cli import main
+
+    monkeypatch.setattr(runner.Pipeline, "load", lambda *a, **k: pytest.fail("sessions made for a refused request"))
+    for scheduler in ("ddim", "pndm", "dpm++2m"):
+        args = ["generate", str(COMMITTED_SD15), "--prompt", "a", "--steps", "1000", "--scheduler", scheduler,
+                "-o", str(tmp_path / "x.png")]
+        assert main(args) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and "cannot run 1000 steps" in err, err
+
+
+@pytest.mark.parametrize("name, fmt", [("cat.JPG", "JPEG"), ("cat.webp", "WEBP")])
+def test_cli_writes_the_format_the_suffix_names(tmp_path, name, fmt):
+    """-o x.jpg wrote PNG bytes under a .jpg name."""
+    from PIL import Image
+
+    from onnxopt.cli import main
+
+    out = tmp_path / name
+    assert main(["generate", str(COMMITTED_SD15), "--prompt", "a", "--steps", "1", "--scheduler", "euler",
+                 "--height", "32", "--width", "32", "-q", "-o", str(out)]) == 0
+    with Image.open(out) as image:
+        assert image.format == fmt and image.size == (32, 32)
+
+
+@pytest.mark.parametrize("name", ["cat.txt", "cat", "cat.onnx"])
+def test_cli_refuses_an_image_name_pillow_cannot_write_before_the_work(tmp_path, capsys, monkeypatch, name):
+    import onnxopt.pipeline.runner as runner
+    from onnxopt.cli import main
+
+    monkeypatch.setattr(runner.Pipeline, "load", lambda *a, **k: pytest.fail("sessions made for a refused request"))
+    assert main(["generate", str(COMMITTED_SD15), "--prompt", "a", "-o", str(tmp_path / name)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and ("unknown image format" in err or "no image suffix" in err)
+    assert not list(tmp_path.iterdir())
+
+
+def test_start_up_says_what_it_does_on_a_terminal_only(monkeypatch, capsys):
+    """generate showed nothing for its seconds of start-up (imports, sessions, the step graph built in
+    memory), then a progress bar: on a terminal, one status line now says what it is doing and is
+    cleared before the bar; off a terminal (a pipe, a log file) nothing is written."""
+    import io
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    terminal = Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    pipe = Pipeline.load(COMMITTED_SD15, "cpu", threads=THREADS)
+    pipe("a cat", steps=1, scheduler="euler", height=32, width=32, progress=False)
+    said = terminal.getvalue()
+    for what in ("importing torch and diffusers", "loading vae_decoder", "preparing the step graph", "loading text_encoder"):
+        assert f"\r\x1b[Konnxopt: {what}" in said, said  # a loaded component also names its graph file
+    assert said.endswith("\r\x1b[K")  # cleared: what comes next starts on a clean line
+    monkeypatch.setattr(sys, "stderr", io.StringIO())  # not a terminal
+    Pipeline.load(COMMITTED_SD15, "cpu", threads=THREADS)("a cat", steps=1, scheduler="euler", height=32, width=32,
+                                                          progress=False)
+    assert sys.stderr.getvalue() == ""
+
+
+@pytest.mark.parametrize("kind, written, sample, expected", [
+    ("sd15", "0.8.0", 16, 64), ("sd15", "0.9.0", 16, 16), ("sd15", "0.8.1", 96, 96), ("sd15", None, 16, 16),
+    ("sd15", "0.8.0", [16, 24], [16, 24]), ("sd15-controlnet", "0.8.0", 16, 16), ("sdxl", "0.8.0", 16, 16),
+])
+def test_default_size_is_the_one_the_diffusers_pipeline_computes(built, tmp_path, kind, written, sample, expected):
+    """StableDiffusionPipeline.__init__ reads a UNet config written before diffusers 0.9 with
+    sample_size under 64 as 64 (SD 1.x's old configs); the ControlNet and SDXL pipelines do not.
+    The default size (no --height/--width) follows the same class's rule: diffusers' own pipeline
+    is built with that config and its default compared."""
+    from diffusers.configuration_utils import FrozenDict
+
+    from onnxopt.pipeline.runner import default_size
+
+    b = built(kind)
+    keys = {"sample_size": sample, "_diffusers_version": written}
+    folder = copy_folder(b.folder, tmp_path / kind, **{"unet/config.json": keys})
+    if written is None:
+        path = folder / "unet" / "config.json"
+        path.write_text(json.dumps({k: v for k, v in json.loads(path.read_text()).items() if k != "_diffusers_version"}))
+    unet = b.torch_pipe.unet
+    before = unet._internal_dict
+    unet._internal_dict = FrozenDict({k: v for k, v in {**before, **keys}.items() if v is not None})
+    try:
+        pipe = type(b.torch_pipe)(**b.torch_pipe.components)
+        size = pipe.unet.config.sample_size
+    finally:
+        unet._internal_dict = before
+    assert size == expected
+    factor = pipe.vae_scale_factor
+    h, w = (size, size) if isinstance(size, int) else size
+    assert default_size(PipelineFolder.open(folder)) == (h * factor, w * factor)

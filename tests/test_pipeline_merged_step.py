@@ -1,4 +1,4 @@
-"""One denoising step = one graph (issue 14 item 6), and the pipeline rewrites' ablation switches.
+"""One denoising step = one graph, and the pipeline rewrites' ablation switches.
 
 Claims, on tiny SD 1.5 + ControlNet folders optimized for TensorRT (standard ONNX: every graph
 runs on the ORT CPU EP), fp32:

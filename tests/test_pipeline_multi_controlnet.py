@@ -1,4 +1,4 @@
-"""More than one ControlNet (issue 14 item 5): the folder diffusers' MultiControlNetModel writes
+"""More than one ControlNet: the folder diffusers' MultiControlNetModel writes
 (``controlnet/``, ``controlnet_1/``), optimized and generated from, gives diffusers' image.
 
 The claims, on the tiny SD 1.5 + two ControlNets folder (``models.pipelines``, kind

@@ -15,7 +15,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("diffusers")
 
 from onnxopt.pipeline import schedulers  # noqa: E402
-from onnxopt.pipeline.schedulers import SCHEDULERS, SchedulerError, make_scheduler, plan_steps  # noqa: E402
+from onnxopt.pipeline.schedulers import FUSED_SCHEDULERS, SchedulerError, make_scheduler, plan_steps  # noqa: E402
 
 # The scheduler_config.json files of the public checkpoints (values as published).
 SD15 = {
@@ -67,14 +67,14 @@ def run_both(name: str, config: dict, steps: int, seed: int = 0, begin_index: bo
 
 
 @pytest.mark.parametrize("config", list(CONFIGS))
-@pytest.mark.parametrize("name", SCHEDULERS)
+@pytest.mark.parametrize("name", FUSED_SCHEDULERS)
 @pytest.mark.parametrize("steps", [10, 50])
 def test_coefficients_reproduce_diffusers_step(name, config, steps):
     errors = run_both(name, CONFIGS[config], steps)
     assert max(errors) < 1e-6, errors  # fp32 rounding of a sum of three terms
 
 
-@pytest.mark.parametrize("name", SCHEDULERS)
+@pytest.mark.parametrize("name", FUSED_SCHEDULERS)
 def test_driven_as_the_sdxl_pipeline_drives_it(name):
     """StableDiffusionXLPipeline calls set_begin_index(0) before its loop; SD 1.5's lets the scheduler
     find its index from the first timestep. The plan fits both."""
@@ -122,8 +122,10 @@ def test_make_scheduler_classes_and_solver_options():
     assert type(dpm).__name__ == "DPMSolverMultistepScheduler"
     assert dpm.config.algorithm_type == "dpmsolver++" and dpm.config.solver_order == 2
     assert make_scheduler("ddim", SD21).config.prediction_type == "v_prediction"
-    with pytest.raises(SchedulerError, match="unknown scheduler 'pndm'"):
-        make_scheduler("pndm", SD15)
+    pndm = make_scheduler("pndm", SD15)
+    assert type(pndm).__name__ == "PNDMScheduler" and pndm.config.skip_prk_steps is True
+    with pytest.raises(SchedulerError, match="unknown scheduler 'lms'"):
+        make_scheduler("lms", SD15)
 
 
 @pytest.mark.parametrize("name, config, step_kwargs, reason", [
@@ -158,3 +160,57 @@ def test_other_scheduler_classes_and_bad_step_counts_are_refused():
         plan_steps(PNDMScheduler.from_config(SD15), 10)
     with pytest.raises(SchedulerError, match="positive integer"):
         plan_steps(make_scheduler("ddim", SD15), 0)
+
+
+# --- what a run takes from the folder's scheduler config, and what it refuses before the work ---
+
+def test_the_folders_own_scheduler_is_the_default():
+    """Without --scheduler a run uses the folder's class as configured: SD 1.5's PNDM, SD 2.1's DDIM,
+    SDXL's Euler; a DPM-Solver config of another algorithm or order (which "dpm++2m" would silently
+    turn into DPM-Solver++ 2M) and a class onnxopt does not run are refused with the list."""
+    assert [schedulers.folder_scheduler(c) for c in (SD15, SD21, SDXL)] == ["pndm", "ddim", "euler"]
+    dpm = {"_class_name": "DPMSolverMultistepScheduler", "num_train_timesteps": 1000}
+    assert schedulers.folder_scheduler(dpm) == "dpm++2m"
+    for config in (dict(dpm, solver_order=3), dict(dpm, algorithm_type="sde-dpmsolver++"),
+                   dict(SD15, _class_name="LMSDiscreteScheduler"), {"num_train_timesteps": 1000}):
+        with pytest.raises(SchedulerError, match="choose one with --scheduler .*ddim, euler, dpm\\+\\+2m, pndm"):
+            schedulers.folder_scheduler(config)
+
+
+@pytest.mark.parametrize("name", ["ddim", "pndm", "dpm++2m"])
+def test_steps_that_diffusers_cannot_run_are_refused(name):
+    """num_train_timesteps steps with "leading" spacing and steps_offset 1 (SD 1.5's config) ask for
+    timestep 1000 of 0..999: diffusers' own loop fails with an IndexError on it. check_schedule says
+    so in one line; with "trailing" spacing the same count runs, in diffusers and here."""
+    leading = dict(SD15, timestep_spacing="leading")
+    with pytest.raises(IndexError):  # diffusers itself, driven as its pipeline drives it
+        reference = make_scheduler(name, leading)
+        reference.set_timesteps(1000)
+        x = torch.ones(1, 4, 1, 1)
+        for t in reference.timesteps:
+            x = reference.step(reference.scale_model_input(x, t), t, x).prev_sample
+    with pytest.raises(SchedulerError, match="cannot run 1000 steps"):
+        schedulers.check_schedule(make_scheduler(name, leading), 1000)
+    schedulers.check_schedule(make_scheduler(name, dict(SD15, timestep_spacing="trailing")), 1000)
+    schedulers.check_schedule(make_scheduler(name, leading), 500)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"trained_betas": [0.01] * 10}, "trained_betas must be a list of num_train_timesteps \\(1000\\) numbers, got 10"),
+    ({"trained_betas": [0.01] * 999 + [1.5]}, "every trained_betas value must be a number in \\(0, 1\\)"),
+    ({"trained_betas": "0.01"}, "trained_betas must be a list"),
+    ({"timestep_spacing": "Leading"}, "unknown timestep_spacing 'Leading'"),
+    ({"timestep_spacing": None}, "unknown timestep_spacing None"),
+    ({"num_train_timesteps": 0}, "num_train_timesteps must be a positive integer"),
+    ({"num_train_timesteps": 1000.0}, "num_train_timesteps must be a positive integer"),
+    ({"steps_offset": -1}, "steps_offset must be an integer in 0..999"),
+    ({"prediction_type": "x0"}, "cannot run 4 steps: ValueError"),
+    ({"beta_schedule": "cosine"}, "cannot be made from it"),
+])
+@pytest.mark.parametrize("name", ["ddim", "euler", "pndm"])
+def test_scheduler_configs_diffusers_fails_on_are_one_line_errors(name, change, message):
+    """Each of these made diffusers fail mid-run (IndexError, ValueError: exit 3) or compute NaN:
+    refused by make_scheduler, or by check_schedule's dry run, before any session exists."""
+    with pytest.raises(SchedulerError, match=message) as caught:
+        schedulers.check_schedule(make_scheduler(name, dict(SD15, **change)), 4)
+    assert "\n" not in str(caught.value)

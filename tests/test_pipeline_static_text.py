@@ -1,6 +1,6 @@
 """Text encoders at the pipeline's one input shape run every node on the CUDA EP and compute what model.onnx does.
 
-Claims (issue 13, the text side of a prompt):
+Claims (the text side of a prompt):
 
 * On the tiny SD 1.5 and SDXL text encoders exported by TorchScript and by dynamo, optimized for
   ``ort-cuda`` in fp32 and fp16, ``model.static.b{b}.onnx`` (input_ids [b, 77]) has no node that

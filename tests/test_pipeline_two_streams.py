@@ -1,4 +1,4 @@
-"""Two streams for ControlNet (issue 14 item 5): the step graph's part that does not wait for the
+"""Two streams for ControlNet: the step graph's part that does not wait for the
 ControlNet, cut off; proven equal on tiny ControlNet folders from both exporters."""
 
 from __future__ import annotations

@@ -13,7 +13,8 @@ from onnxopt import load_model, optimize
 from onnxopt.manager import PassManager
 from onnxopt.model import Model
 from onnxopt import registry
-from onnxopt.pass_infra import CONSTANTS_FOLDED, NO_DEAD_NODES, SHAPES_INFERRED, Pass, PassResult, fixpoint_sequence
+from onnxopt.pass_infra import CONSTANTS_FOLDED, NO_DEAD_NODES, SHAPES_INFERRED, Pass, PassResult
+from onnxopt.registry import fixpoint_sequence
 from onnxopt.properties import PropertyViolation, checking
 from tests.conftest import FIXTURES
 

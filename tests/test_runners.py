@@ -10,6 +10,7 @@ import pytest
 
 from onnxopt.cli import main
 from onnxopt.errors import MissingDependencyError, OnnxoptError
+from onnxopt import runtime
 from onnxopt.runners import ort_cuda
 from onnxopt.runners.ort_cuda import OrtCudaSession, cuda_available
 from tests.conftest import FIXTURES
@@ -88,10 +89,15 @@ class FakeOrt(types.SimpleNamespace):
     def get_available_providers(self):
         return ["CUDAExecutionProvider", "CPUExecutionProvider"]
 
+    def set_default_logger_severity(self, level):  # onnxopt.runtime keeps ORT's own log quiet
+        self.logger_severity = level
+
 
 def test_a_model_the_cuda_ep_cannot_load_is_one_line(monkeypatch):
     error = RuntimeError("[ONNXRuntimeError] : 1 : FAIL : Load model failed\n  at frame 1\n  at frame 2")
-    monkeypatch.setattr(ort_cuda, "import_onnxruntime", lambda: FakeOrt(session_error=error))
+    fake = FakeOrt(session_error=error)
+    monkeypatch.setattr(ort_cuda, "import_onnxruntime", lambda: fake)
+    monkeypatch.setattr(runtime, "import_onnxruntime", lambda: fake)  # sessions are made through onnxopt.runtime
     monkeypatch.setattr(ort_cuda, "_torch_cuda", lambda: None)
     with pytest.raises(OnnxoptError) as info:
         OrtCudaSession(str(UNET))
@@ -100,7 +106,9 @@ def test_a_model_the_cuda_ep_cannot_load_is_one_line(monkeypatch):
 
 
 def test_a_silent_fallback_to_the_cpu_ep_is_an_error(monkeypatch):
-    monkeypatch.setattr(ort_cuda, "import_onnxruntime", lambda: FakeOrt(providers=("CPUExecutionProvider",)))
+    fake = FakeOrt(providers=("CPUExecutionProvider",))
+    monkeypatch.setattr(ort_cuda, "import_onnxruntime", lambda: fake)
+    monkeypatch.setattr(runtime, "import_onnxruntime", lambda: fake)  # sessions are made through onnxopt.runtime
     monkeypatch.setattr(ort_cuda, "_torch_cuda", lambda: None)
     with pytest.raises(MissingDependencyError, match="fell back from the CUDA EP"):
         OrtCudaSession(str(UNET))

@@ -226,8 +226,10 @@ def text_encoder_folder(tmp_path):
     src = ROOT / "models" / "pipelines" / "sd15-tiny"
     folder = tmp_path / "sd15-text"
     folder.mkdir()
-    shutil.copyfile(src / "model_index.json", folder / "model_index.json")
-    for part in ("tokenizer", "text_encoder", "scheduler"):
+    index = json.loads((src / "model_index.json").read_text())  # naming only what the folder holds
+    parts = ("tokenizer", "text_encoder", "scheduler")
+    (folder / "model_index.json").write_text(json.dumps({k: v for k, v in index.items() if k.startswith("_") or k in parts}))
+    for part in parts:
         shutil.copytree(src / part, folder / part)
     return folder
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 import onnx_graphsurgeon as gs
@@ -111,10 +112,14 @@ class Dims:
     edits to the tensors it has seen.
     """
 
-    def __init__(self, max_depth: int = 200, *, annotated_only: bool = False):
+    def __init__(self, max_depth: int = 200, *, annotated_only: bool = False,
+                 leading_dim: Callable[[gs.Tensor], Dim | None] | None = None):
         """``annotated_only``: a tensor's dims are its annotations (what shape inference wrote), no
-        structural rule; what :func:`onnxopt.pattern.tensor_facts.static_ints` reads."""
+        structural rule; what :func:`onnxopt.pattern.tensor_facts.static_ints` reads.
+        ``leading_dim``: the caller's own dim 0 for the tensors it returns one for (cfg-late: the
+        full batch, as a symbol, of the tensors it computes at half the batch); asked once per tensor."""
         self.annotated_only = annotated_only
+        self.leading_dim = leading_dim
         self._shapes: dict[int, list | None] = {}
         self._vectors: dict[int, list | None] = {}
         self._depth = 0
@@ -133,7 +138,9 @@ class Dims:
             self._shapes[key] = None  # cycles (there are none in a valid graph) read as unknown
             self._depth += 1
             try:
-                self._shapes[key] = self._shape(tensor) if self._depth < self._max_depth else self._annotated(tensor)
+                shape = self._shape(tensor) if self._depth < self._max_depth else self._annotated(tensor)
+                leading = self.leading_dim(tensor) if self.leading_dim is not None and shape else None
+                self._shapes[key] = shape if leading is None else [leading, *shape[1:]]
             finally:
                 self._depth -= 1
         return self._shapes[key]

@@ -24,6 +24,7 @@ from __future__ import annotations
 import functools
 import inspect
 import itertools
+import textwrap
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Union
 
@@ -100,12 +101,23 @@ class Pattern:
         self.output_values = _output_values(self.outputs)  # ids of the NodeOutputs that are outputs
         self.use_counts = _use_counts(self.outputs)  # id(NodeOutput) -> inputs of pattern nodes it feeds
         self._orders: dict[tuple[int, int], list[list[tuple[int, int]]]] = {}
+        self._outlines: dict[int, str] = {}  # width -> outline()
 
     def __str__(self) -> str:
         return ", ".join(str(v) for v in self.outputs)
 
     def __repr__(self) -> str:
         return f"<Pattern {self.name}: {self}>"
+
+    def outline(self, width: int = 96) -> str:
+        """The pattern one node a line, each written once (``str`` spells a shared node out at
+        every use, which grows with the pattern's depth: the attention pattern ran to 136,611
+        characters): ``%3 = MatMul(%2, w)``, the outputs last; lines wrapped at ``width``."""
+        if width not in self._outlines:
+            self._outlines[width] = "\n".join(
+                textwrap.fill(line, width, subsequent_indent="      ", break_long_words=False, break_on_hyphens=False)
+                for line in _outline_lines(self.outputs))
+        return self._outlines[width]
 
     def find(self, graph: gs.Graph, *, trace: bool | Tracer = False, overlap: bool = False) -> Matches:
         """All matches in ``graph``, in graph order.
@@ -117,7 +129,7 @@ class Pattern:
         """
         tracer = Tracer() if trace is True else (trace or None)
         if tracer is not None:
-            tracer.note_pattern(self.name, str(self), self._root_op_text())
+            tracer.note_pattern(self.name, self.outline(), self._root_op_text())
         search = _Search(self, graph, tracer)
         claimed: set[int] | None = None if overlap else set()
         matches = Matches(trace=tracer)
@@ -135,7 +147,7 @@ class Pattern:
     def match(self, graph: gs.Graph, node: gs.Node, *, trace: Tracer | None = None) -> Match | None:
         """The match rooted at ``node`` of ``graph``, or None (overlap with other matches is not checked)."""
         if trace is not None:
-            trace.note_pattern(self.name, str(self), self._root_op_text())
+            trace.note_pattern(self.name, self.outline(), self._root_op_text())
         if node.op not in self.root_ops:
             return None
         return _Search(self, graph, trace).match_at(node, claimed=None)
@@ -383,7 +395,7 @@ class _Search:
         self.claimed = claimed
         if self.tracer is not None:
             self.trace = self.tracer.begin(
-                self.pattern.name, str(self.pattern), self.pattern._root_op_text(), root.name, root.op
+                self.pattern.name, self.pattern.outline(), self.pattern._root_op_text(), root.name, root.op
             )
         match = next(self._solutions(root), None)
         if self.trace is not None:
@@ -851,3 +863,28 @@ def _show(value) -> str:
     if isinstance(value, gs.Constant):
         return f"<tensor {list(value.shape)}>"
     return repr(value)
+
+
+def _outline_lines(outputs) -> list[str]:
+    """``%k = Op(args)`` for each pattern node, inputs before their readers, then ``output: %k``."""
+    names: dict[int, str] = {}
+    lines: list[str] = []
+
+    def ref(value) -> str:
+        if isinstance(value, NodeOutput):
+            name = node_name(value.node)
+            return f"{name}[{value.index}]" if len(value.node.outputs) > 1 else name
+        if isinstance(value, OneOf):
+            return "OneOf(" + " | ".join(ref(a) for a in value.alternatives) + ")"
+        return str(value)
+
+    def node_name(node) -> str:
+        if id(node) not in names:
+            args = [ref(v) for v in node.inputs] + [f"{k}={p}" for k, p in node.attrs.items()]
+            names[id(node)] = f"%{len(names) + 1}"
+            lines.append(f"{names[id(node)]} = {node.qualified_op}({', '.join(args)})")
+        return names[id(node)]
+
+    results = [ref(v) for v in outputs]
+    lines.append(("outputs: " if len(results) > 1 else "output: ") + ", ".join(results))
+    return lines

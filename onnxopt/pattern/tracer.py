@@ -5,7 +5,13 @@ A fusion that does not fire on a new exporter's graph is debugged here::
     matches = GELU.find(graph, trace=True)
     print(matches.trace.report())
 
-    pattern erf_gelu: Mul(0.5, Mul(x, Add(Erf(Div(x, 1.41421)), 1)))
+    pattern erf_gelu:
+        %1 = Div(x, 1.41421)
+        %2 = Erf(%1)
+        %3 = Add(%2, 1)
+        %4 = Mul(x, %3)
+        %5 = Mul(0.5, %4)
+        output: %5
       4 candidates (root op Mul): 1 matched, 3 failed
       ok   Mul 'gelu_ok'
       FAIL Mul 'half_bad': constant 'c22' is 0.6, expected 0.5 (rtol 0.001)
@@ -86,8 +92,7 @@ class Tracer:
     # -- recording (called by the matcher)
 
     def begin(self, pattern_name: str, pattern_text: str, root_ops: str, node_name: str, op_type: str) -> CandidateTrace:
-        self._pattern_text[pattern_name] = pattern_text
-        self._pattern_roots[pattern_name] = root_ops
+        self.note_pattern(pattern_name, pattern_text, root_ops)
         trace = CandidateTrace(pattern_name, node_name, op_type)
         self.candidates.append(trace)
         return trace
@@ -137,11 +142,10 @@ class Tracer:
 
     def _pattern_report(self, pattern: str, limit: int, show_matched: bool) -> list[str]:
         counts = self.counts(pattern)
-        lines = [
-            f"pattern {pattern}: {self._pattern_text[pattern]}",
-            f"  {counts['candidates']} candidates (root op {self._pattern_roots[pattern]}): "
-            f"{counts['matched']} matched, {counts['failed']} failed",
-        ]
+        lines = [f"pattern {pattern}:"]
+        lines += ["    " + line for line in self._pattern_text[pattern].splitlines()]
+        lines.append(f"  {counts['candidates']} candidates (root op {self._pattern_roots[pattern]}): "
+                     f"{counts['matched']} matched, {counts['failed']} failed")
         mine = [c for c in self.candidates if c.pattern == pattern]
         if show_matched:
             lines += [f"  ok   {c.op_type} '{c.node}'" for c in mine if c.matched and c.refusal is None]

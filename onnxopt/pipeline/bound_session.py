@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from onnxopt.pipeline.sessions import ORT_TYPES
+from onnxopt.pipeline.sessions import fixed_outputs
 
 
 class _Bound:
@@ -66,23 +66,7 @@ class BoundSession:
         inputs = {name: ort.OrtValue.ortvalue_from_numpy(value, device, device_id) for name, value in feeds.items()}
         for name, value in inputs.items():
             binding.bind_ortvalue_input(name, value)
-        # The output shapes: one run with outputs ORT allocates, under graph id -1 ("skip capture"):
-        # on a graph id, ORT's first Run also captures (it runs twice inside), and the captured
-        # graph would then write into these temporary outputs forever after.
-        probe = ort.RunOptions()
-        if self.cuda_graph:
-            probe.add_run_config_entry("gpu_graph_id", "-1")
-        names = [o.name for o in self.session.get_outputs()]
-        for name in names:
-            binding.bind_output(name, device, device_id)
-        self.session.run_with_iobinding(binding, probe)
-        shapes = {name: (value.shape(), value.data_type()) for name, value in zip(names, binding.get_outputs())}
-        binding.clear_binding_outputs()
-        outputs = {name: ort.OrtValue.ortvalue_from_shape_and_type(list(shape), ORT_TYPES.get(kind, np.float32),
-                                                                   device, device_id)
-                   for name, (shape, kind) in shapes.items()}
-        for name, value in outputs.items():
-            binding.bind_ortvalue_output(name, value)
+        outputs = fixed_outputs(ort, self.session, binding, device, device_id, probe_uncaptured=self.cuda_graph)
         options = ort.RunOptions()
         if self.cuda_graph:  # captured on the first run with these buffers, replayed after
             options.add_run_config_entry("gpu_graph_id", str(len(self._bound)))

@@ -29,9 +29,10 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from onnxopt.pipeline.folder import HINT_COMPANION, STEP_FILE
+
 HINT_INPUT = "controlnet_cond"
-COMPANION = "hint"
-STEP_FILE = "step.onnx"
+COMPANION = HINT_COMPANION  # the folder's names (onnxopt.pipeline.folder)
 
 
 def write_hint_graph(controlnet_dir: str | os.PathLike) -> Path | None:

@@ -22,6 +22,15 @@ The layout (what optimum-cli and ``models/pipelines.py`` write)::
     [text_encoder*/model.static.b{b}.onnx]  written by onnxopt: the text encoder at input_ids
                             [b, 77], capturable (onnxopt.pipeline.static_text)
     [merged_step.onnx]      written by onnxopt: the ControlNet(s) and the UNet step graph merged
+    [unet/step.onnx]        written by onnxopt: the UNet with guidance and the scheduler update
+                            (onnxopt.pipeline.step_graph), beside it step.context_kv.onnx (the text's
+                            K/V, once per prompt) and step.streams.onnx + step.streams.down.onnx (two
+                            streams: onnxopt.pipeline.two_streams)
+    [controlnet*/step.onnx, step.hint.onnx]  written by onnxopt: the ControlNet's step and its
+                            conditioning embedding, once per image (onnxopt.pipeline.controlnet_hint)
+
+Every file name onnxopt reads or writes in a folder is a constant of this module; the modules that
+write those files take their names from here.
 
 ``folder.controlnets`` lists the ControlNet folders in order (``["controlnet", "controlnet_1"]``);
 a ``controlnet_<k>/`` without all of ``controlnet/`` .. ``controlnet_<k-1>/`` is refused (diffusers
@@ -53,6 +62,10 @@ STEP_FILE = "step.onnx"  # the fused step graph (onnxopt.pipeline.step_graph.wri
 CONTEXT_FILE = "step.context_kv.onnx"  # its context-kv companion, run once per prompt
 HINT_FILE = "step.hint.onnx"  # a ControlNet's conditioning embedding, run once per image
 MERGED_STEP_FILE = "merged_step.onnx"  # at the root: ControlNet + UNet step graph in one (onnxopt.pipeline.merged_step)
+STREAMS_FILE = "step.streams.onnx"  # unet/: the step graph past the down blocks (onnxopt.pipeline.two_streams)
+STREAMS_COMPANION = "down"  # ... and its companion, unet/step.streams.down.onnx: the down blocks
+HINT_COMPANION = "hint"  # controlnet/step.hint.onnx: the companion of controlnet/step.onnx
+STATIC_TEXT_PREFIX = "model.static.b"  # text_encoder*/model.static.b{batch}.onnx (onnxopt.pipeline.static_text)
 
 # What each kind needs to generate an image; vae_encoder is optional everywhere.
 REQUIRED_MODELS = {
@@ -103,11 +116,19 @@ class Component:
         """batch -> ``model.static.b{batch}.onnx``: the text encoder at input_ids [batch, 77], every
         node on the CUDA EP (:mod:`onnxopt.pipeline.static_text`); empty when the folder has none."""
         found = {}
-        for path in self.folder.glob("model.static.b*.onnx"):
-            batch = path.name[len("model.static.b"):-len(".onnx")]
+        for path in self.folder.glob(f"{STATIC_TEXT_PREFIX}*.onnx"):
+            batch = path.name[len(STATIC_TEXT_PREFIX):-len(".onnx")]
             if batch.isdigit():
                 found[int(batch)] = path
         return dict(sorted(found.items()))
+
+    @property
+    def two_stream_models(self) -> tuple[Path, Path] | None:
+        """(rest, down): unet/step.streams.onnx and its down-blocks companion beside step.onnx
+        (:mod:`onnxopt.pipeline.two_streams`), when the folder has both."""
+        rest = self.folder / STREAMS_FILE
+        down = rest.with_name(f"{rest.stem}.{STREAMS_COMPANION}.onnx")
+        return (rest, down) if rest.is_file() and down.is_file() else None
 
     def nbytes(self) -> int:
         """Size on disk of the graph and its external data."""

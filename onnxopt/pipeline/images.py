@@ -1,4 +1,4 @@
-"""Images in and out of a pipeline, the way diffusers does it, and PNGs written atomically.
+"""Images in and out of a pipeline, the way diffusers does it, and images written atomically in the format their name says.
 
 Preprocessing is diffusers' own :class:`~diffusers.image_processor.VaeImageProcessor` (not
 re-implemented), so the pixels are the torch pipeline's:
@@ -7,6 +7,7 @@ re-implemented), so the pixels are the torch pipeline's:
   uint8 as ``numpy_to_pil`` rounds: ``(x * 255).round()``. ``postprocess`` is the processor's
   arithmetic in NumPy, bit for bit (a test compares them): the processor took 12-20 ms of the
   H100 host's time per image (its construction and torch's CPU ops), NumPy takes about 1 ms;
+* the image written in the format its file name's suffix names (Pillow's formats), atomically;
 * a ControlNet image -> RGB -> resized (lanczos) to the requested size, rounded down to a multiple
   of the VAE factor -> [0, 1] NCHW float32, *not* normalized to [-1, 1] (``do_normalize=False``).
 """
@@ -93,16 +94,34 @@ def check_writable(path) -> None:
     Outputs().file(path)
 
 
-def write_png(image, path) -> Path:
-    """Write a PIL image as PNG, atomically: a temporary file beside ``path``, renamed into place."""
+def image_format(path) -> str:
+    """The PIL format ``path``'s suffix names (.png PNG, .jpg/.jpeg JPEG, .webp WEBP...), or a one-line
+    error for a suffix PIL cannot write (checked before the work: the bytes must be what the name says)."""
+    try:
+        from PIL import Image
+    except ImportError as exc:
+        raise MissingDependencyError("generating images needs Pillow: pip install 'onnxopt[pipeline]'") from exc
+    Image.init()
+    suffix = Path(path).suffix.lower()
+    writable = {ext: fmt for ext, fmt in Image.registered_extensions().items() if fmt in Image.SAVE}
+    if suffix not in writable:
+        raise OnnxoptError(f"{path}: {'unknown image format ' + repr(suffix) if suffix else 'no image suffix'}: "
+                           f"name the file .png, .jpg or .webp (or another format Pillow writes)")
+    return writable[suffix]
+
+
+def write_image(image, path) -> Path:
+    """Write a PIL image in the format its suffix names (:func:`image_format`), atomically: a
+    temporary file beside ``path``, renamed into place."""
     path = Path(path)
     check_writable(path)
+    fmt = image_format(path)
     folder = path.parent if str(path.parent) else Path(".")
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=folder)
     try:
         os.fchmod(fd, 0o666 & ~umask())  # mkstemp makes 0600 files; an image follows the umask
         with os.fdopen(fd, "wb") as out:
-            image.save(out, format="PNG")
+            image.save(out, format=fmt)
         os.replace(tmp, path)
     except OSError as exc:
         raise OnnxoptError(f"{path}: cannot write: {exc.strerror or exc}") from exc

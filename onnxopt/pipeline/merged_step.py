@@ -1,4 +1,4 @@
-"""The whole denoising step in one graph (issue 14, item 6): ControlNet and UNet step graph merged.
+"""The whole denoising step in one graph: ControlNet and UNet step graph merged.
 
 A ControlNet step used to be three session runs, each bound and captured on its own::
 

@@ -1,4 +1,4 @@
-"""More than one ControlNet (issue 14 item 5): diffusers' MultiControlNetModel on the step graphs.
+"""More than one ControlNet: diffusers' MultiControlNetModel on the step graphs.
 
 diffusers' ``MultiControlNetModel`` runs each ControlNet on its own image and conditioning scale,
 at the same ``sample``, ``timestep`` and text, and sums their residuals before the UNet reads them
@@ -79,13 +79,13 @@ def sum_controlnet_residuals(step: Model, count: int) -> Model:
         first = inputs[name]
         total = first
         for k in range(1, count):
-            other = gs.Variable(interface_name(name, k), dtype=first.dtype, shape=first.shape)
+            other = make.variable(interface_name(name, k), first.dtype, first.shape, exact=True)
             added.append(other)
             total = make.op.Add(total, other, _shape=first.shape)
             if k == 1:
                 first_add = total.inputs[0]
         redirect_consumers(first, total, skip=first_add)
-    graph.nodes.extend(make.nodes)
+    make.into(graph)
     at = max(i for i, t in enumerate(graph.inputs) if t.name in names) + 1
     graph.inputs = [*graph.inputs[:at], *added, *graph.inputs[at:]]
     graph.toposort()

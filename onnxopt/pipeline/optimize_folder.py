@@ -38,7 +38,7 @@ file): :mod:`onnxopt.pipeline.static_text`.
 The step graph: after the UNet is written, :func:`onnxopt.pipeline.step_graph.write_step_graph` writes
 ``unet/step.onnx`` beside it (guidance and the scheduler update appended; the UNet's weights referred
 to, not copied); with ``cfg_late`` (``--cfg-late``, off by default until measured on a GPU) what both
-guidance halves share is computed once in it (:mod:`onnxopt.pipeline.cfg_late`). With a ControlNet,
+guidance halves share is computed once in it (:mod:`onnxopt.passes.cfg_late`). With a ControlNet,
 ``merged_step.onnx`` at the root holds the ControlNet and that step graph in one graph
 (:mod:`onnxopt.pipeline.merged_step`; weights referred to as well). More than one ControlNet
 (``controlnet/``, ``controlnet_1/``...: diffusers' MultiControlNetModel layout): each gets the
@@ -60,6 +60,7 @@ import numpy as np
 
 from onnxopt import progress as progress_line
 from onnxopt.errors import ModelSaveError, OnnxoptError, VerificationError
+from onnxopt.loading import read_json_object as _read_json  # a config.json, or {} (the defaults apply)
 from onnxopt.library_logs import quiet_libraries
 from onnxopt.outputs import Inputs, Outputs, staged, temp_folder_beside
 from onnxopt.pipeline.controlnet_hint import write_hint_graph
@@ -214,15 +215,6 @@ def read_components(folder: Path) -> list[PipelineComponent]:
     return out
 
 
-def _read_json(path: Path) -> dict:
-    """A component's config.json, or {} where it is missing or unreadable (the defaults then apply)."""
-    try:
-        value = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    return value if isinstance(value, dict) else {}
-
-
 def plan_outputs(src: Path, dst: Path, report_json=None) -> tuple[Path, Path | None, Outputs]:
     """Check, before any work, the folder to write and the report beside it (:mod:`onnxopt.outputs`):
     (the folder to build, the report's path inside it or None, the outputs)."""
@@ -310,14 +302,11 @@ def _run_once(model, feed: dict) -> dict[str, np.ndarray]:
 
 def _run_on_cuda(model, feed: dict, work: Path) -> dict[str, np.ndarray]:
     from onnxopt.precision import CUDA_CHECK_PROVIDERS
-    from onnxopt.runtime import import_onnxruntime
+    from onnxopt.runtime import inference_session
     from onnxopt.saving import save_model
 
-    ort = import_onnxruntime()
     path = save_model(model, work / "check.onnx", external_data=True).path
-    options = ort.SessionOptions()
-    options.log_severity_level = 3
-    session = ort.InferenceSession(str(path), options, providers=CUDA_CHECK_PROVIDERS)
+    session = inference_session(path, CUDA_CHECK_PROVIDERS)  # quiet: cuDNN's discarded plans logged 18 [E:...] lines
     names = [o.name for o in session.get_outputs()]
     return dict(zip(names, session.run(names, feed)))
 
@@ -433,7 +422,7 @@ def optimize_folder(src, dst, target: str = "ort-cuda", fp16: bool = False, veri
     ``fp16_options``: extra options of the fp16 pass for every component. ``step_graph``: write
     ``unet/step.onnx``; ``context_kv``: with its cross-attention K/V cut into
     ``unet/step.context_kv.onnx``, run once per prompt (:func:`write_step_graph`); ``cfg_late``:
-    with what both guidance halves share computed once (:mod:`onnxopt.pipeline.cfg_late`);
+    with what both guidance halves share computed once (:mod:`onnxopt.passes.cfg_late`);
     ``merged_step``: with a ControlNet, also ``merged_step.onnx`` at the root, the ControlNet and the
     step graph in one graph (:func:`onnxopt.pipeline.merged_step.write_merged_step`).
     ``static_text``: beside each text encoder, ``model.static.b{b}.onnx`` for each batch the
@@ -562,7 +551,7 @@ def _write_static_text(src: Path, tmp: Path, name: str) -> str:
 def _cfg_late_note(step_path: Path) -> str:
     import onnx
 
-    from onnxopt.pipeline.cfg_late import CFG_LATE_METADATA
+    from onnxopt.passes.cfg_late import CFG_LATE_METADATA
 
     props = {p.key: p.value for p in onnx.load(str(step_path), load_external_data=False).metadata_props}
     return props.get(CFG_LATE_METADATA, "nothing moved")
@@ -617,13 +606,13 @@ def cli_optimize_folder(args) -> int:
         raise OnnxoptError("--calibration is for one model; a folder's VAE is calibrated at the folder's size")
     if args.shape or args.dim or args.external_data is not None or args.strict:
         raise OnnxoptError("--shape/--dim/--external-data/--strict are for one model file, not a pipeline folder")
-    from onnxopt.cli import _fp16_options
+    from onnxopt.cli_args import fp16_options
 
-    fp16_options = _fp16_options(args)
-    if fp16_options and not args.fp16:
+    fp16_flags = fp16_options(args)
+    if fp16_flags and not args.fp16:
         raise OnnxoptError("fp16 options need --fp16")
     report = optimize_folder(args.input, args.output, target=args.target or "ort-cuda", fp16=args.fp16,
-                             verify=args.verify, tolerance=Tolerance(args.atol, args.rtol), fp16_options=fp16_options,
+                             verify=args.verify, tolerance=Tolerance(args.atol, args.rtol), fp16_options=fp16_flags,
                              context_kv=args.context_kv, cfg_late=getattr(args, "cfg_late", False),
                              report_json=args.report_json, progress=not args.quiet,
                              engines_for=_engines_for(args))

@@ -47,6 +47,7 @@ for the ablation.
 from __future__ import annotations
 
 import functools
+import json
 import math
 import sys
 import time
@@ -58,7 +59,19 @@ import numpy as np
 from onnxopt.errors import MissingDependencyError, OnnxoptError
 from onnxopt.pipeline import images
 from onnxopt.pipeline.bound_session import BoundSession
-from onnxopt.pipeline.folder import MERGED_STEP_FILE, PipelineFolder
+from onnxopt.pipeline.folder import PipelineFolder
+from onnxopt.pipeline.plan import (
+    BOUND,
+    HOST,
+    STEP_LOOP,
+    GenerationError,
+    GenerationPlan,
+    PlanOptions,
+    SessionEntry,
+    build_step_graph_in_memory,
+    hint_key,
+    plan_generation,
+)
 from onnxopt.pipeline.two_streams import TwoStreamStepLoop
 from onnxopt.pipeline.sessions import (
     DeviceStepLoop,
@@ -73,12 +86,6 @@ from onnxopt.pipeline.sessions import (
     timestep_feed,
 )
 
-INMEMORY_STEP_GRAPH_MAX_BYTES = 1_800_000_000  # serialized bytes with the weights inline stay under protobuf's 2 GB
-
-
-class GenerationError(OnnxoptError):
-    """A bad generation request (size, steps, ControlNet image...): one line, exit code 2."""
-
 
 @dataclass
 class Result:
@@ -90,6 +97,41 @@ class Result:
     def image(self):
         """The PIL image, made on first use (1.6 ms at 512x512 that a caller of ``pixels`` never needs)."""
         return images.to_pil(self.pixels)
+
+
+class StartupStatus:
+    """What start-up is doing, on one line of stderr (``say(text)`` replaces it; ``done()`` clears
+    it), when ``enabled`` (None: when stderr is a terminal); nothing otherwise."""
+
+    line_shown = False  # the one status line of stderr, whichever instance wrote it
+
+    def __init__(self, enabled: bool | None = None):
+        self.enabled = sys.stderr.isatty() if enabled is None else enabled
+
+    def __call__(self, text: str) -> None:
+        if self.enabled:
+            sys.stderr.write(f"\r\x1b[Konnxopt: {text}...")
+            sys.stderr.flush()
+            StartupStatus.line_shown = True
+
+    @staticmethod
+    def done() -> None:
+        if StartupStatus.line_shown:
+            sys.stderr.write("\r\x1b[K")
+            sys.stderr.flush()
+            StartupStatus.line_shown = False
+
+
+def clears_status(function):
+    """``function``, clearing a status line it leaves when it raises (an error then starts its own line)."""
+    @functools.wraps(function)
+    def run(*args, **kwargs):
+        try:
+            return function(*args, **kwargs)
+        except BaseException:
+            StartupStatus.done()
+            raise
+    return run
 
 
 def _torch():
@@ -128,14 +170,17 @@ class Pipeline:
         self.step_source, self.cuda_graph, self.io_binding = step_source, cuda_graph, io_binding
         self.device_id, self.threads = device_id, threads
         self.creation_s = creation_s  # Pipeline.load: opening the folder and creating every session
+        self.plan: GenerationPlan | None = None  # what from_plan made the sessions from
         self.controlnet_model: Path | None = None  # the ControlNet graph the step runs (set by load)
         self.merged_step = False  # the step session is merged_step.onnx (ControlNet inside)
         self.launch_timing = False  # time each step's launch apart from its wait (DeviceStepLoop)
         self.calls = 0
+        self.status = StartupStatus(False)  # what loading a session on first use says (load sets it)
         self._plans: dict = {}  # (scheduler, steps) -> StepPlan
         self._schedulers: dict = {}  # name -> diffusers' scheduler (Pipeline._scheduler)
         self._device_loops: dict = {}  # DeviceStepLoop.key -> a loop whose buffers (and captured graphs) stay put
         self.tokenizers = {name: folder.tokenizer(name) for name in _tokenizers_of(folder.kind)}
+        self._warned_truncation: set = set()  # prompts already warned about
         self.static_text = False  # use text_encoder*/model.static.b{b}.onnx (set by load)
         self.text_sources: dict[str, str] = {}  # encoder -> the graph its last prompt ran on, and why
         self._open_once = lambda name, model=None: create_session(  # noqa: E731 (load gives BoundSessions)
@@ -147,10 +192,12 @@ class Pipeline:
         return "step" in self.sessions
 
     @classmethod
+    @clears_status
     def load(cls, folder, provider: str = "cpu", *, fused_step: bool = True, cuda_graph: bool = True, device_id: int = 0,
              threads: int | None = None, io_binding: bool | None = None, context_kv: bool = True,
              controlnet_hint: bool = True, merged_step: bool = True, launch_timing: bool = False,
-             step_file: str | None = None, two_streams: bool | None = None, static_text: bool = True) -> "Pipeline":
+             step_file: str | None = None, two_streams: bool | None = None, static_text: bool = True,
+             status: bool | None = None) -> "Pipeline":
         """Open ``folder`` and create its sessions on ``provider`` (cpu | cuda | tensorrt).
 
         ``cuda_graph`` (cuda/tensorrt): capture the step graph as CUDA graphs. ``fused_step=False``
@@ -163,7 +210,7 @@ class Pipeline:
         ``write_step_graph(unet_dir, file_name=..., cfg_late=True)`` writes: for ablations.
 
         The pipeline rewrites an optimized folder holds, each used when present and switched on
-        (switching one off is the ablation of issue 14; a rewrite that is off never needs a file):
+        (switching one off measures what it buys; a rewrite that is off never needs a file):
 
         * ``context_kv``: ``unet/step.context_kv.onnx`` once per prompt (cross-attention K/V, and
           SDXL's added conditioning) and ``unet/step.onnx`` reading them; off: the step graph of
@@ -188,106 +235,49 @@ class Pipeline:
         the loop then waits for the device; ``timings["step_launch_mean_s"]`` is the host's part of
         a step (the step's CPU-side overhead is at most that plus the wait's return), beside
         ``step_mean_s``, the whole step.
+
+        ``status``: say what start-up is doing (importing, loading each component, building the step
+        graph) on one line of stderr, cleared when done; None: only when stderr is a terminal.
         """
         start = time.perf_counter()
+        say = StartupStatus(status)
         folder = folder if isinstance(folder, PipelineFolder) else PipelineFolder.open(folder)
         require_provider(provider)
-        if provider == "tensorrt":  # each component's engine, host loop (onnxopt.runners.engine_session)
-            fused_step, io_binding, static_text = False, False, False
+        say("importing torch and diffusers")
         _torch()
-        graph = cuda_graph and provider != "cpu"
-        make = lambda name, model=None, **kw: create_session(  # noqa: E731
-            model or folder.component(name).model, provider, name=f"{folder.root / name}", device_id=device_id,
-            threads=threads, **kw)
-        io_binding = provider != "cpu" if io_binding is None else io_binding
-        two_streams = provider != "cpu" if two_streams is None else two_streams
+        options = PlanOptions(fused_step=fused_step, cuda_graph=cuda_graph, io_binding=io_binding, context_kv=context_kv,
+                              controlnet_hint=controlnet_hint, merged_step=merged_step, step_file=step_file,
+                              two_streams=two_streams, static_text=static_text)
+        return cls.from_plan(folder, plan_generation(folder, provider, options), device_id=device_id, threads=threads,
+                             launch_timing=launch_timing, start=start, say=say)
 
-        def captured(name, model, say: bool = False, capture: bool | None = None, **kw):
-            """(session, whether it captures): CUDA graphs when asked (``capture``, default ``graph``)
-            and ORT can, else a plain session (``say``: tell the user; the step's capture is what the
-            speed depends on)."""
-            capture = graph if capture is None else capture
-            try:
-                return make(name, model, cuda_graph=capture, **kw), capture
-            except OnnxoptError as exc:  # ORT refuses capture when a node is not on the GPU EP
-                if not capture:
-                    raise
-                if say:
-                    print(f"onnxopt: step graph without CUDA graph capture: {exc}", file=sys.stderr)
-                return make(name, model, **kw), False
-
-        def once(name, model=None, capture: bool | None = None):
-            """A graph run once per prompt or image: on bound buffers, captured when ORT can."""
-            if not io_binding:
-                return make(name, model)
-            session, capturing = captured(name, model, capture=capture)
-            return BoundSession(require_provider(provider), session, device="cpu" if provider == "cpu" else "cuda",
-                                device_id=device_id, cuda_graph=capturing)
-
-        sessions = {name: once(name) for name in ("vae_decoder",) if folder.has(name)}
-        if "vae_decoder" in sessions:
-            check_interface(sessions["vae_decoder"], folder.component("vae_decoder").model, "VAE decoder",
+    @classmethod
+    def from_plan(cls, folder: PipelineFolder, plan: GenerationPlan, *, device_id: int = 0, threads: int | None = None,
+                  launch_timing: bool = False, start: float | None = None, say: StartupStatus | None = None) -> "Pipeline":
+        """Create the sessions ``plan`` lists, in its order, each as its ``binds`` says (text
+        encoders on first use); the step session's capture outcome decides the rest's. ``say``:
+        the start-up status line (:class:`StartupStatus`)."""
+        start = time.perf_counter() if start is None else start
+        say = say or StartupStatus(False)
+        sessions = _SessionMaker(folder, plan, device_id, threads, say)
+        for entry in plan.sessions:
+            if not entry.lazy:
+                sessions.make(entry)
+        made = sessions.sessions
+        if "vae_decoder" in made:
+            check_interface(made["vae_decoder"], folder.component("vae_decoder").model, "VAE decoder",
                             ["latent_sample"], ["sample"])
-        # text encoders: made on first use (Pipeline.text_session), asking for capture as loaded here
-        # (the step graph's own outcome rebinds ``graph`` below)
-        open_text = lambda name, model=None, capture=graph: once(name, model, capture)  # noqa: E731
-        controlnet_models = []  # the graph each ControlNet's step runs, in order
-        for k, name in enumerate(folder.controlnets):
-            component = folder.component(name)
-            hint = component.hint_model if fused_step and controlnet_hint else None
-            controlnet_models.append(component.model)
-            if hint is not None:  # the conditioning embedding once per image (onnxopt.pipeline.controlnet_hint)
-                sessions[hint_key(k)] = once(name, hint)
-                controlnet_models[-1] = component.step_model
-        controlnet_model = controlnet_models[0] if controlnet_models else None
-        step_source, merged = "unfused", None
-        if fused_step:
-            step_model, step_source = _step_graph(folder, context_kv, step_file)
-            context = folder.component("unet").context_model if step_source == "unet/step.onnx" else None
-            if step_file is not None:
-                context = Path(step_model).with_suffix(".context_kv.onnx")
-                context = context if context.is_file() else None
-            streams = None
-            if two_streams and controlnet_model is not None and io_binding and step_source == "unet/step.onnx":
-                streams = _two_stream_graphs(folder)
-            if controlnet_model is not None and merged_step and streams is None:
-                merged = _merged_step_graph(folder, controlnet_models, step_source)
-            if context is not None:  # cross-attention K/V once per prompt (step.context_kv.onnx)
-                sessions["context"] = once("unet", context)
-            if merged is not None:  # ControlNet + UNet step graph: one run per step
-                parts = " + ".join([step_source, *(_relative(folder, m) for m in controlnet_models)])
-                step_model, step_source = merged, f"{MERGED_STEP_FILE} ({parts})"
-            if streams is not None:  # down beside the ControlNet, then the rest
-                sessions["down"], _ = captured("unet", streams[1])
-                step_model, step_source = streams[0], f"{streams[0].name} + {streams[1].name} (two streams)"
-            if context is not None:
-                step_source += f" + {context.name}"
-            if step_model is not None:
-                beside = {"external_data_folder": folder.component("unet").folder} if isinstance(step_model, bytes) else {}
-                sessions["step"], graph = captured("unet", step_model, say=True, **beside)
-        two = "down" in sessions
-        if merged is None:  # captured too when they run on a stream of their own
-            for name, model in zip(folder.controlnets, controlnet_models):
-                sessions[name] = captured(name, model)[0] if two else make(name, model)
-        if "step" in sessions:
-            from onnxopt.pipeline.step_reuse import reuse_step_model
-
-            sessions["reuse"] = create_session(reuse_step_model(), provider, name="reuse step", device_id=device_id)
-        else:
-            sessions["unet"] = make("unet")
-        if io_binding and "controlnet" in sessions and "step" in sessions:  # one input graph serves every ControlNet
-            cn = sessions["controlnet"]
-            timestep = next(i for i in cn.get_inputs() if i.name == "timestep")
-            sessions["controlnet_prepare"] = create_session(
-                controlnet_prepare_model(input_types(cn)["sample"], input_types(cn)["timestep"],
-                                         tuple(timestep.shape or ())), provider, name="controlnet input",
-                device_id=device_id, cuda_graph=graph and two)
-        pipe = cls(folder, provider, sessions, step_source=step_source, cuda_graph=graph and "step" in sessions,
-                   io_binding=io_binding, device_id=device_id, threads=threads, creation_s=time.perf_counter() - start)
-        pipe.controlnet_model, pipe.merged_step = controlnet_model, merged is not None and "step" in sessions
-        pipe.controlnet_models = controlnet_models
+        pipe = cls(folder, plan.provider, made, step_source=plan.step, cuda_graph=sessions.capture and "step" in made,
+                   io_binding=plan.io_binding, device_id=device_id,
+                   threads=threads, creation_s=time.perf_counter() - start)
+        pipe.plan = plan
+        pipe.controlnet_model = plan.controlnet_models[0] if plan.controlnet_models else None
+        pipe.merged_step = plan.merged_step and "step" in made
+        pipe.controlnet_models = plan.controlnet_models
         pipe.launch_timing = launch_timing
-        pipe.static_text, pipe._open_once = static_text, open_text
+        pipe.static_text, pipe._open_once = plan.static_text, sessions.text_encoder
+        pipe.status = say
+        say.done()
         return pipe
 
     def _controlnet_session(self, k: int = 0):
@@ -317,9 +307,22 @@ class Pipeline:
     # --- the text side, once per prompt ---------------------------------------------------------
 
     def _token_ids(self, name: str, texts: list[str]) -> np.ndarray:
+        """diffusers' ``encode_prompt``: padded to model_max_length and cut there, and, as diffusers
+        warns, a warning on stderr naming the part of the prompt that was cut (once per prompt)."""
         tokenizer = self.tokenizers[name]
-        return tokenizer(texts, padding="max_length", max_length=tokenizer.model_max_length, truncation=True,
-                         return_tensors="np").input_ids
+        ids = tokenizer(texts, padding="max_length", max_length=tokenizer.model_max_length, truncation=True,
+                        return_tensors="np").input_ids
+        prompt = texts[-1]  # as diffusers: the prompt is checked, the negative prompt is cut silently
+        if prompt not in self._warned_truncation:
+            # transformers' own "longer than the specified maximum" line is not the user's: ours says it
+            getattr(tokenizer, "deprecation_warnings", {})["sequence-length-is-longer-than-the-specified-maximum"] = True
+            whole = tokenizer(prompt, padding="longest").input_ids
+            if len(whole) > tokenizer.model_max_length:
+                self._warned_truncation.add(prompt)
+                removed = tokenizer.decode(whole[tokenizer.model_max_length - 1: -1])
+                print(f"onnxopt: warning: the following part of your input was truncated because CLIP can only handle "
+                      f"sequences up to {tokenizer.model_max_length} tokens: {removed!r}", file=sys.stderr)
+        return ids
 
     def text_session(self, encoder: str, batch: int):
         """The session that encodes ``batch`` prompts with ``encoder``: its static graph for that
@@ -332,6 +335,8 @@ class Pipeline:
             session = self._open_once(encoder, static.get(batch))
             check_interface(session, static.get(batch) or component.model, "text encoder", ["input_ids"],
                             ["last_hidden_state"] if self.folder.kind != "sdxl" else [])
+            tokenizer = self.tokenizers["tokenizer" if encoder == "text_encoder" else "tokenizer_2"]
+            check_prompt_length(self.folder, encoder, tokenizer.model_max_length, session)
             self.sessions[key] = session
         if batch in static:
             self.text_sources[encoder] = static[batch].name
@@ -369,20 +374,22 @@ class Pipeline:
 
     # --- one image -----------------------------------------------------------------------------
 
+    @clears_status
     def __call__(self, prompt: str, negative_prompt: str | None = None, steps: int = 50, guidance: float = 7.5,
-                 scheduler: str = "ddim", seed: int = 0, height: int | None = None, width: int | None = None,
+                 scheduler: str | None = None, seed: int = 0, height: int | None = None, width: int | None = None,
                  controlnet_image=None, controlnet_scale=1.0, progress: bool = True, reuse=None) -> Result:
-        """One image. ``controlnet_image``: the conditioning image (a path, PIL image or array), or a
+        """One image. ``scheduler``: one of :data:`~onnxopt.pipeline.schedulers.SCHEDULERS`, made from
+        the folder's config; None: the folder's own scheduler, as diffusers' pipeline uses it.
+        ``guidance`` <= 1 turns classifier-free guidance off, as diffusers does (the negative prompt
+        is then unused). ``controlnet_image``: the conditioning image (a path, PIL image or array), or a
         list of one per ControlNet (folders with ``controlnet_1/``...); ``controlnet_scale``: one
         scale for every ControlNet, or a list of one per ControlNet (diffusers' semantics)."""
         from diffusers.utils.torch_utils import randn_tensor
 
-        from onnxopt.pipeline.schedulers import SchedulerError
-
         torch = _torch()
         folder = self.folder
-        check_request(folder, steps=steps, scheduler=scheduler, height=height, width=width,
-                      controlnet_image=controlnet_image, controlnet_scale=controlnet_scale)
+        scheduler = check_request(folder, steps=steps, scheduler=scheduler, height=height, width=width,
+                                  controlnet_image=controlnet_image, controlnet_scale=controlnet_scale)
         check_numbers(guidance=guidance, seed=seed, controlnet_scale=controlnet_scale)
         check_prompts(prompt, negative_prompt)
         reused = reuse_steps(reuse, steps)
@@ -392,113 +399,22 @@ class Pipeline:
             controls.append(images.preprocess_control_image(image, height, width, factor))
             # as diffusers: the (first) preprocessed image sets the size; later ones are resized to it
             height, width = controls[0].shape[-2:]
-        default_h, default_w = folder.default_size
+        default_h, default_w = default_size(folder)
         height, width = height or default_h, width or default_w
         _check_size(height, width, factor)
 
         timings: dict = {"provider": self.provider, "step": self.step_source, "cuda_graph": self.cuda_graph,
                          "session_runs_per_step": self.session_runs_per_step()}
         start = time.perf_counter()
-        t0 = time.perf_counter()
-        cond = self.encode_prompt(prompt, negative_prompt)
-        if folder.kind == "sdxl":
-            time_ids = np.asarray([[height, width, 0, 0, height, width]], np.float32)  # original, crop (0,0), target
-            cond["time_ids"] = np.concatenate([time_ids, time_ids])
-        if "context" in self.sessions:  # the step graph reads the cross-attention K/V, not the text
-            # on bound buffers the K/V stay on the device, where the step loop binds them (SDXL's
-            # 140 K/V tensors, 50 MB, cost ~20 ms a prompt through the host: session 8's table)
-            cond.update(run_on_device(self.sessions["context"], cond))
-        timings["text_encoder_s"] = time.perf_counter() - t0
-        timings["text_encoders"] = dict(self.text_sources)
-
+        cond = self._conditioning(prompt, negative_prompt, height, width, timings)
         sched = self._scheduler(scheduler)
         channels = folder.config("unet").get("in_channels", 4)
         generator = torch.Generator("cpu").manual_seed(seed)
         noise = randn_tensor((1, channels, height // factor, width // factor), generator=generator,
                              device=torch.device("cpu"), dtype=torch.float32)
-        controlnet = None  # per ControlNet: its per-image inputs by its own input names
-        if controls:
-            from onnxopt.pipeline.multi_controlnet import interface_name
-
-            scales = as_list(controlnet_scale) * (len(controls) if len(as_list(controlnet_scale)) == 1 else 1)
-            controlnet = []
-            t0 = time.perf_counter()
-            for k, (control, scale) in enumerate(zip(controls, scales)):
-                feeds = {"encoder_hidden_states": cond["encoder_hidden_states"],
-                         "controlnet_cond": np.concatenate([control, control]),
-                         "conditioning_scale": np.asarray([scale], np.float32)}
-                if hint_key(k) in self.sessions:  # the step graph reads the hint, not the image
-                    feeds.update(run_host(self.sessions[hint_key(k)], feeds))
-                if self.merged_step:
-                    reads = input_types(self.sessions["step"])
-                    feeds = {n: v for n, v in feeds.items() if interface_name(n, k) in reads}
-                else:
-                    reads = input_types(self._controlnet_session(k))
-                    feeds = {n: v for n, v in feeds.items() if n in reads}
-                controlnet.append(feeds)
-            if any(hint_key(k) in self.sessions for k in range(len(controls))):
-                timings["controlnet_hint_s"] = time.perf_counter() - t0
-
-        bar = _progress(steps, progress)
-        plan = None
-        if self.fused_step:
-            try:
-                plan = self._plan(scheduler, sched, steps)
-            except SchedulerError as exc:  # e.g. DDIM with clip_sample: not affine, diffusers' own step then
-                timings["step"] = f"unfused: {exc}"
-        if plan is not None:
-            latents = (noise * plan.init_noise_sigma).numpy()
-            static, step_controlnet = cond, controlnet
-            if self.merged_step and controlnet is not None:  # the ControlNets' inputs are the step graph's
-                from onnxopt.pipeline.multi_controlnet import interface_feeds
-
-                static, step_controlnet = dict(cond), None
-                for k, feeds in enumerate(controlnet):
-                    static.update(interface_feeds(feeds, k))
-            loop = self._step_loop(latents, static, step_controlnet, len(plan))
-            loop.start(plan, latents, static, guidance, step_controlnet)
-            t1 = time.perf_counter()
-            loop.step()  # the first step alone: it includes the graph capture
-            timings["first_step_s"] = time.perf_counter() - t1
-            bar.update()
-            computed, reused_times = [], []
-            for k in range(1, len(plan)):
-                t1 = time.perf_counter()
-                loop.step(reuse=k in reused)
-                (reused_times if k in reused else computed).append(time.perf_counter() - t1)
-                bar.update()
-            timings["step_mean_s"] = float(np.mean(computed)) if computed else timings["first_step_s"]
-            timings["steps_s"] = timings["first_step_s"] + float(np.sum(computed)) + float(np.sum(reused_times))
-            if reused_times:
-                timings["reused_step_mean_s"] = float(np.mean(reused_times))
-            launches = getattr(loop, "launches", [])[1:]  # computed steps after the first (capture)
-            if launches:
-                timings["step_launch_mean_s"] = float(np.mean(launches))
-            latents = loop.latents().astype(np.float32)
-            timings["steps"] = len(plan)
-        else:
-            step_times: list = []
-            latents = self._unfused_loop(sched, steps, noise, cond, controlnet, guidance, step_times, bar, folder.kind,
-                                         reused)
-            timings["first_step_s"] = step_times[0]
-            computed = [t for k, t in enumerate(step_times) if k and k not in reused]
-            timings["step_mean_s"] = float(np.mean(computed)) if computed else step_times[0]
-            timings["steps_s"] = float(np.sum(step_times))
-            timings["steps"] = len(step_times)
-        timings["unet_steps"] = timings["steps"] - len(reused)
-        bar.close()
-
-        # The VAE stage, split so a slow one shows which part is slow: the decoder's run (latents in,
-        # the graph, the image out to the host) and diffusers' postprocessing on the host (torch CPU).
-        t0 = time.perf_counter()
-        decoded = run_host(self.sessions["vae_decoder"], {"latent_sample": self._unscale(latents)})["sample"]
-        t1 = time.perf_counter()
-        if not np.isfinite(decoded).all():  # a NaN image would be written as a silently black PNG
-            raise GenerationError(f"the image is not finite (NaN or inf out of the VAE decoder, guidance {guidance:g}): "
-                                  "nothing written")
-        pixels = images.postprocess(decoded, factor)[0]
-        timings["vae_decode_s"] = time.perf_counter() - t0
-        timings["vae_run_s"], timings["vae_postprocess_s"] = t1 - t0, timings["vae_decode_s"] - (t1 - t0)
+        controlnet = self._controlnet_inputs(cond, controls, controlnet_scale, timings) if controls else None
+        latents = self._denoise(scheduler, sched, steps, noise, cond, controlnet, guidance, reused, progress, timings)
+        pixels = self._decode(latents, guidance, timings)
         timings["total_s"] = time.perf_counter() - start
         # what no stage holds: the scheduler's set-up, the initial noise, the writes into bound buffers
         timings["rest_s"] = timings["total_s"] - sum(timings.get(k, 0.0) for k in (
@@ -509,13 +425,140 @@ class Pipeline:
         self.calls += 1
         return Result(latents=latents, pixels=pixels, timings=timings)
 
+    def _conditioning(self, prompt, negative_prompt, height: int, width: int, timings: dict) -> dict:
+        """The step's conditioning: the text encoders' outputs (SDXL: with its time ids), and the
+        cross-attention K/V when the step graph reads them instead of the text."""
+        t0 = time.perf_counter()
+        cond = self.encode_prompt(prompt, negative_prompt)
+        if self.folder.kind == "sdxl":
+            time_ids = np.asarray([[height, width, 0, 0, height, width]], np.float32)  # original, crop (0,0), target
+            cond["time_ids"] = np.concatenate([time_ids, time_ids])
+        if "context" in self.sessions:  # the step graph reads the cross-attention K/V, not the text
+            # on bound buffers the K/V stay on the device, where the step loop binds them (SDXL's
+            # 140 K/V tensors, 50 MB, cost ~20 ms a prompt through the host)
+            cond.update(run_on_device(self.sessions["context"], cond))
+        timings["text_encoder_s"] = time.perf_counter() - t0
+        timings["text_encoders"] = dict(self.text_sources)
+        return cond
+
+    def _controlnet_inputs(self, cond: dict, controls: list, controlnet_scale, timings: dict) -> list[dict]:
+        """Per ControlNet: its per-image inputs by its own input names (the hint, where its step
+        graph reads the hint rather than the image)."""
+        from onnxopt.pipeline.multi_controlnet import interface_name
+
+        scales = as_list(controlnet_scale) * (len(controls) if len(as_list(controlnet_scale)) == 1 else 1)
+        controlnet = []
+        t0 = time.perf_counter()
+        for k, (control, scale) in enumerate(zip(controls, scales)):
+            feeds = {"encoder_hidden_states": cond["encoder_hidden_states"],
+                     "controlnet_cond": np.concatenate([control, control]),
+                     "conditioning_scale": np.asarray([scale], np.float32)}
+            if hint_key(k) in self.sessions:  # the step graph reads the hint, not the image
+                feeds.update(run_host(self.sessions[hint_key(k)], feeds))
+            if self.merged_step:
+                reads = input_types(self.sessions["step"])
+                feeds = {n: v for n, v in feeds.items() if interface_name(n, k) in reads}
+            else:
+                reads = input_types(self._controlnet_session(k))
+                feeds = {n: v for n, v in feeds.items() if n in reads}
+            controlnet.append(feeds)
+        if any(hint_key(k) in self.sessions for k in range(len(controls))):
+            timings["controlnet_hint_s"] = time.perf_counter() - t0
+        return controlnet
+
+    def _denoise(self, name: str, sched, steps: int, noise, cond, controlnet, guidance: float, reused, progress: bool,
+                 timings: dict) -> np.ndarray:
+        """The denoising loop: the fused step when the pipeline has one and the scheduler is affine,
+        else diffusers' loop."""
+        from onnxopt.pipeline.schedulers import SchedulerError
+
+        # diffusers' do_classifier_free_guidance is guidance > 1: below, one UNet row of the prompt alone.
+        # The step graphs run both rows; at guidance 1 their eps_u + 1 * (eps_c - eps_u) is eps_c
+        # within fp32 rounding, the negative prompt's row cancelling out.
+        cfg = classifier_free_guidance(guidance)
+        timings["classifier_free_guidance"] = cfg
+        plan = None
+        if self.fused_step:
+            try:
+                plan = self._plan(name, sched, steps)
+            except SchedulerError as exc:  # e.g. DDIM with clip_sample: not affine, diffusers' own step then
+                timings["step"] = f"unfused: {exc}"
+        if plan is None:
+            self._unet_session()
+            sched.set_timesteps(steps)  # PNDM runs steps + 1 (its second timestep twice): the bar counts them
+        self.status.done()
+        bar = _progress(len(plan) if plan is not None else len(sched.timesteps), progress)
+        if plan is not None:
+            latents = self._fused_loop(plan, noise, cond, controlnet, guidance if cfg else 1.0, reused, bar, timings)
+        else:
+            step_times: list = []
+            latents = self._unfused_loop(sched, steps, noise, cond, controlnet, guidance if cfg else None, step_times,
+                                         bar, self.folder.kind, reused)
+            timings["first_step_s"] = step_times[0]
+            computed = [t for k, t in enumerate(step_times) if k and k not in reused]
+            timings["step_mean_s"] = float(np.mean(computed)) if computed else step_times[0]
+            timings["steps_s"] = float(np.sum(step_times))
+            timings["steps"] = len(step_times)
+        timings["unet_steps"] = timings["steps"] - len(reused)
+        bar.close()
+        return latents
+
+    def _fused_loop(self, plan, noise, cond, controlnet, step_guidance: float, reused, bar, timings: dict) -> np.ndarray:
+        """The step graph's loop on the step plan's coefficient table; the first step (with its
+        graph capture) timed apart."""
+        latents = (noise * plan.init_noise_sigma).numpy()
+        static, step_controlnet = cond, controlnet
+        if self.merged_step and controlnet is not None:  # the ControlNets' inputs are the step graph's
+            from onnxopt.pipeline.multi_controlnet import interface_feeds
+
+            static, step_controlnet = dict(cond), None
+            for k, feeds in enumerate(controlnet):
+                static.update(interface_feeds(feeds, k))
+        loop = self._step_loop(latents, static, step_controlnet, len(plan))
+        loop.start(plan, latents, static, step_guidance, step_controlnet)
+        t1 = time.perf_counter()
+        loop.step()  # the first step alone: it includes the graph capture
+        timings["first_step_s"] = time.perf_counter() - t1
+        bar.update()
+        computed, reused_times = [], []
+        for k in range(1, len(plan)):
+            t1 = time.perf_counter()
+            loop.step(reuse=k in reused)
+            (reused_times if k in reused else computed).append(time.perf_counter() - t1)
+            bar.update()
+        timings["step_mean_s"] = float(np.mean(computed)) if computed else timings["first_step_s"]
+        timings["steps_s"] = timings["first_step_s"] + float(np.sum(computed)) + float(np.sum(reused_times))
+        if reused_times:
+            timings["reused_step_mean_s"] = float(np.mean(reused_times))
+        launches = getattr(loop, "launches", [])[1:]  # computed steps after the first (capture)
+        if launches:
+            timings["step_launch_mean_s"] = float(np.mean(launches))
+        timings["steps"] = len(plan)
+        return loop.latents().astype(np.float32)
+
+    def _decode(self, latents: np.ndarray, guidance: float, timings: dict) -> np.ndarray:
+        """The VAE stage, split so a slow one shows which part is slow: the decoder's run (latents in,
+        the graph, the image out to the host) and diffusers' postprocessing on the host (torch CPU)."""
+        t0 = time.perf_counter()
+        decoded = run_host(self.sessions["vae_decoder"], {"latent_sample": self._unscale(latents)})["sample"]
+        t1 = time.perf_counter()
+        if not np.isfinite(decoded).all():  # a NaN image would be written as a silently black PNG
+            raise GenerationError(f"the image is not finite (NaN or inf out of the VAE decoder, guidance {guidance:g}): "
+                                  "nothing written")
+        pixels = images.postprocess(decoded, self.folder.vae_scale_factor)[0]
+        timings["vae_decode_s"] = time.perf_counter() - t0
+        timings["vae_run_s"], timings["vae_postprocess_s"] = t1 - t0, timings["vae_decode_s"] - (t1 - t0)
+        return pixels
+
     def _scheduler(self, name: str):
         """diffusers' scheduler ``name`` configured from the folder, made once per pipeline (``from_config``
         costs a few ms a call) and reused as diffusers' pipelines reuse theirs: ``set_timesteps`` resets it."""
-        from onnxopt.pipeline.schedulers import make_scheduler
+        from onnxopt.pipeline.schedulers import make_scheduler, pipeline_scheduler_config
 
         if name not in self._schedulers:
-            self._schedulers[name] = make_scheduler(name, self.folder.scheduler_config())
+            config = pipeline_scheduler_config(self.folder.scheduler_config(), self.folder.kind,
+                                               folder_scheduler_class(self.folder))
+            self._schedulers[name] = make_scheduler(name, config)
         return self._schedulers[name]
 
     def _plan(self, name: str, scheduler, steps: int):
@@ -529,10 +572,12 @@ class Pipeline:
         return self._plans[key]
 
     def _unscale(self, latents: np.ndarray) -> np.ndarray:
+        """The VAE decoder's input. latents_mean/latents_std are read by StableDiffusionXLPipeline
+        only: the SD and ControlNet pipelines divide by scaling_factor whatever the VAE config holds."""
         config = self.folder.config("vae_decoder")
         scaling = config.get("scaling_factor", 0.18215)
         mean, std = config.get("latents_mean"), config.get("latents_std")
-        if mean is not None and std is not None:
+        if self.folder.kind == "sdxl" and mean is not None and std is not None:
             mean = np.asarray(mean, np.float32).reshape(1, -1, 1, 1)
             std = np.asarray(std, np.float32).reshape(1, -1, 1, 1)
             return latents * std / np.float32(scaling) + mean
@@ -562,19 +607,26 @@ class Pipeline:
             self._device_loops[key] = loop
         return self._device_loops[key]
 
+    def _unet_session(self):
+        """The UNet's own session: made at load for the unfused loop; on first use when a fused
+        pipeline meets a scheduler the step graph cannot run."""
+        if "unet" not in self.sessions:
+            self.status("loading unet (the scheduler's own step, unfused)")
+            self.sessions["unet"] = create_session(self.folder.component("unet").model, self.provider,
+                                                   name=str(self.folder.root / "unet"), device_id=self.device_id,
+                                                   threads=self.threads)
+        return self.sessions["unet"]
+
     def _unfused_loop(self, sched, steps, noise, cond, controlnet, guidance, step_times, bar, kind, reused=frozenset()):
-        """diffusers' loop: UNet session, guidance in numpy, diffusers' scale_model_input and step
-        (at a ``reused`` step: diffusers' step on the last computed guided output, no UNet)."""
+        """diffusers' loop: UNet session, guidance in numpy (``guidance`` None: no guidance, the
+        prompt's own output), diffusers' scale_model_input and step (at a ``reused`` step: diffusers'
+        step on the last computed guided output, no UNet)."""
         torch = _torch()
         sched.set_timesteps(steps)
         if kind == "sdxl" and hasattr(sched, "set_begin_index"):
             sched.set_begin_index(0)
         latents = noise * sched.init_noise_sigma
-        if "unet" not in self.sessions:  # a fused pipeline meeting a scheduler the step graph cannot run
-            self.sessions["unet"] = create_session(self.folder.component("unet").model, self.provider,
-                                                   name=str(self.folder.root / "unet"), device_id=self.device_id,
-                                                   threads=self.threads)
-        unet = self.sessions["unet"]
+        unet = self._unet_session()
         eps = None
         for k, t in enumerate(sched.timesteps):
             t1 = time.perf_counter()
@@ -593,26 +645,27 @@ class Pipeline:
             feeds.update(residuals)
             eps2 = run_host(unet, feeds)["out_sample"].astype(np.float32)
             eps_u, eps_c = eps2[: len(eps2) // 2], eps2[len(eps2) // 2:]
-            eps = eps_u + np.float32(guidance) * (eps_c - eps_u)
+            eps = eps_c if guidance is None else eps_u + np.float32(guidance) * (eps_c - eps_u)
             latents = sched.step(torch.from_numpy(eps), t, latents, return_dict=False)[0]
             step_times.append(time.perf_counter() - t1)
             bar.update()
         return latents.numpy()
 
 
-def check_request(folder: PipelineFolder, *, steps: int = 50, scheduler: str = "ddim", height=None, width=None,
-                  controlnet_image=None, controlnet_scale=1.0) -> None:
-    """Refuse a bad request before any session exists (one-line :class:`GenerationError`)."""
+@clears_status
+def check_request(folder: PipelineFolder, *, steps: int = 50, scheduler: str | None = None, height=None, width=None,
+                  controlnet_image=None, controlnet_scale=1.0, status: bool | None = False) -> str:
+    """Refuse a bad request before any session exists (one-line :class:`GenerationError`); returns
+    the scheduler's name (``scheduler``, or the folder's own when None). ``status``: as
+    :meth:`Pipeline.load`'s (the scheduler's check imports torch and diffusers: seconds)."""
+    say = StartupStatus(status)
+    say("importing torch and diffusers")
     from onnxopt.pipeline.schedulers import SCHEDULERS
 
-    if scheduler not in SCHEDULERS:
+    if scheduler is not None and scheduler not in SCHEDULERS:
         raise GenerationError(f"unknown scheduler '{scheduler}' (choose from {', '.join(SCHEDULERS)})")
-    if not isinstance(steps, int) or steps < 1:
+    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
         raise GenerationError(f"steps must be at least 1, got {steps}")
-    train_steps = folder.scheduler_config().get("num_train_timesteps", 1000)
-    if isinstance(train_steps, int) and steps > train_steps:  # diffusers' set_timesteps refuses it, deep in the run
-        raise GenerationError(f"steps must be at most {train_steps} (num_train_timesteps of the folder's "
-                              f"scheduler_config.json), got {steps}")
     control_images, names = as_list(controlnet_image), folder.controlnets
     if folder.kind == "controlnet" and not control_images:
         raise GenerationError(f"{folder.root} is a ControlNet pipeline: give a conditioning image (--controlnet-image)")
@@ -634,6 +687,127 @@ def check_request(folder: PipelineFolder, *, steps: int = 50, scheduler: str = "
         if isinstance(image, (str, Path)) and not Path(image).is_file():
             raise GenerationError(f"{image}: no such image")
     _check_size(height, width, folder.vae_scale_factor, allow_none=True)
+    scheduler = _checked_schedule(json.dumps(folder.scheduler_config(), sort_keys=True, default=str), folder.kind,
+                                  folder_scheduler_class(folder), scheduler, steps)
+    check_model_configs(folder)
+    say.done()
+    return scheduler
+
+
+@functools.lru_cache(maxsize=32)
+def _checked_schedule(config_json: str, kind: str, own: str | None, scheduler: str | None, steps: int) -> str:
+    """The scheduler's name for a request (``scheduler``, or the folder's own), once the whole
+    schedule has been dry-run (:func:`~onnxopt.pipeline.schedulers.check_schedule`). Remembered:
+    every image of a pipeline asks the same question, and the dry run of 50 DDIM steps cost about
+    10 ms an image on the H100 host, 3 % of SD 1.5's whole generation. A refusal is not remembered."""
+    from onnxopt.pipeline.schedulers import SchedulerError, check_schedule, folder_scheduler, make_scheduler
+    from onnxopt.pipeline.schedulers import pipeline_scheduler_config
+
+    try:
+        config = pipeline_scheduler_config(json.loads(config_json), kind, own)
+        scheduler = scheduler or folder_scheduler(json.loads(config_json), own)
+        train_steps = config.get("num_train_timesteps", 1000)
+        if steps > train_steps:  # diffusers' set_timesteps refuses it, deep in the run
+            raise GenerationError(f"steps must be at most {train_steps} (num_train_timesteps of the folder's "
+                                  f"scheduler_config.json), got {steps}")
+        check_schedule(make_scheduler(scheduler, config), steps)
+    except SchedulerError as exc:
+        raise GenerationError(str(exc)) from None
+    return scheduler
+
+
+def folder_scheduler_class(folder: PipelineFolder) -> str | None:
+    """The scheduler class diffusers loads for the folder: model_index.json's ["diffusers", class]
+    entry (from_pretrained makes that class, whatever the config's _class_name says), else the
+    config's _class_name."""
+    entry = getattr(folder, "index", {}).get("scheduler")
+    if isinstance(entry, list) and len(entry) == 2 and isinstance(entry[1], str):
+        return entry[1]
+    return folder.scheduler_config().get("_class_name")
+
+
+def fusable(scheduler: str) -> bool:
+    """Whether the fused step graph can run ``scheduler`` (else a load need not prepare it)."""
+    from onnxopt.pipeline.schedulers import FUSED_SCHEDULERS
+
+    return scheduler in FUSED_SCHEDULERS
+
+
+def classifier_free_guidance(guidance: float) -> bool:
+    """diffusers' ``do_classifier_free_guidance``: guidance > 1 (the UNets onnxopt runs have no
+    ``time_cond_proj_dim``: :func:`check_model_configs`)."""
+    return guidance > 1
+
+
+def check_model_configs(folder: PipelineFolder) -> None:
+    """Component config values diffusers' pipeline reads that onnxopt would misread or crash on:
+    a one-line GenerationError. (The audit of every field: docs/pipeline-configs.md.)"""
+    unet = folder.config("unet")
+    if unet.get("time_cond_proj_dim") is not None:  # a guidance-distilled UNet (LCM): diffusers feeds timestep_cond
+        raise GenerationError(f"{folder.root / 'unet'}: a UNet with time_cond_proj_dim (guidance embedding, as LCM's) "
+                              "is not supported")
+    if folder.kind == "sd" and "_diffusers_version" in unet:
+        _written_before_0_9(unet)  # unparsable: diffusers' StableDiffusionPipeline fails on it
+    if folder.kind != "sdxl" and folder.config("text_encoder").get("use_attention_mask"):
+        raise GenerationError(f"{folder.root / 'text_encoder' / 'config.json'}: use_attention_mask is set: diffusers "
+                              "then feeds the tokenizer's attention mask to the text encoder, which onnxopt does not")
+    vae = folder.config("vae_decoder")
+    if folder.kind == "sdxl" and vae.get("latents_mean") is not None and vae.get("latents_std") is not None:
+        for key in ("latents_mean", "latents_std"):  # StableDiffusionXLPipeline: .view(1, 4, 1, 1)
+            value = vae[key]
+            if not (isinstance(value, list) and len(value) == 4
+                    and all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in value)):
+                raise GenerationError(f"{folder.root / 'vae_decoder' / 'config.json'}: {key} must be 4 finite numbers "
+                                      f"(one per latent channel), got {value!r}")
+    for tokenizer, encoder in (("tokenizer", "text_encoder"), ("tokenizer_2", "text_encoder_2")):
+        path = folder.root / tokenizer / "tokenizer_config.json"
+        if tokenizer in _tokenizers_of(folder.kind) and path.is_file():
+            from onnxopt.pipeline.folder import read_json
+
+            check_prompt_length(folder, encoder, read_json(path).get("model_max_length"))
+
+
+def default_size(folder: PipelineFolder) -> tuple[int, int]:
+    """(height, width) when none is asked: the UNet's sample_size times the VAE factor, after
+    StableDiffusionPipeline.__init__'s correction of old configs (a UNet config written by diffusers
+    before 0.9 with an integer sample_size under 64 means 64: the SD 1.x checkpoints of that time)."""
+    unet = folder.config("unet")
+    sample = unet.get("sample_size")
+    if folder.kind == "sd" and isinstance(sample, int) and sample < 64 and _written_before_0_9(unet):
+        return 64 * folder.vae_scale_factor, 64 * folder.vae_scale_factor
+    return folder.default_size
+
+
+def _written_before_0_9(config: dict) -> bool:
+    """Whether the config's ``_diffusers_version`` is before 0.9.0.dev0 (diffusers' own comparison)."""
+    from packaging import version
+
+    written = config.get("_diffusers_version")
+    if written is None:
+        return False
+    try:
+        return version.parse(version.parse(str(written)).base_version) < version.parse("0.9.0.dev0")
+    except version.InvalidVersion:
+        raise GenerationError(f"unet/config.json: _diffusers_version {written!r} is not a version") from None
+
+
+def check_prompt_length(folder: PipelineFolder, encoder: str, length, session=None) -> None:
+    """The tokenizer pads every prompt to ``length`` (its model_max_length) tokens: the text encoder must
+    take that many positions (its config's max_position_embeddings; its graph's input_ids, when
+    ``session`` is given). A GenerationError rather than ONNX Runtime's index error mid-run."""
+    from onnxopt.pipeline.folder import TOKENIZER_NO_LIMIT
+
+    if not isinstance(length, int) or length > TOKENIZER_NO_LIMIT:  # absent, or transformers' "no limit": 77 then
+        return
+    positions = folder.config(encoder).get("max_position_embeddings")
+    if isinstance(positions, int) and length > positions:
+        raise GenerationError(f"{folder.root}: the tokenizer pads prompts to {length} tokens (model_max_length), "
+                              f"{encoder} takes at most {positions} (max_position_embeddings)")
+    if session is not None:
+        dims = next((i.shape for i in session.get_inputs() if i.name == "input_ids"), None)
+        if dims and len(dims) == 2 and isinstance(dims[1], int) and dims[1] != length:
+            raise GenerationError(f"{folder.root}: the tokenizer pads prompts to {length} tokens (model_max_length), "
+                                  f"{encoder}'s graph takes input_ids of {dims[1]}")
 
 
 # torch.Generator.manual_seed's range: what --seed means is torch's seed (see the module docstring)
@@ -689,11 +863,6 @@ def reuse_steps(reuse, steps: int) -> frozenset:
         raise GenerationError(str(exc)) from None
 
 
-def hint_key(k: int) -> str:
-    """The session key of ControlNet k's once-per-image hint graph: hint, hint_1, hint_2..."""
-    return "hint" if k == 0 else f"hint_{k}"
-
-
 def _tokenizers_of(kind: str) -> tuple[str, ...]:
     return ("tokenizer", "tokenizer_2") if kind == "sdxl" else ("tokenizer",)
 
@@ -707,73 +876,73 @@ def _check_size(height, width, factor: int, allow_none: bool = False) -> None:
             raise GenerationError(f"{name} must be a positive multiple of {multiple}, got {value}")
 
 
-def _step_graph(folder: PipelineFolder, context_kv: bool = True, step_file: str | None = None):
-    """(model path or serialized bytes, where it came from), or (None, why not) -> unfused loop.
-    ``context_kv=False`` passes over a step.onnx that reads the K/V of step.context_kv.onnx;
-    ``step_file`` names another step graph in unet/."""
-    from onnxopt.pipeline.multi_controlnet import controlnet_count, sum_controlnet_residuals
+class _SessionMaker:
+    """The sessions of a plan's entries (:meth:`Pipeline.from_plan`), by what each binds."""
 
-    unet = folder.component("unet")
-    controlnets = max(1, len(folder.controlnets))
-    if step_file is not None:
-        path = unet.folder / step_file
-        if Path(step_file).name != step_file or path.suffix != ".onnx" or not path.is_file():
-            raise GenerationError(f"{path}: no step graph of that name in {unet.folder}")
-        if controlnet_count(path) != controlnets:  # the residuals of the others would be dropped
-            raise GenerationError(f"{path} reads the residuals of {controlnet_count(path)} ControlNet(s), the folder "
-                                  f"has {controlnets}: write it with write_step_graph(..., controlnets={controlnets})")
-        return path, f"unet/{step_file}"
-    if unet.step_model is not None and (context_kv or unet.context_model is None):
-        if controlnet_count(unet.step_model) == controlnets:
-            return unet.step_model, "unet/step.onnx"
-        print(f"onnxopt: {unet.step_model} reads the residuals of {controlnet_count(unet.step_model)} ControlNet(s), the "
-              f"folder has {controlnets}: building the step graph from unet/model.onnx", file=sys.stderr)
-    try:
-        from onnxopt.pipeline.step_graph import build_step_graph
-    except ImportError:
-        return None, "unfused (onnxopt.pipeline.step_graph is not available)"
-    if not unet.external_data and unet.nbytes() >= INMEMORY_STEP_GRAPH_MAX_BYTES:
-        print(f"onnxopt: {unet.folder} has no step.onnx and its UNet is over 1.8 GB inline: running the unfused step "
-              "(write the fused one once with onnxopt.pipeline.step_graph.write_step_graph)", file=sys.stderr)
-        return None, "unfused (UNet over 1.8 GB without unet/step.onnx)"
-    import io
+    def __init__(self, folder: PipelineFolder, plan: GenerationPlan, device_id: int, threads: int | None,
+                 say: StartupStatus):
+        self.folder, self.plan, self.device_id, self.threads, self.say = folder, plan, device_id, threads, say
+        self.io_binding, self.requested = plan.io_binding, plan.capture
+        self.capture = plan.capture  # the step session's outcome, once it is made
+        self.sessions: dict = {}
 
-    from onnxopt.loading import load_model
-    from onnxopt.saving import _write
+    def open(self, component: str, model=None, **kw):
+        self.say(f"loading {component}" + (f" ({Path(model).name})" if isinstance(model, (str, Path)) else ""))
+        return create_session(model or self.folder.component(component).model, self.plan.provider,
+                              name=f"{self.folder.root / component}", device_id=self.device_id, threads=self.threads, **kw)
 
-    # Serialized with its weights referring to the UNet's own data files (ORT reads them from the
-    # UNet's folder: create_session's external_data_folder), so a UNet of any size fits in memory
-    # once; inline weights are written inline, as they were in model.onnx.
-    serialized = io.BytesIO()
-    step = sum_controlnet_residuals(build_step_graph(load_model(unet.model)), controlnets)
-    _write(step, serialized, None, "", unet.folder.resolve())
-    return serialized.getvalue(), "built in memory from unet/model.onnx"
+    def captured(self, component: str, model, say: bool = False, capture: bool | None = None, **kw):
+        """(session, whether it captures): CUDA graphs when asked (``capture``, default: as the
+        step captures) and ORT can, else a plain session (``say``: tell the user; the step's
+        capture is what the speed depends on)."""
+        capture = self.capture if capture is None else capture
+        try:
+            return self.open(component, model, cuda_graph=capture, **kw), capture
+        except OnnxoptError as exc:  # ORT refuses capture when a node is not on the GPU EP
+            if not capture:
+                raise
+            if say:
+                print(f"onnxopt: step graph without CUDA graph capture: {exc}", file=sys.stderr)
+            return self.open(component, model, **kw), False
 
+    def once(self, component: str, model=None, capture: bool | None = None):
+        """A graph run once per prompt or image: on bound buffers, captured when ORT can."""
+        if not self.io_binding:
+            return self.open(component, model)
+        session, capturing = self.captured(component, model, capture=capture)
+        provider = self.plan.provider
+        return BoundSession(require_provider(provider), session, device="cpu" if provider == "cpu" else "cuda",
+                            device_id=self.device_id, cuda_graph=capturing)
 
-def _merged_step_graph(folder: PipelineFolder, controlnet_models: list[Path], step_source: str) -> Path | None:
-    """merged_step.onnx when the folder has it and it was built from the UNet step graph and the
-    ControlNet graphs this load selected (``step_source``, ``controlnet_models``); else None."""
-    from onnxopt.pipeline.merged_step import merged_parts
+    def text_encoder(self, name: str, model=None):
+        """A text encoder, made on first use, asking for capture as the plan does."""
+        return self.once(name, model, self.requested)
 
-    merged = folder.merged_step_model
-    if merged is None or step_source != "unet/step.onnx":
-        return None
-    expected = {step_source, *(_relative(folder, m) for m in controlnet_models)}
-    return merged if set(merged_parts(merged)) == expected else None
+    def make(self, entry: SessionEntry) -> None:
+        if entry.binds == BOUND:
+            session = self.once(entry.component, entry.model)
+        elif entry.binds == HOST:
+            session = self.open(entry.component, entry.model)
+        elif entry.key == "step":
+            if self.plan.build_step_graph:
+                self.say("preparing the step graph")
+            model = build_step_graph_in_memory(self.folder) if self.plan.build_step_graph else entry.model
+            beside = {"external_data_folder": self.folder.component("unet").folder} if isinstance(model, bytes) else {}
+            session, self.capture = self.captured("unet", model, say=True, **beside)
+        elif entry.binds == STEP_LOOP:
+            session, _ = self.captured(entry.component, entry.model)
+        elif entry.key == "reuse":
+            from onnxopt.pipeline.step_reuse import reuse_step_model
 
-
-def _two_stream_graphs(folder: PipelineFolder) -> tuple[Path, Path] | None:
-    """(rest, down) of onnxopt.pipeline.two_streams beside unet/step.onnx, when the folder has them."""
-    from onnxopt.companions import companion_path
-    from onnxopt.pipeline.two_streams import COMPANION, FILE
-
-    rest = folder.component("unet").folder / FILE
-    down = companion_path(rest, COMPANION)
-    return (rest, down) if rest.is_file() and down.is_file() else None
-
-
-def _relative(folder: PipelineFolder, path: Path) -> str:
-    return Path(path).relative_to(folder.root).as_posix()
+            session = create_session(reuse_step_model(), self.plan.provider, name="reuse step", device_id=self.device_id)
+        else:  # controlnet_prepare: one input graph serves every ControlNet
+            cn = self.sessions["controlnet"]
+            timestep = next(i for i in cn.get_inputs() if i.name == "timestep")
+            session = create_session(
+                controlnet_prepare_model(input_types(cn)["sample"], input_types(cn)["timestep"],
+                                         tuple(timestep.shape or ())), self.plan.provider, name="controlnet input",
+                device_id=self.device_id, cuda_graph=self.capture and "down" in self.sessions)
+        self.sessions[entry.key] = session
 
 
 class _SimpleBar:
@@ -810,11 +979,15 @@ def _progress(total: int, enabled: bool):
 def generate(folder, prompt: str, *, output=None, provider: str = "cpu", fused_step: bool = True, cuda_graph: bool = True,
              **options) -> Result:
     """Load ``folder``, generate one image (``options`` as :meth:`Pipeline.__call__`), write it to
-    ``output`` (PNG, atomically) when given."""
+    ``output`` (atomically, in the format its suffix names) when given."""
     if output is not None:
         images.check_writable(output)
-    pipe = Pipeline.load(folder, provider, fused_step=fused_step, cuda_graph=cuda_graph)
+        images.image_format(output)
+    folder = folder if isinstance(folder, PipelineFolder) else PipelineFolder.open(folder)
+    options["scheduler"] = check_request(folder, steps=options.get("steps", 50), scheduler=options.get("scheduler"))
+    pipe = Pipeline.load(folder, provider, fused_step=fused_step and fusable(options["scheduler"]), cuda_graph=cuda_graph,
+                         status=None if options.get("progress", True) else False)
     result = pipe(prompt, **options)
     if output is not None:
-        images.write_png(result.image, output)
+        images.write_image(result.image, output)
     return result

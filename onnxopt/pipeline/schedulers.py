@@ -22,6 +22,19 @@ first steps (no history: c_state = 0), ``lower_order_final`` steps, ``timestep_s
 (x, eps, state) must give diffusers' result within fp32 rounding. A configuration that is not
 affine (DDIM ``clip_sample`` or ``thresholding``, ``eta > 0``, Euler ``s_churn > 0``, an SDE or
 other multistep variant) is refused with a one-line error rather than planned wrongly.
+
+PNDM (SD 1.5's own scheduler: PLMS with ``skip_prk_steps``) is run by diffusers' own ``step`` in the
+host loop: its update reads up to three earlier model outputs, where the step graph carries one.
+
+What a run uses is what diffusers' pipeline for the folder uses (:func:`pipeline_scheduler_config`):
+the folder's scheduler class built from its config, the pipeline class's own corrections applied
+(``StableDiffusionPipeline.__init__`` resets ``steps_offset`` to 1 and ``clip_sample`` to False),
+then the requested class made ``from_config`` of that, as ``pipe.scheduler =
+DDIMScheduler.from_config(pipe.scheduler.config)`` does. Without a requested class, the folder's own
+(:func:`folder_scheduler`). :func:`check_schedule` runs the schedule once on a tiny sample before any
+work, so a config diffusers cannot run (``steps`` equal to ``num_train_timesteps`` with "leading"
+spacing and ``steps_offset`` 1, a ``trained_betas`` list of the wrong length, an unknown
+``timestep_spacing``...) is a one-line error, not a crash mid-run.
 """
 
 from __future__ import annotations
@@ -33,7 +46,15 @@ import numpy as np
 
 from onnxopt.errors import MissingDependencyError, OnnxoptError
 
-SCHEDULERS = ("ddim", "euler", "dpm++2m")
+FUSED_SCHEDULERS = ("ddim", "euler", "dpm++2m")  # the ones plan_steps reads as coefficients
+SCHEDULERS = (*FUSED_SCHEDULERS, "pndm")  # every name a run takes (pndm: diffusers' step, host loop)
+# the folder's scheduler class -> the name that makes it as it is
+FOLDER_CLASSES = {"DDIMScheduler": "ddim", "EulerDiscreteScheduler": "euler", "DPMSolverMultistepScheduler": "dpm++2m",
+                  "PNDMScheduler": "pndm"}
+TIMESTEP_SPACINGS = ("leading", "trailing", "linspace")  # diffusers' set_timesteps takes these
+# diffusers pipeline classes whose __init__ corrects an outdated scheduler config (steps_offset, clip_sample):
+# StableDiffusionPipeline and OnnxStableDiffusionPipeline; SDXL's and the ControlNet pipeline's do not
+RESETTING_KINDS = ("sd",)
 COEFFICIENTS = ("c_in", "c_x", "c_eps", "c_state", "d_x", "d_eps")
 
 # Relative tolerance of the affine check, against the magnitude of the terms summed: fp32 rounding
@@ -68,15 +89,115 @@ def make_scheduler(name: str, config: dict):
     diffusers' ``from_config``)."""
     classes = _diffusers_classes()
     made = {"ddim": (classes.DDIMScheduler, {}), "euler": (classes.EulerDiscreteScheduler, {}),
-            "dpm++2m": (classes.DPMSolverMultistepScheduler, {"algorithm_type": "dpmsolver++", "solver_order": 2})}
+            "dpm++2m": (classes.DPMSolverMultistepScheduler, {"algorithm_type": "dpmsolver++", "solver_order": 2}),
+            "pndm": (classes.PNDMScheduler, {})}
     if name not in made:
         raise SchedulerError(f"unknown scheduler '{name}'; choose one of {', '.join(SCHEDULERS)}")
     cls, options = made[name]
+    check_config_values(config)
     try:
         return cls.from_config(config, **options)
     except (TypeError, ValueError, NotImplementedError) as exc:  # a value of the wrong type or range in the config
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise SchedulerError(f"scheduler_config.json: {cls.__name__} cannot be made from it: {first}") from None
+        raise SchedulerError(f"scheduler_config.json: {cls.__name__} cannot be made from it: {_first_line(exc)}") from None
+
+
+def check_config_values(config: dict) -> None:
+    """The scheduler config values diffusers takes without complaint and then fails on mid-run (or
+    silently misreads): a one-line SchedulerError instead."""
+    train = config.get("num_train_timesteps", 1000)
+    if not isinstance(train, int) or isinstance(train, bool) or train < 1:
+        raise SchedulerError(f"scheduler_config.json: num_train_timesteps must be a positive integer, got {train!r}")
+    betas = config.get("trained_betas")
+    if betas is not None:
+        if not isinstance(betas, list) or len(betas) != train:
+            size = len(betas) if isinstance(betas, list) else type(betas).__name__
+            raise SchedulerError(f"scheduler_config.json: trained_betas must be a list of num_train_timesteps ({train}) "
+                                 f"numbers, got {size}")
+        if not all(isinstance(b, (int, float)) and not isinstance(b, bool) and 0 < b < 1 for b in betas):
+            raise SchedulerError("scheduler_config.json: every trained_betas value must be a number in (0, 1)")
+    spacing = config.get("timestep_spacing", "leading")
+    if spacing not in TIMESTEP_SPACINGS:
+        raise SchedulerError(f"scheduler_config.json: unknown timestep_spacing {spacing!r} "
+                             f"(diffusers takes {', '.join(TIMESTEP_SPACINGS)})")
+    offset = config.get("steps_offset", 0)
+    if not isinstance(offset, int) or isinstance(offset, bool) or not 0 <= offset < train:
+        raise SchedulerError(f"scheduler_config.json: steps_offset must be an integer in 0..{train - 1}, got {offset!r}")
+
+
+def folder_scheduler(config: dict, class_name: str | None = None) -> str:
+    """The name that makes the folder's own scheduler as it is configured (``class_name``, model_index.json's
+    entry, else the config's ``_class_name``), or a one-line SchedulerError listing the names a run takes."""
+    cls = class_name or config.get("_class_name")
+    name = FOLDER_CLASSES.get(cls)
+    if name == "dpm++2m" and (config.get("algorithm_type", "dpmsolver++"), config.get("solver_order", 2)) != ("dpmsolver++", 2):
+        name = None  # "dpm++2m" forces DPM-Solver++ of order 2: not this config's solver
+    if name is None:
+        raise SchedulerError(f"the folder's scheduler {cls} ({_describe(dict(config, _class_name=cls))}) is not one "
+                             f"onnxopt runs as configured: "
+                             f"choose one with --scheduler ({', '.join(SCHEDULERS)})")
+    return name
+
+
+def _describe(config: dict) -> str:
+    keys = ("algorithm_type", "solver_order") if config.get("_class_name") == "DPMSolverMultistepScheduler" else ()
+    return ", ".join(f"{k}={config.get(k)!r}" for k in keys) or "scheduler_config.json"
+
+
+def pipeline_scheduler_config(config: dict, kind: str, class_name: str | None = None) -> dict:
+    """The scheduler config diffusers' pipeline of ``kind`` holds after loading the folder: the
+    folder's class (``class_name``, model_index.json's entry, else the config's ``_class_name``)
+    made from ``config`` (its defaults filled in), with the corrections that
+    ``StableDiffusionPipeline.__init__`` makes to an outdated config (``steps_offset`` != 1 -> 1,
+    ``clip_sample`` True -> False; SDXL's and the ControlNet pipeline's keep the config as it is)."""
+    classes = _diffusers_classes()
+    check_config_values(config)
+    cls = getattr(classes, str(class_name or config.get("_class_name")), None)
+    if isinstance(cls, type) and issubclass(cls, classes.SchedulerMixin):
+        try:
+            config = dict(cls.from_config(config).config)
+        except (TypeError, ValueError, NotImplementedError) as exc:
+            raise SchedulerError(f"scheduler_config.json: {cls.__name__} cannot be made from it: {_first_line(exc)}") from None
+    else:
+        config = dict(config)
+    if kind in RESETTING_KINDS:
+        if "steps_offset" in config and config["steps_offset"] != 1:
+            config["steps_offset"] = 1
+        if config.get("clip_sample", False) is True:
+            config["clip_sample"] = False
+    return config
+
+
+def check_schedule(scheduler, steps: int) -> None:
+    """Run ``steps`` steps of (a copy of) ``scheduler`` on a 1x4x1x1 sample of ones, as the pipeline
+    drives it; a one-line SchedulerError when diffusers fails on it or a timestep falls outside the
+    trained ones (e.g. ``steps`` = ``num_train_timesteps`` with "leading" spacing and ``steps_offset`` 1:
+    timestep 1000 of 0..999) or a value is not finite."""
+    torch = _torch()
+    running = copy.deepcopy(scheduler)
+    name = type(scheduler).__name__
+    train = running.config.num_train_timesteps
+    try:
+        running.set_timesteps(steps)
+        timesteps = running.timesteps
+        if len(timesteps) and not (0 <= float(timesteps.min()) and float(timesteps.max()) < train):
+            raise SchedulerError(f"{name} with this scheduler_config.json cannot run {steps} steps: timestep "
+                                 f"{float(timesteps.max()):g} lies outside the trained 0..{train - 1}")
+        x = torch.ones(1, 4, 1, 1)
+        for t in timesteps:
+            model_output = running.scale_model_input(x, t)
+            x = running.step(model_output, t, x, return_dict=False)[0]
+            if not torch.isfinite(x).all():
+                raise SchedulerError(f"{name} with this scheduler_config.json cannot run {steps} steps: its sample "
+                                     f"is not finite at timestep {float(t):g}")
+    except SchedulerError:
+        raise
+    except Exception as exc:  # noqa: BLE001 -- diffusers' own failure on this config: the config's fault
+        raise SchedulerError(f"{name} with this scheduler_config.json cannot run {steps} steps: "
+                             f"{type(exc).__name__}: {_first_line(exc)}") from None
+
+
+def _first_line(exc: BaseException) -> str:
+    return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
 
 
 def plan_steps(scheduler, num_inference_steps: int, *, step_kwargs: dict | None = None) -> StepPlan:
@@ -176,7 +297,7 @@ def _refuse_non_affine(scheduler, step_kwargs: dict) -> None:
     config = scheduler.config
     supported = (classes.DDIMScheduler, classes.EulerDiscreteScheduler, classes.DPMSolverMultistepScheduler)
     if not isinstance(scheduler, supported):
-        raise SchedulerError(f"{name} is not supported by the fused step graph; use one of {', '.join(SCHEDULERS)}")
+        raise SchedulerError(f"{name} is not supported by the fused step graph (it runs: {', '.join(FUSED_SCHEDULERS)})")
     reasons = []
     if config.get("thresholding"):
         reasons.append("thresholding=True")

@@ -37,18 +37,15 @@ with one dict of per-image inputs each; ControlNet k's residuals go to the step 
 
 from __future__ import annotations
 
-import contextlib
 import time
 from pathlib import Path
 
 import numpy as np
 
 from onnxopt.errors import MissingDependencyError, OnnxoptError
-from onnxopt.runtime import import_onnxruntime
+from onnxopt.runtime import ORT_TYPES, import_onnxruntime, inference_session, ort_logging, session_options
 
 PROVIDERS = ("cpu", "cuda", "tensorrt")
-ORT_TYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(int64)": np.int64,
-             "tensor(int32)": np.int32, "tensor(double)": np.float64, "tensor(bool)": np.bool_}
 
 
 def require_provider(provider: str):
@@ -71,20 +68,10 @@ def provider_list(provider: str, *, cuda_graph: bool = False, device_id: int = 0
     return ["CPUExecutionProvider"] if provider == "cpu" else [cuda]
 
 
-_log_severity = 3  # ONNX Runtime's errors; quiet_sessions: fatal only
-
-
-@contextlib.contextmanager
 def quiet_sessions():
-    """Sessions created inside log nothing but fatal errors: the command line's one-line contract
-    (an allocation that fails also printed ORT's own [E:onnxruntime ...] line above onnxopt's; the
-    error reaches the user as the exception, in one line)."""
-    global _log_severity
-    previous, _log_severity = _log_severity, 4
-    try:
-        yield
-    finally:
-        _log_severity = previous
+    """Sessions created inside log nothing but fatal errors (the default already:
+    :mod:`onnxopt.runtime`), even when ORT's log was switched on outside."""
+    return ort_logging(False)
 
 
 def create_session(model: Path | bytes, provider: str, *, name: str, cuda_graph: bool = False, device_id: int = 0,
@@ -96,8 +83,7 @@ def create_session(model: Path | bytes, provider: str, *, name: str, cuda_graph:
         from onnxopt.runners.engine_session import component_engine_session
 
         return component_engine_session(model, name)
-    so = ort.SessionOptions()
-    so.log_severity_level = _log_severity
+    so = session_options(ort)
     if external_data_folder is not None:
         so.add_session_config_entry("session.model_external_initializers_file_folder_path", str(external_data_folder))
     if threads:
@@ -106,11 +92,36 @@ def create_session(model: Path | bytes, provider: str, *, name: str, cuda_graph:
         so.add_session_config_entry("session.intra_op.allow_spinning", "0")
     providers = provider_list(provider, cuda_graph=cuda_graph, device_id=device_id)
     try:
-        return ort.InferenceSession(model if isinstance(model, bytes) else str(model), so, providers=providers)
+        return inference_session(model, providers, so)
     except Exception as exc:  # ORT raises its own exception types with long messages
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        hint = " (a graph optimized for the CUDA EP: use --provider cuda)" if provider == "cpu" and "NOT_IMPLEMENTED" in first else ""
+        hint = (" (a folder optimized for the CUDA EP, with its contrib ops: run it with --provider cuda, or optimize "
+                "it with --target tensorrt, whose standard ONNX every provider runs)"
+                if provider == "cpu" and "NOT_IMPLEMENTED" in first else "")
         raise OnnxoptError(f"{name}: ONNX Runtime cannot load the model: {first}{hint}") from exc
+
+
+def fixed_outputs(ort, session, binding, device: str, device_id: int = 0, *, probe_uncaptured: bool = True) -> dict:
+    """Bind every output of ``session`` in ``binding`` to a buffer of its own, allocated once and
+    returned by output name. The shapes (they may be symbolic) come from one run with outputs ORT
+    allocates, under graph id -1 (``probe_uncaptured``): on a graph id, ORT's first run also
+    captures, and the captured graph would then write into those temporary outputs forever after.
+    The one place the bound-buffer sessions (BoundSession, the step loops' ControlNets and two
+    streams' cut) learn their output buffers."""
+    names = [o.name for o in session.get_outputs()]
+    for name in names:
+        binding.bind_output(name, device, device_id)
+    probe = ort.RunOptions()
+    if probe_uncaptured:
+        probe.add_run_config_entry("gpu_graph_id", "-1")
+    session.run_with_iobinding(binding, probe)
+    outputs = {name: ort.OrtValue.ortvalue_from_shape_and_type(list(value.shape()), ORT_TYPES.get(value.data_type(), np.float32),
+                                                              device, device_id)
+               for name, value in zip(names, binding.get_outputs())}
+    binding.clear_binding_outputs()
+    for name, value in outputs.items():
+        binding.bind_ortvalue_output(name, value)
+    return outputs
 
 
 def input_types(session) -> dict[str, np.dtype]:
@@ -246,7 +257,7 @@ class DeviceStepLoop:
                  cuda_graph: bool = False, graph_ids: tuple[int, int] = (0, 1), device_id: int = 0, device: str = "cuda",
                  launch_timing: bool = False):
         self.ort, self.step_session, self.cuda_graph, self.device_id = ort, step_session, cuda_graph, device_id
-        # The step's host side (issue 14 item 6, "CPU-side overhead"): the step graph's run returns
+        # The step's host side (its CPU-side overhead): the step graph's run returns
         # once its work is queued, and the loop then waits for it (synchronize_outputs), so a step
         # still ends when the device is done; ``launches`` holds each step's time to that return.
         self.launch_timing = launch_timing
@@ -409,16 +420,9 @@ class DeviceStepLoop:
             binding.bind_ortvalue_input("sample", sample)
             binding.bind_ortvalue_input("timestep", timestep)
             # The residual shapes: from one run on zeros (they may be symbolic), not captured.
-            for output in session.get_outputs():
-                binding.bind_output(output.name, self.device, self.device_id)
-            session.run_with_iobinding(binding, self._probe_options())
-            outputs = {}
-            for output, value in zip(session.get_outputs(), binding.get_outputs()):
-                dtype = np.float16 if "float16" in value.data_type() else np.float32
-                outputs[output.name] = self._empty(value.shape(), dtype)
-            binding.clear_binding_outputs()
+            outputs = fixed_outputs(self.ort, session, binding, self.device, self.device_id)
+            self._keep += outputs.values()
             for name, value in outputs.items():
-                binding.bind_ortvalue_output(name, value)
                 residuals[interface_name(name, k)] = value
             self.cn_static.append(static)
             self.controlnet_bindings.append(binding)
@@ -478,24 +482,33 @@ def controlnet_prepare_model(dtype=np.float32, timestep_dtype=np.float32, timest
     bound buffers: :func:`onnxopt.pipeline.merged_step.emit_controlnet_inputs`'s nodes (the merged
     step graph holds the same ones). ``timestep_shape`` is the ControlNet's timestep: () a scalar,
     (1,) one value, else one per row."""
-    import onnx
     import onnx_graphsurgeon as gs
 
     from onnxopt.fusion import Emit, NameAuthority
     from onnxopt.pipeline.merged_step import emit_controlnet_inputs
 
-    inputs = [gs.Variable("latents", np.float32, ["batch", 4, "height", "width"]),
-              gs.Variable("step_index", np.int64, [1]),
-              gs.Variable("schedule_timesteps", np.dtype(timestep_dtype), ["schedule"]),
-              gs.Variable("schedule_coefficients", np.float32, ["schedule", 6])]
-    graph = gs.Graph(inputs=inputs, name="controlnet_prepare", opset=17)
+    graph = gs.Graph(name="controlnet_prepare", opset=17)
     make = Emit(graph, NameAuthority(graph), "prepare")
+    inputs = [make.variable(name, kind, shape, exact=True) for name, kind, shape in (
+        ("latents", np.float32, ["batch", 4, "height", "width"]), ("step_index", np.int64, [1]),
+        ("schedule_timesteps", np.dtype(timestep_dtype), ["schedule"]), ("schedule_coefficients", np.float32, ["schedule", 6]))]
+    graph.inputs = inputs
     sample, timestep = emit_controlnet_inputs(make, *inputs, sample_dtype=dtype, timestep_dtype=timestep_dtype,
                                               timestep_shape=tuple(timestep_shape))
     sample.name, sample.shape = "sample", ["batch2", 4, "height", "width"]
     timestep.name = "timestep"
     timestep.shape = [] if len(timestep_shape) == 0 else [1] if tuple(timestep_shape) == (1,) else ["batch2"]
-    graph.nodes, graph.outputs = make.nodes, [sample, timestep]
+    make.into(graph)
+    graph.outputs = [sample, timestep]
+    return serialized_graph(graph)
+
+
+def serialized_graph(graph) -> bytes:
+    """A small graph onnxopt builds for a session of its own (the ControlNet's input graph, the
+    reuse step), checked and serialized (IR version 8: every ORT build reads it)."""
+    import onnx
+    import onnx_graphsurgeon as gs
+
     model = gs.export_onnx(graph)
     model.ir_version = 8
     onnx.checker.check_model(model)

@@ -50,9 +50,10 @@ import onnx_graphsurgeon as gs
 
 from onnxopt.errors import UnsupportedModelError
 from onnxopt.model import Model
+from onnxopt.pipeline.folder import STATIC_TEXT_PREFIX
 from onnxopt.weights import numpy_dtype
 
-STATIC_PREFIX = "model.static.b"  # model.static.b{batch}.onnx
+STATIC_PREFIX = STATIC_TEXT_PREFIX  # model.static.b{batch}.onnx: the folder's name (onnxopt.pipeline.folder)
 DEFAULT_SEQUENCE = 77
 MAX_FOLD_ROUNDS = 4
 MS = "com.microsoft"

@@ -23,8 +23,8 @@ Why the schedule is a table and the step a counter: every input of a run is boun
 feeds step k+1 on the device (latents, state, step index), so a denoising loop is N replays of one
 captured CUDA graph with nothing written from the host in between. The host neither waits for a
 step nor copies anything between steps. The schedule is an input, not baked in, so one graph (one
-engine, one capture) serves every scheduler and step count (seed 001: a baked-in scheduler forces
-an engine rebuild).
+engine, one capture) serves every scheduler and step count (a scheduler baked into the graph would
+force a TensorRT engine rebuild and a new capture for each).
 
 The latents, the state, the coefficients and the update stay float32 whatever the UNet's precision
 (an fp16-io UNet gets Casts around it), so fifty steps do not accumulate fp16 rounding.
@@ -38,7 +38,7 @@ consumer list then names the step graph's nodes too.) Every new node and tensor 
 :func:`write_step_graph` writes ``step.onnx`` beside a UNet folder's ``model.onnx``, its
 initializers pointing into the UNet's own external data file (no weight is written twice).
 
-``cfg_late`` (issue 14 item 3, :mod:`onnxopt.pipeline.cfg_late`): the part of the UNet that reads
+``cfg_late`` (:mod:`onnxopt.passes.cfg_late`): the part of the UNet that reads
 only the latents and the timestep runs once at batch b, and ``Concat([h, h], axis 0)`` broadcasts
 it where the text side comes in (the first cross-attention's query; SDXL: the time embedding,
 which meets the pooled text there). The graph's interface is the same; its metadata
@@ -55,6 +55,7 @@ import onnx
 import onnx_graphsurgeon as gs
 
 from onnxopt.errors import UnsupportedModelError
+from onnxopt.fusion import Emit, NameAuthority
 from onnxopt.model import Model
 from onnxopt.shapes import infer_shapes
 from onnxopt.weights import numpy_dtype
@@ -67,32 +68,45 @@ IMAGE_BATCH = "images"  # the latents' batch dim: half the UNet's (uncond and co
 F32 = np.dtype(np.float32)
 
 
-class _Builder:
-    """Appends ``step/``-named nodes to a graph (graphsurgeon's Node/Variable, one name per tensor)."""
-
-    def __init__(self, graph: gs.Graph):
-        self.graph = graph
-
-    def op(self, op: str, name: str, inputs: list, *, dtype=F32, shape=None, attrs=None, outputs: int = 1):
-        names = [f"{PREFIX}{name}"] if outputs == 1 else [f"{PREFIX}{name}_{i}" for i in range(outputs)]
-        out = [gs.Variable(n, dtype=dtype, shape=shape) for n in names]
-        self.graph.nodes.append(gs.Node(op, f"{PREFIX}{name}", attrs=attrs or {}, inputs=inputs, outputs=out))
-        return out[0] if outputs == 1 else out
-
-    def into(self, op: str, name: str, inputs: list, output: gs.Variable, attrs=None) -> None:
-        """A node writing a given tensor (one the UNet's nodes read, or a graph output)."""
-        self.graph.nodes.append(gs.Node(op, f"{PREFIX}{name}", attrs=attrs or {}, inputs=inputs, outputs=[output]))
-
-    def constant(self, name: str, values) -> gs.Constant:
-        return gs.Constant(f"{PREFIX}{name}", np.asarray(values))
-
-
 def build_step_graph(unet: Model, *, cfg_late: bool = False) -> Model:
     """The step graph of ``unet`` (see the module docstring). ``unet`` is left as it was; the
     result shares its weights. ``cfg_late``: compute what both guidance halves share once
-    (:mod:`onnxopt.pipeline.cfg_late`). Raises :class:`UnsupportedModelError` for a graph without
+    (:mod:`onnxopt.passes.cfg_late`). Raises :class:`UnsupportedModelError` for a graph without
     the UNet inputs ``sample``, ``timestep`` and ``encoder_hidden_states``."""
     graph = copy_sharing_constants(unet.graph)
+    sample, timestep, out_sample = _unet_interface(unet, graph)
+    where = str(unet.source) if unet.source else "UNet"
+    latent_shape = _latent_shape(sample.shape, where)
+    make = Emit(graph, NameAuthority(graph), PREFIX.rstrip("/"))
+    step = {name: make.variable(name, dtype, shape, exact=True) for name, dtype, shape in (
+        ("latents", F32, latent_shape), ("state", F32, latent_shape), ("step_index", np.int64, [1]),
+        ("schedule_timesteps", timestep.dtype, ["schedule"]), ("schedule_coefficients", F32, ["schedule", 6]),
+        ("guidance_scale", F32, [1]))}
+    sample.name, timestep.name = f"{PREFIX}unet_sample", f"{PREFIX}unet_timestep"
+    coefficients, step_index_out = _feed_the_unet(make, step, sample, timestep, latent_shape, where)
+    outputs = _guide_and_update(make, step, coefficients, out_sample, latent_shape, unet.opset, where)
+    make.into(graph)
+
+    passed_through = [t for t in graph.inputs if t is not sample and t is not timestep]
+    graph.inputs = [*step.values(), *passed_through]
+    graph.outputs = [outputs[0], outputs[1], step_index_out, outputs[2]]
+    graph.toposort()
+    model = Model(graph=graph, source=unet.source, metadata_props=dict(unet.metadata_props),
+                  model_version=unet.model_version, doc_string=unet.doc_string, domain=unet.domain,
+                  companions=dict(unet.companions), node_scopes=dict(unet.node_scopes))
+    infer_shapes(model)
+    if cfg_late:
+        from onnxopt.passes.cfg_late import CFG_LATE_METADATA, compute_halves_once
+
+        result = compute_halves_once(model, shared_inputs=STEP_INPUTS)
+        details = result.details
+        model.metadata_props[CFG_LATE_METADATA] = (
+            f"{details.get('nodes_moved', 0)} nodes at batch b, {len(details.get('broadcasts', ()))} broadcasts")
+    return model
+
+
+def _unet_interface(unet: Model, graph: gs.Graph) -> tuple[gs.Tensor, gs.Tensor, gs.Tensor]:
+    """(sample, timestep, out_sample) of the UNet graph, or a one-line UnsupportedModelError."""
     inputs = {t.name: t for t in graph.inputs}
     where = str(unet.source) if unet.source else "UNet"
     # a context-kv denoiser takes the K/V its companion computes from encoder_hidden_states instead
@@ -105,85 +119,69 @@ def build_step_graph(unet: Model, *, cfg_late: bool = False) -> Model:
     if clashes or not graph.outputs:
         raise UnsupportedModelError(f"{where}: cannot build a step graph: "
                                     + (f"input {clashes[0]} clashes with a step input" if clashes else "no output"))
-    sample, timestep = inputs["sample"], inputs["timestep"]
     out_sample = next((t for t in graph.outputs if t.name == "out_sample"), graph.outputs[0])
-    latent_shape = _latent_shape(sample.shape, where)
-    sample_dtype, out_dtype = _float_dtype(sample, where), _float_dtype(out_sample, where)
-    b = _Builder(graph)
+    return inputs["sample"], inputs["timestep"], out_sample
 
-    latents = gs.Variable("latents", dtype=F32, shape=latent_shape)
-    state = gs.Variable("state", dtype=F32, shape=latent_shape)
-    step_index = gs.Variable("step_index", dtype=np.int64, shape=[1])
-    timesteps = gs.Variable("schedule_timesteps", dtype=timestep.dtype, shape=["schedule"])
-    coefficients = gs.Variable("schedule_coefficients", dtype=F32, shape=["schedule", 6])
-    guidance = gs.Variable("guidance_scale", dtype=F32, shape=[1])
-    sample.name, timestep.name = f"{PREFIX}unet_sample", f"{PREFIX}unet_timestep"
 
-    step_timestep = b.op("Gather", "timestep", [timesteps, step_index], dtype=timestep.dtype, shape=[1],
-                         attrs={"axis": 0})
-    row = b.op("Gather", "coefficients", [coefficients, step_index], shape=[1, 6], attrs={"axis": 0})
-    c_in, c_x, c_eps, c_state, d_x, d_eps = b.op(
-        "Split", "coefficient", [row, b.constant("coefficient_sizes", np.ones(6, np.int64))],
-        shape=[1, 1], attrs={"axis": 1}, outputs=6)
-    step_index_out = gs.Variable("step_index_out", dtype=np.int64, shape=[1])
-    b.into("Add", "step_index_out", [step_index, b.constant("one_step", np.array([1], np.int64))], step_index_out)
-    scaled = b.op("Mul", "scaled_latents", [latents, c_in], shape=latent_shape)
-    doubled_shape = [sample.shape[0] if sample.shape else None, *latent_shape[1:]]
+def _feed_the_unet(make: Emit, step: dict, sample, timestep, latent_shape, where: str):
+    """The UNet's inputs from the step's: this step's timestep and coefficient row read from the
+    schedule at ``step_index``, ``sample`` = Concat([latents * c_in] * 2) (cast to the UNet's
+    type), the timestep shaped as the UNet takes it. Returns (the six coefficients, step_index_out)."""
+    ints = lambda name, values: make.constant(name, np.array(values, np.int64))  # noqa: E731
+    step_timestep = make.node("Gather", [step["schedule_timesteps"], step["step_index"]], timestep.dtype, [1],
+                              label="timestep", axis=0)
+    row = make.node("Gather", [step["schedule_coefficients"], step["step_index"]], F32, [1, 6], label="coefficients",
+                    axis=0)
+    coefficients = make.node("Split", [row, ints("coefficient_sizes", np.ones(6, np.int64))], F32, [1, 1], outputs=6,
+                             label="coefficient", axis=1)
+    step_index_out = make.variable("step_index_out", np.int64, [1], exact=True)
+    make.node("Add", [step["step_index"], ints("one_step", [1])], np.int64, [1], outputs=[step_index_out],
+              label="step_index_out")
+    scaled = make.node("Mul", [step["latents"], coefficients[0]], F32, latent_shape, label="scaled_latents")
+    sample_dtype = _float_dtype(sample, where)
     if sample_dtype == F32:
-        b.into("Concat", "model_input", [scaled, scaled], sample, attrs={"axis": 0})
+        make.node("Concat", [scaled, scaled], F32, None, outputs=[sample], label="model_input", axis=0)
     else:
-        doubled = b.op("Concat", "model_input_f32", [scaled, scaled], shape=doubled_shape, attrs={"axis": 0})
-        b.into("Cast", "model_input", [doubled], sample, attrs={"to": _onnx_type(sample_dtype)})
-
+        doubled_shape = [sample.shape[0] if sample.shape else None, *latent_shape[1:]]
+        doubled = make.node("Concat", [scaled, scaled], F32, doubled_shape, label="model_input_f32", axis=0)
+        make.node("Cast", [doubled], None, None, outputs=[sample], label="model_input", to=_onnx_type(sample_dtype))
     if timestep.shape is not None and len(timestep.shape) == 0:
-        scalar_shape = b.constant("scalar_shape", np.zeros(0, np.int64))
-        b.into("Reshape", "timestep_scalar", [step_timestep, scalar_shape], timestep)
+        make.node("Reshape", [step_timestep, ints("scalar_shape", np.zeros(0, np.int64))], None, None,
+                  outputs=[timestep], label="timestep_scalar")
     elif timestep.shape == [1]:  # exported for one timestep broadcast over the batch: keep it so
-        b.into("Identity", "timestep_batch", [step_timestep], timestep)
+        make.node("Identity", [step_timestep], None, None, outputs=[timestep], label="timestep_batch")
     else:
-        batch2 = b.op("Shape", "model_input_shape", [sample], dtype=np.int64, shape=[4])
-        batch2 = b.op("Slice", "model_input_batch", [batch2, b.constant("zero", np.array([0], np.int64)),
-                                                      b.constant("one", np.array([1], np.int64))],
-                      dtype=np.int64, shape=[1])
-        b.into("Expand", "timestep_batch", [step_timestep, batch2], timestep)
+        shape = make.node("Shape", [sample], np.int64, [4], label="model_input_shape")
+        batch2 = make.node("Slice", [shape, ints("zero", [0]), ints("one", [1])], np.int64, [1],
+                           label="model_input_batch")
+        make.node("Expand", [step_timestep, batch2], None, None, outputs=[timestep], label="timestep_batch")
+    return coefficients, step_index_out
 
+
+def _guide_and_update(make: Emit, step: dict, coefficients, out_sample, latent_shape, opset: int, where: str):
+    """Guidance (eps_u + g * (eps_c - eps_u)) and the scheduler update of the module docstring.
+    Returns the outputs (latents_out, state_out, guided_output)."""
+    _, c_x, c_eps, c_state, d_x, d_eps = coefficients
+    latents, state = step["latents"], step["state"]
     eps2 = out_sample
-    if out_dtype != F32:
-        eps2 = b.op("Cast", "model_output_f32", [out_sample], shape=doubled_shape, attrs={"to": onnx.TensorProto.FLOAT})
-    split_attrs = {"axis": 0, **({"num_outputs": 2} if unet.opset >= 18 else {})}
-    eps_u, eps_c = b.op("Split", "model_output", [eps2], shape=latent_shape, attrs=split_attrs, outputs=2)
-    difference = b.op("Sub", "guidance_difference", [eps_c, eps_u], shape=latent_shape)
-    guided = b.op("Mul", "guidance_scaled", [difference, guidance], shape=latent_shape)
-    eps = gs.Variable("guided_output", dtype=F32, shape=latent_shape)
-    b.into("Add", "guided_output", [eps_u, guided], eps)
-
-    x_term = b.op("Mul", "c_x_latents", [c_x, latents], shape=latent_shape)
-    eps_term = b.op("Mul", "c_eps_output", [c_eps, eps], shape=latent_shape)
-    state_term = b.op("Mul", "c_state_state", [c_state, state], shape=latent_shape)
-    partial = b.op("Add", "latents_partial", [x_term, eps_term], shape=latent_shape)
-    latents_out = gs.Variable("latents_out", dtype=F32, shape=latent_shape)
-    b.into("Add", "latents_out", [partial, state_term], latents_out)
-    dx_term = b.op("Mul", "d_x_latents", [d_x, latents], shape=latent_shape)
-    deps_term = b.op("Mul", "d_eps_output", [d_eps, eps], shape=latent_shape)
-    state_out = gs.Variable("state_out", dtype=F32, shape=latent_shape)
-    b.into("Add", "state_out", [dx_term, deps_term], state_out)
-
-    passed_through = [t for t in graph.inputs if t is not sample and t is not timestep]
-    graph.inputs = [latents, state, step_index, timesteps, coefficients, guidance, *passed_through]
-    graph.outputs = [latents_out, state_out, step_index_out, eps]
-    graph.toposort()
-    model = Model(graph=graph, source=unet.source, metadata_props=dict(unet.metadata_props),
-                  model_version=unet.model_version, doc_string=unet.doc_string, domain=unet.domain,
-                  companions=dict(unet.companions), node_scopes=dict(unet.node_scopes))
-    infer_shapes(model)
-    if cfg_late:
-        from onnxopt.pipeline.cfg_late import CFG_LATE_METADATA, compute_halves_once
-
-        result = compute_halves_once(model, shared_inputs=STEP_INPUTS)
-        details = result.details
-        model.metadata_props[CFG_LATE_METADATA] = (
-            f"{details.get('nodes_moved', 0)} nodes at batch b, {len(details.get('broadcasts', ()))} broadcasts")
-    return model
+    if _float_dtype(out_sample, where) != F32:
+        doubled_shape = [out_sample.shape[0] if out_sample.shape else None, *latent_shape[1:]]
+        eps2 = make.node("Cast", [out_sample], F32, doubled_shape, label="model_output_f32", to=onnx.TensorProto.FLOAT)
+    split = {"axis": 0, **({"num_outputs": 2} if opset >= 18 else {})}
+    eps_u, eps_c = make.node("Split", [eps2], F32, latent_shape, outputs=2, label="model_output", **split)
+    mul = lambda a, b, label: make.node("Mul", [a, b], F32, latent_shape, label=label)  # noqa: E731
+    guided = mul(make.node("Sub", [eps_c, eps_u], F32, latent_shape, label="guidance_difference"),
+                 step["guidance_scale"], "guidance_scaled")
+    latents_out, state_out, eps = (make.variable(name, F32, latent_shape, exact=True)
+                                   for name in ("latents_out", "state_out", "guided_output"))
+    make.node("Add", [eps_u, guided], F32, None, outputs=[eps], label="guided_output")
+    partial = make.node("Add", [mul(c_x, latents, "c_x_latents"), mul(c_eps, eps, "c_eps_output")], F32, latent_shape,
+                        label="latents_partial")
+    make.node("Add", [partial, mul(c_state, state, "c_state_state")], F32, None, outputs=[latents_out],
+              label="latents_out")
+    make.node("Add", [mul(d_x, latents, "d_x_latents"), mul(d_eps, eps, "d_eps_output")], F32, None,
+              outputs=[state_out], label="state_out")
+    return latents_out, state_out, eps
 
 
 def write_step_graph(unet_dir: str | os.PathLike, *, file_name: str = "step.onnx", context_kv: bool = True,
@@ -192,7 +190,7 @@ def write_step_graph(unet_dir: str | os.PathLike, *, file_name: str = "step.onnx
     (atomically). Weights stored in external data files of ``unet_dir`` are referenced where they
     are, not copied; an inline UNet gives an inline step graph (own data file past ~1.8 GB).
 
-    ``context_kv`` (the text side once per prompt, issue 14): the ``context-kv`` pass first cuts
+    ``context_kv`` (the text side once per prompt): the ``context-kv`` pass first cuts
     every cross-attention's K/V projection of ``encoder_hidden_states`` out of the UNet; the step
     graph is built around the rest and the cut part is written beside it as
     ``<stem>.context_kv.onnx`` (its inputs: the prompt's conditioning; its outputs: inputs of the

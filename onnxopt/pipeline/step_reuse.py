@@ -1,4 +1,4 @@
-"""Step reuse (seed 003): chosen later steps reuse the previous step's guided model output.
+"""Step reuse: chosen later steps reuse the previous step's guided model output.
 
 At a reused step the UNet does not run; the scheduler update alone advances the latents with the
 last computed guided output ``eps``::
@@ -67,37 +67,29 @@ def parse_reuse(spec: str | None, steps: int) -> frozenset[int]:
 
 def reuse_step_model(opset: int = 17) -> bytes:
     """The reuse graph of the module docstring (float32 latents, state and guided output)."""
-    import onnx
-    from onnx import TensorProto, helper
+    import onnx_graphsurgeon as gs
 
-    f32 = TensorProto.FLOAT
-    latent = ["images", 4, "height", "width"]
-    nodes = [
-        helper.make_node("Gather", ["schedule_coefficients", "step_index"], ["row"], axis=0),
-        helper.make_node("Split", ["row", "sizes"], ["c_in", "c_x", "c_eps", "c_state", "d_x", "d_eps"], axis=1),
-        helper.make_node("Mul", ["c_x", "latents"], ["x_term"]),
-        helper.make_node("Mul", ["c_eps", "guided_output"], ["eps_term"]),
-        helper.make_node("Mul", ["c_state", "state"], ["state_term"]),
-        helper.make_node("Add", ["x_term", "eps_term"], ["partial"]),
-        helper.make_node("Add", ["partial", "state_term"], ["latents_out"]),
-        helper.make_node("Mul", ["d_x", "latents"], ["dx_term"]),
-        helper.make_node("Mul", ["d_eps", "guided_output"], ["deps_term"]),
-        helper.make_node("Add", ["dx_term", "deps_term"], ["state_out"]),
-        helper.make_node("Add", ["step_index", "one"], ["step_index_out"]),
-    ]
-    graph = helper.make_graph(
-        nodes, "reuse_step",
-        [helper.make_tensor_value_info("latents", f32, latent),
-         helper.make_tensor_value_info("state", f32, latent),
-         helper.make_tensor_value_info("step_index", TensorProto.INT64, [1]),
-         helper.make_tensor_value_info("schedule_coefficients", f32, ["schedule", 6]),
-         helper.make_tensor_value_info("guided_output", f32, latent)],
-        [helper.make_tensor_value_info("latents_out", f32, latent),
-         helper.make_tensor_value_info("state_out", f32, latent),
-         helper.make_tensor_value_info("step_index_out", TensorProto.INT64, [1])],
-        initializer=[helper.make_tensor("sizes", TensorProto.INT64, [6], np.ones(6, np.int64)),
-                     helper.make_tensor("one", TensorProto.INT64, [1], [1])])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
-    model.ir_version = 8
-    onnx.checker.check_model(model)
-    return model.SerializeToString()
+    from onnxopt.fusion import Emit, NameAuthority
+    from onnxopt.pipeline.sessions import serialized_graph
+
+    f32, latent = np.float32, ["images", 4, "height", "width"]
+    graph = gs.Graph(name="reuse_step", opset=opset)
+    make = Emit(graph, NameAuthority(graph), "reuse")
+    latents, state, step_index, coefficients, eps = (
+        make.variable(name, dtype, shape, exact=True) for name, dtype, shape in (
+            ("latents", f32, latent), ("state", f32, latent), ("step_index", np.int64, [1]),
+            ("schedule_coefficients", f32, ["schedule", 6]), ("guided_output", f32, latent)))
+    latents_out, state_out = (make.variable(name, f32, latent, exact=True) for name in ("latents_out", "state_out"))
+    step_index_out = make.variable("step_index_out", np.int64, [1], exact=True)
+
+    row = make.op.Gather(coefficients, step_index, axis=0, _shape=[1, 6])
+    _, c_x, c_eps, c_state, d_x, d_eps = make.op.Split(row, make.constant("sizes", np.ones(6, np.int64)), axis=1,
+                                                       _outputs=6, _shape=[1, 1])
+    x_term, eps_term, state_term = (make.op.Mul(c, x, _shape=latent) for c, x in ((c_x, latents), (c_eps, eps), (c_state, state)))
+    make.op.Add(make.op.Add(x_term, eps_term), state_term, _outputs=[latents_out])
+    make.op.Add(make.op.Mul(d_x, latents, _shape=latent), make.op.Mul(d_eps, eps, _shape=latent), _outputs=[state_out])
+    make.op.Add(step_index, make.constant("one", np.ones(1, np.int64)), _outputs=[step_index_out])
+    make.into(graph)
+    graph.inputs = [latents, state, step_index, coefficients, eps]
+    graph.outputs = [latents_out, state_out, step_index_out]
+    return serialized_graph(graph)

@@ -41,15 +41,14 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import numpy as np
 import onnx_graphsurgeon as gs
 
 from onnxopt.errors import UnsupportedModelError
 from onnxopt.model import Model
-from onnxopt.pipeline.sessions import ORT_TYPES, DeviceStepLoop, input_types
+from onnxopt.pipeline.folder import STREAMS_COMPANION, STREAMS_FILE
+from onnxopt.pipeline.sessions import DeviceStepLoop, fixed_outputs, input_types
 
-FILE = "step.streams.onnx"
-COMPANION = "down"
+FILE, COMPANION = STREAMS_FILE, STREAMS_COMPANION  # the folder's names (onnxopt.pipeline.folder)
 
 
 def split_step_graph(step: Model, residual_inputs) -> Model:
@@ -157,12 +156,8 @@ class TwoStreamStepLoop(DeviceStepLoop):
         probe = self.down_session.io_binding()
         for spec in self.down_session.get_inputs():
             probe.bind_ortvalue_input(spec.name, self.step_inputs(0)[spec.name])
-        names = [o.name for o in self.down_session.get_outputs()]
-        for name in names:
-            probe.bind_output(name, self.device, self.device_id)
-        self.down_session.run_with_iobinding(probe, self._probe_options())
-        self.cut = {name: self._empty(value.shape(), ORT_TYPES.get(value.data_type(), np.float32))
-                    for name, value in zip(names, probe.get_outputs())}
+        self.cut = fixed_outputs(self.ort, self.down_session, probe, self.device, self.device_id)
+        self._keep += self.cut.values()
         self.down_bindings = [self._binding(self.down_session, self.step_inputs(parity), self.cut) for parity in (0, 1)]
         self.bindings = [self._binding(self.step_session, self.step_inputs(parity), self.step_outputs(parity))
                          for parity in (0, 1)]

@@ -66,7 +66,7 @@ class TensorInfo:
 
 
 def _ort_type(dtype) -> str:
-    from onnxopt.pipeline.sessions import ORT_TYPES
+    from onnxopt.runtime import ORT_TYPES
 
     names = {np.dtype(v): k for k, v in ORT_TYPES.items()}
     return names.get(np.dtype(dtype), f"tensor({np.dtype(dtype).name})")

@@ -54,13 +54,12 @@ def component_shapes(component: str, inputs: list[tuple[str, list]], latent: int
 def build_folder_engines(folder: Path, components: list[str], compute_capabilities=None) -> dict[str, str]:
     """Build ``<component>/model.plan`` for each of ``components`` of the (not yet renamed) output
     ``folder``; returns a report note per component. Raises OnnxoptError (one line) when one fails."""
-    from onnxopt.loading import load_model
-    from onnxopt.pipeline.optimize_folder import _read_json  # a config.json, or {} (the defaults apply)
+    from onnxopt.loading import load_model, read_json_object
     from onnxopt.runners.tensorrt import build_engine, graph_precision, model_inputs
 
-    sample = _read_json(folder / "unet" / "config.json").get("sample_size") or DEFAULT_LATENT
+    sample = read_json_object(folder / "unet" / "config.json").get("sample_size") or DEFAULT_LATENT
     latent = int(min(sample) if isinstance(sample, list) else sample)
-    vae = _read_json(folder / "vae_decoder" / "config.json") or _read_json(folder / "vae_encoder" / "config.json")
+    vae = read_json_object(folder / "vae_decoder" / "config.json") or read_json_object(folder / "vae_encoder" / "config.json")
     factor = 2 ** (len(vae.get("block_out_channels", (0, 0, 0, 0))) - 1)
     cache = folder / TIMING_CACHE
     notes = {}
@@ -82,4 +81,3 @@ def build_folder_engines(folder: Path, components: list[str], compute_capabiliti
     finally:
         cache.unlink(missing_ok=True)  # one cache for the components of this run, not a file of the folder
     return notes
-

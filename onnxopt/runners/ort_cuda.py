@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from onnxopt.errors import MissingDependencyError, OnnxoptError
-from onnxopt.runtime import import_onnxruntime
+from onnxopt.runtime import import_onnxruntime, inference_session, session_options
 
 
 def gpu_memory_used_mb(device_id: int = 0) -> float | None:
@@ -73,7 +73,7 @@ class OrtCudaSession:
     """One model on the CUDA EP with IO binding (and optionally CUDA graphs)."""
 
     def __init__(self, path: str, *, cuda_graph: bool = False, prefer_nhwc: bool = False, device_id: int = 0,
-                 graph_optimization_level: str = "all", log_severity: int = 3, provider_options: dict | None = None):
+                 graph_optimization_level: str = "all", log_severity: int | None = None, provider_options: dict | None = None):
         ort = _require_cuda()
         self.ort = ort
         self.device_id = device_id
@@ -85,8 +85,9 @@ class OrtCudaSession:
         if self.torch is not None:
             self.torch.cuda.set_device(device_id)
             options["user_compute_stream"] = str(self.torch.cuda.current_stream().cuda_stream)
-        so = ort.SessionOptions()
-        so.log_severity_level = log_severity
+        so = session_options(ort)
+        if log_severity is not None:
+            so.log_severity_level = log_severity
         so.graph_optimization_level = {
             "disable": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
             "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
@@ -94,7 +95,7 @@ class OrtCudaSession:
             "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
         }[graph_optimization_level]
         try:
-            self.session = ort.InferenceSession(str(path), so, providers=[("CUDAExecutionProvider", options)])
+            self.session = inference_session(path, [("CUDAExecutionProvider", options)], so)
         except Exception as exc:  # ORT raises its own exception types with long messages
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise OnnxoptError(f"{path}: ONNX Runtime CUDA EP cannot load the model: {first}") from exc
@@ -141,9 +142,7 @@ class OrtCudaSession:
         self.binding = binding
 
     def _output_shapes_without_graph(self, feeds):
-        so = self.ort.SessionOptions()
-        so.log_severity_level = 3
-        sess = self.ort.InferenceSession(self.path, so, providers=[("CUDAExecutionProvider", {"device_id": str(self.device_id)})])
+        sess = inference_session(self.path, [("CUDAExecutionProvider", {"device_id": str(self.device_id)})])
         types = self.input_types()
         outs = sess.run(None, {n: feeds[n].astype(t) for n, t in types.items()})
         names = [o.name for o in sess.get_outputs()]

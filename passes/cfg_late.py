@@ -1,4 +1,4 @@
-"""CFG duplication late (issue 14 item 3, seed 001): compute at batch b what both guidance halves share.
+"""CFG duplication late: compute at batch b what both classifier-free-guidance halves share.
 
 The step graph (:mod:`onnxopt.pipeline.step_graph`) runs the UNet at batch 2b on two copies of the
 same latents and one timestep; the halves differ only where the text side (batch 2b: uncond rows,
@@ -39,10 +39,12 @@ Unsqueeze/Squeeze away from axis 0; Reshape and Expand with the leading target d
 
 Shapes. A ``Shape`` of a duplicated tensor must still give the full batch wherever its value goes,
 so it becomes ``Concat(Mul(Shape(h, 0, 1), 2), Shape(h, 1))``: every shape computation reads the
-values it read before. Each 1-D int vector computed from shapes carries per-element tags: *same*
-in both worlds (with its value when known) or *doubled* (the full world's value is twice the half
-world's: ``Shape(dup)[0]``, sums of doubled, products of doubled by same). A half-batch
-``Reshape`` or ``Expand`` reads its target with the leading element halved:
+values it read before. The 1-D int vectors computed from shapes are evaluated by
+:class:`onnxopt.pattern.dims.Dims` on the graph as it was, where a duplicated tensor's dim 0 is the
+symbol ``FULL_BATCH``: an element without it is *same* in both worlds (with its value when known),
+one linear in it is *doubled* (the full world's value is twice the half world's: ``Shape(dup)[0]``,
+its products by same elements). A half-batch ``Reshape`` or ``Expand`` reads its target with the
+leading element halved:
 
   * the leading element must be doubled, an even constant (static exports spell the batch 2b),
     0 (Reshape: copy dim 0) or -1 (Reshape: only when the output's dim 0 is an exact multiple of
@@ -56,9 +58,11 @@ Cost. A moved node whose outputs only the full batch reads and are one small vec
 resnet's projection of the time embedding) goes back to the full batch when that adds no
 broadcast: one Concat of the shared embedding instead of one per resnet (``small_row_elements``).
 
-Why here and not in passes/: the rule is generic, but which inputs are the same in both halves
-only the step graph knows, and a plain UNet has no seed (its 2b rows come in as they are).
-:func:`onnxopt.pipeline.step_graph.build_step_graph` runs it (``cfg_late=True``).
+The rule is generic, but which inputs are the same in both halves only the step graph knows, and a
+plain UNet has no seed (its 2b rows come in as they are): :func:`onnxopt.pipeline.step_graph.build_step_graph`
+runs it (``cfg_late=True``) under the pass manager with the step graph's inputs as ``shared_inputs``.
+Registered, it runs on any graph by name (``--passes cfg-late``): with no ``shared_inputs`` only
+constants are taken as the same in both halves, which is always sound.
 
 The result says what moved (``details``: nodes moved and their ops, the frontier with the reason
 each node is one, the tensors broadcast), so a report or test can read it. The graph's inputs and
@@ -74,16 +78,19 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from onnxopt.domains import MS_DOMAIN
-from onnxopt.fusion import Emit, NameAuthority
+from onnxopt.fusion import Emit, NameAuthority, Refusal
 from onnxopt.graph_edit import replace_output
 from onnxopt.model import Model
 from onnxopt.pass_infra import SHAPES_INFERRED, Pass, PassResult
+from onnxopt.registry import register_pass
 from onnxopt.pattern.constants import constant_shape, constant_value, is_constant
-from onnxopt.pattern.dims import Dims
+from onnxopt.pattern.dims import Dim, Dims
 from onnxopt.weights import numpy_dtype
 
 DUP, FREE, FULL = "duplicated", "free", "full"
-DOUBLED, UNKNOWN = "doubled", "unknown"  # shape-vector element tags; a same element is ("same", value or None)
+# The full batch of the tensors the pass halves, as a symbol of :class:`Dim`: an element of a shape
+# vector (what :class:`Dims` computes) with this symbol once is *doubled*, without it *same*.
+FULL_BATCH = "cfg-late:full-batch"
 PREFIX = "cfg_late"
 CFG_LATE_METADATA = "onnxopt.cfg_late"  # metadata_props key of a step graph the pass rewrote
 RANDOM_OPS = frozenset({"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Multinomial",
@@ -109,7 +116,7 @@ AXIS_OPS = {"Softmax": 1, "LogSoftmax": 1, "Hardmax": 1, "LayerNormalization": -
             "LpNormalization": -1, "CumSum": None}
 REDUCE_OPS = frozenset({"ReduceMean", "ReduceSum", "ReduceMax", "ReduceMin", "ReduceProd", "ReduceL1", "ReduceL2",
                         "ReduceLogSum", "ReduceLogSumExp", "ReduceSumSquare", "ArgMax", "ArgMin"})
-# Shape arithmetic whose per-element tags are followed (1-D int vectors and scalars).
+# Shape arithmetic whose values the pass follows (1-D int vectors and scalars, through Dims).
 VECTOR_OPS = frozenset({"Shape", "Size", "Constant", "Gather", "Slice", "Concat", "Unsqueeze", "Squeeze", "Reshape",
                         "Identity", "Cast", "Mul", "Add", "Sub", "Div", "Neg", "Flatten", "Equal", "Where",
                         "ConstantOfShape"})
@@ -145,6 +152,7 @@ class HalfBatchPlan:
         }
 
 
+@register_pass
 class CfgLate(Pass):
     """The pass (module docstring). ``shared_inputs``: graph inputs that are the same in both
     halves' worlds (the step graph's latents, state, schedule and guidance); every other input is
@@ -161,6 +169,11 @@ class CfgLate(Pass):
     def __init__(self, shared_inputs=(), small_row_elements: int = 4096):
         self.shared_inputs = frozenset(shared_inputs)
         self.small_row_elements = small_row_elements
+
+    possible_followers = frozenset({"infer-shapes"})
+
+    def followers(self, result: PassResult) -> list[str]:
+        return ["infer-shapes"] if result.modified else []  # the half-batch tensors get their shapes
 
     def run(self, model: Model) -> PassResult:
         result = PassResult(modified=False)
@@ -183,21 +196,15 @@ class CfgLate(Pass):
 
 
 def compute_halves_once(model: Model, shared_inputs=(), small_row_elements: int = 4096) -> PassResult:
-    """Run :class:`CfgLate` on ``model`` in place (shapes inferred first and after)."""
-    from onnxopt.shapes import infer_shapes
+    """Run :class:`CfgLate` on ``model`` in place under the pass manager (which infers shapes
+    first, and again after a rewrite: the pass's follower); returns the pass's result."""
+    from onnxopt.manager import PassManager
 
-    infer_shapes(model)
-    result = CfgLate(shared_inputs, small_row_elements).run(model)
-    if result.modified:
-        infer_shapes(model)
-    return result
+    report = PassManager([CfgLate(shared_inputs, small_row_elements)]).run(model)
+    return next(step.result for step in report.passes if step.name == CfgLate.name)
 
 
 # ---------------------------------------------------------------------------- the analysis and rewrite
-
-
-class _Refuse(Exception):
-    pass
 
 
 class _HalfBatch:
@@ -208,7 +215,6 @@ class _HalfBatch:
         self.names = NameAuthority(self.graph)
         self.kind: dict[int, str] = {}
         self.half: dict[int, gs.Tensor] = {}  # id(full tensor) -> its half-batch tensor
-        self.tags: dict[int, list] = {}  # id(int vector) -> per-element tags
         self.halved: dict[int, gs.Tensor] = {}  # id(shape vector) -> its leading element halved
         self.half_shape_of: dict[int, gs.Tensor] = {}  # id(rewritten Shape output) -> Shape(h): its half value
         self.plan = HalfBatchPlan()
@@ -220,6 +226,8 @@ class _HalfBatch:
             self.kind[id(t)] = FREE if t.name in shared_inputs else FULL
         self.batch_symbols: dict = {}  # full batch dim name -> the half batch's (from the seeds)
         self.minus_one_ok = self._reshapes_with_leading_minus_one()
+        # Shape vectors, evaluated in the graph as it was: a halved tensor's dim 0 is FULL_BATCH.
+        self.dims = Dims(annotated_only=True, leading_dim=lambda t: Dim(1, (FULL_BATCH,)) if id(t) in self.half else None)
 
     # ------------------------------------------------------------ facts about tensors
 
@@ -254,96 +262,22 @@ class _HalfBatch:
                     ok.add(id(node))
         return ok
 
-    # ------------------------------------------------------------ shape-vector tags
+    # ------------------------------------------------------------ shape vectors
 
     def vector_tags(self, t: gs.Tensor) -> list | None:
-        if id(t) in self.tags:
-            return self.tags[id(t)]
-        if is_constant(t) and _small(t):
-            value = constant_value(t)
-            if value is not None and value.ndim <= 1 and value.size <= MAX_VECTOR and np.issubdtype(value.dtype, np.integer):
-                return [("same", int(v)) for v in value.reshape(-1)]
-        return None
+        """The elements of the shape vector ``t`` (:meth:`Dims.vector`; ``_doubled`` / ``_same`` say
+        how each relates the two halves' worlds), None for a tensor that is not a short int vector."""
+        vector = self.dims.vector(t)
+        return vector if vector is not None and len(vector) <= MAX_VECTOR else None
 
-    def _tags_of(self, node: gs.Node) -> list | None:
-        """Per-element tags of ``node``'s output, for the shape arithmetic of VECTOR_OPS."""
-        op, ins = node.op, node.inputs
-        if op == "Constant":
-            return self.vector_tags(node.outputs[0])
-        if op == "Shape":
-            x = ins[0]
-            r = self.rank(x)
-            if r is None:
-                return None
-            start, end = _shape_range(node, r)
-            dup = self.kind_of(x) == DUP
-            return [DOUBLED if (i == 0 and dup) else ("same", x.shape[i] if isinstance(x.shape[i], int) else None)
-                    for i in range(start, end)]
-        if op == "Size":
-            return [DOUBLED] if self.kind_of(ins[0]) == DUP else [("same", None)]
-        tags = [self.vector_tags(t) if self.present(t) else None for t in ins]
-        if op == "ConstantOfShape":  # TorchScript's expand: ConstantOfShape(Shape(s)) -> ones like s
-            value = node.attrs.get("value")
-            fill = np.asarray(value.values if value is not None else 0).reshape(-1)
-            if tags[0] is None or len(tags[0]) != 1 or not isinstance(tags[0][0], tuple) or tags[0][0][1] is None \
-                    or tags[0][0][1] > MAX_VECTOR or not np.issubdtype(fill.dtype, np.integer):
-                return None
-            return [("same", int(fill[0]))] * tags[0][0][1]
-        if op == "Where":
-            if any(x is None for x in tags):
-                return None
-            n = max(len(x) for x in tags)
-            if any(len(x) not in (1, n) for x in tags):
-                return None
-            pick = lambda x, i: x[i if len(x) > 1 else 0]  # noqa: E731
-            out = []
-            for i in range(n):
-                c = pick(tags[0], i)
-                if isinstance(c, tuple) and c[1] is not None:
-                    out.append(pick(tags[1], i) if c[1] else pick(tags[2], i))
-                else:
-                    out.append(UNKNOWN)
-            return out
-        if op in ("Identity", "Cast", "Unsqueeze", "Squeeze", "Reshape", "Flatten"):
-            return tags[0]
-        if op == "Concat":
-            if any(x is None for x in tags):
-                return None
-            return [e for x in tags for e in x]
-        if op == "Gather":
-            index = _small_value(ins[1])
-            if tags[0] is None or index is None or int(node.attrs.get("axis", 0)) != 0:
-                return None
-            n = len(tags[0])
-            try:
-                return [tags[0][int(i) % n if int(i) < 0 else int(i)] for i in index.reshape(-1)]
-            except IndexError:
-                return None
-        if op == "Slice":
-            if tags[0] is None:
-                return None
-            bounds = [_small_value(t) if self.present(t) else None
-                      for i, t in enumerate(ins) if i >= 1]
-            if len(bounds) < 2 or bounds[0] is None or bounds[1] is None:
-                return None
-            axes = bounds[2] if len(bounds) > 2 else None
-            if axes is not None and [int(a) for a in axes.reshape(-1)] not in ([0], [-1]):
-                return None
-            step = int(bounds[3].reshape(-1)[0]) if len(bounds) > 3 and bounds[3] is not None else 1
-            n = len(tags[0])
-            start, stop = (int(np.clip(int(v.reshape(-1)[0]), -n - 1, n + 1)) for v in bounds[:2])
-            return tags[0][slice(start, stop, step)]
-        if op in ("Mul", "Add", "Sub", "Div", "Neg", "Equal"):
-            if any(x is None for x in tags):
-                return None
-            if op == "Neg":
-                return [e if e == DOUBLED or e == UNKNOWN else ("same", None if e[1] is None else -e[1]) for e in tags[0]]
-            a, b = tags
-            n = max(len(a), len(b))
-            if len(a) not in (1, n) or len(b) not in (1, n):
-                return None
-            return [_combine(op, a[i if len(a) > 1 else 0], b[i if len(b) > 1 else 0]) for i in range(n)]
-        return None
+    def _classify_vector(self, node: gs.Node) -> bool:
+        """Record ``node``'s output as a shape vector: free when every element is the same in both
+        worlds, full otherwise. False when it is not a vector the pass can follow."""
+        tags = self.vector_tags(node.outputs[0])
+        if tags is None:
+            return False
+        self.kind[id(node.outputs[0])] = FREE if all(_same(e) for e in tags) else FULL
+        return True
 
     # ------------------------------------------------------------ the walk
 
@@ -364,23 +298,18 @@ class _HalfBatch:
                 self.batch_symbols[full.shape[0]] = a.shape[0]
             return
         if node.op in ("Shape", "Size") and kinds and kinds[0] == DUP and (node.op == "Size" or self.rank(ins[0]) is not None):
-            tags = self._tags_of(node)
-            self.tags[id(node.outputs[0])] = tags
-            self.kind[id(node.outputs[0])] = FREE if tags and all(isinstance(e, tuple) for e in tags) else FULL
+            if not self._classify_vector(node):  # evaluated before the rewrite: the full world's value
+                self.kind[id(node.outputs[0])] = FULL
             self._rewrite_shape(node)
             return
-        if node.op in VECTOR_OPS and DUP not in kinds and len(node.outputs) == 1:
-            tags = self._tags_of(node)
-            if tags is not None:
-                self.tags[id(node.outputs[0])] = tags
-                self.kind[id(node.outputs[0])] = FREE if all(isinstance(e, tuple) for e in tags) else FULL
-                return
+        if node.op in VECTOR_OPS and DUP not in kinds and len(node.outputs) == 1 and self._classify_vector(node):
+            return
         if DUP not in kinds:
             if node.op in ("Expand", "ConstantOfShape") and FULL in kinds:
                 try:  # a batch-free value expanded to the (doubled) batch: a seed
                     self._move(node, self._row_wise(node))
                     return
-                except _Refuse:
+                except Refusal:
                     pass
             out_kind = FREE if all(k == FREE for k in kinds) and node.op not in RANDOM_OPS else FULL
             for o in node.outputs:
@@ -388,8 +317,8 @@ class _HalfBatch:
             return
         try:
             replacements = self._row_wise(node)
-        except _Refuse as refusal:
-            self.plan.frontier.append(Frontier(node.name, node.op, str(refusal)))
+        except Refusal as refusal:
+            self.plan.frontier.append(Frontier(node.name, node.op, refusal.reason))
             for o in node.outputs:
                 self.kind[id(o)] = FULL
             return
@@ -407,10 +336,10 @@ class _HalfBatch:
 
     def _row_wise(self, node: gs.Node) -> dict[int, gs.Tensor]:
         """{} or the shape operands to replace (input index -> half-batch tensor) when ``node`` is
-        row-wise along axis 0 (module docstring); raises _Refuse with the reason otherwise."""
+        row-wise along axis 0 (module docstring); raises Refusal with the reason otherwise."""
         rule = ROW_WISE.get(node.op)
         if rule is None:
-            raise _Refuse(f"{node.op} is not known to be row-wise along the batch axis")
+            raise Refusal(f"{node.op} is not known to be row-wise along the batch axis")
         return rule(self, node) or {}
 
     # helpers the rules share
@@ -419,12 +348,12 @@ class _HalfBatch:
         if index >= len(node.inputs) or not self.present(node.inputs[index]):
             if optional:
                 return None
-            raise _Refuse(f"input {index} is missing")
+            raise Refusal(f"input {index} is missing")
         t = node.inputs[index]
         kind = self.kind_of(t)
         if kind not in kinds:
             what = {DUP: "duplicated", FREE: "batch-free", FULL: "different in the two halves"}[kind]
-            raise _Refuse(f"reads '{t.name}', which is {what}")
+            raise Refusal(f"reads '{t.name}', which is {what}")
         return t
 
     def free_rest(self, node, first: int) -> None:
@@ -433,39 +362,39 @@ class _HalfBatch:
 
     def absent_from(self, node, first: int) -> None:
         if any(self.present(t) for t in node.inputs[first:]):
-            raise _Refuse(f"has inputs past {first - 1} (masks, caches): not proven row-wise")
+            raise Refusal(f"has inputs past {first - 1} (masks, caches): not proven row-wise")
 
     def rank_of(self, t: gs.Tensor) -> int:
         r = self.rank(t)
         if r is None:
-            raise _Refuse(f"the rank of '{t.name}' is unknown")
+            raise Refusal(f"the rank of '{t.name}' is unknown")
         return r
 
     def batch_free_operand(self, t: gs.Tensor, out_rank: int) -> None:
         """A free input broadcast against duplicated ones must not carry a batch of its own."""
         r = self.rank_of(t)
         if r >= out_rank and not (t.shape and t.shape[0] == 1):
-            raise _Refuse(f"the batch-free input '{t.name}' has a leading dim {t.shape[0] if t.shape else '?'} "
+            raise Refusal(f"the batch-free input '{t.name}' has a leading dim {t.shape[0] if t.shape else '?'} "
                           "that meets the batch axis")
 
     def axis_not_batch(self, node, axis: int, rank: int | None) -> None:
         if axis < 0:
             if rank is None:
-                raise _Refuse("a negative axis on a tensor of unknown rank")
+                raise Refusal("a negative axis on a tensor of unknown rank")
             axis += rank
         if axis == 0:
-            raise _Refuse(f"{node.op} works along axis 0, the batch axis")
+            raise Refusal(f"{node.op} works along axis 0, the batch axis")
 
     def constant_ints(self, node, index: int, what: str) -> list[int]:
         value = _small_value(node.inputs[index]) if index < len(node.inputs) else None
         if value is None:
-            raise _Refuse(f"its {what} are not constant")
+            raise Refusal(f"its {what} are not constant")
         return [int(v) for v in value.reshape(-1)]
 
     def same_vector(self, t: gs.Tensor, where: str) -> None:
         tags = self.vector_tags(t)
-        if self.kind_of(t) != FREE and (tags is None or not all(isinstance(e, tuple) for e in tags)):
-            raise _Refuse(f"{where} '{t.name}' differs between the halves' worlds")
+        if self.kind_of(t) != FREE and (tags is None or not all(_same(e) for e in tags)):
+            raise Refusal(f"{where} '{t.name}' differs between the halves' worlds")
 
     # ------------------------------------------------------------ rewriting
 
@@ -481,7 +410,7 @@ class _HalfBatch:
         for o in list(node.outputs):
             if not self.present(o):
                 continue
-            h = gs.Variable(self.names(f"{o.name}/half"), dtype=o.dtype, shape=self._half_shape(o.shape))
+            h = Emit(self.graph, self.names, PREFIX).variable(f"{o.name}/half", o.dtype, self._half_shape(o.shape))
             replace_output(node, o, h)
             self.half[id(o)] = h
             self.full_of[id(h)] = o
@@ -544,12 +473,12 @@ class _HalfBatch:
         constant), every other element the same."""
         tags = self.vector_tags(t)
         if tags is None or not tags:
-            raise _Refuse(f"{where}: the shape '{t.name}' is not a vector onnxopt can follow")
-        if any(not isinstance(e, tuple) for e in tags[1:]):
-            raise _Refuse(f"{where}: the shape '{t.name}' carries the batch beyond its first element")
+            raise Refusal(f"{where}: the shape '{t.name}' is not a vector onnxopt can follow")
+        if not all(_same(e) for e in tags[1:]):
+            raise Refusal(f"{where}: the shape '{t.name}' carries the batch beyond its first element")
         first = tags[0]
-        if first != DOUBLED and not (isinstance(first, tuple) and first[1] is not None and first[1] > 0 and first[1] % 2 == 0):
-            raise _Refuse(f"{where}: the leading dim of '{t.name}' is not proven twice the half batch")
+        if not _doubled(first) and not (_value(first) is not None and _value(first) > 0 and _value(first) % 2 == 0):
+            raise Refusal(f"{where}: the leading dim of '{t.name}' is not proven twice the half batch")
         if id(t) in self.halved:
             return self.halved[id(t)]
         if id(t) in self.half_shape_of:
@@ -619,7 +548,7 @@ class _HalfBatch:
 
 # ---------------------------------------------------------------------------- the row-wise table
 #
-# Each rule: (pass state, node) -> None or {input index: half-batch shape operand}; raises _Refuse
+# Each rule: (pass state, node) -> None or {input index: half-batch shape operand}; raises Refusal
 # with the reason the node is a frontier. "dup" = duplicated, "free" = the same in both worlds.
 
 
@@ -632,7 +561,7 @@ def _elementwise(s: _HalfBatch, node: gs.Node):
             continue
         kind = s.need(node, i, DUP, FREE) and s.kind_of(t)
         if kind == DUP and s.rank_of(t) != out_rank:
-            raise _Refuse(f"the duplicated input '{t.name}' broadcasts into the batch axis")
+            raise Refusal(f"the duplicated input '{t.name}' broadcasts into the batch axis")
         if kind == FREE:
             s.batch_free_operand(t, out_rank)
 
@@ -642,7 +571,7 @@ def _per_sample(s, node):
     s.need(node, 0, DUP)
     s.free_rest(node, 1)
     if node.op == "BatchNormalization" and int(node.attrs.get("training_mode", 0)):
-        raise _Refuse("training-mode BatchNormalization: statistics over the batch")
+        raise Refusal("training-mode BatchNormalization: statistics over the batch")
 
 
 def _along_axis(default):
@@ -667,7 +596,7 @@ def _reduce(s, node):
     else:
         axes = s.constant_ints(node, 1, "axes")
         if not axes:
-            raise _Refuse("reduces over every axis")
+            raise Refusal("reduces over every axis")
     for axis in axes:
         s.axis_not_batch(node, axis, s.rank(x))
 
@@ -676,7 +605,7 @@ def _transpose(s, node):
     s.need(node, 0, DUP)
     perm = node.attrs.get("perm")
     if perm is None or int(perm[0]) != 0:
-        raise _Refuse(f"perm {list(perm) if perm is not None else 'reversed'} moves the batch axis")
+        raise Refusal(f"perm {list(perm) if perm is not None else 'reversed'} moves the batch axis")
 
 
 def _reshape(s, node):
@@ -684,11 +613,10 @@ def _reshape(s, node):
     target = s.need(node, 1, FREE, FULL)
     tags = s.vector_tags(target)
     if tags is None or not tags:
-        raise _Refuse(f"its target shape '{target.name}' is not a vector onnxopt can follow")
-    lead = tags[0]
-    kept = isinstance(lead, tuple) and (
-        (lead[1] == 0 and not int(node.attrs.get("allowzero", 0)))  # copies the (duplicated) dim 0
-        or (lead[1] == -1 and id(node) in s.minus_one_ok))           # dim 0 a proven multiple of the input's
+        raise Refusal(f"its target shape '{target.name}' is not a vector onnxopt can follow")
+    lead = _value(tags[0])
+    kept = ((lead == 0 and not int(node.attrs.get("allowzero", 0)))  # copies the (duplicated) dim 0
+            or (lead == -1 and id(node) in s.minus_one_ok))           # dim 0 a proven multiple of the input's
     if kept:
         s.same_vector(target, "its target shape")
         return {}
@@ -700,17 +628,17 @@ def _expand(s, node):
     shape = s.need(node, 1, FREE, FULL)
     tags = s.vector_tags(shape)
     if tags is None:
-        raise _Refuse(f"its shape '{shape.name}' is not a vector onnxopt can follow")
+        raise Refusal(f"its shape '{shape.name}' is not a vector onnxopt can follow")
     rx = s.rank_of(x)
     if s.kind_of(x) == DUP:
         if len(tags) > rx:
-            raise _Refuse("expands to a higher rank: the batch moves off axis 0")
-        if len(tags) < rx or tags[0] == ("same", 1):
+            raise Refusal("expands to a higher rank: the batch moves off axis 0")
+        if len(tags) < rx or _value(tags[0]) == 1:
             s.same_vector(shape, "its shape")
             return {}
         return {1: s.halve_leading(shape, "its shape")}
     if len(tags) < rx or (len(tags) == rx and not (x.shape and x.shape[0] == 1)):
-        raise _Refuse(f"'{x.name}' does not broadcast along the batch axis")
+        raise Refusal(f"'{x.name}' does not broadcast along the batch axis")
     return {1: s.halve_leading(shape, "its shape")}
 
 
@@ -722,14 +650,14 @@ def _constant_of_shape(s, node):
 def _tile(s, node):
     s.need(node, 0, DUP)
     if s.constant_ints(node, 1, "repeats")[:1] != [1]:
-        raise _Refuse("tiles along the batch axis")
+        raise Refusal("tiles along the batch axis")
 
 
 def _gemm(s, node):
     s.need(node, 0, DUP)
     s.free_rest(node, 1)
     if int(node.attrs.get("transA", 0)):
-        raise _Refuse("transA: the batch is the contracted axis")
+        raise Refusal("transA: the batch is the contracted axis")
     if len(node.inputs) > 2 and s.present(node.inputs[2]):
         s.batch_free_operand(node.inputs[2], 2)
 
@@ -740,13 +668,13 @@ def _matmul(s, node):
     ra, rb = s.rank_of(a), s.rank_of(b)
     if ka == DUP and kb == DUP:
         if ra < 3 or ra != rb:
-            raise _Refuse("both operands duplicated but not batched alike (rank < 3 or different ranks)")
+            raise Refusal("both operands duplicated but not batched alike (rank < 3 or different ranks)")
         return
     dup, free, rd, rf = (a, b, ra, rb) if ka == DUP else (b, a, rb, ra)
     if rd < 2 or (dup is b and rd < 3):
-        raise _Refuse(f"the duplicated operand '{dup.name}' has its batch on a contracted or broadcast axis")
+        raise Refusal(f"the duplicated operand '{dup.name}' has its batch on a contracted or broadcast axis")
     if rf > 2 and (rf > rd or (rf == rd and not (free.shape and free.shape[0] == 1))):
-        raise _Refuse(f"the batch-free operand '{free.name}' has batch dims of its own")
+        raise Refusal(f"the batch-free operand '{free.name}' has batch dims of its own")
 
 
 def _concat(s, node):
@@ -773,7 +701,7 @@ def _axes(s, node, index: int, missing: str) -> list[int]:
         return [int(a) for a in node.attrs["axes"]]
     if len(node.inputs) > index and s.present(node.inputs[index]):
         return s.constant_ints(node, index, "axes")
-    raise _Refuse(missing)
+    raise Refusal(missing)
 
 
 def _slice(s, node):
@@ -807,18 +735,18 @@ def _resize(s, node):
         return {3: s.halve_leading(s.need(node, 3, FREE, FULL), "its sizes")}
     scales = _small_value(node.inputs[2]) if len(node.inputs) > 2 else None
     if scales is None or not scales.size or float(scales.reshape(-1)[0]) != 1.0:
-        raise _Refuse("its scales are not constant with 1 on the batch axis")
+        raise Refusal("its scales are not constant with 1 on the batch axis")
 
 
 def _pad(s, node):
     x = s.need(node, 0, DUP)
     s.free_rest(node, 1)
     if len(node.inputs) > 3 and s.present(node.inputs[3]):
-        raise _Refuse("pads chosen axes (an axes input)")
+        raise Refusal("pads chosen axes (an axes input)")
     pads = [int(p) for p in node.attrs["pads"]] if "pads" in node.attrs else s.constant_ints(node, 1, "pads")
     r = s.rank_of(x)
     if pads[0] or pads[r]:
-        raise _Refuse("pads the batch axis")
+        raise Refusal("pads the batch axis")
 
 
 def _skip_norm(s, node):
@@ -905,26 +833,16 @@ def _shape_range(node: gs.Node, rank: int) -> tuple[int, int]:
     return start, max(start, end)
 
 
-def _combine(op: str, a, b):
-    """Tag of ``a op b`` for one element: doubled stays doubled through + and - of doubled, and * by same."""
-    if a == UNKNOWN or b == UNKNOWN:
-        return UNKNOWN
-    if op == "Equal":
-        if isinstance(a, tuple) and isinstance(b, tuple):
-            return ("same", None if a[1] is None or b[1] is None else int(a[1] == b[1]))
-        other = b if a == DOUBLED else a
-        # a batch is >= 1 in the half world and >= 2 in the full one: never equal to a value <= 0
-        return ("same", 0) if isinstance(other, tuple) and other[1] is not None and other[1] <= 0 else UNKNOWN
-    if isinstance(a, tuple) and isinstance(b, tuple):
-        if a[1] is None or b[1] is None:
-            return ("same", None)
-        if op == "Div":
-            return ("same", int(a[1] // b[1])) if b[1] else UNKNOWN
-        return ("same", {"Mul": a[1] * b[1], "Add": a[1] + b[1], "Sub": a[1] - b[1]}[op])
-    if op in ("Add", "Sub"):
-        return DOUBLED if a == DOUBLED and b == DOUBLED else UNKNOWN
-    if op == "Mul":
-        return DOUBLED if (a == DOUBLED) != (b == DOUBLED) else UNKNOWN
-    if op == "Div" and b == ("same", 1):
-        return DOUBLED
-    return UNKNOWN
+def _same(d: Dim | None) -> bool:
+    """The element is the same in both worlds (known or not)."""
+    return d is not None and FULL_BATCH not in d.symbols
+
+
+def _doubled(d: Dim | None) -> bool:
+    """The full world's value is twice the half world's: linear in the full batch."""
+    return d is not None and d.symbols.count(FULL_BATCH) == 1
+
+
+def _value(d: Dim | None) -> int | None:
+    """A same element's integer value (None: unknown or not the same in both worlds)."""
+    return d.value if d is not None else None

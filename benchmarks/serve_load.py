@@ -1,0 +1,192 @@
+"""Load on ``onnxopt serve``: stepped offered load, images/s, p50/p99 latency, failures.
+
+    python -m benchmarks.serve_load FOLDER --json serve_load.json               # one GPU
+    python -m benchmarks.serve_load FOLDER --scenarios replicas --json r.json   # a 2-GPU machine
+    python -m benchmarks.serve_load models/pipelines/sd15-tiny --dry-run        # CPU, checks the script
+
+Scenarios (each starts its own service, stopped with SIGTERM after):
+
+* ``batching``: one replica with ``--max-batch 1``, then with ``--max-batch B``.
+* ``replicas``: one replica against two (batching on); needs two GPUs (refused on fewer).
+* ``kill``: one replica's process is killed (SIGKILL) in the middle of a load step: every request
+  must end before its deadline (none hangs), every failure must be an HTTP 5xx (none a dropped
+  connection), and the replica must come back (Ray Serve restarts it): the time until it does.
+
+Offered load is open-loop: requests start at a fixed rate whatever the answers, a step at a time,
+each rate a multiple of one replica's single-image throughput (1 / the latency of one image
+alone, measured first on that service). A 503 (queue full) is a failure of its own column.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+
+from onnxopt.serve.client import ServiceProcess
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _parse(argv):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("folder")
+    p.add_argument("--provider", default="cuda", choices=["cuda", "cpu"])
+    p.add_argument("--size", default="512x512")
+    p.add_argument("--steps", type=int, nargs="+", default=[20, 50])
+    p.add_argument("--loads", type=float, nargs="+", default=[0.5, 1, 1.5, 2, 3, 4],
+                   help="offered rates as multiples of one replica's single-image throughput")
+    p.add_argument("--step-s", type=float, default=60, help="seconds of offered load per step")
+    p.add_argument("--max-batch", type=int, default=4)
+    p.add_argument("--max-queue", type=int, default=64)
+    p.add_argument("--scenarios", nargs="+", default=["batching", "replicas", "kill"],
+                   choices=["batching", "replicas", "kill"])
+    p.add_argument("--start-timeout-s", type=float, default=900)
+    p.add_argument("--json", type=Path, help="write every row here")
+    p.add_argument("--dry-run", action="store_true",
+                   help="CPU, 64x64, 2 steps, two short load steps: checks the script, measures nothing")
+    args = p.parse_args(argv)
+    if args.dry_run:
+        args.provider, args.size, args.steps, args.loads, args.step_s = "cpu", "64x64", [2], [1, 3], 6
+        args.max_batch, args.max_queue, args.start_timeout_s = 2, 4, 300
+    return args
+
+
+def gpu_count() -> int:
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return 0
+    return sum(line.startswith("GPU ") for line in out.splitlines())
+
+
+def offered_step(service: ServiceProcess, body: dict, rate: float, seconds: float, deadline_s: float,
+                 during=None) -> dict:
+    """Requests at ``rate`` per second for ``seconds`` (open loop); every answer awaited up to
+    ``deadline_s``. ``during(t0)``: run on a thread beside the load (the replica kill)."""
+    count = max(1, int(round(rate * seconds)))
+    results: list = [None] * count
+
+    def one(k: int):
+        start = time.perf_counter()
+        try:
+            status, _, payload = service.generate(dict(body, seed=k), timeout=deadline_s)
+            results[k] = (status, time.perf_counter() - start, len(payload.get("data", ())))
+        except OSError as exc:  # a dropped connection or a request past its deadline: not a clean failure
+            results[k] = (type(exc).__name__, time.perf_counter() - start, 0)
+
+    t0 = time.perf_counter()
+    side = threading.Thread(target=during, args=(t0,)) if during else None
+    if side:
+        side.start()
+    with ThreadPoolExecutor(min(count, 512)) as pool:
+        for k in range(count):
+            time.sleep(max(0.0, t0 + k / rate - time.perf_counter()))
+            pool.submit(one, k)
+    wall = time.perf_counter() - t0
+    if side:
+        side.join()
+    ok = [r for r in results if r[0] == 200]
+    lat = np.array([r[1] for r in ok]) if ok else np.array([np.nan])
+    return {"offered_per_s": rate, "requests": count, "ok": len(ok),
+            "images_per_s": sum(r[2] for r in ok) / wall, "p50_s": float(np.percentile(lat, 50)),
+            "p99_s": float(np.percentile(lat, 99)), "503": sum(r[0] == 503 for r in results),
+            "other_5xx": sum(isinstance(r[0], int) and r[0] >= 500 and r[0] != 503 for r in results),
+            "4xx": sum(isinstance(r[0], int) and 400 <= r[0] < 500 for r in results),
+            "not_http": sum(not isinstance(r[0], int) for r in results), "wall_s": wall}
+
+
+def run_service(args, label: str, rows: list, *, replicas: int, max_batch: int, kill: bool = False) -> None:
+    service = ServiceProcess(args.folder, "--provider", args.provider, "--replicas", str(replicas),
+                             "--max-batch", str(max_batch), "--max-queue", str(args.max_queue),
+                             "--max-steps", str(max(args.steps)), pythonpath=str(ROOT))
+    try:
+        service.wait_ready(args.start_timeout_s)
+        for steps in args.steps:
+            body = {"prompt": "a photograph of an astronaut riding a horse", "size": args.size, "steps": steps}
+            for k in range(2):  # warm-up: sessions, captured graphs
+                service.generate(dict(body, seed=k))
+            t = time.perf_counter()
+            status, _, payload = service.generate(dict(body, seed=0))
+            single_s = time.perf_counter() - t
+            assert status == 200, payload
+            deadline_s = max(60.0, 20 * single_s * (1 + args.max_queue / max(1, replicas * max_batch)))
+            loads = [args.loads[len(args.loads) // 2]] if kill else args.loads
+            for f in loads:
+                rate = f / single_s
+                during = _killer(service, args.step_s / 3, replicas) if kill else None
+                row = offered_step(service, body, rate, args.step_s, deadline_s, during)
+                row.update(scenario=label, replicas=replicas, max_batch=max_batch, steps=steps, size=args.size,
+                           single_image_s=single_s, load_x=f)
+                if during:
+                    row.update(during.report)
+                rows.append(row)
+                print(_line(row), flush=True)
+    finally:
+        if service.process.poll() is None:
+            code, left = service.stop()
+            if left or code:
+                print(f"  {label}: stop exit {code}, left behind: {left}", flush=True)
+
+
+def _killer(service: ServiceProcess, after_s: float, replicas: int):
+    """A callable that SIGKILLs one replica ``after_s`` into the step and times its return."""
+    def during(t0: float):
+        time.sleep(max(0.0, t0 + after_s - time.perf_counter()))
+        before = service.replica_pids()
+        os.kill(before[0], signal.SIGKILL)
+        killed = time.perf_counter()
+        back = None
+        while time.perf_counter() - killed < 600:
+            now = service.replica_pids()
+            if len(now) >= replicas and before[0] not in now:
+                status = service.generate({"prompt": "back?", "steps": 1}, timeout=120)[0]
+                if status == 200:
+                    back = time.perf_counter() - killed
+                    break
+            time.sleep(0.5)
+        during.report = {"killed_pid": before[0], "replica_back_s": back}
+    during.report = {}
+    return during
+
+
+def _line(row: dict) -> str:
+    return (f"{row['scenario']:<16} r={row['replicas']} B={row['max_batch']} {row['steps']:>2} steps "
+            f"load {row['load_x']:.1f}x ({row['offered_per_s']:.2f}/s): {row['images_per_s']:.2f} img/s, "
+            f"p50 {row['p50_s']:.2f} s, p99 {row['p99_s']:.2f} s, ok {row['ok']}/{row['requests']}, "
+            f"503 {row['503']}, 5xx {row['other_5xx']}, not-http {row['not_http']}"
+            + (f", replica back in {row['replica_back_s']:.1f} s" if row.get("replica_back_s") else ""))
+
+
+def main(argv=None) -> int:
+    args = _parse(argv)
+    rows: list = []
+    gpus = gpu_count() if args.provider == "cuda" else 2
+    if "batching" in args.scenarios:
+        run_service(args, "batching-off", rows, replicas=1, max_batch=1)
+        run_service(args, "batching-on", rows, replicas=1, max_batch=args.max_batch)
+    if "replicas" in args.scenarios:
+        if gpus >= 2:
+            if "batching" not in args.scenarios:
+                run_service(args, "batching-on", rows, replicas=1, max_batch=args.max_batch)
+            run_service(args, "two-replicas", rows, replicas=2, max_batch=args.max_batch)
+        else:
+            print(f"replicas: not run ({gpus} GPU on this machine; needs 2)", flush=True)
+    if "kill" in args.scenarios:
+        run_service(args, "replica-killed", rows, replicas=min(2, max(1, gpus)), max_batch=args.max_batch, kill=True)
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

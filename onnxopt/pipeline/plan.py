@@ -1,0 +1,306 @@
+"""What a generation runs, decided once from the folder and the options, before any session exists.
+
+    plan = plan_generation(PipelineFolder.open("sd15-opt"), "cuda")
+    print(plan.text())          # onnxopt generate FOLDER --plan
+    plan.as_dict()              # in generate --json, under "plan"
+    Pipeline.from_plan(plan)    # the runner creates what the plan lists, in its order
+
+The plan names the components, the step graph and where it comes from, the step loop (bound
+buffers, host feeds, two streams, or diffusers' unfused loop), the ControlNet graphs, whether CUDA
+graphs are asked for, and one :class:`SessionEntry` per session: which file it runs, when it runs
+and what it binds. A new model family or pipeline feature is a new entry here (or a new source of
+the step graph), not a branch in the runner: :meth:`onnxopt.pipeline.runner.Pipeline.from_plan`
+turns each entry into a session by its ``binds`` alone.
+
+Which rewrite is used, and why one is passed over, follows the folder (files written by
+``onnxopt optimize``) and the switches of :meth:`onnxopt.pipeline.runner.Pipeline.load`.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+from onnxopt.errors import OnnxoptError
+from onnxopt.pipeline.folder import MERGED_STEP_FILE, PipelineFolder
+
+INMEMORY_STEP_GRAPH_MAX_BYTES = 1_800_000_000  # serialized bytes with the weights inline stay under protobuf's 2 GB
+
+# How a session is run (SessionEntry.binds): the runner's one switch.
+BOUND = "bound buffers"  # once per prompt or image, on buffers bound per input shape (BoundSession), captured when asked
+STEP_LOOP = "step loop"  # every step, bound by the step loop (captured when asked and ORT can)
+HOST = "host feeds"  # numpy in, numpy out
+BUILT = "built graph"  # a small graph onnxopt builds (the reuse step, the ControlNet's input prep)
+
+
+class GenerationError(OnnxoptError):
+    """A bad generation request (size, steps, ControlNet image...): one line, exit code 2."""
+
+
+def hint_key(k: int) -> str:
+    """The session key of ControlNet k's once-per-image hint graph: hint, hint_1, hint_2..."""
+    return "hint" if k == 0 else f"hint_{k}"
+
+
+@dataclass(frozen=True)
+class SessionEntry:
+    """One session: ``key`` (the runner's name for it), the ``component`` whose folder it reads, the
+    ``graph`` it runs (relative to the folder, or what builds it), when it ``runs``, what it
+    ``binds`` and whether capture is asked (``capture``); ``lazy``: made on first use."""
+
+    key: str
+    component: str
+    graph: str
+    runs: str
+    binds: str
+    capture: bool = False
+    lazy: bool = False
+    model: Path | None = field(default=None, compare=False, repr=False)  # the file (None: built or lazy)
+
+
+@dataclass
+class GenerationPlan:
+    folder: Path
+    kind: str
+    provider: str
+    components: list[str]
+    step: str  # the step graph and where it comes from ("unfused" when diffusers' loop runs)
+    step_loop: str  # "bound buffers" | "host feeds" | "two streams" | "unfused"
+    capture: bool  # CUDA graphs asked for (the step session says whether ORT could)
+    controlnets: list[str]  # the graph each ControlNet's step runs, in order
+    merged_step: bool
+    scheduler: str  # the folder's own, which a request without --scheduler gets
+    sessions: list[SessionEntry]
+    io_binding: bool = False  # once-per-prompt/image graphs and the fused step on bound buffers
+    static_text: bool = True  # text encoders: their static graph for the prompt batch, when the folder has one
+    build_step_graph: bool = False  # the step graph is built in memory from unet/model.onnx
+    step_model: Path | None = field(default=None, repr=False)
+    context_model: Path | None = field(default=None, repr=False)
+    down_model: Path | None = field(default=None, repr=False)
+    controlnet_models: list[Path] = field(default_factory=list, repr=False)
+
+    def entry(self, key: str) -> SessionEntry | None:
+        return next((e for e in self.sessions if e.key == key), None)
+
+    def as_dict(self) -> dict:
+        """The plan as JSON-ready data (the files as paths relative to the folder)."""
+        return {"folder": str(self.folder), "kind": self.kind, "provider": self.provider,
+                "components": list(self.components), "step": self.step, "step_loop": self.step_loop,
+                "capture": self.capture, "controlnets": list(self.controlnets), "merged_step": self.merged_step,
+                "scheduler": self.scheduler,
+                "sessions": [{k: v for k, v in asdict(e).items() if k != "model"} for e in self.sessions]}
+
+    def text(self) -> str:
+        """The plan for people: one line a fact, one line a session."""
+        lines = [f"{self.folder} ({self.kind}) on {self.provider}",
+                 f"  components: {', '.join(self.components)}",
+                 f"  step graph: {self.step}",
+                 f"  step loop:  {self.step_loop}" + (", CUDA graphs asked" if self.capture else ""),
+                 f"  scheduler:  {self.scheduler}"]
+        if self.controlnets:
+            lines.append(f"  ControlNets: {', '.join(self.controlnets)}" + (" (inside the merged step graph)"
+                                                                           if self.merged_step else ""))
+        lines.append("  sessions:")
+        for e in self.sessions:
+            extra = ", captured" if e.capture else ""
+            extra += ", made on first use" if e.lazy else ""
+            lines.append(f"    {e.key:<20} {e.graph}: {e.runs}, {e.binds}{extra}")
+        return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class PlanOptions:
+    """The switches of :meth:`Pipeline.load` that choose what runs (its docstring says each)."""
+
+    fused_step: bool = True
+    cuda_graph: bool = True
+    io_binding: bool | None = None
+    context_kv: bool = True
+    controlnet_hint: bool = True
+    merged_step: bool = True
+    step_file: str | None = None
+    two_streams: bool | None = None
+    static_text: bool = True
+    scheduler: str | None = None  # the request's: one the fused step cannot run (pndm) plans diffusers' loop
+
+
+def plan_generation(folder: PipelineFolder, provider: str, options: PlanOptions = PlanOptions()) -> GenerationPlan:
+    """The plan for ``folder`` on ``provider`` (cpu | cuda | tensorrt) with ``options``."""
+    from onnxopt.pipeline.schedulers import FUSED_SCHEDULERS
+
+    if options.scheduler is not None and options.scheduler not in FUSED_SCHEDULERS:
+        options = replace(options, fused_step=False)
+    if provider == "tensorrt":  # each component's engine, host loop (onnxopt.runners.engine_session)
+        options = replace(options, fused_step=False, io_binding=False, static_text=False)
+    capture = options.cuda_graph and provider != "cpu"
+    io_binding = provider != "cpu" if options.io_binding is None else options.io_binding
+    two_streams = provider != "cpu" if options.two_streams is None else options.two_streams
+    once = BOUND if io_binding else HOST
+    plan = GenerationPlan(folder.root, folder.kind, provider, _components(folder), "unfused", "unfused", capture, [],
+                          False, options.scheduler or folder_scheduler_name(folder), [], io_binding, options.static_text)
+    if folder.has("vae_decoder"):
+        plan.sessions.append(_entry(folder, "vae_decoder", "vae_decoder", folder.component("vae_decoder").model,
+                                    "once per image", once, capture and io_binding))
+    for encoder in ("text_encoder", "text_encoder_2"):
+        if folder.has(encoder):
+            static = " or model.static.b{b}.onnx" if options.static_text and folder.component(encoder).static_models else ""
+            plan.sessions.append(SessionEntry(encoder, encoder, f"{encoder}/model.onnx{static}", "once per prompt", once,
+                                              capture and io_binding, lazy=True))
+    hints = _controlnet_graphs(folder, plan, options, once, capture and io_binding)
+    if options.fused_step:
+        _plan_step(folder, plan, options, io_binding, two_streams, hints)
+    _plan_per_step_sessions(folder, plan, io_binding)
+    return plan
+
+
+def folder_scheduler_name(folder: PipelineFolder) -> str:
+    """The folder's own scheduler (what a request without one gets), or why onnxopt runs none."""
+    from onnxopt.pipeline.schedulers import SchedulerError, folder_scheduler
+
+    try:
+        return folder_scheduler(folder.scheduler_config())
+    except SchedulerError as exc:
+        return f"none onnxopt runs ({exc})"
+
+
+def _components(folder: PipelineFolder) -> list[str]:
+    names = ("text_encoder", "text_encoder_2", "unet", *folder.controlnets, "vae_decoder")
+    return [name for name in names if folder.has(name)]
+
+
+def _entry(folder, key, component, model: Path, runs, binds, capture=False) -> SessionEntry:
+    return SessionEntry(key, component, _relative(folder, model), runs, binds, capture, model=model)
+
+
+def _controlnet_graphs(folder, plan, options, once, capture) -> bool:
+    """Each ControlNet's step graph (its hint graph once per image when the folder has one)."""
+    hints = False
+    for k, name in enumerate(folder.controlnets):
+        component = folder.component(name)
+        hint = component.hint_model if options.fused_step and options.controlnet_hint else None
+        plan.controlnet_models.append(component.model)
+        if hint is not None:  # the conditioning embedding once per image (onnxopt.pipeline.controlnet_hint)
+            plan.sessions.append(_entry(folder, hint_key(k), name, hint, "once per image", once, capture))
+            plan.controlnet_models[-1] = component.step_model
+            hints = True
+    plan.controlnets = [_relative(folder, m) for m in plan.controlnet_models]
+    return hints
+
+
+def _plan_step(folder, plan, options, io_binding, two_streams, hints) -> None:
+    """The fused step: its graph, the K/V companion, two streams or the merged graph."""
+    step_model, step_source, build = step_graph_source(folder, options.context_kv, options.step_file)
+    context = folder.component("unet").context_model if step_source == "unet/step.onnx" else None
+    if options.step_file is not None:
+        context = Path(step_model).with_suffix(".context_kv.onnx")
+        context = context if context.is_file() else None
+    controlnet = plan.controlnet_models[0] if plan.controlnet_models else None
+    streams = None
+    if two_streams and controlnet is not None and io_binding and step_source == "unet/step.onnx":
+        streams = folder.component("unet").two_stream_models
+    merged = None
+    if controlnet is not None and options.merged_step and streams is None:
+        merged = merged_step_graph(folder, plan.controlnet_models, step_source)
+    if context is not None:  # cross-attention K/V once per prompt (step.context_kv.onnx)
+        plan.context_model = context
+        plan.sessions.append(_entry(folder, "context", "unet", context, "once per prompt", BOUND if io_binding else HOST,
+                                    plan.capture and io_binding))
+    if merged is not None:  # ControlNet + UNet step graph: one run per step
+        step_model, step_source = merged, f"{MERGED_STEP_FILE} ({' + '.join([step_source, *plan.controlnets])})"
+    if streams is not None:  # down beside the ControlNet, then the rest
+        plan.down_model = streams[1]
+        plan.sessions.append(_entry(folder, "down", "unet", streams[1], "every step, beside the ControlNets",
+                                    STEP_LOOP, plan.capture))
+        step_model, step_source = streams[0], f"{streams[0].name} + {streams[1].name} (two streams)"
+    if context is not None:
+        step_source += f" + {context.name}"
+    plan.step, plan.merged_step = step_source, merged is not None and (step_model is not None or build)
+    if step_model is None and not build:
+        return
+    plan.step_model, plan.build_step_graph = step_model, build
+    graph = "unet/model.onnx, built in memory" if build else _relative(folder, step_model)
+    plan.sessions.append(SessionEntry("step", "unet", graph, "every step", STEP_LOOP, plan.capture, model=step_model))
+    plan.step_loop = "two streams" if streams is not None else ("bound buffers" if io_binding else "host feeds")
+
+
+def _plan_per_step_sessions(folder, plan, io_binding) -> None:
+    """The ControlNets (unless merged), the reuse graph or the UNet, the ControlNet's input graph."""
+    fused, two = plan.entry("step") is not None, plan.entry("down") is not None
+    if not plan.merged_step:  # captured too when they run on a stream of their own
+        for name, model in zip(folder.controlnets, plan.controlnet_models):
+            plan.sessions.append(_entry(folder, name, name, model, "every step", STEP_LOOP if two else HOST,
+                                        plan.capture and two))
+    if fused:
+        plan.sessions.append(SessionEntry("reuse", "", "reuse step (onnxopt.pipeline.step_reuse)", "a reused step", BUILT))
+    else:
+        plan.sessions.append(_entry(folder, "unet", "unet", folder.component("unet").model, "every step", HOST))
+    if io_binding and fused and plan.entry("controlnet") is not None:  # one input graph serves every ControlNet
+        plan.sessions.append(SessionEntry("controlnet_prepare", "", "ControlNet input (onnxopt.pipeline.merged_step)",
+                                          "every step", BUILT, plan.capture and two))
+
+
+def step_graph_source(folder: PipelineFolder, context_kv: bool = True, step_file: str | None = None):
+    """(model path, where it came from, build in memory?): ``unet/<step_file>``, ``unet/step.onnx``,
+    or the step graph built from ``unet/model.onnx``; (None, why not, False) -> the unfused loop.
+    ``context_kv=False`` passes over a step.onnx that reads the K/V of step.context_kv.onnx."""
+    from onnxopt.pipeline.multi_controlnet import controlnet_count
+
+    unet = folder.component("unet")
+    controlnets = max(1, len(folder.controlnets))
+    if step_file is not None:
+        path = unet.folder / step_file
+        if Path(step_file).name != step_file or path.suffix != ".onnx" or not path.is_file():
+            raise GenerationError(f"{path}: no step graph of that name in {unet.folder}")
+        if controlnet_count(path) != controlnets:  # the residuals of the others would be dropped
+            raise GenerationError(f"{path} reads the residuals of {controlnet_count(path)} ControlNet(s), the folder "
+                                  f"has {controlnets}: write it with write_step_graph(..., controlnets={controlnets})")
+        return path, f"unet/{step_file}", False
+    if unet.step_model is not None and (context_kv or unet.context_model is None):
+        if controlnet_count(unet.step_model) == controlnets:
+            return unet.step_model, "unet/step.onnx", False
+        print(f"onnxopt: {unet.step_model} reads the residuals of {controlnet_count(unet.step_model)} ControlNet(s), the "
+              f"folder has {controlnets}: building the step graph from unet/model.onnx", file=sys.stderr)
+    try:
+        import onnxopt.pipeline.step_graph  # noqa: F401
+    except ImportError:
+        return None, "unfused (onnxopt.pipeline.step_graph is not available)", False
+    if not unet.external_data and unet.nbytes() >= INMEMORY_STEP_GRAPH_MAX_BYTES:
+        print(f"onnxopt: {unet.folder} has no step.onnx and its UNet is over 1.8 GB inline: running the unfused step "
+              "(write the fused one once with onnxopt.pipeline.step_graph.write_step_graph)", file=sys.stderr)
+        return None, "unfused (UNet over 1.8 GB without unet/step.onnx)", False
+    return None, "built in memory from unet/model.onnx", True
+
+
+def build_step_graph_in_memory(folder: PipelineFolder) -> bytes:
+    """The step graph of ``unet/model.onnx``, serialized with its weights referring to the UNet's
+    own data files (ORT reads them from the UNet's folder: create_session's external_data_folder),
+    so a UNet of any size fits in memory once; inline weights are written inline, as they were."""
+    import io
+
+    from onnxopt.loading import load_model
+    from onnxopt.pipeline.multi_controlnet import sum_controlnet_residuals
+    from onnxopt.pipeline.step_graph import build_step_graph
+    from onnxopt.saving import _write
+
+    unet = folder.component("unet")
+    serialized = io.BytesIO()
+    step = sum_controlnet_residuals(build_step_graph(load_model(unet.model)), max(1, len(folder.controlnets)))
+    _write(step, serialized, None, "", unet.folder.resolve())
+    return serialized.getvalue()
+
+
+def merged_step_graph(folder: PipelineFolder, controlnet_models: list[Path], step_source: str) -> Path | None:
+    """merged_step.onnx when the folder has it and it was built from the UNet step graph and the
+    ControlNet graphs this plan selected (``step_source``, ``controlnet_models``); else None."""
+    from onnxopt.pipeline.merged_step import merged_parts
+
+    merged = folder.merged_step_model
+    if merged is None or step_source != "unet/step.onnx":
+        return None
+    expected = {step_source, *(_relative(folder, m) for m in controlnet_models)}
+    return merged if set(merged_parts(merged)) == expected else None
+
+
+def _relative(folder: PipelineFolder, path: Path) -> str:
+    return Path(path).relative_to(folder.root).as_posix()
