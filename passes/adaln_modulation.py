@@ -36,6 +36,7 @@ from onnxopt.pass_infra import OrtFusion
 from onnxopt.pattern import Literal, Match, OneOf, Pattern, Var, constant_value, is_constant, op
 from onnxopt.pattern.tensor_facts import normalize_axis, rank_of, shape_of, static_dim, static_ints
 from onnxopt.registry import register_pass
+from onnxopt.weights import numpy_dtype
 
 ONE = Literal(1.0, rtol=0, atol=0)
 
@@ -88,7 +89,7 @@ def _per_sample(match: Match) -> bool:
 def emit(make: Emit, match: Match) -> list[gs.Tensor]:
     ln, x, scale, shift = match.node("ln"), match["x"], match["scale"], match["shift"]
     d = static_dim(x, -1)
-    one = make.constant("one", np.ones((), dtype=np.dtype(scale.dtype)))
+    one = make.constant("one", np.ones((), dtype=numpy_dtype(scale.dtype)))
     attrs = {k: ln.attrs[k] for k in ("epsilon", "stash_type") if k in ln.attrs}
     if _per_sample(match):  # (B, 1, D) against x (B, S, D), axis 2
         rows = make.constant("axis_1", np.array([1], np.int64))
