@@ -20,10 +20,14 @@ The components keep SD3.5-Medium's structure at tiny widths:
   ``!``, as SD3's do) and a tiny T5 unigram tokenizer written as ``tokenizer.json`` alone
   (``<pad>`` 0, ``</s>`` 1, ``<unk>`` 2, as T5's).
 
-The folder's layout is the one optimum-onnx writes for StableDiffusion3Pipeline; ``layout="optimum"``
-writes model_index.json as optimum's exporter saves it (the torch pipeline's own, which names the
-VAE ``vae``, and no ``text_encoder_3`` / ``tokenizer_3`` entries when T5 is left out), ``"diffusers"``
-the same index with the component entries diffusers' ``save_pretrained`` writes.
+The folder's layout is the one optimum-onnx writes for StableDiffusion3Pipeline (component folders
+``text_encoder*/``, ``transformer/``, ``vae_decoder/``, ``vae_encoder/``), with model_index.json as
+diffusers' ``save_pretrained`` writes it (optimum's exporter writes the torch pipeline's own index
+too); the graphs are onnxopt's TorchScript exports with optimum's input and output names.
+
+``models/pipelines/sd35-tiny-optimum`` is the same torch pipeline exported by optimum-onnx itself::
+
+    python3 -m models.sd3 --optimum-cli /work/venvs/optimum/bin/optimum-cli   # see models/optimum_fixture.py
 """
 from __future__ import annotations
 
@@ -107,7 +111,7 @@ def _export(module, args: tuple, path: Path, inputs: list[str], outputs: list[st
     inline_external_data(path)
 
 
-def write_sd3_onnx_folder(pipe, out_dir, layout: str = "optimum", tokenizer_dir=None) -> Path:
+def write_sd3_onnx_folder(pipe, out_dir, tokenizer_dir=None) -> Path:
     """Export ``pipe`` (from :func:`build_torch_sd3_pipeline`) to an ONNX pipeline folder at ``out_dir``
     (TorchScript exporter, opset 17, dynamic batch, sequence and size). ``tokenizer_dir``: where
     build_torch_sd3_pipeline wrote the tokenizers (copied as they are: T5's is tokenizer.json alone)."""
@@ -120,16 +124,9 @@ def write_sd3_onnx_folder(pipe, out_dir, layout: str = "optimum", tokenizer_dir=
     from .t5 import T5EncoderWrapper
     from .vae import VAEDecoderWrapper, VAEEncoderWrapper
 
-    if layout not in ("optimum", "diffusers"):
-        raise ValueError(f"layout must be 'optimum' or 'diffusers', got {layout!r}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     pipe.save_config(str(out))
-    index = json.loads((out / "model_index.json").read_text())
-    if layout == "optimum":  # optimum-onnx names the halves of the VAE as its folders
-        index.pop("vae", None)
-        index["vae_decoder"] = index["vae_encoder"] = ["diffusers", "AutoencoderKL"]
-    (out / "model_index.json").write_text(json.dumps(index, indent=2) + "\n")
     pipe.scheduler.save_pretrained(str(out / "scheduler"))
     for name in ("tokenizer", "tokenizer_2", "tokenizer_3"):
         if getattr(pipe, name, None) is None:
@@ -174,3 +171,53 @@ def write_sd3_onnx_folder(pipe, out_dir, layout: str = "optimum", tokenizer_dir=
     for name in ("vae_decoder", "vae_encoder"):
         pipe.vae.save_config(str(out / name))
     return out
+
+
+DEFAULT_OUT = Path(__file__).parent / "pipelines" / "sd35-tiny-optimum"
+
+
+def write_with_optimum(out: Path, optimum_cli: Path, seed: int = 0) -> None:
+    """``build_torch_sd3_pipeline(seed)`` saved by diffusers, then exported by optimum-onnx's
+    ``optimum-cli export onnx --task text-to-image`` from its own venv (it pins transformers 4)."""
+    import shutil
+    import subprocess
+    import tempfile
+
+    from .optimum_fixture import versions
+
+    with tempfile.TemporaryDirectory(prefix="onnxopt-optimum-sd3-") as tmp:
+        torch_dir, onnx_dir = Path(tmp) / "torch", Path(tmp) / "onnx"
+        build_torch_sd3_pipeline(seed, Path(tmp) / "tok").save_pretrained(str(torch_dir))
+        # transformers 5 writes tokenizer configs transformers 4 cannot read: the files as written here,
+        # and T5's tokenizer.json alone (transformers 4's T5TokenizerFast; the slow one needs sentencepiece)
+        for name in ("tokenizer", "tokenizer_2", "tokenizer_3"):
+            shutil.rmtree(torch_dir / name)
+            shutil.copytree(Path(tmp) / "tok" / name, torch_dir / name)
+        index = json.loads((torch_dir / "model_index.json").read_text())
+        index["tokenizer_3"] = ["transformers", "T5TokenizerFast"]
+        (torch_dir / "model_index.json").write_text(json.dumps(index, indent=2))
+        subprocess.run([str(optimum_cli), "export", "onnx", "--model", str(torch_dir), "--task", "text-to-image",
+                        str(onnx_dir)], check=True)
+        (onnx_dir / "PROVENANCE.txt").write_text(
+            f"models.sd3.build_torch_sd3_pipeline(seed={seed}) saved by diffusers, then\n"
+            "optimum-cli export onnx --model <that folder> --task text-to-image <this folder>\n"
+            "with, in optimum's venv:\n" + versions(optimum_cli.parent / "python"))
+        if out.exists():
+            shutil.rmtree(out)
+        shutil.copytree(onnx_dir, out)
+
+
+def main(argv=None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(description="write models/pipelines/sd35-tiny-optimum with optimum-onnx")
+    parser.add_argument("--optimum-cli", type=Path, required=True, help="optimum-cli of a venv with optimum-onnx")
+    parser.add_argument("-o", "--out", type=Path, default=DEFAULT_OUT)
+    args = parser.parse_args(argv)
+    write_with_optimum(args.out, args.optimum_cli)
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
