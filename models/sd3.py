@@ -60,9 +60,12 @@ def write_t5_tokenizer(out_dir) -> None:
     tokenizer.save(str(out_dir / "tokenizer.json"))
 
 
-def build_torch_sd3_pipeline(seed: int = 0, tokenizer_dir=None, t5: bool = True):
+def build_torch_sd3_pipeline(seed: int = 0, tokenizer_dir=None, t5: bool = True, size: str = "tiny"):
     """The tiny StableDiffusion3Pipeline (fp32, CPU, eval). ``tokenizer_dir``: where the tokenizers are
-    written (and loaded back from). ``t5=False``: without text_encoder_3 / tokenizer_3, as diffusers allows."""
+    written (and loaded back from). ``t5=False``: without text_encoder_3 / tokenizer_3, as diffusers allows.
+    ``size="full"``: SD3.5-Medium's published configs (models/dit.py, clip.py, t5.py, vae.py: CLIP-L,
+    OpenCLIP bigG, T5-XXL, the 2.5 B MMDiT, the 16-channel VAE), 7.7 B parameters, 31 GB in fp32; the
+    tiny tokenizers serve both sizes (their ids are valid for the full vocabularies)."""
     import tempfile
 
     import diffusers
@@ -79,19 +82,21 @@ def build_torch_sd3_pipeline(seed: int = 0, tokenizer_dir=None, t5: bool = True)
         tmp = tempfile.TemporaryDirectory(prefix="onnxopt-sd3-tokenizer-")
         tokenizer_dir = tmp.name
     tokenizer_dir = Path(tokenizer_dir)
+    tiny = size == "tiny"
     try:
         parts = dict(
-            transformer=make_transformer("sd35-medium", "tiny", seed, overrides=TRANSFORMER_OVERRIDES).eval(),
+            transformer=make_transformer("sd35-medium", size, seed,
+                                         overrides=TRANSFORMER_OVERRIDES if tiny else None).eval(),
             scheduler=diffusers.FlowMatchEulerDiscreteScheduler.from_config(SCHEDULER_CONFIG),
-            vae=make_vae("tiny", seed, family="vae16-decoder").eval(),
-            text_encoder=_text_encoder(CLIP_CONFIGS[("clip-text", "tiny")], True, seed).eval(),
+            vae=make_vae(size, seed, family="vae16-decoder").eval(),
+            text_encoder=_text_encoder(CLIP_CONFIGS[("clip-text", size)], True, seed).eval(),
             tokenizer=write_tokenizer(tokenizer_dir / "tokenizer", "<|endoftext|>"),
-            text_encoder_2=_text_encoder(CLIP_CONFIGS[("openclip-text", "tiny")], True, seed + 1).eval(),
+            text_encoder_2=_text_encoder(CLIP_CONFIGS[("openclip-text", size)], True, seed + 1).eval(),
             tokenizer_2=write_tokenizer(tokenizer_dir / "tokenizer_2", "!"),
             text_encoder_3=None, tokenizer_3=None)
         if t5:
             write_t5_tokenizer(tokenizer_dir / "tokenizer_3")
-            parts["text_encoder_3"] = make_t5("tiny", seed=seed + 2, overrides=T5_OVERRIDES).eval()
+            parts["text_encoder_3"] = make_t5(size, seed=seed + 2, overrides=T5_OVERRIDES if tiny else None).eval()
             parts["tokenizer_3"] = T5TokenizerFast(tokenizer_file=str(tokenizer_dir / "tokenizer_3" / "tokenizer.json"))
         return diffusers.StableDiffusion3Pipeline(**parts)
     finally:
@@ -100,15 +105,20 @@ def build_torch_sd3_pipeline(seed: int = 0, tokenizer_dir=None, t5: bool = True)
 
 
 def _export(module, args: tuple, path: Path, inputs: list[str], outputs: list[str], dynamic: dict) -> None:
+    """TorchScript export; weights inline under 2 GB, else in one ``model.onnx_data`` (optimum's name)."""
     import torch
 
+    from .bigexport import merge_external_data
     from .export import inline_external_data
 
     path.parent.mkdir(parents=True, exist_ok=True)
     with torch.no_grad():
         torch.onnx.export(module, args, str(path), input_names=inputs, output_names=outputs, dynamic_axes=dynamic,
                           opset_version=17, dynamo=False)
-    inline_external_data(path)
+    if sum(p.numel() * p.element_size() for p in module.parameters()) < 1_800_000_000:
+        inline_external_data(path)
+    else:  # past 2 GB the exporter wrote one file per tensor
+        merge_external_data(path, "model.onnx_data")
 
 
 def write_sd3_onnx_folder(pipe, out_dir, tokenizer_dir=None) -> Path:
