@@ -190,10 +190,9 @@ def write_with_optimum(out: Path, optimum_cli: Path, seed: int = 0) -> None:
     """``build_torch_sd3_pipeline(seed)`` saved by diffusers, then exported by optimum-onnx's
     ``optimum-cli export onnx --task text-to-image`` from its own venv (it pins transformers 4)."""
     import shutil
-    import subprocess
     import tempfile
 
-    from .optimum_fixture import versions
+    from .optimum_fixture import export_with_optimum
 
     with tempfile.TemporaryDirectory(prefix="onnxopt-optimum-sd3-") as tmp:
         torch_dir, onnx_dir = Path(tmp) / "torch", Path(tmp) / "onnx"
@@ -206,15 +205,7 @@ def write_with_optimum(out: Path, optimum_cli: Path, seed: int = 0) -> None:
         index = json.loads((torch_dir / "model_index.json").read_text())
         index["tokenizer_3"] = ["transformers", "T5TokenizerFast"]
         (torch_dir / "model_index.json").write_text(json.dumps(index, indent=2))
-        subprocess.run([str(optimum_cli), "export", "onnx", "--model", str(torch_dir), "--task", "text-to-image",
-                        str(onnx_dir)], check=True)
-        (onnx_dir / "PROVENANCE.txt").write_text(
-            f"models.sd3.build_torch_sd3_pipeline(seed={seed}) saved by diffusers, then\n"
-            "optimum-cli export onnx --model <that folder> --task text-to-image <this folder>\n"
-            "with, in optimum's venv:\n" + versions(optimum_cli.parent / "python"))
-        if out.exists():
-            shutil.rmtree(out)
-        shutil.copytree(onnx_dir, out)
+        export_with_optimum(torch_dir, onnx_dir, out, optimum_cli, f"models.sd3.build_torch_sd3_pipeline(seed={seed})")
 
 
 def main(argv=None) -> int:
