@@ -46,10 +46,25 @@ def _save_torch_pipeline(kind: str, torch_dir: Path, tokenizer_dir: Path, seed: 
     return f"build_flux_pipeline('{kind}', 'tiny', seed={seed})"
 
 
+def clip_keys_for_transformers_4(torch_dir: Path) -> None:
+    """transformers 5 saves CLIPTextModel's weights without the ``text_model.`` prefix, which
+    transformers 4 (optimum's) then does not find: it exports a randomly initialized encoder, with
+    only a warning. Saved with the prefix, both versions load them."""
+    from safetensors.numpy import load_file, save_file
+
+    for path in torch_dir.glob("text_encoder*/model.safetensors"):
+        if "CLIPTextModel" not in (path.parent / "config.json").read_text():
+            continue
+        weights = load_file(str(path))
+        save_file({k if k.startswith("text_model.") else f"text_model.{k}": v for k, v in weights.items()}, str(path),
+                  metadata={"format": "pt"})
+
+
 def write(out: Path, optimum_cli: Path, seed: int = 0, kind: str = "sd15") -> None:
     with tempfile.TemporaryDirectory(prefix="onnxopt-optimum-") as tmp:
         torch_dir, onnx_dir = Path(tmp) / "torch", Path(tmp) / "onnx"
         built = _save_torch_pipeline(kind, torch_dir, Path(tmp) / "tok", seed)
+        clip_keys_for_transformers_4(torch_dir)
         # transformers 5 saves the tokenizer as tokenizer.json alone; optimum's transformers 4 reads vocab + merges
         shutil.copytree(Path(tmp) / "tok" / "tokenizer", torch_dir / "tokenizer", dirs_exist_ok=True)
         subprocess.run([str(optimum_cli), "export", "onnx", "--model", str(torch_dir), "--task", "text-to-image",

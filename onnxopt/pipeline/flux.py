@@ -9,7 +9,6 @@
   graph input declares (diffusers' exports take float32; optimum's take int64);
 * dev's guidance embedding: ``guidance`` [1] = the guidance scale, no CFG; schnell has none (its
   transformer has no ``guidance`` input, and the scale is unused, as in diffusers);
-* the schedule's resolution-dependent shift ``mu`` (``calculate_shift`` of the image's token count);
 * the VAE's input: unpacked, then ``latents / scaling_factor + shift_factor``, both read from the
   folder's VAE config (a config without them is refused: Flux's differ from SD3's and neither is a
   safe default).
@@ -20,8 +19,6 @@ Nothing here runs a session; the runner feeds what these return.
 from __future__ import annotations
 
 import sys
-from pathlib import Path
-
 import numpy as np
 
 from onnxopt.errors import MissingDependencyError
@@ -31,28 +28,6 @@ T5_SEQUENCE = 512  # FluxPipeline's max_sequence_length default
 MAX_T5_SEQUENCE = 512  # FluxPipeline refuses more (check_inputs)
 PATCH = 2  # latents are packed into 2x2 patches
 IDS_AXES = 3  # (text/image index, row, column)
-
-
-def load_t5_tokenizer(path: Path):
-    """T5's tokenizer from ``path``: with its ``tokenizer_config.json`` as transformers saves it, or
-    from ``tokenizer.json`` alone (T5's special tokens: ``<pad>``, ``</s>``, ``<unk>``)."""
-    try:
-        from transformers import PreTrainedTokenizerFast, T5TokenizerFast
-    except ImportError as exc:
-        raise MissingDependencyError("generating images needs transformers: pip install 'onnxopt[pipeline]'") from exc
-    from onnxopt.pipeline.folder import PipelineFolderError
-
-    path = Path(path)
-    if not (path / "tokenizer.json").is_file():
-        raise PipelineFolderError(f"{path}: no tokenizer.json (T5's tokenizer)")
-    try:
-        if (path / "tokenizer_config.json").is_file():
-            return T5TokenizerFast.from_pretrained(str(path))
-        return PreTrainedTokenizerFast(tokenizer_file=str(path / "tokenizer.json"), pad_token="<pad>", eos_token="</s>",
-                                       unk_token="<unk>")
-    except Exception as exc:  # noqa: BLE001 -- the folder's files, parsed by transformers: any failure is the file's
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise PipelineFolderError(f"{path}: cannot load T5's tokenizer: {first}")
 
 
 def check_sequence_length(max_sequence_length) -> int:
@@ -132,21 +107,6 @@ def initial_latents(seed: int, channels: int, height: int, width: int) -> np.nda
     noise = randn_tensor((1, channels, height, width), generator=generator, device=torch.device("cpu"),
                          dtype=torch.float32)
     return pack_latents(noise.numpy())
-
-
-def dynamic_shift(image_tokens: int, scheduler_config: dict) -> float:
-    """``mu`` for FlowMatchEulerDiscreteScheduler.set_timesteps: diffusers' ``calculate_shift`` of
-    the image's token count, with the scheduler config's bounds (FluxPipeline's defaults where absent)."""
-    from diffusers.pipelines.flux.pipeline_flux import calculate_shift
-
-    return float(calculate_shift(image_tokens, scheduler_config.get("base_image_seq_len", 256),
-                                 scheduler_config.get("max_image_seq_len", 4096),
-                                 scheduler_config.get("base_shift", 0.5), scheduler_config.get("max_shift", 1.15)))
-
-
-def flow_sigmas(steps: int) -> np.ndarray:
-    """FluxPipeline's sigmas before the shift: linspace(1, 1/steps, steps)."""
-    return np.linspace(1.0, 1 / steps, steps)
 
 
 def takes_guidance(transformer_inputs, transformer_config: dict, where) -> bool:

@@ -59,6 +59,7 @@ import numpy as np
 from onnxopt.errors import MissingDependencyError, OnnxoptError
 from onnxopt.pipeline import images
 from onnxopt.pipeline.bound_session import BoundSession
+from onnxopt.pipeline.families import TOKENIZER_OF
 from onnxopt.pipeline.folder import PipelineFolder
 from onnxopt.pipeline.plan import (
     BOUND,
@@ -179,7 +180,7 @@ class Pipeline:
         self._plans: dict = {}  # (scheduler, steps) -> StepPlan
         self._schedulers: dict = {}  # name -> diffusers' scheduler (Pipeline._scheduler)
         self._device_loops: dict = {}  # DeviceStepLoop.key -> a loop whose buffers (and captured graphs) stay put
-        self.tokenizers = {name: folder.tokenizer(name) for name in _tokenizers_of(folder.kind)}
+        self.tokenizers = {name: folder.tokenizer(name) for name in _tokenizers_of(folder)}
         self._warned_truncation: set = set()  # prompts already warned about
         self.static_text = False  # use text_encoder*/model.static.b{b}.onnx (set by load)
         self.text_sources: dict[str, str] = {}  # encoder -> the graph its last prompt ran on, and why
@@ -267,6 +268,10 @@ class Pipeline:
         if "vae_decoder" in made:
             check_interface(made["vae_decoder"], folder.component("vae_decoder").model, "VAE decoder",
                             ["latent_sample"], ["sample"])
+        if folder.kind == "flux" and cls is Pipeline:  # Flux's prompt, packed latents and VAE input
+            from onnxopt.pipeline.flux_runner import FluxRunner
+
+            cls = FluxRunner
         pipe = cls(folder, plan.provider, made, step_source=plan.step, cuda_graph=sessions.capture and "step" in made,
                    io_binding=plan.io_binding, device_id=device_id,
                    threads=threads, creation_s=time.perf_counter() - start)
@@ -660,10 +665,14 @@ def check_request(folder: PipelineFolder, *, steps: int = 50, scheduler: str | N
     :meth:`Pipeline.load`'s (the scheduler's check imports torch and diffusers: seconds)."""
     say = StartupStatus(status)
     say("importing torch and diffusers")
-    from onnxopt.pipeline.schedulers import SCHEDULERS
+    from onnxopt.pipeline.schedulers import ALL_SCHEDULERS, schedulers_for
 
-    if scheduler is not None and scheduler not in SCHEDULERS:
-        raise GenerationError(f"unknown scheduler '{scheduler}' (choose from {', '.join(SCHEDULERS)})")
+    if scheduler is not None and scheduler not in ALL_SCHEDULERS:
+        raise GenerationError(f"unknown scheduler '{scheduler}' (choose from {', '.join(ALL_SCHEDULERS)})")
+    takes = schedulers_for(folder.family.flow_matching)
+    if scheduler is not None and scheduler not in takes:
+        raise GenerationError(f"{folder.root} is a {folder.kind} pipeline: its denoiser runs {', '.join(takes)}, "
+                              f"not {scheduler}")
     if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
         raise GenerationError(f"steps must be at least 1, got {steps}")
     control_images, names = as_list(controlnet_image), folder.controlnets
@@ -688,14 +697,26 @@ def check_request(folder: PipelineFolder, *, steps: int = 50, scheduler: str | N
             raise GenerationError(f"{image}: no such image")
     _check_size(height, width, folder.vae_scale_factor, allow_none=True)
     scheduler = _checked_schedule(json.dumps(folder.scheduler_config(), sort_keys=True, default=str), folder.kind,
-                                  folder_scheduler_class(folder), scheduler, steps)
+                                  folder_scheduler_class(folder), scheduler, steps, _latent_size(folder, height, width))
     check_model_configs(folder)
     say.done()
     return scheduler
 
 
+def _latent_size(folder: PipelineFolder, height, width) -> tuple[int, int, int] | None:
+    """The latents' (height, width) of a request (the default size where none is asked) and the
+    transformer's patch size, for flow matching's resolution-dependent schedule; None for the UNet
+    families (their schedule does not depend on it)."""
+    if not folder.family.flow_matching:
+        return None
+    default_h, default_w = default_size(folder)
+    factor = folder.vae_scale_factor
+    return (height or default_h) // factor, (width or default_w) // factor, folder.config(folder.denoiser).get("patch_size", 2)
+
+
 @functools.lru_cache(maxsize=32)
-def _checked_schedule(config_json: str, kind: str, own: str | None, scheduler: str | None, steps: int) -> str:
+def _checked_schedule(config_json: str, kind: str, own: str | None, scheduler: str | None, steps: int,
+                      latent_size: tuple[int, int, int] | None = None) -> str:
     """The scheduler's name for a request (``scheduler``, or the folder's own), once the whole
     schedule has been dry-run (:func:`~onnxopt.pipeline.schedulers.check_schedule`). Remembered:
     every image of a pipeline asks the same question, and the dry run of 50 DDIM steps cost about
@@ -710,7 +731,13 @@ def _checked_schedule(config_json: str, kind: str, own: str | None, scheduler: s
         if steps > train_steps:  # diffusers' set_timesteps refuses it, deep in the run
             raise GenerationError(f"steps must be at most {train_steps} (num_train_timesteps of the folder's "
                                   f"scheduler_config.json), got {steps}")
-        check_schedule(make_scheduler(scheduler, config), steps)
+        made = make_scheduler(scheduler, config)
+        kwargs = {}
+        if latent_size is not None:  # flow matching: the schedule as the pipeline sets it for this size
+            from onnxopt.pipeline.schedulers import flow_match_timestep_kwargs
+
+            kwargs = flow_match_timestep_kwargs(kind, dict(made.config), steps, *latent_size)
+        check_schedule(made, steps, kwargs)
     except SchedulerError as exc:
         raise GenerationError(str(exc)) from None
     return scheduler
@@ -761,7 +788,7 @@ def check_model_configs(folder: PipelineFolder) -> None:
                                       f"(one per latent channel), got {value!r}")
     for tokenizer, encoder in (("tokenizer", "text_encoder"), ("tokenizer_2", "text_encoder_2")):
         path = folder.root / tokenizer / "tokenizer_config.json"
-        if tokenizer in _tokenizers_of(folder.kind) and path.is_file():
+        if tokenizer in _tokenizers_of(folder) and path.is_file():
             from onnxopt.pipeline.folder import read_json
 
             check_prompt_length(folder, encoder, read_json(path).get("model_max_length"))
@@ -863,8 +890,11 @@ def reuse_steps(reuse, steps: int) -> frozenset:
         raise GenerationError(str(exc)) from None
 
 
-def _tokenizers_of(kind: str) -> tuple[str, ...]:
-    return ("tokenizer", "tokenizer_2") if kind == "sdxl" else ("tokenizer",)
+def _tokenizers_of(folder: PipelineFolder) -> tuple[str, ...]:
+    """The tokenizers a generation reads: the family's, and those of the optional encoders present."""
+    family = folder.family
+    optional = tuple(TOKENIZER_OF[e] for e in family.optional if e in TOKENIZER_OF and folder.has(e))
+    return (*family.tokenizers, *optional)
 
 
 def _check_size(height, width, factor: int, allow_none: bool = False) -> None:
