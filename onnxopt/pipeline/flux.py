@@ -25,17 +25,8 @@ from onnxopt.errors import MissingDependencyError
 from onnxopt.pipeline.plan import GenerationError
 
 T5_SEQUENCE = 512  # FluxPipeline's max_sequence_length default
-MAX_T5_SEQUENCE = 512  # FluxPipeline refuses more (check_inputs)
 PATCH = 2  # latents are packed into 2x2 patches
 IDS_AXES = 3  # (text/image index, row, column)
-
-
-def check_sequence_length(max_sequence_length) -> int:
-    if isinstance(max_sequence_length, bool) or not isinstance(max_sequence_length, (int, np.integer)) \
-            or not 1 <= max_sequence_length <= MAX_T5_SEQUENCE:
-        raise GenerationError(f"--max-sequence-length must be an integer from 1 to {MAX_T5_SEQUENCE} "
-                              f"(Flux's T5 prompt), got {max_sequence_length!r}")
-    return int(max_sequence_length)
 
 
 def t5_token_ids(tokenizer, prompt: str, max_sequence_length: int = T5_SEQUENCE) -> np.ndarray:

@@ -31,6 +31,7 @@ from onnxopt.pipeline.runner import (
     check_numbers,
     check_prompts,
     check_request,
+    check_sequence_length,
     clears_status,
     default_size,
 )
@@ -62,7 +63,8 @@ class FluxRunner(Pipeline):
         scheduler = check_request(folder, steps=steps, scheduler=scheduler)
         check_numbers(guidance=guidance, seed=seed)
         check_prompts(prompt, None)
-        sequence = flux.check_sequence_length(flux.T5_SEQUENCE if max_sequence_length is None else max_sequence_length)
+        sequence = flux.T5_SEQUENCE if max_sequence_length is None else max_sequence_length
+        check_sequence_length(folder, sequence)
         factor = folder.vae_scale_factor
         default_h, default_w = default_size(folder)
         height, width = height or default_h, width or default_w

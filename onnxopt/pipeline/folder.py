@@ -1,7 +1,7 @@
 """A diffusers/optimum ONNX pipeline folder, read without running anything.
 
     folder = PipelineFolder.open("sd15-tiny")
-    folder.kind                      # "sd" | "sdxl" | "controlnet"
+    folder.kind                      # "sd" | "sdxl" | "controlnet" | "sd3" (onnxopt.pipeline.families)
     folder.component("unet").model   # Path to unet/model.onnx
     folder.tokenizer("tokenizer_2")  # transformers.CLIPTokenizer
     folder.config("vae_decoder")     # the component's config.json (empty dict when absent)
@@ -9,11 +9,12 @@
 The layout (what optimum-cli and ``models/pipelines.py`` write)::
 
     model_index.json        _class_name: StableDiffusionPipeline | StableDiffusionXLPipeline |
-                            StableDiffusionControlNetPipeline (+ pipeline config such as
-                            force_zeros_for_empty_prompt)
+                            StableDiffusionControlNetPipeline | StableDiffusion3Pipeline (+ pipeline
+                            config such as force_zeros_for_empty_prompt)
     scheduler/scheduler_config.json
-    tokenizer/  tokenizer_2/ (SDXL)
-    text_encoder/  text_encoder_2/ (SDXL)  unet/  vae_decoder/  [vae_encoder/]  [controlnet/]
+    tokenizer/  tokenizer_2/ (SDXL, SD3)  [tokenizer_3/] (SD3's T5: tokenizer.json alone will do)
+    text_encoder/  text_encoder_2/ (SDXL, SD3)  [text_encoder_3/] (SD3's T5, optional as in diffusers)
+    unet/ | transformer/ (SD3)  vae_decoder/  [vae_encoder/]  [controlnet/]
                             each a model.onnx, external data in model.onnx_data | model.onnx.data |
                             weights.pb, and optionally config.json
     [controlnet_1/ controlnet_2/ ...]  more ControlNets: diffusers' MultiControlNetModel.save_pretrained

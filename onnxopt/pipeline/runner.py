@@ -311,22 +311,23 @@ class Pipeline:
 
     # --- the text side, once per prompt ---------------------------------------------------------
 
-    def _token_ids(self, name: str, texts: list[str]) -> np.ndarray:
+    def _token_ids(self, name: str, texts: list[str], max_length: int | None = None) -> np.ndarray:
         """diffusers' ``encode_prompt``: padded to model_max_length and cut there, and, as diffusers
         warns, a warning on stderr naming the part of the prompt that was cut (once per prompt)."""
         tokenizer = self.tokenizers[name]
-        ids = tokenizer(texts, padding="max_length", max_length=tokenizer.model_max_length, truncation=True,
+        max_length = max_length or tokenizer.model_max_length
+        ids = tokenizer(texts, padding="max_length", max_length=max_length, truncation=True,
                         return_tensors="np").input_ids
         prompt = texts[-1]  # as diffusers: the prompt is checked, the negative prompt is cut silently
         if prompt not in self._warned_truncation:
             # transformers' own "longer than the specified maximum" line is not the user's: ours says it
             getattr(tokenizer, "deprecation_warnings", {})["sequence-length-is-longer-than-the-specified-maximum"] = True
             whole = tokenizer(prompt, padding="longest").input_ids
-            if len(whole) > tokenizer.model_max_length:
+            if len(whole) > max_length:
                 self._warned_truncation.add(prompt)
-                removed = tokenizer.decode(whole[tokenizer.model_max_length - 1: -1])
+                removed = tokenizer.decode(whole[max_length - 1: -1])
                 print(f"onnxopt: warning: the following part of your input was truncated because CLIP can only handle "
-                      f"sequences up to {tokenizer.model_max_length} tokens: {removed!r}", file=sys.stderr)
+                      f"sequences up to {max_length} tokens: {removed!r}", file=sys.stderr)
         return ids
 
     def text_session(self, encoder: str, batch: int):
@@ -339,9 +340,10 @@ class Pipeline:
         if key not in self.sessions:
             session = self._open_once(encoder, static.get(batch))
             check_interface(session, static.get(batch) or component.model, "text encoder", ["input_ids"],
-                            ["last_hidden_state"] if self.folder.kind != "sdxl" else [])
-            tokenizer = self.tokenizers["tokenizer" if encoder == "text_encoder" else "tokenizer_2"]
-            check_prompt_length(self.folder, encoder, tokenizer.model_max_length, session)
+                            ["last_hidden_state"] if self.folder.kind in ("sd", "controlnet") else [])
+            if encoder != "text_encoder_3":  # T5 takes the request's length (max_sequence_length)
+                tokenizer = self.tokenizers[TOKENIZER_OF[encoder]]
+                check_prompt_length(self.folder, encoder, tokenizer.model_max_length, session)
             self.sessions[key] = session
         if batch in static:
             self.text_sources[encoder] = static[batch].name
@@ -353,9 +355,15 @@ class Pipeline:
                                           + (f" (it has {present})" if present else ""))
         return self.sessions[key]
 
-    def encode_prompt(self, prompt: str, negative_prompt: str | None) -> dict[str, np.ndarray]:
+    def encode_prompt(self, prompt: str, negative_prompt: str | None, max_sequence_length: int = 256
+                      ) -> dict[str, np.ndarray]:
         """The step's conditioning inputs, negative first (batch 2): encoder_hidden_states
-        [+ text_embeds, time_ids are added by the caller for SDXL]."""
+        [+ text_embeds, time_ids are added by the caller for SDXL; SD3: pooled_projections, T5's
+        tokens ``max_sequence_length``: :mod:`onnxopt.pipeline.sd3_text`]."""
+        if self.folder.kind == "sd3":
+            from onnxopt.pipeline.sd3_text import encode_sd3_prompt
+
+            return encode_sd3_prompt(self, prompt, negative_prompt, max_sequence_length)
         if self.folder.kind != "sdxl":
             ids = self._token_ids("tokenizer", [negative_prompt or "", prompt])
             (hidden,) = _run_outputs(self.text_session("text_encoder", len(ids)), ids, ["last_hidden_state"])
@@ -382,13 +390,15 @@ class Pipeline:
     @clears_status
     def __call__(self, prompt: str, negative_prompt: str | None = None, steps: int = 50, guidance: float = 7.5,
                  scheduler: str | None = None, seed: int = 0, height: int | None = None, width: int | None = None,
-                 controlnet_image=None, controlnet_scale=1.0, progress: bool = True, reuse=None) -> Result:
+                 controlnet_image=None, controlnet_scale=1.0, progress: bool = True, reuse=None,
+                 max_sequence_length: int = 256) -> Result:
         """One image. ``scheduler``: one of :data:`~onnxopt.pipeline.schedulers.SCHEDULERS`, made from
         the folder's config; None: the folder's own scheduler, as diffusers' pipeline uses it.
         ``guidance`` <= 1 turns classifier-free guidance off, as diffusers does (the negative prompt
         is then unused). ``controlnet_image``: the conditioning image (a path, PIL image or array), or a
         list of one per ControlNet (folders with ``controlnet_1/``...); ``controlnet_scale``: one
-        scale for every ControlNet, or a list of one per ControlNet (diffusers' semantics)."""
+        scale for every ControlNet, or a list of one per ControlNet (diffusers' semantics).
+        ``max_sequence_length``: SD3's T5 prompt length in tokens (diffusers' default 256)."""
         from diffusers.utils.torch_utils import randn_tensor
 
         torch = _torch()
@@ -397,6 +407,7 @@ class Pipeline:
                                   controlnet_image=controlnet_image, controlnet_scale=controlnet_scale)
         check_numbers(guidance=guidance, seed=seed, controlnet_scale=controlnet_scale)
         check_prompts(prompt, negative_prompt)
+        check_sequence_length(folder, max_sequence_length)
         reused = reuse_steps(reuse, steps)
         factor = folder.vae_scale_factor
         controls = []
@@ -411,9 +422,10 @@ class Pipeline:
         timings: dict = {"provider": self.provider, "step": self.step_source, "cuda_graph": self.cuda_graph,
                          "session_runs_per_step": self.session_runs_per_step()}
         start = time.perf_counter()
-        cond = self._conditioning(prompt, negative_prompt, height, width, timings)
+        cond = self._conditioning(prompt, negative_prompt, height, width, timings, max_sequence_length)
         sched = self._scheduler(scheduler)
-        channels = folder.config("unet").get("in_channels", 4)
+        self._latent_size = (height // factor, width // factor)  # flow matching's dynamic shifting reads it
+        channels = self._latent_channels()
         generator = torch.Generator("cpu").manual_seed(seed)
         noise = randn_tensor((1, channels, height // factor, width // factor), generator=generator,
                              device=torch.device("cpu"), dtype=torch.float32)
@@ -430,11 +442,12 @@ class Pipeline:
         self.calls += 1
         return Result(latents=latents, pixels=pixels, timings=timings)
 
-    def _conditioning(self, prompt, negative_prompt, height: int, width: int, timings: dict) -> dict:
+    def _conditioning(self, prompt, negative_prompt, height: int, width: int, timings: dict,
+                      max_sequence_length: int = 256) -> dict:
         """The step's conditioning: the text encoders' outputs (SDXL: with its time ids), and the
         cross-attention K/V when the step graph reads them instead of the text."""
         t0 = time.perf_counter()
-        cond = self.encode_prompt(prompt, negative_prompt)
+        cond = self.encode_prompt(prompt, negative_prompt, max_sequence_length)
         if self.folder.kind == "sdxl":
             time_ids = np.asarray([[height, width, 0, 0, height, width]], np.float32)  # original, crop (0,0), target
             cond["time_ids"] = np.concatenate([time_ids, time_ids])
@@ -445,6 +458,20 @@ class Pipeline:
         timings["text_encoder_s"] = time.perf_counter() - t0
         timings["text_encoders"] = dict(self.text_sources)
         return cond
+
+    def _latent_channels(self) -> int:
+        """The latents' channels: the denoiser config's in_channels (diffusers reads it there), which
+        the graph that runs must take where it declares them (a config of another model, e.g. a
+        4-channel one beside SD3's 16-channel transformer, was ORT's shape error mid-run)."""
+        name = self.folder.denoiser
+        channels = self.folder.config(name).get("in_channels", 4)
+        session, latent = (self.sessions["step"], "latents") if "step" in self.sessions else (
+            self._unet_session(), self.folder.family.denoiser.sample)
+        shape = next((i.shape for i in session.get_inputs() if i.name == latent), None)
+        if shape and len(shape) == 4 and isinstance(shape[1], int) and shape[1] != channels:
+            raise GenerationError(f"{self.folder.root / name / 'config.json'}: in_channels {channels}, but "
+                                  f"{name}'s graph takes latents of {shape[1]} channels")
+        return channels
 
     def _controlnet_inputs(self, cond: dict, controls: list, controlnet_scale, timings: dict) -> list[dict]:
         """Per ControlNet: its per-image inputs by its own input names (the hint, where its step
@@ -571,10 +598,22 @@ class Pipeline:
         (the folder's scheduler config is fixed), and probing diffusers costs ~0.5 ms a step."""
         from onnxopt.pipeline.schedulers import plan_steps
 
-        key = (name, steps)
+        kwargs = self._timestep_kwargs(scheduler, steps)
+        key = (name, steps, json.dumps(kwargs, sort_keys=True, default=list))
         if key not in self._plans:
-            self._plans[key] = plan_steps(scheduler, steps)
+            self._plans[key] = plan_steps(scheduler, steps, timestep_kwargs=kwargs,
+                                          timestep_scale=self.folder.family.denoiser.timestep_scale)
         return self._plans[key]
+
+    def _timestep_kwargs(self, scheduler, steps: int) -> dict:
+        """What diffusers' pipeline passes to ``set_timesteps`` (flow matching: dynamic shifting's
+        ``mu`` for this image's latent size, Flux's sigmas); nothing for the UNet families."""
+        from onnxopt.pipeline.schedulers import flow_match_timestep_kwargs
+
+        if not self.folder.family.flow_matching:
+            return {}
+        patch = self.folder.config(self.folder.denoiser).get("patch_size", 2)
+        return flow_match_timestep_kwargs(self.folder.kind, dict(scheduler.config), steps, *self._latent_size, patch)
 
     def _unscale(self, latents: np.ndarray) -> np.ndarray:
         """The VAE decoder's input. latents_mean/latents_std are read by StableDiffusionXLPipeline
@@ -582,6 +621,9 @@ class Pipeline:
         config = self.folder.config("vae_decoder")
         scaling = config.get("scaling_factor", 0.18215)
         mean, std = config.get("latents_mean"), config.get("latents_std")
+        if self.folder.family.flow_matching:  # SD3 and Flux: latents / scaling_factor + shift_factor
+            shift = config.get("shift_factor")
+            return latents / np.float32(scaling) + np.float32(shift or 0.0)
         if self.folder.kind == "sdxl" and mean is not None and std is not None:
             mean = np.asarray(mean, np.float32).reshape(1, -1, 1, 1)
             std = np.asarray(std, np.float32).reshape(1, -1, 1, 1)
@@ -615,23 +657,27 @@ class Pipeline:
     def _unet_session(self):
         """The UNet's own session: made at load for the unfused loop; on first use when a fused
         pipeline meets a scheduler the step graph cannot run."""
-        if "unet" not in self.sessions:
-            self.status("loading unet (the scheduler's own step, unfused)")
-            self.sessions["unet"] = create_session(self.folder.component("unet").model, self.provider,
-                                                   name=str(self.folder.root / "unet"), device_id=self.device_id,
-                                                   threads=self.threads)
-        return self.sessions["unet"]
+        name = self.folder.denoiser
+        if name not in self.sessions:
+            self.status(f"loading {name} (the scheduler's own step, unfused)")
+            self.sessions[name] = create_session(self.folder.component(name).model, self.provider,
+                                                 name=str(self.folder.root / name), device_id=self.device_id,
+                                                 threads=self.threads)
+        return self.sessions[name]
 
     def _unfused_loop(self, sched, steps, noise, cond, controlnet, guidance, step_times, bar, kind, reused=frozenset()):
         """diffusers' loop: UNet session, guidance in numpy (``guidance`` None: no guidance, the
         prompt's own output), diffusers' scale_model_input and step (at a ``reused`` step: diffusers'
         step on the last computed guided output, no UNet)."""
+        from onnxopt.pipeline.schedulers import _scale_model_input, _set_timesteps
+
         torch = _torch()
-        sched.set_timesteps(steps)
+        _set_timesteps(sched, steps, self._timestep_kwargs(sched, steps))
         if kind == "sdxl" and hasattr(sched, "set_begin_index"):
             sched.set_begin_index(0)
-        latents = noise * sched.init_noise_sigma
+        latents = noise * getattr(sched, "init_noise_sigma", 1.0)
         unet = self._unet_session()
+        denoiser = self.folder.family.denoiser
         eps = None
         for k, t in enumerate(sched.timesteps):
             t1 = time.perf_counter()
@@ -640,15 +686,16 @@ class Pipeline:
                 step_times.append(time.perf_counter() - t1)
                 bar.update()
                 continue
-            model_in = sched.scale_model_input(torch.cat([latents] * 2), t).numpy()
-            feeds = dict(cond, sample=model_in, timestep=timestep_feed(unet, t.item(), model_in.shape[0]))
+            model_in = _scale_model_input(sched, torch.cat([latents] * 2), t).numpy()
+            feeds = dict(cond, **{denoiser.sample: model_in, denoiser.timestep: timestep_feed(
+                unet, t.item() * denoiser.timestep_scale, model_in.shape[0], denoiser.timestep)})
             residuals = {}  # diffusers' MultiControlNetModel: the residuals summed in ControlNet order
             for k, inputs in enumerate(controlnet or ()):
                 cn = self._controlnet_session(k)
                 out = run_host(cn, dict(inputs, sample=model_in, timestep=timestep_feed(cn, t.item(), model_in.shape[0])))
                 residuals = {n: residuals[n] + v for n, v in out.items()} if residuals else out
             feeds.update(residuals)
-            eps2 = run_host(unet, feeds)["out_sample"].astype(np.float32)
+            eps2 = run_host(unet, feeds)[denoiser.output].astype(np.float32)
             eps_u, eps_c = eps2[: len(eps2) // 2], eps2[len(eps2) // 2:]
             eps = eps_c if guidance is None else eps_u + np.float32(guidance) * (eps_c - eps_u)
             latents = sched.step(torch.from_numpy(eps), t, latents, return_dict=False)[0]
@@ -755,9 +802,9 @@ def folder_scheduler_class(folder: PipelineFolder) -> str | None:
 
 def fusable(scheduler: str) -> bool:
     """Whether the fused step graph can run ``scheduler`` (else a load need not prepare it)."""
-    from onnxopt.pipeline.schedulers import FUSED_SCHEDULERS
+    from onnxopt.pipeline.schedulers import FUSABLE_SCHEDULERS
 
-    return scheduler in FUSED_SCHEDULERS
+    return scheduler in FUSABLE_SCHEDULERS
 
 
 def classifier_free_guidance(guidance: float) -> bool:
@@ -897,6 +944,25 @@ def _tokenizers_of(folder: PipelineFolder) -> tuple[str, ...]:
     return (*family.tokenizers, *optional)
 
 
+MAX_SEQUENCE_LENGTH = 512  # diffusers' StableDiffusion3Pipeline and FluxPipeline refuse a longer T5 prompt
+
+
+def default_sequence_length(folder: PipelineFolder) -> int:
+    """diffusers' max_sequence_length default: FluxPipeline's 512, StableDiffusion3Pipeline's 256."""
+    return 512 if folder.kind == "flux" else 256
+
+
+def check_sequence_length(folder: PipelineFolder, max_sequence_length) -> None:
+    """SD3's and Flux's T5 prompt length: a positive integer up to :data:`MAX_SEQUENCE_LENGTH`, as diffusers
+    takes it (FluxPipeline refuses more than 512 too)."""
+    if folder.kind not in ("sd3", "flux"):
+        return
+    if (not isinstance(max_sequence_length, int) or isinstance(max_sequence_length, bool)
+            or not 1 <= max_sequence_length <= MAX_SEQUENCE_LENGTH):
+        raise GenerationError(f"max sequence length must be an integer in 1..{MAX_SEQUENCE_LENGTH}, "
+                              f"got {max_sequence_length!r}")
+
+
 def _check_size(height, width, factor: int, allow_none: bool = False) -> None:
     multiple = max(8, factor)
     for name, value in (("height", height), ("width", width)):
@@ -957,8 +1023,9 @@ class _SessionMaker:
             if self.plan.build_step_graph:
                 self.say("preparing the step graph")
             model = build_step_graph_in_memory(self.folder) if self.plan.build_step_graph else entry.model
-            beside = {"external_data_folder": self.folder.component("unet").folder} if isinstance(model, bytes) else {}
-            session, self.capture = self.captured("unet", model, say=True, **beside)
+            denoiser = self.folder.denoiser
+            beside = {"external_data_folder": self.folder.component(denoiser).folder} if isinstance(model, bytes) else {}
+            session, self.capture = self.captured(denoiser, model, say=True, **beside)
         elif entry.binds == STEP_LOOP:
             session, _ = self.captured(entry.component, entry.model)
         elif entry.key == "reuse":
