@@ -742,7 +742,8 @@ def check_request(folder: PipelineFolder, *, steps: int = 50, scheduler: str | N
             raise GenerationError(f"{image}: is a folder, not an image")
         if isinstance(image, (str, Path)) and not Path(image).is_file():
             raise GenerationError(f"{image}: no such image")
-    _check_size(height, width, folder.vae_scale_factor, allow_none=True)
+    if folder.kind != "flux":  # FluxPipeline takes any size and rounds it down (onnxopt.pipeline.flux.latent_size)
+        _check_size(height, width, folder.vae_scale_factor, allow_none=True)
     scheduler = _checked_schedule(json.dumps(folder.scheduler_config(), sort_keys=True, default=str), folder.kind,
                                   folder_scheduler_class(folder), scheduler, steps, _latent_size(folder, height, width))
     check_model_configs(folder)
