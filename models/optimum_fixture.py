@@ -60,6 +60,20 @@ def clip_keys_for_transformers_4(torch_dir: Path) -> None:
                   metadata={"format": "pt"})
 
 
+def export_with_optimum(torch_dir: Path, onnx_dir: Path, out: Path, optimum_cli: Path, built_by: str) -> None:
+    """``optimum-cli export onnx --task text-to-image`` of the diffusers folder ``torch_dir`` into
+    ``onnx_dir``, with its PROVENANCE.txt (``built_by``: what saved ``torch_dir``), then copied to ``out``."""
+    subprocess.run([str(optimum_cli), "export", "onnx", "--model", str(torch_dir), "--task", "text-to-image",
+                    str(onnx_dir)], check=True)
+    (onnx_dir / "PROVENANCE.txt").write_text(
+        f"{built_by} saved by diffusers, then\n"
+        "optimum-cli export onnx --model <that folder> --task text-to-image <this folder>\n"
+        "with, in optimum's venv:\n" + versions(optimum_cli.parent / "python"))
+    if out.exists():
+        shutil.rmtree(out)
+    shutil.copytree(onnx_dir, out)
+
+
 def write(out: Path, optimum_cli: Path, seed: int = 0, kind: str = "sd15") -> None:
     with tempfile.TemporaryDirectory(prefix="onnxopt-optimum-") as tmp:
         torch_dir, onnx_dir = Path(tmp) / "torch", Path(tmp) / "onnx"
@@ -67,15 +81,7 @@ def write(out: Path, optimum_cli: Path, seed: int = 0, kind: str = "sd15") -> No
         clip_keys_for_transformers_4(torch_dir)
         # transformers 5 saves the tokenizer as tokenizer.json alone; optimum's transformers 4 reads vocab + merges
         shutil.copytree(Path(tmp) / "tok" / "tokenizer", torch_dir / "tokenizer", dirs_exist_ok=True)
-        subprocess.run([str(optimum_cli), "export", "onnx", "--model", str(torch_dir), "--task", "text-to-image",
-                        str(onnx_dir)], check=True)
-        (onnx_dir / "PROVENANCE.txt").write_text(
-            f"{built} saved by diffusers, then\n"
-            "optimum-cli export onnx --model <that folder> --task text-to-image <this folder>\n"
-            "with, in optimum's venv:\n" + versions(optimum_cli.parent / "python"))
-        if out.exists():
-            shutil.rmtree(out)
-        shutil.copytree(onnx_dir, out)
+        export_with_optimum(torch_dir, onnx_dir, out, optimum_cli, built)
 
 
 def main(argv=None) -> int:

@@ -20,10 +20,14 @@ The components keep SD3.5-Medium's structure at tiny widths:
   ``!``, as SD3's do) and a tiny T5 unigram tokenizer written as ``tokenizer.json`` alone
   (``<pad>`` 0, ``</s>`` 1, ``<unk>`` 2, as T5's).
 
-The folder's layout is the one optimum-onnx writes for StableDiffusion3Pipeline; ``layout="optimum"``
-writes model_index.json as optimum's exporter saves it (the torch pipeline's own, which names the
-VAE ``vae``, and no ``text_encoder_3`` / ``tokenizer_3`` entries when T5 is left out), ``"diffusers"``
-the same index with the component entries diffusers' ``save_pretrained`` writes.
+The folder's layout is the one optimum-onnx writes for StableDiffusion3Pipeline (component folders
+``text_encoder*/``, ``transformer/``, ``vae_decoder/``, ``vae_encoder/``), with model_index.json as
+diffusers' ``save_pretrained`` writes it (optimum's exporter writes the torch pipeline's own index
+too); the graphs are onnxopt's TorchScript exports with optimum's input and output names.
+
+``models/pipelines/sd35-tiny-optimum`` is the same torch pipeline exported by optimum-onnx itself::
+
+    python3 -m models.sd3 --optimum-cli /work/venvs/optimum/bin/optimum-cli   # see models/optimum_fixture.py
 """
 from __future__ import annotations
 
@@ -56,9 +60,12 @@ def write_t5_tokenizer(out_dir) -> None:
     tokenizer.save(str(out_dir / "tokenizer.json"))
 
 
-def build_torch_sd3_pipeline(seed: int = 0, tokenizer_dir=None, t5: bool = True):
+def build_torch_sd3_pipeline(seed: int = 0, tokenizer_dir=None, t5: bool = True, size: str = "tiny"):
     """The tiny StableDiffusion3Pipeline (fp32, CPU, eval). ``tokenizer_dir``: where the tokenizers are
-    written (and loaded back from). ``t5=False``: without text_encoder_3 / tokenizer_3, as diffusers allows."""
+    written (and loaded back from). ``t5=False``: without text_encoder_3 / tokenizer_3, as diffusers allows.
+    ``size="full"``: SD3.5-Medium's published configs (models/dit.py, clip.py, t5.py, vae.py: CLIP-L,
+    OpenCLIP bigG, T5-XXL, the 2.5 B MMDiT, the 16-channel VAE), 7.7 B parameters, 31 GB in fp32; the
+    tiny tokenizers serve both sizes (their ids are valid for the full vocabularies)."""
     import tempfile
 
     import diffusers
@@ -75,19 +82,21 @@ def build_torch_sd3_pipeline(seed: int = 0, tokenizer_dir=None, t5: bool = True)
         tmp = tempfile.TemporaryDirectory(prefix="onnxopt-sd3-tokenizer-")
         tokenizer_dir = tmp.name
     tokenizer_dir = Path(tokenizer_dir)
+    tiny = size == "tiny"
     try:
         parts = dict(
-            transformer=make_transformer("sd35-medium", "tiny", seed, overrides=TRANSFORMER_OVERRIDES).eval(),
+            transformer=make_transformer("sd35-medium", size, seed,
+                                         overrides=TRANSFORMER_OVERRIDES if tiny else None).eval(),
             scheduler=diffusers.FlowMatchEulerDiscreteScheduler.from_config(SCHEDULER_CONFIG),
-            vae=make_vae("tiny", seed, family="vae16-decoder").eval(),
-            text_encoder=_text_encoder(CLIP_CONFIGS[("clip-text", "tiny")], True, seed).eval(),
+            vae=make_vae(size, seed, family="vae16-decoder").eval(),
+            text_encoder=_text_encoder(CLIP_CONFIGS[("clip-text", size)], True, seed).eval(),
             tokenizer=write_tokenizer(tokenizer_dir / "tokenizer", "<|endoftext|>"),
-            text_encoder_2=_text_encoder(CLIP_CONFIGS[("openclip-text", "tiny")], True, seed + 1).eval(),
+            text_encoder_2=_text_encoder(CLIP_CONFIGS[("openclip-text", size)], True, seed + 1).eval(),
             tokenizer_2=write_tokenizer(tokenizer_dir / "tokenizer_2", "!"),
             text_encoder_3=None, tokenizer_3=None)
         if t5:
             write_t5_tokenizer(tokenizer_dir / "tokenizer_3")
-            parts["text_encoder_3"] = make_t5("tiny", seed=seed + 2, overrides=T5_OVERRIDES).eval()
+            parts["text_encoder_3"] = make_t5(size, seed=seed + 2, overrides=T5_OVERRIDES if tiny else None).eval()
             parts["tokenizer_3"] = T5TokenizerFast(tokenizer_file=str(tokenizer_dir / "tokenizer_3" / "tokenizer.json"))
         return diffusers.StableDiffusion3Pipeline(**parts)
     finally:
@@ -96,18 +105,23 @@ def build_torch_sd3_pipeline(seed: int = 0, tokenizer_dir=None, t5: bool = True)
 
 
 def _export(module, args: tuple, path: Path, inputs: list[str], outputs: list[str], dynamic: dict) -> None:
+    """TorchScript export; weights inline under 2 GB, else in one ``model.onnx_data`` (optimum's name)."""
     import torch
 
+    from .bigexport import merge_external_data
     from .export import inline_external_data
 
     path.parent.mkdir(parents=True, exist_ok=True)
     with torch.no_grad():
         torch.onnx.export(module, args, str(path), input_names=inputs, output_names=outputs, dynamic_axes=dynamic,
                           opset_version=17, dynamo=False)
-    inline_external_data(path)
+    if sum(p.numel() * p.element_size() for p in module.parameters()) < 1_800_000_000:
+        inline_external_data(path)
+    else:  # past 2 GB the exporter wrote one file per tensor
+        merge_external_data(path, "model.onnx_data")
 
 
-def write_sd3_onnx_folder(pipe, out_dir, layout: str = "optimum", tokenizer_dir=None) -> Path:
+def write_sd3_onnx_folder(pipe, out_dir, tokenizer_dir=None) -> Path:
     """Export ``pipe`` (from :func:`build_torch_sd3_pipeline`) to an ONNX pipeline folder at ``out_dir``
     (TorchScript exporter, opset 17, dynamic batch, sequence and size). ``tokenizer_dir``: where
     build_torch_sd3_pipeline wrote the tokenizers (copied as they are: T5's is tokenizer.json alone)."""
@@ -120,16 +134,9 @@ def write_sd3_onnx_folder(pipe, out_dir, layout: str = "optimum", tokenizer_dir=
     from .t5 import T5EncoderWrapper
     from .vae import VAEDecoderWrapper, VAEEncoderWrapper
 
-    if layout not in ("optimum", "diffusers"):
-        raise ValueError(f"layout must be 'optimum' or 'diffusers', got {layout!r}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     pipe.save_config(str(out))
-    index = json.loads((out / "model_index.json").read_text())
-    if layout == "optimum":  # optimum-onnx names the halves of the VAE as its folders
-        index.pop("vae", None)
-        index["vae_decoder"] = index["vae_encoder"] = ["diffusers", "AutoencoderKL"]
-    (out / "model_index.json").write_text(json.dumps(index, indent=2) + "\n")
     pipe.scheduler.save_pretrained(str(out / "scheduler"))
     for name in ("tokenizer", "tokenizer_2", "tokenizer_3"):
         if getattr(pipe, name, None) is None:
@@ -174,3 +181,44 @@ def write_sd3_onnx_folder(pipe, out_dir, layout: str = "optimum", tokenizer_dir=
     for name in ("vae_decoder", "vae_encoder"):
         pipe.vae.save_config(str(out / name))
     return out
+
+
+DEFAULT_OUT = Path(__file__).parent / "pipelines" / "sd35-tiny-optimum"
+
+
+def write_with_optimum(out: Path, optimum_cli: Path, seed: int = 0) -> None:
+    """``build_torch_sd3_pipeline(seed)`` saved by diffusers, then exported by optimum-onnx's
+    ``optimum-cli export onnx --task text-to-image`` from its own venv (it pins transformers 4)."""
+    import shutil
+    import tempfile
+
+    from .optimum_fixture import export_with_optimum
+
+    with tempfile.TemporaryDirectory(prefix="onnxopt-optimum-sd3-") as tmp:
+        torch_dir, onnx_dir = Path(tmp) / "torch", Path(tmp) / "onnx"
+        build_torch_sd3_pipeline(seed, Path(tmp) / "tok").save_pretrained(str(torch_dir))
+        # transformers 5 writes tokenizer configs transformers 4 cannot read: the files as written here,
+        # and T5's tokenizer.json alone (transformers 4's T5TokenizerFast; the slow one needs sentencepiece)
+        for name in ("tokenizer", "tokenizer_2", "tokenizer_3"):
+            shutil.rmtree(torch_dir / name)
+            shutil.copytree(Path(tmp) / "tok" / name, torch_dir / name)
+        index = json.loads((torch_dir / "model_index.json").read_text())
+        index["tokenizer_3"] = ["transformers", "T5TokenizerFast"]
+        (torch_dir / "model_index.json").write_text(json.dumps(index, indent=2))
+        export_with_optimum(torch_dir, onnx_dir, out, optimum_cli, f"models.sd3.build_torch_sd3_pipeline(seed={seed})")
+
+
+def main(argv=None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(description="write models/pipelines/sd35-tiny-optimum with optimum-onnx")
+    parser.add_argument("--optimum-cli", type=Path, required=True, help="optimum-cli of a venv with optimum-onnx")
+    parser.add_argument("-o", "--out", type=Path, default=DEFAULT_OUT)
+    args = parser.parse_args(argv)
+    write_with_optimum(args.out, args.optimum_cli)
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

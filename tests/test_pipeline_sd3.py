@@ -2,8 +2,9 @@
 
 The claim: for the tiny SD3.5 pipeline (``models.sd3.build_torch_sd3_pipeline``: CLIP-L, CLIP-G, T5, the
 SD3.5-Medium MMDiT with dual attention and QK RMSNorm, the 16-channel VAE, FlowMatchEulerDiscreteScheduler
-with shift 3), in optimum-onnx's export (committed: ``models/pipelines/sd35-tiny-optimum``) and in the
-layout of diffusers' own index with onnxopt's TorchScript export (written here), fp32 on the ORT CPU EP,
+with shift 3), exported by optimum-onnx (committed: ``models/pipelines/sd35-tiny-optimum``, its int64
+ids, its 1-D ``step`` timestep, its tokenizer configs) and by onnxopt's own TorchScript export with
+diffusers' index (written here; T5's tokenizer as ``tokenizer.json`` alone), fp32 on the ORT CPU EP,
 the image equals diffusers' ``StableDiffusion3Pipeline.__call__`` from the same torch weights, prompt,
 negative prompt, seed, steps, guidance and size: the latents drawn by torch's generator, the CLIP
 penultimate states and pooled embeddings, T5's 256 tokens (or another ``--max-sequence-length``),
@@ -68,7 +69,7 @@ def sd3(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("sd3")
     reference = Reference(tmp)
     folders = {"optimum": COMMITTED,
-               "diffusers": write_sd3_onnx_folder(reference.pipe, tmp / "diffusers", "diffusers", reference.tokenizers)}
+               "diffusers": write_sd3_onnx_folder(reference.pipe, tmp / "diffusers", reference.tokenizers)}
     return reference, folders
 
 

@@ -73,6 +73,8 @@ from onnxopt.pipeline.plan import (
     hint_key,
     plan_generation,
 )
+from onnxopt.pipeline.text_outputs import penultimate_name as _penultimate_name
+from onnxopt.pipeline.text_outputs import run_outputs as _run_outputs
 from onnxopt.pipeline.two_streams import TwoStreamStepLoop
 from onnxopt.pipeline.sessions import (
     DeviceStepLoop,
@@ -141,25 +143,6 @@ def _torch():
     except ImportError as exc:
         raise MissingDependencyError("generating images needs torch and diffusers: pip install 'onnxopt[pipeline]'") from exc
     return torch
-
-
-def _penultimate_name(session) -> str:
-    """The encoder's hidden_states[-2] output: ``hidden_states.{L-1}`` of 0..L (optimum's names)."""
-    names = [o.name for o in session.get_outputs()]
-    layers = sorted(int(n.split(".")[1]) for n in names if n.startswith("hidden_states.") and n.split(".")[1].isdigit())
-    if layers:
-        return f"hidden_states.{layers[-1] - 1}"
-    if "penultimate_hidden_state" in names:
-        return "penultimate_hidden_state"
-    raise OnnxoptError("SDXL text encoder has no hidden_states.{i} outputs (export it with output_hidden_states)")
-
-
-def _run_outputs(session, input_ids: np.ndarray, names: list[str]) -> list[np.ndarray]:
-    """A text encoder's ``names`` outputs only: SDXL's encoders have 14 and 34 outputs (every
-    hidden state) of which the pipeline reads one or two, and each output fetched is a copy from
-    the device (BoundSession copies only the ones asked for)."""
-    dtype = input_types(session)["input_ids"]
-    return session.run(names, {"input_ids": np.ascontiguousarray(input_ids.astype(dtype, copy=False))})
 
 
 class Pipeline:

@@ -17,21 +17,21 @@ from __future__ import annotations
 
 import numpy as np
 
+from onnxopt.pipeline.text_outputs import penultimate_name, run_outputs
+
 CLIP_ENCODERS = (("text_encoder", "tokenizer"), ("text_encoder_2", "tokenizer_2"))
 
 
 def encode_sd3_prompt(pipe, prompt: str, negative_prompt: str | None, max_sequence_length: int) -> dict:
     """The transformer's conditioning for [negative, prompt] (see the module docstring); ``pipe``:
     the :class:`~onnxopt.pipeline.runner.Pipeline` whose sessions and tokenizers run it."""
-    from onnxopt.pipeline.runner import _penultimate_name, _run_outputs
-
     texts = [negative_prompt or "", prompt]
     clip_length = pipe.tokenizers["tokenizer"].model_max_length
     hidden, pooled = [], []
     for encoder, tokenizer in CLIP_ENCODERS:
         session = pipe.text_session(encoder, len(texts))
         ids = pipe._token_ids(tokenizer, texts, clip_length)
-        states, embeds = _run_outputs(session, ids, [_penultimate_name(session), "text_embeds"])
+        states, embeds = run_outputs(session, ids, [penultimate_name(session), "text_embeds"])
         hidden.append(states.astype(np.float32))
         pooled.append(embeds.astype(np.float32))
     t5 = _t5_states(pipe, texts, max_sequence_length)
@@ -57,9 +57,7 @@ def _t5_states(pipe, texts: list[str], max_sequence_length: int) -> np.ndarray:
     tokenizer = pipe.tokenizers["tokenizer_3"]
     ids = tokenizer(texts, padding="max_length", max_length=max_sequence_length, truncation=True,
                     add_special_tokens=True, return_tensors="np").input_ids
-    from onnxopt.pipeline.runner import _run_outputs
-
-    (states,) = _run_outputs(pipe.text_session("text_encoder_3", len(texts)), ids, ["last_hidden_state"])
+    (states,) = run_outputs(pipe.text_session("text_encoder_3", len(texts)), ids, ["last_hidden_state"])
     return states.astype(np.float32)
 
 
