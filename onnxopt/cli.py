@@ -236,8 +236,8 @@ def _add_generate_parser(sub) -> None:
     gen.add_argument("--scheduler", default=None, help="ddim | euler | dpm++2m | pndm; flow-match for SD3 (diffusers' classes, from the folder's "
                      "config; default: the folder's own scheduler, as diffusers' pipeline runs it)")
     gen.add_argument("--seed", type=int, default=0, help="as diffusers: torch.Generator('cpu').manual_seed(SEED)")
-    gen.add_argument("--max-sequence-length", type=int, default=256, metavar="TOKENS",
-                     help="SD3: the T5 prompt length in tokens (diffusers' default)")
+    gen.add_argument("--max-sequence-length", type=int, default=None, metavar="TOKENS",
+                     help="SD3 and Flux: the T5 prompt length in tokens (default: diffusers', 256 for SD3, 512 for Flux)")
     gen.add_argument("--height", type=_image_side_arg, metavar="PIXELS",
                      help="image height (default: the UNet's sample_size times the VAE factor)")
     gen.add_argument("--width", type=_image_side_arg, metavar="PIXELS", help="image width (default: the UNet's sample_size times the VAE factor)")
@@ -271,7 +271,8 @@ def cmd_generate(args) -> int:
 
     from onnxopt.outputs import Inputs, Outputs, staged
     from onnxopt.pipeline import PipelineFolder, images
-    from onnxopt.pipeline.runner import Pipeline, check_request, check_sequence_length, fusable, reuse_steps
+    from onnxopt.pipeline.runner import (Pipeline, check_request, check_sequence_length, default_sequence_length, fusable,
+                                         reuse_steps)
     from onnxopt.pipeline.sessions import quiet_sessions
 
     folder = PipelineFolder.open(args.folder)
@@ -289,6 +290,8 @@ def cmd_generate(args) -> int:
                                    controlnet_image=args.controlnet_image, controlnet_scale=args.controlnet_scale,
                                    status=False if args.quiet else None)
     reuse_steps(args.reuse, args.steps)  # a bad schedule is refused before any session exists
+    if args.max_sequence_length is None:
+        args.max_sequence_length = default_sequence_length(folder)
     check_sequence_length(folder, args.max_sequence_length)
     for image in args.controlnet_image or ():
         images.check_image(image)  # not an image, or a decompression bomb: before any session exists

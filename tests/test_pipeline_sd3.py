@@ -217,10 +217,10 @@ def test_bad_sd3_folders_and_requests_exit_2(sd3, tmp_path, capsys, case, fragme
     assert not (tmp_path / "x.png").exists()
 
 
-def test_a_flux_folder_is_refused_until_onnxopt_runs_it(sd3, tmp_path, capsys):
+def test_a_flux_img2img_folder_is_refused_until_onnxopt_runs_it(sd3, tmp_path, capsys):
     folder = sd3_copy(sd3, tmp_path)
     index = json.loads((folder / "model_index.json").read_text())
-    (folder / "model_index.json").write_text(json.dumps(dict(index, _class_name="FluxPipeline")))
+    (folder / "model_index.json").write_text(json.dumps(dict(index, _class_name="FluxImg2ImgPipeline")))
     for command in (generate_args(folder, tmp_path), ["optimize", "-i", str(folder), "-o", str(tmp_path / "o")]):
-        one_line_error(capsys, onnxopt_main(command), "FluxPipeline", "does not run")
+        one_line_error(capsys, onnxopt_main(command), "FluxImg2ImgPipeline", "does not run")
     assert not (tmp_path / "o").exists()

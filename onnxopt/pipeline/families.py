@@ -17,7 +17,8 @@ The layouts (the same folder names in both; what differs is who wrote ``model_in
 Each component folder holds ``model.onnx`` (and its external data, and optionally the
 component's ``config.json``); :data:`INDEX_ENTRIES` maps each index entry to the file it needs.
 
-``FluxPipeline`` has its row and is refused until its runner lands (``runs=False``).
+``FluxPipeline`` runs through :class:`onnxopt.pipeline.flux_runner.FluxRunner` (its prompt, packed
+latents and VAE input: :mod:`onnxopt.pipeline.flux`).
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ class Family:
     model.onnx); ``optional``: those it uses when present; ``tokenizers``: the tokenizer folders
     it needs; ``optional_tokenizers``: needed with their optional encoder; ``flow_matching``: its
     scheduler is a flow-matching one (FlowMatchEulerDiscreteScheduler), not a noise-prediction one;
+    ``t5_tokenizer``: the tokenizer folder that holds T5's tokenizer (SD3's third, Flux's second);
     ``runs``: False for a family listed so that its layout is known, refused for now."""
 
     kind: str
@@ -64,6 +66,7 @@ class Family:
     denoiser: Denoiser
     optional_tokenizers: tuple[str, ...] = ()
     flow_matching: bool = False
+    t5_tokenizer: str = "tokenizer_3"
     runs: bool = True
 
     @property
@@ -83,7 +86,8 @@ FAMILIES = {
                   ("text_encoder_3", "vae_encoder"), ("tokenizer", "tokenizer_2"), SD3_TRANSFORMER,
                   optional_tokenizers=("tokenizer_3",), flow_matching=True),
     "flux": Family("flux", ("FluxPipeline",), ("text_encoder", "text_encoder_2", "transformer", "vae_decoder"),
-                   ("vae_encoder",), ("tokenizer", "tokenizer_2"), FLUX_TRANSFORMER, flow_matching=True, runs=False),
+                   ("vae_encoder",), ("tokenizer", "tokenizer_2"), FLUX_TRANSFORMER, flow_matching=True,
+                   t5_tokenizer="tokenizer_2"),
 }
 
 # model_index.json's _class_name -> the family's kind

@@ -396,14 +396,14 @@ class PipelineFolder:
         return dict(self._scheduler_config)
 
     def tokenizer(self, name: str = "tokenizer"):
-        """transformers' CLIPTokenizer from ``<folder>/<name>/`` (the real tokenizer code); SD3's
-        ``tokenizer_3`` is T5's (:meth:`t5_tokenizer`)."""
+        """transformers' CLIPTokenizer from ``<folder>/<name>/`` (the real tokenizer code); the family's
+        T5 tokenizer (SD3's ``tokenizer_3``, Flux's ``tokenizer_2``) is T5's (:meth:`t5_tokenizer`)."""
         try:
             from transformers import CLIPTokenizer
         except ImportError as exc:
             raise MissingDependencyError("generating images needs transformers: pip install 'onnxopt[pipeline]'") from exc
         folder = self.root / name
-        if name == "tokenizer_3":
+        if name == self.family.t5_tokenizer:
             return self.t5_tokenizer(folder)
         if not (folder / "tokenizer.json").is_file() and not all((folder / f).is_file() for f in ("vocab.json", "merges.txt")):
             # transformers loads a folder without them as a two-token tokenizer: every word its unknown token

@@ -251,6 +251,10 @@ class Pipeline:
         if "vae_decoder" in made:
             check_interface(made["vae_decoder"], folder.component("vae_decoder").model, "VAE decoder",
                             ["latent_sample"], ["sample"])
+        if folder.kind == "flux" and cls is Pipeline:  # Flux's prompt, packed latents and VAE input
+            from onnxopt.pipeline.flux_runner import FluxRunner
+
+            cls = FluxRunner
         pipe = cls(folder, plan.provider, made, step_source=plan.step, cuda_graph=sessions.capture and "step" in made,
                    io_binding=plan.io_binding, device_id=device_id,
                    threads=threads, creation_s=time.perf_counter() - start)
@@ -734,7 +738,8 @@ def check_request(folder: PipelineFolder, *, steps: int = 50, scheduler: str | N
             raise GenerationError(f"{image}: is a folder, not an image")
         if isinstance(image, (str, Path)) and not Path(image).is_file():
             raise GenerationError(f"{image}: no such image")
-    _check_size(height, width, folder.vae_scale_factor, allow_none=True)
+    if folder.kind != "flux":  # FluxPipeline takes any size and rounds it down (onnxopt.pipeline.flux.latent_size)
+        _check_size(height, width, folder.vae_scale_factor, allow_none=True)
     scheduler = _checked_schedule(json.dumps(folder.scheduler_config(), sort_keys=True, default=str), folder.kind,
                                   folder_scheduler_class(folder), scheduler, steps, _latent_size(folder, height, width))
     check_model_configs(folder)
@@ -936,12 +941,18 @@ def _tokenizers_of(folder: PipelineFolder) -> tuple[str, ...]:
     return (*family.tokenizers, *optional)
 
 
-MAX_SEQUENCE_LENGTH = 512  # diffusers' StableDiffusion3Pipeline refuses a longer T5 prompt
+MAX_SEQUENCE_LENGTH = 512  # diffusers' StableDiffusion3Pipeline and FluxPipeline refuse a longer T5 prompt
+
+
+def default_sequence_length(folder: PipelineFolder) -> int:
+    """diffusers' max_sequence_length default: FluxPipeline's 512, StableDiffusion3Pipeline's 256."""
+    return 512 if folder.kind == "flux" else 256
 
 
 def check_sequence_length(folder: PipelineFolder, max_sequence_length) -> None:
-    """SD3's T5 prompt length: a positive integer up to :data:`MAX_SEQUENCE_LENGTH`, as diffusers takes it."""
-    if folder.kind != "sd3":
+    """SD3's and Flux's T5 prompt length: a positive integer up to :data:`MAX_SEQUENCE_LENGTH`, as diffusers
+    takes it (FluxPipeline refuses more than 512 too)."""
+    if folder.kind not in ("sd3", "flux"):
         return
     if (not isinstance(max_sequence_length, int) or isinstance(max_sequence_length, bool)
             or not 1 <= max_sequence_length <= MAX_SEQUENCE_LENGTH):
