@@ -176,18 +176,20 @@ def test_several_images_are_diffusers_batch(tiny, kind, scheduler):
     assert len(result.images) == 3 and np.abs(ref[0] - ref[1]).max() > 1e-2  # three different images
 
 
-@pytest.mark.parametrize("strength, mask_size", [(1.0, (48, 32)), (0.6, (20, 14))])
-def test_inpainting_gives_the_diffusers_images(tiny, strength, mask_size):
+@pytest.mark.parametrize("strength, mask_size, fused", [(1.0, (48, 32), True), (0.6, (20, 14), True),
+                                                       (0.6, (48, 32), False)])
+def test_inpainting_gives_the_diffusers_images(tiny, strength, mask_size, fused):
     """StableDiffusionInpaintPipeline: strength 1 (pure noise) and 0.6 (the image's latents noised,
-    encoded before the masked image); a mask of another size is resized to the image's, as diffusers does."""
+    encoded before the masked image); a mask of another size is resized to the image's, as diffusers
+    does. The fused step graph reads the mask channels as an input (inpaint_channels); diffusers' loop too."""
     t = tiny("sd15-inpaint")
     mask = mask_picture(mask_size)
-    result = t.onnx()(PROMPT, negative_prompt=NEGATIVE, steps=STEPS, guidance=GUIDANCE, seed=SEED, scheduler="ddim",
+    result = t.onnx(fused)(PROMPT, negative_prompt=NEGATIVE, steps=STEPS, guidance=GUIDANCE, seed=SEED, scheduler="ddim",
                       image=picture(), mask=mask, strength=strength, height=32, width=48, num_images=2, progress=False)
     ref_latents, ref_images = t.reference("StableDiffusionInpaintPipeline", "ddim", image=picture(), mask_image=mask,
                                           strength=strength, height=32, width=48, num_images_per_prompt=2)
     assert_same(result, ref_latents, ref_images)
-    assert "inpainting UNet" in t.onnx().plan.step
+    assert ("unfused" in result.timings["step"]) is not fused
 
 
 def test_refusals(tiny):
@@ -293,8 +295,8 @@ def test_cli_image_on_a_folder_without_vae_encoder(tmp_path, capsys):
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind, scheduler", [("sd15", "dpm++2m"), ("sdxl", "euler"), ("sd15-inpaint", "ddim")])
 def test_cuda_captured_steps_start_mid_way(tiny, kind, scheduler, tmp_path):
-    """On a GPU: img2img (inpainting) on the folder optimized for ort-cuda, bound buffers and captured
-    steps, gives that folder's image without capture (a schedule table that starts mid-way; a second
+    """On a GPU: img2img and inpainting on the folder optimized for ort-cuda, bound buffers and captured
+    steps, give that folder's image without capture (a schedule table that starts mid-way; a second
     strength replays the graphs on the same buffers with another table), within the 2e-3 of the
     latents' scale that two CUDA sessions differ by (test_pipeline_generate's CUDA test)."""
     from onnxopt.pipeline import optimize_folder
@@ -313,6 +315,5 @@ def test_cuda_captured_steps_start_mid_way(tiny, kind, scheduler, tmp_path):
         got, expected = captured(**request), plain(**request)
         scale = float(np.abs(expected.latents).max())
         np.testing.assert_allclose(got.latents, expected.latents, rtol=0, atol=2e-3 * scale)
-        assert got.timings["steps"] == int(STEPS * strength) or kind == "sd15-inpaint"
-    if kind != "sd15-inpaint":
-        assert captured.cuda_graph
+        assert got.timings["steps"] == int(STEPS * strength) and "unfused" not in got.timings["step"]
+    assert captured.cuda_graph
