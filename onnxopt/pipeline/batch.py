@@ -132,11 +132,13 @@ def generate_batch(pipe: Pipeline, images: list[BatchImage], *, steps: int = 50,
         timings["text_encoders"] = dict(pipe.text_sources)
         noise = torch.cat([_noise(torch, images[i].seed, (1, channels, height // factor, width // factor)) for i in run])
         guidance = images[run[0]].guidance
-        latents = pipe._denoise(scheduler, sched, steps, noise, cond, None, guidance, frozenset(), progress, timings)
+        sched.set_timesteps(steps)  # the loop starts from noise * init_noise_sigma, as diffusers' prepare_latents
+        latents = pipe._denoise(scheduler, sched, steps, noise * sched.init_noise_sigma, cond, None, guidance,
+                                frozenset(), progress, timings)
         decode_s = 0.0
         for k, i in enumerate(run):
             own = dict(timings)
-            pixels = pipe._decode(latents[k:k + 1], images[i].guidance, own)
+            (pixels,) = pipe._decode(latents[k:k + 1], images[i].guidance, own)
             decode_s += own["vae_decode_s"]
             results[i] = Result(latents=latents[k:k + 1], pixels=pixels, timings=own)
         total = time.perf_counter() - start

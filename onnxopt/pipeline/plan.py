@@ -144,6 +144,9 @@ def plan_generation(folder: PipelineFolder, provider: str, options: PlanOptions 
     if folder.has("vae_decoder"):
         plan.sessions.append(_entry(folder, "vae_decoder", "vae_decoder", folder.component("vae_decoder").model,
                                     "once per image", once, capture and io_binding))
+    if folder.has("vae_encoder"):  # an init image's latents (onnxopt.pipeline.img2img), once per image
+        plan.sessions.append(SessionEntry("vae_encoder", "vae_encoder", "vae_encoder/model.onnx",
+                                          "once per init image (--image)", once, capture and io_binding, lazy=True))
     for encoder in ("text_encoder", "text_encoder_2", "text_encoder_3"):
         if folder.has(encoder):
             static = " or model.static.b{b}.onnx" if options.static_text and folder.component(encoder).static_models else ""
@@ -154,6 +157,12 @@ def plan_generation(folder: PipelineFolder, provider: str, options: PlanOptions 
         _plan_step(folder, plan, options, io_binding, two_streams, hints)
     _plan_per_step_sessions(folder, plan, io_binding)
     return plan
+
+
+def inpainting_unet(folder: PipelineFolder) -> bool:
+    """Whether the UNet reads more channels than the latents (an inpainting UNet: latents, mask and
+    masked-image latents, StableDiffusionInpaintPipeline's)."""
+    return folder.config("unet").get("in_channels", 4) != folder.config("vae_decoder").get("latent_channels", 4)
 
 
 def folder_scheduler_name(folder: PipelineFolder) -> str:

@@ -219,9 +219,13 @@ def _first_line(exc: BaseException) -> str:
 
 
 def plan_steps(scheduler, num_inference_steps: int, *, step_kwargs: dict | None = None,
-               timestep_kwargs: dict | None = None, timestep_scale: float = 1.0) -> StepPlan:
+               timestep_kwargs: dict | None = None, timestep_scale: float = 1.0, first_step: int = 0) -> StepPlan:
     """Timesteps and per-step coefficients of ``scheduler`` for ``num_inference_steps`` steps.
 
+    ``first_step``: the run starts at that timestep index, as img2img's does (diffusers'
+    ``get_timesteps``, with its ``set_begin_index``); the steps from there on are probed as a run of
+    their own, so a multistep solver starts at first order there (slicing the full schedule's plan
+    would carry the history of steps never run).
     ``scheduler`` is not modified (a deep copy is probed). ``step_kwargs`` go to every ``step``
     call as the pipeline would pass them (DDIM ``eta``, Euler ``s_churn``...); values that make
     the update non-affine are refused. Raises :class:`SchedulerError` for a configuration whose
@@ -233,7 +237,9 @@ def plan_steps(scheduler, num_inference_steps: int, *, step_kwargs: dict | None 
     _refuse_non_affine(scheduler, step_kwargs or {})
     running = copy.deepcopy(scheduler)
     _set_timesteps(running, num_inference_steps, timestep_kwargs)
-    timesteps = running.timesteps
+    if first_step and hasattr(running, "set_begin_index"):
+        running.set_begin_index(first_step)
+    timesteps = running.timesteps[first_step:]
     rng = np.random.default_rng(0)
     rows = []
     for k in range(len(timesteps)):
