@@ -77,3 +77,33 @@ def text_encoder_mismatches(folder: Path, pipe, atol: float = 1e-4) -> dict[str,
 @pytest.mark.parametrize("folder", sorted(BUILDERS))
 def test_the_text_encoders_of_an_optimum_folder_are_its_builders(folder):
     assert text_encoder_mismatches(PIPELINES / folder, BUILDERS[folder]()) == {}
+
+
+
+@pytest.mark.parametrize("architecture, renamed", [
+    ("CLIPTextModel", {"embeddings.token_embedding.weight": "text_model.embeddings.token_embedding.weight",
+                       "text_model.final_layer_norm.weight": "text_model.final_layer_norm.weight"}),
+    # its projection sits beside text_model in both transformers versions: prefixing it would lose it
+    ("CLIPTextModelWithProjection", {"text_model.final_layer_norm.weight": "text_model.final_layer_norm.weight",
+                                     "text_projection.weight": "text_projection.weight"}),
+    ("T5EncoderModel", {"shared.weight": "shared.weight",
+                        "encoder.final_layer_norm.weight": "encoder.final_layer_norm.weight"}),
+])
+def test_only_clip_text_model_weights_are_saved_again_with_the_text_model_prefix(tmp_path, architecture, renamed):
+    import json
+
+    from safetensors.numpy import load_file, save_file
+
+    from models.optimum_fixture import clip_keys_for_transformers_4
+
+    encoder = tmp_path / "text_encoder_2"
+    encoder.mkdir()
+    (encoder / "config.json").write_text(json.dumps({"architectures": [architecture]}))
+    weights = {key: np.full(2, i, np.float32) for i, key in enumerate(renamed)}
+    save_file(weights, str(encoder / "model.safetensors"))
+
+    clip_keys_for_transformers_4(tmp_path)
+
+    saved = load_file(str(encoder / "model.safetensors"))
+    assert sorted(saved) == sorted(renamed.values())
+    assert all((saved[renamed[key]] == value).all() for key, value in weights.items())
