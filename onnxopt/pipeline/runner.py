@@ -430,16 +430,29 @@ class Pipeline:
         """The step's conditioning: the text encoders' outputs (SDXL: with its time ids), and the
         cross-attention K/V when the step graph reads them instead of the text."""
         t0 = time.perf_counter()
+        cond = self._step_conditioning(self._prompt_conditioning(prompt, negative_prompt, height, width,
+                                                                 max_sequence_length))
+        timings["text_encoder_s"] = time.perf_counter() - t0
+        timings["text_encoders"] = dict(self.text_sources)
+        return cond
+
+    def _prompt_conditioning(self, prompt, negative_prompt, height: int, width: int,
+                             max_sequence_length: int = 256) -> dict[str, np.ndarray]:
+        """One prompt's conditioning on the host, two rows [negative, prompt]: the text encoders'
+        outputs (SDXL: with its time ids). A batch concatenates these (onnxopt.pipeline.batch)."""
         cond = self.encode_prompt(prompt, negative_prompt, max_sequence_length)
         if self.folder.kind == "sdxl":
             time_ids = np.asarray([[height, width, 0, 0, height, width]], np.float32)  # original, crop (0,0), target
             cond["time_ids"] = np.concatenate([time_ids, time_ids])
+        return cond
+
+    def _step_conditioning(self, cond: dict) -> dict:
+        """``cond`` as the step graph reads it: with the cross-attention K/V when the step graph
+        reads them instead of the text (one run for all of cond's rows)."""
         if "context" in self.sessions:  # the step graph reads the cross-attention K/V, not the text
             # on bound buffers the K/V stay on the device, where the step loop binds them (SDXL's
             # 140 K/V tensors, 50 MB, cost ~20 ms a prompt through the host)
             cond.update(run_on_device(self.sessions["context"], cond))
-        timings["text_encoder_s"] = time.perf_counter() - t0
-        timings["text_encoders"] = dict(self.text_sources)
         return cond
 
     def _latent_channels(self) -> int:
