@@ -90,7 +90,7 @@ def test_one_denoising_loop_per_run_and_the_text_encoder_once_per_prompt(pipes, 
     pipe = pipes()
     encoded, loops = [], []
     encode, denoise = pipe.encode_prompt, pipe._denoise
-    monkeypatch.setattr(pipe, "encode_prompt", lambda *a: encoded.append(a) or encode(*a))
+    monkeypatch.setattr(pipe, "encode_prompt", lambda *a: encoded.append(a[:2]) or encode(*a))  # (prompt, negative)
     monkeypatch.setattr(pipe, "_denoise", lambda *a: loops.append(a[3].shape[0]) or denoise(*a))
     assert_each_image_alone(pipe, IMAGES, "ddim", max_batch=2)
     # the batch: each distinct (prompt, negative) pair once; then each image alone encodes its own
