@@ -413,7 +413,8 @@ class Pipeline:
         noise = randn_tensor((1, channels, height // factor, width // factor), generator=generator,
                              device=torch.device("cpu"), dtype=torch.float32)
         controlnet = self._controlnet_inputs(cond, controls, controlnet_scale, timings) if controls else None
-        latents = self._denoise(scheduler, sched, steps, noise, cond, controlnet, guidance, reused, progress, timings)
+        latents = self._denoise(scheduler, sched, steps, noise, cond, controlnet, guidance, reused, progress, timings,
+                                generator)
         pixels = self._decode(latents, guidance, timings)
         timings["total_s"] = time.perf_counter() - start
         # what no stage holds: the scheduler's set-up, the initial noise, the writes into bound buffers
@@ -467,9 +468,10 @@ class Pipeline:
         return controlnet
 
     def _denoise(self, name: str, sched, steps: int, noise, cond, controlnet, guidance: float, reused, progress: bool,
-                 timings: dict) -> np.ndarray:
+                 timings: dict, generator=None) -> np.ndarray:
         """The denoising loop: the fused step when the pipeline has one and the scheduler is affine,
-        else diffusers' loop."""
+        else diffusers' loop. ``generator``: the image's, which a scheduler that adds noise at each
+        step (Euler ancestral, LCM) draws from after the initial latents, as diffusers' does."""
         from onnxopt.pipeline.schedulers import SchedulerError
 
         # diffusers' do_classifier_free_guidance is guidance > 1: below, one UNet row of the prompt alone.
@@ -489,11 +491,12 @@ class Pipeline:
         self.status.done()
         bar = _progress(len(plan) if plan is not None else len(sched.timesteps), progress)
         if plan is not None:
-            latents = self._fused_loop(plan, noise, cond, controlnet, guidance if cfg else 1.0, reused, bar, timings)
+            latents = self._fused_loop(plan, noise, cond, controlnet, guidance if cfg else 1.0, reused, bar, timings,
+                                       generator)
         else:
             step_times: list = []
             latents = self._unfused_loop(sched, steps, noise, cond, controlnet, guidance if cfg else None, step_times,
-                                         bar, self.folder.kind, reused)
+                                         bar, self.folder.kind, reused, generator)
             timings["first_step_s"] = step_times[0]
             computed = [t for k, t in enumerate(step_times) if k and k not in reused]
             timings["step_mean_s"] = float(np.mean(computed)) if computed else step_times[0]
@@ -503,9 +506,10 @@ class Pipeline:
         bar.close()
         return latents
 
-    def _fused_loop(self, plan, noise, cond, controlnet, step_guidance: float, reused, bar, timings: dict) -> np.ndarray:
+    def _fused_loop(self, plan, noise, cond, controlnet, step_guidance: float, reused, bar, timings: dict,
+                    generator=None) -> np.ndarray:
         """The step graph's loop on the step plan's coefficient table; the first step (with its
-        graph capture) timed apart."""
+        graph capture) timed apart. A step that draws noise gets it in its ``state`` input."""
         latents = (noise * plan.init_noise_sigma).numpy()
         static, step_controlnet = cond, controlnet
         if self.merged_step and controlnet is not None:  # the ControlNets' inputs are the step graph's
@@ -516,12 +520,15 @@ class Pipeline:
                 static.update(interface_feeds(feeds, k))
         loop = self._step_loop(latents, static, step_controlnet, len(plan))
         loop.start(plan, latents, static, step_guidance, step_controlnet)
+        step_noise = functools.partial(_step_noise, plan, latents.shape, generator)
+        step_noise(0, loop)
         t1 = time.perf_counter()
         loop.step()  # the first step alone: it includes the graph capture
         timings["first_step_s"] = time.perf_counter() - t1
         bar.update()
         computed, reused_times = [], []
         for k in range(1, len(plan)):
+            step_noise(k, loop)
             t1 = time.perf_counter()
             loop.step(reuse=k in reused)
             (reused_times if k in reused else computed).append(time.perf_counter() - t1)
@@ -617,11 +624,15 @@ class Pipeline:
                                                    threads=self.threads)
         return self.sessions["unet"]
 
-    def _unfused_loop(self, sched, steps, noise, cond, controlnet, guidance, step_times, bar, kind, reused=frozenset()):
+    def _unfused_loop(self, sched, steps, noise, cond, controlnet, guidance, step_times, bar, kind, reused=frozenset(),
+                      generator=None):
         """diffusers' loop: UNet session, guidance in numpy (``guidance`` None: no guidance, the
         prompt's own output), diffusers' scale_model_input and step (at a ``reused`` step: diffusers'
         step on the last computed guided output, no UNet)."""
+        from onnxopt.pipeline.schedulers import step_extra_kwargs
+
         torch = _torch()
+        extra = step_extra_kwargs(sched, generator)  # diffusers' prepare_extra_step_kwargs (eta 0)
         sched.set_timesteps(steps)
         if kind == "sdxl" and hasattr(sched, "set_begin_index"):
             sched.set_begin_index(0)
@@ -631,7 +642,7 @@ class Pipeline:
         for k, t in enumerate(sched.timesteps):
             t1 = time.perf_counter()
             if k in reused:
-                latents = sched.step(torch.from_numpy(eps), t, latents, return_dict=False)[0]
+                latents = sched.step(torch.from_numpy(eps), t, latents, return_dict=False, **extra)[0]
                 step_times.append(time.perf_counter() - t1)
                 bar.update()
                 continue
@@ -646,10 +657,22 @@ class Pipeline:
             eps2 = run_host(unet, feeds)["out_sample"].astype(np.float32)
             eps_u, eps_c = eps2[: len(eps2) // 2], eps2[len(eps2) // 2:]
             eps = eps_c if guidance is None else eps_u + np.float32(guidance) * (eps_c - eps_u)
-            latents = sched.step(torch.from_numpy(eps), t, latents, return_dict=False)[0]
+            latents = sched.step(torch.from_numpy(eps), t, latents, return_dict=False, **extra)[0]
             step_times.append(time.perf_counter() - t1)
             bar.update()
         return latents.numpy()
+
+
+def _step_noise(plan, shape, generator, k: int, loop) -> None:
+    """Step k's noise into the loop's ``state`` input when the plan's step k draws it (the order and
+    shape of diffusers' ``randn_tensor(model_output.shape, generator=...)`` in the scheduler's step)."""
+    if plan.draws_noise(k):
+        if generator is None:
+            raise OnnxoptError("a scheduler that draws noise at each step needs the image's generator")
+        from diffusers.utils.torch_utils import randn_tensor
+
+        torch = _torch()
+        loop.write_state(randn_tensor(shape, generator=generator, dtype=torch.float32).numpy())
 
 
 @clears_status
