@@ -59,6 +59,7 @@ import numpy as np
 from onnxopt.errors import MissingDependencyError, OnnxoptError
 from onnxopt.pipeline import images
 from onnxopt.pipeline.bound_session import BoundSession
+from onnxopt.pipeline.capture_cache import DEFAULT_SIZE, CaptureCache
 from onnxopt.pipeline.folder import PipelineFolder
 from onnxopt.pipeline.plan import (
     BOUND,
@@ -178,7 +179,9 @@ class Pipeline:
         self.status = StartupStatus(False)  # what loading a session on first use says (load sets it)
         self._plans: dict = {}  # (scheduler, steps) -> StepPlan
         self._schedulers: dict = {}  # name -> diffusers' scheduler (Pipeline._scheduler)
-        self._device_loops: dict = {}  # DeviceStepLoop.key -> a loop whose buffers (and captured graphs) stay put
+        # DeviceStepLoop.key -> a loop whose buffers (and captured graphs) stay put, per shape, LRU-bounded
+        self._device_loops = CaptureCache(DEFAULT_SIZE)
+        self._new_shape = False  # the last step loop was made for this image (its first steps capture)
         self.tokenizers = {name: folder.tokenizer(name) for name in _tokenizers_of(folder.kind)}
         self._warned_truncation: set = set()  # prompts already warned about
         self.static_text = False  # use text_encoder*/model.static.b{b}.onnx (set by load)
@@ -197,7 +200,7 @@ class Pipeline:
              threads: int | None = None, io_binding: bool | None = None, context_kv: bool = True,
              controlnet_hint: bool = True, merged_step: bool = True, launch_timing: bool = False,
              step_file: str | None = None, two_streams: bool | None = None, static_text: bool = True,
-             status: bool | None = None) -> "Pipeline":
+             status: bool | None = None, capture_cache: int = DEFAULT_SIZE) -> "Pipeline":
         """Open ``folder`` and create its sessions on ``provider`` (cpu | cuda | tensorrt).
 
         ``cuda_graph`` (cuda/tensorrt): capture the step graph as CUDA graphs. ``fused_step=False``
@@ -236,6 +239,10 @@ class Pipeline:
         a step (the step's CPU-side overhead is at most that plus the wait's return), beside
         ``step_mean_s``, the whole step.
 
+        ``capture_cache``: how many input shapes (image sizes, prompt batches) keep their bound
+        buffers and captured CUDA graphs, per session; the least recently used is dropped past it
+        (:mod:`onnxopt.pipeline.capture_cache`). ``timings["capture"]`` says what an image cost.
+
         ``status``: say what start-up is doing (importing, loading each component, building the step
         graph) on one line of stderr, cleared when done; None: only when stderr is a terminal.
         """
@@ -249,17 +256,18 @@ class Pipeline:
                               controlnet_hint=controlnet_hint, merged_step=merged_step, step_file=step_file,
                               two_streams=two_streams, static_text=static_text)
         return cls.from_plan(folder, plan_generation(folder, provider, options), device_id=device_id, threads=threads,
-                             launch_timing=launch_timing, start=start, say=say)
+                             launch_timing=launch_timing, start=start, say=say, capture_cache=capture_cache)
 
     @classmethod
     def from_plan(cls, folder: PipelineFolder, plan: GenerationPlan, *, device_id: int = 0, threads: int | None = None,
-                  launch_timing: bool = False, start: float | None = None, say: StartupStatus | None = None) -> "Pipeline":
+                  launch_timing: bool = False, start: float | None = None, say: StartupStatus | None = None,
+                  capture_cache: int = DEFAULT_SIZE) -> "Pipeline":
         """Create the sessions ``plan`` lists, in its order, each as its ``binds`` says (text
         encoders on first use); the step session's capture outcome decides the rest's. ``say``:
         the start-up status line (:class:`StartupStatus`)."""
         start = time.perf_counter() if start is None else start
         say = say or StartupStatus(False)
-        sessions = _SessionMaker(folder, plan, device_id, threads, say)
+        sessions = _SessionMaker(folder, plan, device_id, threads, say, capture_cache)
         for entry in plan.sessions:
             if not entry.lazy:
                 sessions.make(entry)
@@ -277,6 +285,7 @@ class Pipeline:
         pipe.launch_timing = launch_timing
         pipe.static_text, pipe._open_once = plan.static_text, sessions.text_encoder
         pipe.status = say
+        pipe._device_loops = CaptureCache(capture_cache)
         say.done()
         return pipe
 
@@ -533,6 +542,8 @@ class Pipeline:
             loop.step(reuse=k in reused)
             (reused_times if k in reused else computed).append(time.perf_counter() - t1)
             bar.update()
+        if self.io_binding:  # the bound-buffer loop: per shape, captured with CUDA graphs
+            timings["capture"] = self._capture_timings(timings["first_step_s"], computed, 1 in reused)
         timings["step_mean_s"] = float(np.mean(computed)) if computed else timings["first_step_s"]
         timings["steps_s"] = timings["first_step_s"] + float(np.sum(computed)) + float(np.sum(reused_times))
         if reused_times:
@@ -542,6 +553,17 @@ class Pipeline:
             timings["step_launch_mean_s"] = float(np.mean(launches))
         timings["steps"] = len(plan)
         return loop.latents().astype(np.float32)
+
+    def _capture_timings(self, first: float, computed: list, second_reused: bool) -> dict:
+        """What the step loop's cache did for this image: ``new_shape`` (its buffers were made and, with
+        CUDA graphs, its two graphs captured on its first two steps), ``capture_s`` (those two steps
+        over two later ones: the capture's cost; None without a third computed step) and the cache's
+        counts (:meth:`~onnxopt.pipeline.capture_cache.CaptureCache.stats`)."""
+        capture_s = None
+        if self._new_shape and not second_reused and len(computed) >= 2:
+            capture_s = first + computed[0] - 2 * float(np.median(computed[1:]))
+        return {"new_shape": self._new_shape, "cuda_graph": self.cuda_graph, "capture_s": capture_s,
+                **self._device_loops.stats()}
 
     def _decode(self, latents: np.ndarray, guidance: float, timings: dict) -> np.ndarray:
         """The VAE stage, split so a slow one shows which part is slow: the decoder's run (latents in,
@@ -599,9 +621,10 @@ class Pipeline:
         # diffusers' schedulers take at most num_train_timesteps steps: one table size serves every run
         capacity = max(steps, self.folder.scheduler_config().get("num_train_timesteps", 1000))
         key = DeviceStepLoop.key(latents, cond, controlnet, capacity)
-        if key not in self._device_loops:
-            n = len(self._device_loops)
-            where = dict(cuda_graph=self.cuda_graph, graph_ids=(2 * n, 2 * n + 1), device_id=self.device_id,
+        loop = self._device_loops.lookup(key)
+        self._new_shape = loop is None
+        if loop is None:  # graph ids never given before: an evicted shape's ids still replay its capture
+            where = dict(cuda_graph=self.cuda_graph, graph_ids=self._device_loops.graph_ids(2), device_id=self.device_id,
                          device="cpu" if self.provider == "cpu" else "cuda")
             if down is not None:
                 loop = TwoStreamStepLoop(require_provider(self.provider), down, step, controlnet_session,
@@ -611,8 +634,8 @@ class Pipeline:
                                       self.sessions.get("controlnet_prepare"), self.sessions["reuse"],
                                       launch_timing=self.launch_timing, **where)
             loop.bind(latents, cond, capacity, controlnet)
-            self._device_loops[key] = loop
-        return self._device_loops[key]
+            self._device_loops.insert(key, loop)
+        return loop
 
     def _unet_session(self):
         """The UNet's own session: made at load for the unfused loop; on first use when a fused
@@ -903,8 +926,9 @@ class _SessionMaker:
     """The sessions of a plan's entries (:meth:`Pipeline.from_plan`), by what each binds."""
 
     def __init__(self, folder: PipelineFolder, plan: GenerationPlan, device_id: int, threads: int | None,
-                 say: StartupStatus):
+                 say: StartupStatus, capture_cache: int = DEFAULT_SIZE):
         self.folder, self.plan, self.device_id, self.threads, self.say = folder, plan, device_id, threads, say
+        self.capture_cache = CaptureCache(capture_cache).size  # checked before any session exists
         self.io_binding, self.requested = plan.io_binding, plan.capture
         self.capture = plan.capture  # the step session's outcome, once it is made
         self.sessions: dict = {}
@@ -935,7 +959,7 @@ class _SessionMaker:
         session, capturing = self.captured(component, model, capture=capture)
         provider = self.plan.provider
         return BoundSession(require_provider(provider), session, device="cpu" if provider == "cpu" else "cuda",
-                            device_id=self.device_id, cuda_graph=capturing)
+                            device_id=self.device_id, cuda_graph=capturing, capture_cache=self.capture_cache)
 
     def text_encoder(self, name: str, model=None):
         """A text encoder, made on first use, asking for capture as the plan does."""
