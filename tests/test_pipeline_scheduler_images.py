@@ -147,3 +147,33 @@ def test_the_noise_is_the_images_generator(built, monkeypatch):
         plan, shape, torch.Generator().manual_seed(99), k, loop))
     other = b.onnx()(scheduler="euler-a", progress=False, **b.request(steps=STEPS))
     assert np.abs(other.latents - ref_latents).max() > 100 * LATENT_RTOL * np.abs(ref_latents).max()
+
+
+# stabilityai/stable-diffusion-2-1's scheduler/scheduler_config.json (the 768 v-prediction model)
+SD21_V = {"_class_name": "DDIMScheduler", "beta_end": 0.012, "beta_schedule": "scaled_linear", "beta_start": 0.00085,
+          "clip_sample": False, "num_train_timesteps": 1000, "prediction_type": "v_prediction", "set_alpha_to_one": False,
+          "skip_prk_steps": True, "steps_offset": 1, "trained_betas": None}
+
+
+@pytest.mark.parametrize("scheduler", [None, "euler-a", "dpm++2m-karras", "unipc"])
+def test_sd2_v_prediction_folder_at_its_default_size(built, tmp_path_factory, scheduler):
+    """An SD 2.x folder (OpenCLIP-style text encoder, whose last hidden state StableDiffusionPipeline
+    reads: SD 2's penultimate layer is the config's last) with the 768 model's v-prediction DDIM
+    config, no size asked: the UNet's sample_size times the VAE factor, and diffusers' image."""
+    from models.pipelines import copy_folder
+
+    b = built("sd21")
+    folder = tmp_path_factory.getbasetemp() / "sd21-v"
+    if not folder.is_dir():
+        copy_folder(b.folder, folder)
+        (folder / "scheduler" / "scheduler_config.json").write_text(json.dumps(SD21_V))
+        index = json.loads((folder / "model_index.json").read_text())
+        (folder / "model_index.json").write_text(json.dumps(dict(index, scheduler=["diffusers", "DDIMScheduler"])))
+    pipe = Pipeline.load(folder, "cpu", threads=THREADS)
+    result = pipe(scheduler=scheduler, progress=False, **b.request(steps=STEPS, height=None, width=None))
+    ref_latents, ref_pixels = b.reference(scheduler, folder=folder, steps=STEPS, height=None, width=None)
+    factor = 2 ** (len(b.torch_pipe.vae.config.block_out_channels) - 1)
+    assert result.pixels.shape[:2] == (b.torch_pipe.unet.config.sample_size * factor,) * 2
+    assert_same_image(result.latents, result.pixels, ref_latents, ref_pixels)
+    epsilon = b.onnx()(scheduler=scheduler or "ddim", progress=False, **b.request(steps=STEPS, height=None, width=None))
+    assert np.abs(epsilon.latents - result.latents).max() > 100 * LATENT_RTOL * np.abs(ref_latents).max()
