@@ -21,7 +21,8 @@ pipeline to the layout diffusers/optimum ONNX folders have::
     [controlnet_1/model.onnx ...]     the second, third... ControlNet (the same interface), where
                                       diffusers' MultiControlNetModel.save_pretrained puts them
     vae_decoder/model.onnx            latent_sample (already / scaling_factor) -> sample
-    vae_encoder/model.onnx            sample -> latent_sample (the latent distribution's mean)
+    vae_encoder/model.onnx            sample -> latent_parameters (the latent distribution's mean and
+                                      log-variance, 2 x 4 channels: optimum's output)
     <component>/config.json           the torch component's config
 
 Kinds and what differs from the component builders' configs (tiny size):
@@ -34,6 +35,9 @@ Kinds and what differs from the component builders' configs (tiny size):
   ``sd15-controlnet`` SD 1.5 + ControlNet.  The tiny VAE downsamples 2x (two blocks), so the tiny
                       ControlNet's conditioning embedding has two stages (8, 16) -- 2x too -- as
                       diffusers' own tiny test pipelines do; full size keeps 8x on both.
+  ``sd15-inpaint``    SD 1.5 inpainting (StableDiffusionInpaintPipeline): the sd15 pipeline with a UNet of
+                      9 input channels (latents, mask, masked-image latents), as
+                      stable-diffusion-v1-5/stable-diffusion-inpainting's.
   ``sd15-multi-controlnet`` SD 1.5 + two ControlNets (diffusers' MultiControlNetModel: each its own
                       image and scale, residuals summed): ``controlnet/`` (seed) and ``controlnet_1/``
                       (seed + 1), the same architecture as ``sd15-controlnet``'s.
@@ -50,7 +54,8 @@ from pathlib import Path
 
 from .base import BuiltModel, SIZES, check_choice
 
-PIPELINE_KINDS = ("sd15", "sd21", "sdxl", "sd15-controlnet", "sd15-multi-controlnet")
+PIPELINE_KINDS = ("sd15", "sd21", "sdxl", "sd15-controlnet", "sd15-multi-controlnet", "sd15-inpaint")
+INPAINT_CHANNELS = 9  # latents (4) + mask (1) + masked-image latents (4)
 CONTROLNET_COUNTS = {"sd15-controlnet": 1, "sd15-multi-controlnet": 2}
 EXPORTERS = ("torchscript", "dynamo")
 DATA_NAMES = ("model.onnx_data", "model.onnx.data", "weights.pb")
@@ -73,6 +78,8 @@ SCHEDULER_CONFIGS = {
                                             steps_offset=1, timestep_spacing="leading", use_karras_sigmas=False)),
 }
 SCHEDULER_CONFIGS["sd15-controlnet"] = SCHEDULER_CONFIGS["sd15-multi-controlnet"] = SCHEDULER_CONFIGS["sd15"]
+# stable-diffusion-v1-5/stable-diffusion-inpainting ships SD 1.5's PNDM config
+SCHEDULER_CONFIGS["sd15-inpaint"] = SCHEDULER_CONFIGS["sd15"]
 
 # SD 2.x text encoder (OpenCLIP ViT-H/14 text tower as stabilityai/stable-diffusion-2-1 text_encoder/config.json).
 SD21_TEXT_CONFIGS = {
@@ -278,7 +285,8 @@ def build_torch_pipeline(kind: str, size: str = "tiny", seed: int = 0, tokenizer
         else:
             text_encoder = _text_encoder(CLIP_CONFIGS[("clip-text", size)], False, seed)
             tokenizer = write_tokenizer(tokenizer_dir / "tokenizer", "<|endoftext|>", size)
-            unet = make_unet("unet-sd15", size, seed)
+            inpaint = {"in_channels": INPAINT_CHANNELS} if kind == "sd15-inpaint" else {}
+            unet = make_unet("unet-sd15", size, seed, **inpaint)
         parts = dict(text_encoder=text_encoder, tokenizer=tokenizer, unet=unet, safety_checker=None,
                      feature_extractor=None, requires_safety_checker=False, **common)
         if kind in CONTROLNET_COUNTS:
@@ -287,6 +295,10 @@ def build_torch_pipeline(kind: str, size: str = "tiny", seed: int = 0, tokenizer
             nets = [_controlnet(size, seed + k) for k in range(CONTROLNET_COUNTS[kind])]
             # a list makes diffusers wrap them in a MultiControlNetModel
             return StableDiffusionControlNetPipeline(controlnet=nets if len(nets) > 1 else nets[0], **parts)
+        if kind == "sd15-inpaint":
+            from diffusers import StableDiffusionInpaintPipeline
+
+            return StableDiffusionInpaintPipeline(**parts)
         from diffusers import StableDiffusionPipeline
 
         return StableDiffusionPipeline(**parts)
@@ -369,10 +381,10 @@ def _make_wrappers():
                                         conditioning_scale=conditioning_scale, return_dict=False)
             return (*down, mid)
 
-    from .vae import VAEDecoderWrapper, VAEEncoderWrapper  # the VAE families' own wrappers
+    from .vae import VAEDecoderWrapper, VAELatentParametersWrapper  # the VAE families' own wrappers
 
     return dict(TextEncoder=TextEncoder, UNet=UNet, ControlNet=ControlNet, VAEDecoder=VAEDecoderWrapper,
-                VAEEncoder=VAEEncoderWrapper)
+                VAEEncoder=VAELatentParametersWrapper)
 
 
 def _residual_layout(unet_config: dict) -> list[tuple[int, int]]:
@@ -428,7 +440,7 @@ def component_models(pipe, kind: str, size: str = "tiny", seed: int = 0) -> dict
     ucfg = pipe.unet.config
     latent_dyn = {0: "batch", 2: "height", 3: "width"}
     unet_specs = [
-        dict(name="sample", shape=["batch", 4, "height", "width"], dtype="float32", kind="latent"),
+        dict(name="sample", shape=["batch", ucfg.in_channels, "height", "width"], dtype="float32", kind="latent"),
         dict(name="timestep", shape=["batch"], dtype="float32", kind="timestep"),
         dict(name="encoder_hidden_states", shape=["batch", "sequence", ucfg.cross_attention_dim],
              dtype="float32", kind="hidden"),
@@ -471,7 +483,7 @@ def component_models(pipe, kind: str, size: str = "tiny", seed: int = 0) -> dict
           ["sample"], {"latent_sample": latent_dyn, "sample": image_dyn}, vdims)
     built("vae_encoder", W["VAEEncoder"](pipe.vae),
           [dict(name="sample", shape=["batch", 3, "image_height", "image_width"], dtype="float32", kind="image")],
-          ["latent_sample"], {"sample": image_dyn, "latent_sample": latent_dyn}, vdims)
+          ["latent_parameters"], {"sample": image_dyn, "latent_parameters": latent_dyn}, vdims)
     return out
 
 

@@ -250,6 +250,10 @@ PIPELINE_CLASSES = {
     "OnnxStableDiffusionPipeline": "sd",  # diffusers' own ONNX export (convert_stable_diffusion_checkpoint_to_onnx)
     "StableDiffusionXLPipeline": "sdxl",
     "StableDiffusionControlNetPipeline": "controlnet",
+    # the same components, run with --image (onnxopt.pipeline.img2img) or --image and --mask (inpaint)
+    "StableDiffusionImg2ImgPipeline": "sd",
+    "StableDiffusionInpaintPipeline": "sd",
+    "StableDiffusionXLImg2ImgPipeline": "sdxl",
 }
 
 

@@ -131,6 +131,9 @@ def plan_generation(folder: PipelineFolder, provider: str, options: PlanOptions 
 
     if options.scheduler is not None and options.scheduler not in FUSED_SCHEDULERS:
         options = replace(options, fused_step=False)
+    inpaint = inpainting_unet(folder)
+    if inpaint:  # the step graph feeds the UNet the latents alone: diffusers' loop adds the mask channels
+        options = replace(options, fused_step=False)
     if provider == "tensorrt":  # each component's engine, host loop (onnxopt.runners.engine_session)
         options = replace(options, fused_step=False, io_binding=False, static_text=False)
     capture = options.cuda_graph and provider != "cpu"
@@ -142,6 +145,9 @@ def plan_generation(folder: PipelineFolder, provider: str, options: PlanOptions 
     if folder.has("vae_decoder"):
         plan.sessions.append(_entry(folder, "vae_decoder", "vae_decoder", folder.component("vae_decoder").model,
                                     "once per image", once, capture and io_binding))
+    if folder.has("vae_encoder"):  # an init image's latents (onnxopt.pipeline.img2img), once per image
+        plan.sessions.append(SessionEntry("vae_encoder", "vae_encoder", "vae_encoder/model.onnx",
+                                          "once per init image (--image)", once, capture and io_binding, lazy=True))
     for encoder in ("text_encoder", "text_encoder_2"):
         if folder.has(encoder):
             static = " or model.static.b{b}.onnx" if options.static_text and folder.component(encoder).static_models else ""
@@ -154,7 +160,15 @@ def plan_generation(folder: PipelineFolder, provider: str, options: PlanOptions 
     if options.fused_step:
         _plan_step(folder, plan, options, io_binding, two_streams, hints)
     _plan_per_step_sessions(folder, plan, io_binding)
+    if inpaint:
+        plan.step = "unfused: an inpainting UNet (latents, mask and masked-image channels) runs diffusers' loop"
     return plan
+
+
+def inpainting_unet(folder: PipelineFolder) -> bool:
+    """Whether the UNet reads more channels than the latents (an inpainting UNet: latents, mask and
+    masked-image latents, StableDiffusionInpaintPipeline's)."""
+    return folder.config("unet").get("in_channels", 4) != folder.config("vae_decoder").get("latent_channels", 4)
 
 
 def folder_scheduler_name(folder: PipelineFolder) -> str:

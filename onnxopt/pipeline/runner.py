@@ -90,14 +90,20 @@ from onnxopt.pipeline.sessions import (
 
 @dataclass
 class Result:
-    latents: np.ndarray  # final latents [1, C, H/f, W/f], before the VAE (not divided by the scaling factor)
-    pixels: np.ndarray  # [H, W, 3] float32 in [0, 1]: diffusers' output_type="np"
+    latents: np.ndarray  # final latents [N, C, H/f, W/f], before the VAE (not divided by the scaling factor)
+    pixels: np.ndarray  # [H, W, 3] float32 in [0, 1]: diffusers' output_type="np", the first image
     timings: dict = field(default_factory=dict)
+    all_pixels: np.ndarray | None = None  # [N, H, W, 3]: every image of the batch, in diffusers' order
 
     @functools.cached_property
     def image(self):
         """The PIL image, made on first use (1.6 ms at 512x512 that a caller of ``pixels`` never needs)."""
         return images.to_pil(self.pixels)
+
+    @property
+    def images(self) -> list:
+        """Every image of the batch (``num_images``) as PIL images, in diffusers' batch order."""
+        return [images.to_pil(p) for p in (self.pixels[None] if self.all_pixels is None else self.all_pixels)]
 
 
 class StartupStatus:
@@ -386,23 +392,31 @@ class Pipeline:
     @clears_status
     def __call__(self, prompt: str, negative_prompt: str | None = None, steps: int = 50, guidance: float = 7.5,
                  scheduler: str | None = None, seed: int = 0, height: int | None = None, width: int | None = None,
-                 controlnet_image=None, controlnet_scale=1.0, progress: bool = True, reuse=None) -> Result:
-        """One image. ``scheduler``: one of :data:`~onnxopt.pipeline.schedulers.SCHEDULERS`, made from
+                 controlnet_image=None, controlnet_scale=1.0, progress: bool = True, reuse=None, image=None,
+                 mask=None, strength: float | None = None, num_images: int = 1) -> Result:
+        """One image (``num_images``: diffusers' num_images_per_prompt, one batch from one generator). ``scheduler``: one of :data:`~onnxopt.pipeline.schedulers.SCHEDULERS`, made from
         the folder's config; None: the folder's own scheduler, as diffusers' pipeline uses it.
         ``guidance`` <= 1 turns classifier-free guidance off, as diffusers does (the negative prompt
         is then unused). ``controlnet_image``: the conditioning image (a path, PIL image or array), or a
         list of one per ControlNet (folders with ``controlnet_1/``...); ``controlnet_scale``: one
-        scale for every ControlNet, or a list of one per ControlNet (diffusers' semantics)."""
-        from diffusers.utils.torch_utils import randn_tensor
+        scale for every ControlNet, or a list of one per ControlNet (diffusers' semantics).
+        ``image`` (a path or PIL image) with ``strength``: img2img; with ``mask`` too, on a folder
+        whose UNet is an inpainting one: inpainting (:mod:`onnxopt.pipeline.img2img`)."""
+        from onnxopt.pipeline.img2img import LatentSource, check_steps_run, prepare
 
         torch = _torch()
         folder = self.folder
         scheduler = check_request(folder, steps=steps, scheduler=scheduler, height=height, width=width,
-                                  controlnet_image=controlnet_image, controlnet_scale=controlnet_scale)
+                                  controlnet_image=controlnet_image, controlnet_scale=controlnet_scale, image=image,
+                                  mask=mask, strength=strength, num_images=num_images)
         check_numbers(guidance=guidance, seed=seed, controlnet_scale=controlnet_scale)
         check_prompts(prompt, negative_prompt)
         reused = reuse_steps(reuse, steps)
         factor = folder.vae_scale_factor
+        init = prepare(folder, image, mask, strength, height, width) if image is not None else None
+        if init is not None:
+            check_steps_run(steps, init.strength)
+            height, width = init.height, init.width
         controls = []
         for image in as_list(controlnet_image):
             controls.append(images.preprocess_control_image(image, height, width, factor))
@@ -415,34 +429,43 @@ class Pipeline:
         timings: dict = {"provider": self.provider, "step": self.step_source, "cuda_graph": self.cuda_graph,
                          "session_runs_per_step": self.session_runs_per_step()}
         start = time.perf_counter()
-        cond = self._conditioning(prompt, negative_prompt, height, width, timings)
+        cond = self._conditioning(prompt, negative_prompt, height, width, timings, num_images)
         sched = self._scheduler(scheduler)
-        channels = folder.config("unet").get("in_channels", 4)
         generator = torch.Generator("cpu").manual_seed(seed)
-        noise = randn_tensor((1, channels, height // factor, width // factor), generator=generator,
-                             device=torch.device("cpu"), dtype=torch.float32)
-        controlnet = self._controlnet_inputs(cond, controls, controlnet_scale, timings) if controls else None
-        latents = self._denoise(scheduler, sched, steps, noise, cond, controlnet, guidance, reused, progress, timings,
-                                generator)
-        pixels = self._decode(latents, guidance, timings)
+        source = LatentSource(folder, self._encode_image)
+        if init is None:
+            first = extra = None
+            initial = source.text_to_image(sched, steps, generator, num_images,
+                                           folder.config("unet").get("in_channels", 4), height, width)
+        else:
+            t0 = time.perf_counter()
+            initial, first, extra = source.from_image(init, sched, steps, generator, num_images)
+            timings["vae_encode_s"] = time.perf_counter() - t0
+        controlnet = self._controlnet_inputs(cond, controls, controlnet_scale, timings, num_images) if controls else None
+        latents = self._denoise(scheduler, sched, steps, initial, cond, controlnet, guidance, reused, progress, timings,
+                                first, extra)
+        every = self._decode(latents, guidance, timings)
         timings["total_s"] = time.perf_counter() - start
         # what no stage holds: the scheduler's set-up, the initial noise, the writes into bound buffers
         timings["rest_s"] = timings["total_s"] - sum(timings.get(k, 0.0) for k in (
-            "text_encoder_s", "controlnet_hint_s", "steps_s", "vae_decode_s"))
+            "text_encoder_s", "controlnet_hint_s", "vae_encode_s", "steps_s", "vae_decode_s"))
         timings["session_creation_s"] = self.creation_s
         if self.calls == 0:  # loading + session creation + the first image (with its graph capture)
             timings["cold_start_s"] = self.creation_s + timings["total_s"]
         self.calls += 1
-        return Result(latents=latents, pixels=pixels, timings=timings)
+        return Result(latents=latents, pixels=every[0], timings=timings, all_pixels=every)
 
-    def _conditioning(self, prompt, negative_prompt, height: int, width: int, timings: dict) -> dict:
-        """The step's conditioning: the text encoders' outputs (SDXL: with its time ids), and the
-        cross-attention K/V when the step graph reads them instead of the text."""
+    def _conditioning(self, prompt, negative_prompt, height: int, width: int, timings: dict, images: int = 1) -> dict:
+        """The step's conditioning: the text encoders' outputs (SDXL: with its time ids), each row
+        repeated ``images`` times ([negative] * N + [prompt] * N, diffusers' num_images_per_prompt),
+        and the cross-attention K/V when the step graph reads them instead of the text."""
         t0 = time.perf_counter()
         cond = self.encode_prompt(prompt, negative_prompt)
         if self.folder.kind == "sdxl":
             time_ids = np.asarray([[height, width, 0, 0, height, width]], np.float32)  # original, crop (0,0), target
             cond["time_ids"] = np.concatenate([time_ids, time_ids])
+        if images > 1:
+            cond = {name: np.repeat(value, images, axis=0) for name, value in cond.items()}
         if "context" in self.sessions:  # the step graph reads the cross-attention K/V, not the text
             # on bound buffers the K/V stay on the device, where the step loop binds them (SDXL's
             # 140 K/V tensors, 50 MB, cost ~20 ms a prompt through the host)
@@ -451,7 +474,7 @@ class Pipeline:
         timings["text_encoders"] = dict(self.text_sources)
         return cond
 
-    def _controlnet_inputs(self, cond: dict, controls: list, controlnet_scale, timings: dict) -> list[dict]:
+    def _controlnet_inputs(self, cond: dict, controls: list, controlnet_scale, timings: dict, images: int = 1) -> list[dict]:
         """Per ControlNet: its per-image inputs by its own input names (the hint, where its step
         graph reads the hint rather than the image)."""
         from onnxopt.pipeline.multi_controlnet import interface_name
@@ -461,7 +484,7 @@ class Pipeline:
         t0 = time.perf_counter()
         for k, (control, scale) in enumerate(zip(controls, scales)):
             feeds = {"encoder_hidden_states": cond["encoder_hidden_states"],
-                     "controlnet_cond": np.concatenate([control, control]),
+                     "controlnet_cond": np.concatenate([np.repeat(control, images, axis=0)] * 2),
                      "conditioning_scale": np.asarray([scale], np.float32)}
             if hint_key(k) in self.sessions:  # the step graph reads the hint, not the image
                 feeds.update(run_host(self.sessions[hint_key(k)], feeds))
@@ -476,11 +499,13 @@ class Pipeline:
             timings["controlnet_hint_s"] = time.perf_counter() - t0
         return controlnet
 
-    def _denoise(self, name: str, sched, steps: int, noise, cond, controlnet, guidance: float, reused, progress: bool,
-                 timings: dict, generator=None) -> np.ndarray:
-        """The denoising loop: the fused step when the pipeline has one and the scheduler is affine,
-        else diffusers' loop. ``generator``: the image's, which a scheduler that adds noise at each
-        step (Euler ancestral, LCM) draws from after the initial latents, as diffusers' does."""
+    def _denoise(self, name: str, sched, steps: int, initial, cond, controlnet, guidance: float, reused, progress: bool,
+                 timings: dict, start: int | None = None, extra=None, generator=None) -> np.ndarray:
+        """The denoising loop from the ``initial`` latents: the fused step when the pipeline has one and
+        the scheduler is affine, else diffusers' loop. ``start``: the index of the first timestep
+        (img2img; None: text to image); ``extra``: the inpainting UNet's mask and masked-image channels.
+        ``generator``: the image's, which a scheduler that adds noise at each step (Euler ancestral,
+        LCM) draws from after the initial latents, as diffusers' does."""
         from onnxopt.pipeline.schedulers import SchedulerError
 
         # diffusers' do_classifier_free_guidance is guidance > 1: below, one UNet row of the prompt alone.
@@ -491,21 +516,21 @@ class Pipeline:
         plan = None
         if self.fused_step:
             try:
-                plan = self._plan(name, sched, steps)
+                plan = self._plan(name, sched, steps, start or 0)
             except SchedulerError as exc:  # e.g. DDIM with clip_sample: not affine, diffusers' own step then
                 timings["step"] = f"unfused: {exc}"
         if plan is None:
             self._unet_session()
             sched.set_timesteps(steps)  # PNDM runs steps + 1 (its second timestep twice): the bar counts them
         self.status.done()
-        bar = _progress(len(plan) if plan is not None else len(sched.timesteps), progress)
+        bar = _progress(len(plan) if plan is not None else len(sched.timesteps) - (start or 0), progress)
         if plan is not None:
-            latents = self._fused_loop(plan, noise, cond, controlnet, guidance if cfg else 1.0, reused, bar, timings,
+            latents = self._fused_loop(plan, initial, cond, controlnet, guidance if cfg else 1.0, reused, bar, timings,
                                        generator)
         else:
             step_times: list = []
-            latents = self._unfused_loop(sched, steps, noise, cond, controlnet, guidance if cfg else None, step_times,
-                                         bar, self.folder.kind, reused, generator)
+            latents = self._unfused_loop(sched, steps, initial, cond, controlnet, guidance if cfg else None, step_times,
+                                         bar, self.folder.kind, reused, start, extra, generator)
             timings["first_step_s"] = step_times[0]
             computed = [t for k, t in enumerate(step_times) if k and k not in reused]
             timings["step_mean_s"] = float(np.mean(computed)) if computed else step_times[0]
@@ -515,11 +540,12 @@ class Pipeline:
         bar.close()
         return latents
 
-    def _fused_loop(self, plan, noise, cond, controlnet, step_guidance: float, reused, bar, timings: dict,
+    def _fused_loop(self, plan, initial, cond, controlnet, step_guidance: float, reused, bar, timings: dict,
                     generator=None) -> np.ndarray:
-        """The step graph's loop on the step plan's coefficient table; the first step (with its
-        graph capture) timed apart. A step that draws noise gets it in its ``state`` input."""
-        latents = (noise * plan.init_noise_sigma).numpy()
+        """The step graph's loop from the ``initial`` latents on the step plan's coefficient table
+        (from the run's first timestep: img2img's starts mid-way); the first step (with its graph
+        capture) timed apart. A step that draws noise gets it in its ``state`` input."""
+        latents = initial.numpy()
         static, step_controlnet = cond, controlnet
         if self.merged_step and controlnet is not None:  # the ControlNets' inputs are the step graph's
             from onnxopt.pipeline.multi_controlnet import interface_feeds
@@ -574,7 +600,7 @@ class Pipeline:
         if not np.isfinite(decoded).all():  # a NaN image would be written as a silently black PNG
             raise GenerationError(f"the image is not finite (NaN or inf out of the VAE decoder, guidance {guidance:g}): "
                                   "nothing written")
-        pixels = images.postprocess(decoded, self.folder.vae_scale_factor)[0]
+        pixels = images.postprocess(decoded, self.folder.vae_scale_factor)
         timings["vae_decode_s"] = time.perf_counter() - t0
         timings["vae_run_s"], timings["vae_postprocess_s"] = t1 - t0, timings["vae_decode_s"] - (t1 - t0)
         return pixels
@@ -590,15 +616,29 @@ class Pipeline:
             self._schedulers[name] = make_scheduler(name, config)
         return self._schedulers[name]
 
-    def _plan(self, name: str, scheduler, steps: int):
-        """The step plan of (scheduler, steps), probed once per pipeline: it depends on nothing else
-        (the folder's scheduler config is fixed), and probing diffusers costs ~0.5 ms a step."""
+    def _plan(self, name: str, scheduler, steps: int, first: int = 0):
+        """The step plan of (scheduler, steps, first timestep), probed once per pipeline: it depends on
+        nothing else (the folder's scheduler config is fixed), and probing diffusers costs ~0.5 ms a step."""
         from onnxopt.pipeline.schedulers import plan_steps
 
-        key = (name, steps)
+        key = (name, steps, first)
         if key not in self._plans:
-            self._plans[key] = plan_steps(scheduler, steps)
+            self._plans[key] = plan_steps(scheduler, steps, first_step=first)
         return self._plans[key]
+
+    def _encode_image(self, pixels: np.ndarray) -> np.ndarray:
+        """The VAE encoder's latent_parameters for ``pixels`` [1, 3, H, W] in [-1, 1] (its session made on first use)."""
+        from onnxopt.pipeline.img2img import ENCODER_OUTPUT
+
+        if "vae_encoder" not in self.sessions:
+            self.status("loading vae_encoder")
+            session = self._open_once("vae_encoder")
+            check_interface(session, self.folder.component("vae_encoder").model, "VAE encoder with latent_parameters "
+                            "(the distribution img2img samples, as optimum exports it)", ["sample"], [ENCODER_OUTPUT])
+            self.sessions["vae_encoder"] = session
+        session = self.sessions["vae_encoder"]
+        feed = pixels.astype(input_types(session)["sample"], copy=False)
+        return run_host(session, {"sample": np.ascontiguousarray(feed)})[ENCODER_OUTPUT].astype(np.float32)
 
     def _unscale(self, latents: np.ndarray) -> np.ndarray:
         """The VAE decoder's input. latents_mean/latents_std are read by StableDiffusionXLPipeline
@@ -647,30 +687,34 @@ class Pipeline:
                                                    threads=self.threads)
         return self.sessions["unet"]
 
-    def _unfused_loop(self, sched, steps, noise, cond, controlnet, guidance, step_times, bar, kind, reused=frozenset(),
-                      generator=None):
-        """diffusers' loop: UNet session, guidance in numpy (``guidance`` None: no guidance, the
-        prompt's own output), diffusers' scale_model_input and step (at a ``reused`` step: diffusers'
-        step on the last computed guided output, no UNet)."""
+    def _unfused_loop(self, sched, steps, initial, cond, controlnet, guidance, step_times, bar, kind, reused=frozenset(),
+                      start: int | None = None, extra=None, generator=None):
+        """diffusers' loop from the ``initial`` latents and the timestep at ``start`` (None: text to
+        image): UNet session, guidance in numpy (``guidance`` None: no guidance, the prompt's own
+        output), diffusers' scale_model_input and step (at a ``reused`` step: diffusers' step on the
+        last computed guided output, no UNet); ``extra``: the inpainting channels the UNet reads
+        after the latents. ``generator``: the image's, for a step that draws noise.
+        """
         from onnxopt.pipeline.schedulers import step_extra_kwargs
 
         torch = _torch()
-        extra = step_extra_kwargs(sched, generator)  # diffusers' prepare_extra_step_kwargs (eta 0)
+        step_kwargs = step_extra_kwargs(sched, generator)  # diffusers' prepare_extra_step_kwargs (eta 0)
         sched.set_timesteps(steps)
-        if kind == "sdxl" and hasattr(sched, "set_begin_index"):
-            sched.set_begin_index(0)
-        latents = noise * sched.init_noise_sigma
+        if (start is not None or kind == "sdxl") and hasattr(sched, "set_begin_index"):
+            sched.set_begin_index(start or 0)
+        latents = initial
         unet = self._unet_session()
         eps = None
-        for k, t in enumerate(sched.timesteps):
+        for k, t in enumerate(sched.timesteps[start or 0:]):
             t1 = time.perf_counter()
             if k in reused:
-                latents = sched.step(torch.from_numpy(eps), t, latents, return_dict=False, **extra)[0]
+                latents = sched.step(torch.from_numpy(eps), t, latents, return_dict=False, **step_kwargs)[0]
                 step_times.append(time.perf_counter() - t1)
                 bar.update()
                 continue
             model_in = sched.scale_model_input(torch.cat([latents] * 2), t).numpy()
-            feeds = dict(cond, sample=model_in, timestep=timestep_feed(unet, t.item(), model_in.shape[0]))
+            sample = model_in if extra is None else np.concatenate([model_in, extra], axis=1)
+            feeds = dict(cond, sample=sample, timestep=timestep_feed(unet, t.item(), model_in.shape[0]))
             residuals = {}  # diffusers' MultiControlNetModel: the residuals summed in ControlNet order
             for k, inputs in enumerate(controlnet or ()):
                 cn = self._controlnet_session(k)
@@ -680,7 +724,7 @@ class Pipeline:
             eps2 = run_host(unet, feeds)["out_sample"].astype(np.float32)
             eps_u, eps_c = eps2[: len(eps2) // 2], eps2[len(eps2) // 2:]
             eps = eps_c if guidance is None else eps_u + np.float32(guidance) * (eps_c - eps_u)
-            latents = sched.step(torch.from_numpy(eps), t, latents, return_dict=False, **extra)[0]
+            latents = sched.step(torch.from_numpy(eps), t, latents, return_dict=False, **step_kwargs)[0]
             step_times.append(time.perf_counter() - t1)
             bar.update()
         return latents.numpy()
@@ -700,12 +744,14 @@ def _step_noise(plan, shape, generator, k: int, loop) -> None:
 
 @clears_status
 def check_request(folder: PipelineFolder, *, steps: int = 50, scheduler: str | None = None, height=None, width=None,
-                  controlnet_image=None, controlnet_scale=1.0, status: bool | None = False) -> str:
+                  controlnet_image=None, controlnet_scale=1.0, status: bool | None = False, image=None, mask=None,
+                  strength=None, num_images: int = 1) -> str:
     """Refuse a bad request before any session exists (one-line :class:`GenerationError`); returns
     the scheduler's name (``scheduler``, or the folder's own when None). ``status``: as
     :meth:`Pipeline.load`'s (the scheduler's check imports torch and diffusers: seconds)."""
     say = StartupStatus(status)
     say("importing torch and diffusers")
+    from onnxopt.pipeline.img2img import check_init_request, check_num_images, check_steps_run, strength_of
     from onnxopt.pipeline.schedulers import SCHEDULERS
 
     if scheduler is not None and scheduler not in SCHEDULERS:
@@ -733,6 +779,10 @@ def check_request(folder: PipelineFolder, *, steps: int = 50, scheduler: str | N
         if isinstance(image, (str, Path)) and not Path(image).is_file():
             raise GenerationError(f"{image}: no such image")
     _check_size(height, width, folder.vae_scale_factor, allow_none=True)
+    check_num_images(num_images)
+    check_init_request(folder, image, mask, strength, height, width)
+    if image is not None:
+        check_steps_run(steps, strength_of(folder, strength))
     scheduler = _checked_schedule(json.dumps(folder.scheduler_config(), sort_keys=True, default=str), folder.kind,
                                   folder_scheduler_class(folder), scheduler, steps)
     check_model_configs(folder)

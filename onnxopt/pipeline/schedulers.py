@@ -237,9 +237,12 @@ def _first_line(exc: BaseException) -> str:
     return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
 
 
-def plan_steps(scheduler, num_inference_steps: int, *, step_kwargs: dict | None = None) -> StepPlan:
+def plan_steps(scheduler, num_inference_steps: int, *, step_kwargs: dict | None = None, first_step: int = 0) -> StepPlan:
     """Timesteps and per-step coefficients of ``scheduler`` for ``num_inference_steps`` steps.
 
+    ``first_step``: the run starts at that timestep index, as img2img's does (diffusers'
+    ``get_timesteps``: ``set_begin_index(first_step)``, so a multistep solver starts at first order
+    there, not with the full schedule's history); the plan holds the steps from there on.
     ``scheduler`` is not modified (a deep copy is probed). ``step_kwargs`` go to every ``step``
     call as the pipeline would pass them (DDIM ``eta``, Euler ``s_churn``...); values that make
     the update non-affine are refused. Raises :class:`SchedulerError` for a configuration whose
@@ -251,7 +254,9 @@ def plan_steps(scheduler, num_inference_steps: int, *, step_kwargs: dict | None 
     _refuse_non_affine(scheduler, step_kwargs or {})
     running = copy.deepcopy(scheduler)
     running.set_timesteps(num_inference_steps)
-    timesteps = running.timesteps
+    if first_step and hasattr(running, "set_begin_index"):
+        running.set_begin_index(first_step)
+    timesteps = running.timesteps[first_step:]
     rng = np.random.default_rng(0)
     rows, noise = [], []
     for k in range(len(timesteps)):
