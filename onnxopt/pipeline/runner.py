@@ -443,7 +443,7 @@ class Pipeline:
             timings["vae_encode_s"] = time.perf_counter() - t0
         controlnet = self._controlnet_inputs(cond, controls, controlnet_scale, timings, num_images) if controls else None
         latents = self._denoise(scheduler, sched, steps, initial, cond, controlnet, guidance, reused, progress, timings,
-                                first, extra)
+                                first, extra, generator)
         every = self._decode(latents, guidance, timings)
         timings["total_s"] = time.perf_counter() - start
         # what no stage holds: the scheduler's set-up, the initial noise, the writes into bound buffers
