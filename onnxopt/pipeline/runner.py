@@ -188,7 +188,7 @@ class Pipeline:
         # DeviceStepLoop.key -> a loop whose buffers (and captured graphs) stay put, per shape, LRU-bounded
         self._device_loops = CaptureCache(DEFAULT_SIZE)
         self._new_shape = False  # the last step loop was made for this image (its first steps capture)
-        self.tokenizers = {name: folder.tokenizer(name) for name in _tokenizers_of(folder.kind)}
+        self.tokenizers = {name: folder.tokenizer(name) for name in _tokenizers_of(folder)}
         self._warned_truncation: set = set()  # prompts already warned about
         self.static_text = False  # use text_encoder*/model.static.b{b}.onnx (set by load)
         self.text_sources: dict[str, str] = {}  # encoder -> the graph its last prompt ran on, and why
@@ -373,7 +373,7 @@ class Pipeline:
         zeros = negative_prompt is None and self.folder.force_zeros_for_empty_prompt
         texts = [prompt] if zeros else [negative_prompt or "", prompt]
         parts, pooled = [], None
-        for encoder, tokenizer in (("text_encoder", "tokenizer"), ("text_encoder_2", "tokenizer_2")):
+        for encoder, tokenizer in zip(self.folder.text_encoders, _tokenizers_of(self.folder)):  # refiner: the 2nd alone
             session = self.text_session(encoder, len(texts))
             pooled_name = ["text_embeds"] if encoder == "text_encoder_2" else []
             out = _run_outputs(session, self._token_ids(tokenizer, texts), [_penultimate_name(session), *pooled_name])
@@ -462,8 +462,7 @@ class Pipeline:
         t0 = time.perf_counter()
         cond = self.encode_prompt(prompt, negative_prompt)
         if self.folder.kind == "sdxl":
-            time_ids = np.asarray([[height, width, 0, 0, height, width]], np.float32)  # original, crop (0,0), target
-            cond["time_ids"] = np.concatenate([time_ids, time_ids])
+            cond["time_ids"] = sdxl_time_ids(self.folder, height, width)
         if images > 1:
             cond = {name: np.repeat(value, images, axis=0) for name, value in cond.items()}
         if "context" in self.sessions:  # the step graph reads the cross-attention K/V, not the text
@@ -847,6 +846,8 @@ def check_model_configs(folder: PipelineFolder) -> None:
     if folder.kind != "sdxl" and folder.config("text_encoder").get("use_attention_mask"):
         raise GenerationError(f"{folder.root / 'text_encoder' / 'config.json'}: use_attention_mask is set: diffusers "
                               "then feeds the tokenizer's attention mask to the text encoder, which onnxopt does not")
+    if folder.kind == "sdxl":
+        check_time_ids(folder)
     vae = folder.config("vae_decoder")
     if folder.kind == "sdxl" and vae.get("latents_mean") is not None and vae.get("latents_std") is not None:
         for key in ("latents_mean", "latents_std"):  # StableDiffusionXLPipeline: .view(1, 4, 1, 1)
@@ -857,7 +858,7 @@ def check_model_configs(folder: PipelineFolder) -> None:
                                       f"(one per latent channel), got {value!r}")
     for tokenizer, encoder in (("tokenizer", "text_encoder"), ("tokenizer_2", "text_encoder_2")):
         path = folder.root / tokenizer / "tokenizer_config.json"
-        if tokenizer in _tokenizers_of(folder.kind) and path.is_file():
+        if tokenizer in _tokenizers_of(folder) and path.is_file():
             from onnxopt.pipeline.folder import read_json
 
             check_prompt_length(folder, encoder, read_json(path).get("model_max_length"))
@@ -925,6 +926,35 @@ def _finite_float32(value) -> bool:
     return math.isfinite(value) and abs(value) <= float(np.finfo(np.float32).max)
 
 
+# StableDiffusionXLImg2ImgPipeline.__call__'s defaults: the refiner's aesthetic score conditioning
+AESTHETIC_SCORE, NEGATIVE_AESTHETIC_SCORE = 6.0, 2.5
+
+
+def sdxl_time_ids(folder: PipelineFolder, height: int, width: int) -> np.ndarray:
+    """SDXL's micro-conditioning, the negative row first (diffusers' ``_get_add_time_ids``): original
+    size, crop (0, 0), then the target size, or with ``requires_aesthetics_score`` (the refiner) the
+    aesthetic score (6.0; the negative row 2.5)."""
+    if folder.requires_aesthetics_score:
+        return np.asarray([[height, width, 0, 0, NEGATIVE_AESTHETIC_SCORE], [height, width, 0, 0, AESTHETIC_SCORE]],
+                          np.float32)
+    return np.asarray([[height, width, 0, 0, height, width]] * 2, np.float32)
+
+
+def check_time_ids(folder: PipelineFolder) -> None:
+    """The UNet's added-conditioning width must take the time ids the folder's pipeline makes (5 with
+    aesthetic scores, else 6): diffusers refuses the mismatch mid-call; here a one-line GenerationError."""
+    unet, pooled = folder.config("unet"), folder.config("text_encoder_2").get("projection_dim")
+    total, each = unet.get("projection_class_embeddings_input_dim"), unet.get("addition_time_embed_dim")
+    if not all(isinstance(v, int) and v > 0 for v in (total, each, pooled)) or (total - pooled) % each:
+        return  # not enough config to tell: the graph's own shapes decide
+    takes, makes = (total - pooled) // each, 5 if folder.requires_aesthetics_score else 6
+    if takes != makes:
+        score = "sets" if folder.requires_aesthetics_score else "does not set"
+        raise GenerationError(f"{folder.root}: the UNet takes {takes} time ids but model_index.json {score} "
+                              f"requires_aesthetics_score, which makes {makes} (a refiner's UNet takes 5: original "
+                              "size, crop, aesthetic score)")
+
+
 def check_interface(session, where, what: str, inputs: list[str], outputs: list[str]) -> None:
     """The inputs and outputs the pipeline feeds and reads, or a one-line GenerationError naming the
     graph (another component's model.onnx in its place was a KeyError or ORT's ValueError: exit 3)."""
@@ -959,8 +989,9 @@ def reuse_steps(reuse, steps: int) -> frozenset:
         raise GenerationError(str(exc)) from None
 
 
-def _tokenizers_of(kind: str) -> tuple[str, ...]:
-    return ("tokenizer", "tokenizer_2") if kind == "sdxl" else ("tokenizer",)
+def _tokenizers_of(folder: PipelineFolder) -> tuple[str, ...]:
+    """The tokenizer of each text encoder the folder's pipeline runs (the SDXL refiner: tokenizer_2 alone)."""
+    return tuple("tokenizer" if encoder == "text_encoder" else "tokenizer_2" for encoder in folder.text_encoders)
 
 
 def _check_size(height, width, factor: int, allow_none: bool = False) -> None:
