@@ -286,3 +286,33 @@ def test_cli_image_on_a_folder_without_vae_encoder(tmp_path, capsys):
                  str(tmp_path / "x.png")])
     assert code == 2 and "no vae_encoder/" in capsys.readouterr().err
     assert not (tmp_path / "x.png").exists()
+
+
+# --- CUDA EP (the lead runs these on the GPU machine: pytest -m gpu tests/test_pipeline_img2img.py) ---
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind, scheduler", [("sd15", "dpm++2m"), ("sdxl", "euler"), ("sd15-inpaint", "ddim")])
+def test_cuda_captured_steps_start_mid_way(tiny, kind, scheduler, tmp_path):
+    """On a GPU: img2img (inpainting) on the folder optimized for ort-cuda, bound buffers and captured
+    steps, gives that folder's image without capture (a schedule table that starts mid-way; a second
+    strength replays the graphs on the same buffers with another table), within the 2e-3 of the
+    latents' scale that two CUDA sessions differ by (test_pipeline_generate's CUDA test)."""
+    from onnxopt.pipeline import optimize_folder
+    from onnxopt.runners.ort_cuda import cuda_available
+
+    if not cuda_available():
+        pytest.skip("needs onnxruntime-gpu and a CUDA device")
+    folder = tmp_path / "ort-cuda"
+    optimize_folder(tiny(kind).folder, folder, target="ort-cuda")
+    captured = Pipeline.load(folder, "cuda", cuda_graph=True)
+    plain = Pipeline.load(folder, "cuda", cuda_graph=False, io_binding=False)
+    extra = dict(mask=mask_picture(), height=32, width=48) if kind == "sd15-inpaint" else {}
+    for strength in (0.6, 0.8):
+        request = dict(prompt=PROMPT, steps=STEPS, scheduler=scheduler, image=picture(), strength=strength,
+                       num_images=2, progress=False, **extra)
+        got, expected = captured(**request), plain(**request)
+        scale = float(np.abs(expected.latents).max())
+        np.testing.assert_allclose(got.latents, expected.latents, rtol=0, atol=2e-3 * scale)
+        assert got.timings["steps"] == int(STEPS * strength) or kind == "sd15-inpaint"
+    if kind != "sd15-inpaint":
+        assert captured.cuda_graph

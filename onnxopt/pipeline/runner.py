@@ -418,8 +418,8 @@ class Pipeline:
             check_steps_run(steps, init.strength)
             height, width = init.height, init.width
         controls = []
-        for image in as_list(controlnet_image):
-            controls.append(images.preprocess_control_image(image, height, width, factor))
+        for control in as_list(controlnet_image):
+            controls.append(images.preprocess_control_image(control, height, width, factor))
             # as diffusers: the (first) preprocessed image sets the size; later ones are resized to it
             height, width = controls[0].shape[-2:]
         default_h, default_w = default_size(folder)
@@ -772,11 +772,11 @@ def check_request(folder: PipelineFolder, *, steps: int = 50, scheduler: str | N
                               f"each (--controlnet-scale), got {len(scales)}")
     if control_images and any(folder.config(name).get("global_pool_conditions") for name in names):
         raise GenerationError("ControlNets with global_pool_conditions (guess mode) are not supported")
-    for image in control_images:
-        if isinstance(image, (str, Path)) and Path(image).is_dir():
-            raise GenerationError(f"{image}: is a folder, not an image")
-        if isinstance(image, (str, Path)) and not Path(image).is_file():
-            raise GenerationError(f"{image}: no such image")
+    for control in control_images:
+        if isinstance(control, (str, Path)) and Path(control).is_dir():
+            raise GenerationError(f"{control}: is a folder, not an image")
+        if isinstance(control, (str, Path)) and not Path(control).is_file():
+            raise GenerationError(f"{control}: no such image")
     _check_size(height, width, folder.vae_scale_factor, allow_none=True)
     check_num_images(num_images)
     check_init_request(folder, image, mask, strength, height, width)
