@@ -26,27 +26,10 @@ from onnxopt.pipeline import Pipeline  # noqa: E402
 from onnxopt.pipeline.plan import GenerationError  # noqa: E402
 from onnxopt.pipeline.schedulers import FUSED_SCHEDULERS, HOST_SCHEDULERS  # noqa: E402
 from tests.test_pipeline_generate import LATENT_RTOL, THREADS, Built, assert_same_image  # noqa: E402
+from tests.test_pipeline_generate import built  # noqa: E402,F401  (fixture: the tiny folders, once per module)
 
 NEW = ("euler-a", "dpm++2m-karras", "lcm", "unipc")
 STEPS = 3
-
-
-@pytest.fixture(scope="module")
-def built(tmp_path_factory):
-    import torch
-
-    root = tmp_path_factory.mktemp("pipelines")
-    cache: dict[str, Built] = {}
-
-    def get(kind: str) -> Built:
-        if kind not in cache:
-            cache[kind] = Built(kind, root)
-        return cache[kind]
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(THREADS)
-    yield get
-    torch.set_num_threads(threads)
 
 
 def check(b: Built, scheduler: str, pipe: Pipeline | None = None, **overrides):
