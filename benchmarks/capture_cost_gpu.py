@@ -7,10 +7,10 @@
 
 The first command writes ``<work>/<kind>/optimized`` (benchmarks.pipeline_gpu's folder and optimize
 steps). Then ``Pipeline.load(optimized, "cuda", cuda_graph=True, capture_cache=2)`` generates, each
-with the kind's scheduler and step count, sizes A, A, B, C, A, B (SD 1.5: 512x512, 512x768, 768x512;
-SDXL: 1024x1024, 832x1216, 1216x832): the first A pays the session's first capture, the second A
-replays, B and C each capture their shape, A replays again (cached), B comes back after its eviction
-(cache of 2) and captures again. Per image: total_s, steps_s, step_mean_s, first_step_s and
+with the kind's scheduler and step count, sizes A, A, B, A, C, A, B (SD 1.5: 512x512, 512x768,
+768x512; SDXL: 1024x1024, 832x1216, 1216x832): the first A pays the session's first capture, the
+second A replays, B captures its shape, A replays (cached), C captures and evicts B (the least
+recently used of a cache of 2), A replays, B comes back and captures again. Per image: total_s, steps_s, step_mean_s, first_step_s and
 ``timings["capture"]`` (new_shape, capture_s: its two capturing steps over two later ones, and the
 cache's counts). The target: a new size costs at most one capture above a repeated one
 (total_s of a new-shape image minus that of a cached one, against capture_s).
@@ -26,7 +26,7 @@ from pathlib import Path
 
 SIZES = {"sd15": {"A": (512, 512), "B": (512, 768), "C": (768, 512)},
          "sdxl": {"A": (1024, 1024), "B": (832, 1216), "C": (1216, 832)}}
-SEQUENCE = ("A", "A", "B", "C", "A", "B")
+SEQUENCE = ("A", "A", "B", "A", "C", "A", "B")
 DRY = {"A": (32, 32), "B": (32, 48), "C": (48, 32)}
 PROMPT = "a photograph of an astronaut riding a horse on the moon, highly detailed"
 
