@@ -460,17 +460,29 @@ class Pipeline:
         repeated ``images`` times ([negative] * N + [prompt] * N, diffusers' num_images_per_prompt),
         and the cross-attention K/V when the step graph reads them instead of the text."""
         t0 = time.perf_counter()
+        cond = self._prompt_conditioning(prompt, negative_prompt, height, width)
+        if images > 1:
+            cond = {name: np.repeat(value, images, axis=0) for name, value in cond.items()}
+        cond = self._step_conditioning(cond)
+        timings["text_encoder_s"] = time.perf_counter() - t0
+        timings["text_encoders"] = dict(self.text_sources)
+        return cond
+
+    def _prompt_conditioning(self, prompt, negative_prompt, height: int, width: int) -> dict[str, np.ndarray]:
+        """One prompt's conditioning on the host, two rows [negative, prompt]: the text encoders'
+        outputs (SDXL: with its time ids). A batch concatenates these (onnxopt.pipeline.batch)."""
         cond = self.encode_prompt(prompt, negative_prompt)
         if self.folder.kind == "sdxl":
             cond["time_ids"] = sdxl_time_ids(self.folder, height, width)
-        if images > 1:
-            cond = {name: np.repeat(value, images, axis=0) for name, value in cond.items()}
+        return cond
+
+    def _step_conditioning(self, cond: dict) -> dict:
+        """``cond`` as the step graph reads it: with the cross-attention K/V when the step graph
+        reads them instead of the text (one run for all of cond's rows)."""
         if "context" in self.sessions:  # the step graph reads the cross-attention K/V, not the text
             # on bound buffers the K/V stay on the device, where the step loop binds them (SDXL's
             # 140 K/V tensors, 50 MB, cost ~20 ms a prompt through the host)
             cond.update(run_on_device(self.sessions["context"], cond))
-        timings["text_encoder_s"] = time.perf_counter() - t0
-        timings["text_encoders"] = dict(self.text_sources)
         return cond
 
     def _controlnet_inputs(self, cond: dict, controls: list, controlnet_scale, timings: dict, images: int = 1) -> list[dict]:
