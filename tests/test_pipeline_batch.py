@@ -93,7 +93,7 @@ def test_one_denoising_loop_per_run_and_the_text_encoder_once_per_prompt(pipes, 
     encoded, loops = [], []
     encode, denoise = pipe.encode_prompt, pipe._denoise
     monkeypatch.setattr(pipe, "encode_prompt", lambda *a: encoded.append(a) or encode(*a))
-    monkeypatch.setattr(pipe, "_denoise", lambda *a: loops.append(a[3].shape[0]) or denoise(*a))
+    monkeypatch.setattr(pipe, "_denoise", lambda *a, **k: loops.append(a[3].shape[0]) or denoise(*a, **k))
     assert_each_image_alone(pipe, IMAGES, "ddim", max_batch=2)
     # the batch: each distinct (prompt, negative) pair once; then each image alone encodes its own
     assert encoded[:3] == [("a red cube", None), ("a blue sphere", "blurry"), ("a green cone", None)]

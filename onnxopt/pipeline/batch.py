@@ -133,13 +133,15 @@ def generate_batch(pipe: Pipeline, images: list[BatchImage], *, steps: int = 50,
         # each image's own generator: its initial noise, then (Euler ancestral, LCM) its row of each step's noise
         generators = [torch.Generator("cpu").manual_seed(images[i].seed) for i in run]
         noise = torch.cat([_noise(torch, g, (1, channels, height // factor, width // factor)) for g in generators])
+        sched.set_timesteps(steps)  # the denoising loop takes the initial latents scaled, as diffusers' prepare_latents
+        noise = noise * sched.init_noise_sigma
         guidance = images[run[0]].guidance
         latents = pipe._denoise(scheduler, sched, steps, noise, cond, None, guidance, frozenset(), progress, timings,
                                 generator=generators)
         decode_s = 0.0
         for k, i in enumerate(run):
             own = dict(timings)
-            pixels = pipe._decode(latents[k:k + 1], images[i].guidance, own)
+            pixels = pipe._decode(latents[k:k + 1], images[i].guidance, own)[0]  # [1, H, W, 3]: the image
             decode_s += own["vae_decode_s"]
             results[i] = Result(latents=latents[k:k + 1], pixels=pixels, timings=own)
         total = time.perf_counter() - start
