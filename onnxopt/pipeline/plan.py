@@ -131,9 +131,6 @@ def plan_generation(folder: PipelineFolder, provider: str, options: PlanOptions 
 
     if options.scheduler is not None and options.scheduler not in FUSED_SCHEDULERS:
         options = replace(options, fused_step=False)
-    inpaint = inpainting_unet(folder)
-    if inpaint:  # the step graph feeds the UNet the latents alone: diffusers' loop adds the mask channels
-        options = replace(options, fused_step=False)
     if provider == "tensorrt":  # each component's engine, host loop (onnxopt.runners.engine_session)
         options = replace(options, fused_step=False, io_binding=False, static_text=False)
     capture = options.cuda_graph and provider != "cpu"
@@ -160,8 +157,6 @@ def plan_generation(folder: PipelineFolder, provider: str, options: PlanOptions 
     if options.fused_step:
         _plan_step(folder, plan, options, io_binding, two_streams, hints)
     _plan_per_step_sessions(folder, plan, io_binding)
-    if inpaint:
-        plan.step = "unfused: an inpainting UNet (latents, mask and masked-image channels) runs diffusers' loop"
     return plan
 
 

@@ -536,6 +536,10 @@ class Pipeline:
         self.status.done()
         bar = _progress(len(plan) if plan is not None else len(sched.timesteps) - (start or 0), progress)
         if plan is not None:
+            if extra is not None:  # the step graph of an inpainting UNet reads them beside the latents
+                from onnxopt.pipeline.step_graph import INPAINT_INPUT
+
+                cond = dict(cond, **{INPAINT_INPUT: extra})
             latents = self._fused_loop(plan, initial, cond, controlnet, guidance if cfg else 1.0, reused, bar, timings,
                                        generator)
         else:

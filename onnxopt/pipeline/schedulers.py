@@ -241,8 +241,9 @@ def plan_steps(scheduler, num_inference_steps: int, *, step_kwargs: dict | None 
     """Timesteps and per-step coefficients of ``scheduler`` for ``num_inference_steps`` steps.
 
     ``first_step``: the run starts at that timestep index, as img2img's does (diffusers'
-    ``get_timesteps``: ``set_begin_index(first_step)``, so a multistep solver starts at first order
-    there, not with the full schedule's history); the plan holds the steps from there on.
+    ``get_timesteps``, with its ``set_begin_index``); the steps from there on are probed as a run of
+    their own, so a multistep solver starts at first order there (slicing the full schedule's plan
+    would carry the history of steps never run).
     ``scheduler`` is not modified (a deep copy is probed). ``step_kwargs`` go to every ``step``
     call as the pipeline would pass them (DDIM ``eta``, Euler ``s_churn``...); values that make
     the update non-affine are refused. Raises :class:`SchedulerError` for a configuration whose
