@@ -236,7 +236,7 @@ def _add_generate_parser(sub) -> None:
     gen.add_argument("--negative-prompt", default=None, help="what it should not show (classifier-free guidance)")
     gen.add_argument("--steps", type=int, default=50, help="denoising steps")
     gen.add_argument("--guidance", type=float, default=7.5, help="classifier-free guidance scale (1 or less: no guidance)")
-    gen.add_argument("--scheduler", default=None, help="ddim | euler | dpm++2m | pndm; flow-match for SD3 (diffusers' classes, from the folder's "
+    gen.add_argument("--scheduler", default=None, help="ddim | euler | dpm++2m | euler-a | dpm++2m-karras | lcm | pndm | unipc; flow-match for SD3 and Flux (diffusers' classes, from the folder's "
                      "config; default: the folder's own scheduler, as diffusers' pipeline runs it)")
     gen.add_argument("--seed", type=int, default=0, help="as diffusers: torch.Generator('cpu').manual_seed(SEED)")
     gen.add_argument("--max-sequence-length", type=int, default=None, metavar="TOKENS",

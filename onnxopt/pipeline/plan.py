@@ -122,12 +122,12 @@ class PlanOptions:
     step_file: str | None = None
     two_streams: bool | None = None
     static_text: bool = True
-    scheduler: str | None = None  # the request's: one the fused step cannot run (pndm) plans diffusers' loop
+    scheduler: str | None = None  # the request's: one the fused step cannot run (pndm, unipc) plans diffusers' loop
 
 
 def plan_generation(folder: PipelineFolder, provider: str, options: PlanOptions = PlanOptions()) -> GenerationPlan:
     """The plan for ``folder`` on ``provider`` (cpu | cuda | tensorrt) with ``options``."""
-    from onnxopt.pipeline.schedulers import FUSABLE_SCHEDULERS
+    from onnxopt.pipeline.schedulers import FUSABLE_SCHEDULERS, HOST_SCHEDULERS
 
     if options.scheduler is not None and options.scheduler not in FUSABLE_SCHEDULERS:
         options = replace(options, fused_step=False)
@@ -153,6 +153,9 @@ def plan_generation(folder: PipelineFolder, provider: str, options: PlanOptions 
             plan.sessions.append(SessionEntry(encoder, encoder, f"{encoder}/model.onnx{static}", "once per prompt", once,
                                               capture and io_binding, lazy=True))
     hints = _controlnet_graphs(folder, plan, options, once, capture and io_binding)
+    if options.scheduler in HOST_SCHEDULERS:
+        plan.step = (f"unfused: {options.scheduler}'s update reads several earlier model outputs "
+                     "(the step graph carries one): diffusers' own step on the host")
     if options.fused_step:
         _plan_step(folder, plan, options, io_binding, two_streams, hints)
     _plan_per_step_sessions(folder, plan, io_binding)

@@ -60,6 +60,7 @@ import numpy as np
 from onnxopt.errors import MissingDependencyError, OnnxoptError
 from onnxopt.pipeline import images
 from onnxopt.pipeline.bound_session import BoundSession
+from onnxopt.pipeline.capture_cache import DEFAULT_SIZE, CaptureCache
 from onnxopt.pipeline.families import TOKENIZER_OF
 from onnxopt.pipeline.folder import PipelineFolder
 from onnxopt.pipeline.sizes import _check_size, _written_before_0_9, default_size  # noqa: F401 (importers read them here too)
@@ -170,7 +171,9 @@ class Pipeline:
         self.status = StartupStatus(False)  # what loading a session on first use says (load sets it)
         self._plans: dict = {}  # (scheduler, steps) -> StepPlan
         self._schedulers: dict = {}  # name -> diffusers' scheduler (Pipeline._scheduler)
-        self._device_loops: dict = {}  # DeviceStepLoop.key -> a loop whose buffers (and captured graphs) stay put
+        # DeviceStepLoop.key -> a loop whose buffers (and captured graphs) stay put, per shape, LRU-bounded
+        self._device_loops = CaptureCache(DEFAULT_SIZE)
+        self._new_shape = False  # the last step loop was made for this image (its first steps capture)
         self.tokenizers = {name: folder.tokenizer(name) for name in _tokenizers_of(folder)}
         self._warned_truncation: set = set()  # prompts already warned about
         self.static_text = False  # use text_encoder*/model.static.b{b}.onnx (set by load)
@@ -189,7 +192,7 @@ class Pipeline:
              threads: int | None = None, io_binding: bool | None = None, context_kv: bool = True,
              controlnet_hint: bool = True, merged_step: bool = True, launch_timing: bool = False,
              step_file: str | None = None, two_streams: bool | None = None, static_text: bool = True,
-             status: bool | None = None) -> "Pipeline":
+             status: bool | None = None, capture_cache: int = DEFAULT_SIZE) -> "Pipeline":
         """Open ``folder`` and create its sessions on ``provider`` (cpu | cuda | tensorrt).
 
         ``cuda_graph`` (cuda/tensorrt): capture the step graph as CUDA graphs. ``fused_step=False``
@@ -228,6 +231,10 @@ class Pipeline:
         a step (the step's CPU-side overhead is at most that plus the wait's return), beside
         ``step_mean_s``, the whole step.
 
+        ``capture_cache``: how many input shapes (image sizes, prompt batches) keep their bound
+        buffers and captured CUDA graphs, per session; the least recently used is dropped past it
+        (:mod:`onnxopt.pipeline.capture_cache`). ``timings["capture"]`` says what an image cost.
+
         ``status``: say what start-up is doing (importing, loading each component, building the step
         graph) on one line of stderr, cleared when done; None: only when stderr is a terminal.
         """
@@ -241,17 +248,18 @@ class Pipeline:
                               controlnet_hint=controlnet_hint, merged_step=merged_step, step_file=step_file,
                               two_streams=two_streams, static_text=static_text)
         return cls.from_plan(folder, plan_generation(folder, provider, options), device_id=device_id, threads=threads,
-                             launch_timing=launch_timing, start=start, say=say)
+                             launch_timing=launch_timing, start=start, say=say, capture_cache=capture_cache)
 
     @classmethod
     def from_plan(cls, folder: PipelineFolder, plan: GenerationPlan, *, device_id: int = 0, threads: int | None = None,
-                  launch_timing: bool = False, start: float | None = None, say: StartupStatus | None = None) -> "Pipeline":
+                  launch_timing: bool = False, start: float | None = None, say: StartupStatus | None = None,
+                  capture_cache: int = DEFAULT_SIZE) -> "Pipeline":
         """Create the sessions ``plan`` lists, in its order, each as its ``binds`` says (text
         encoders on first use); the step session's capture outcome decides the rest's. ``say``:
         the start-up status line (:class:`StartupStatus`)."""
         start = time.perf_counter() if start is None else start
         say = say or StartupStatus(False)
-        sessions = _SessionMaker(folder, plan, device_id, threads, say)
+        sessions = _SessionMaker(folder, plan, device_id, threads, say, capture_cache)
         for entry in plan.sessions:
             if not entry.lazy:
                 sessions.make(entry)
@@ -272,6 +280,7 @@ class Pipeline:
         pipe.launch_timing = launch_timing
         pipe.static_text, pipe._open_once = plan.static_text, sessions.text_encoder
         pipe.status = say
+        pipe._device_loops = CaptureCache(capture_cache)
         say.done()
         return pipe
 
@@ -361,7 +370,7 @@ class Pipeline:
         zeros = negative_prompt is None and self.folder.force_zeros_for_empty_prompt
         texts = [prompt] if zeros else [negative_prompt or "", prompt]
         parts, pooled = [], None
-        for encoder, tokenizer in (("text_encoder", "tokenizer"), ("text_encoder_2", "tokenizer_2")):
+        for encoder, tokenizer in zip(self.folder.text_encoders, _tokenizers_of(self.folder)):  # refiner: the 2nd alone
             session = self.text_session(encoder, len(texts))
             pooled_name = ["text_embeds"] if encoder == "text_encoder_2" else []
             out = _run_outputs(session, self._token_ids(tokenizer, texts), [_penultimate_name(session), *pooled_name])
@@ -435,7 +444,7 @@ class Pipeline:
             timings["vae_encode_s"] = time.perf_counter() - t0
         controlnet = self._controlnet_inputs(cond, controls, controlnet_scale, timings, num_images) if controls else None
         latents = self._denoise(scheduler, sched, steps, initial, cond, controlnet, guidance, reused, progress, timings,
-                                first, extra)
+                                first, extra, generator)
         every = self._decode(latents, guidance, timings)
         timings["total_s"] = time.perf_counter() - start
         # what no stage holds: the scheduler's set-up, the initial noise, the writes into bound buffers
@@ -467,8 +476,7 @@ class Pipeline:
         outputs (SDXL: with its time ids). A batch concatenates these (onnxopt.pipeline.batch)."""
         cond = self.encode_prompt(prompt, negative_prompt, max_sequence_length)
         if self.folder.kind == "sdxl":
-            time_ids = np.asarray([[height, width, 0, 0, height, width]], np.float32)  # original, crop (0,0), target
-            cond["time_ids"] = np.concatenate([time_ids, time_ids])
+            cond["time_ids"] = sdxl_time_ids(self.folder, height, width)
         return cond
 
     def _step_conditioning(self, cond: dict) -> dict:
@@ -520,10 +528,12 @@ class Pipeline:
         return controlnet
 
     def _denoise(self, name: str, sched, steps: int, initial, cond, controlnet, guidance: float, reused, progress: bool,
-                 timings: dict, start: int | None = None, extra=None) -> np.ndarray:
+                 timings: dict, start: int | None = None, extra=None, generator=None) -> np.ndarray:
         """The denoising loop from the ``initial`` latents: the fused step when the pipeline has one and
         the scheduler is affine, else diffusers' loop. ``start``: the index of the first timestep
-        (img2img; None: text to image); ``extra``: the inpainting UNet's mask and masked-image channels."""
+        (img2img; None: text to image); ``extra``: the inpainting UNet's mask and masked-image channels.
+        ``generator``: the image's, which a scheduler that adds noise at each step (Euler ancestral,
+        LCM) draws from after the initial latents, as diffusers' does."""
         from onnxopt.pipeline.schedulers import SchedulerError, _set_timesteps
 
         # diffusers' do_classifier_free_guidance is guidance > 1: below, one UNet row of the prompt alone.
@@ -548,11 +558,12 @@ class Pipeline:
                 from onnxopt.pipeline.step_graph import INPAINT_INPUT
 
                 cond = dict(cond, **{INPAINT_INPUT: extra})
-            latents = self._fused_loop(plan, initial, cond, controlnet, guidance if cfg else 1.0, reused, bar, timings)
+            latents = self._fused_loop(plan, initial, cond, controlnet, guidance if cfg else 1.0, reused, bar, timings,
+                                       generator)
         else:
             step_times: list = []
             latents = self._unfused_loop(sched, steps, initial, cond, controlnet, guidance if cfg else None, step_times,
-                                         bar, self.folder.kind, reused, start, extra)
+                                         bar, self.folder.kind, reused, start, extra, generator)
             timings["first_step_s"] = step_times[0]
             computed = [t for k, t in enumerate(step_times) if k and k not in reused]
             timings["step_mean_s"] = float(np.mean(computed)) if computed else step_times[0]
@@ -562,10 +573,11 @@ class Pipeline:
         bar.close()
         return latents
 
-    def _fused_loop(self, plan, initial, cond, controlnet, step_guidance: float, reused, bar, timings: dict) -> np.ndarray:
+    def _fused_loop(self, plan, initial, cond, controlnet, step_guidance: float, reused, bar, timings: dict,
+                    generator=None) -> np.ndarray:
         """The step graph's loop from the ``initial`` latents on the step plan's coefficient table
         (from the run's first timestep: img2img's starts mid-way); the first step (with its graph
-        capture) timed apart."""
+        capture) timed apart. A step that draws noise gets it in its ``state`` input."""
         latents = initial.numpy()
         static, step_controlnet = cond, controlnet
         if self.merged_step and controlnet is not None:  # the ControlNets' inputs are the step graph's
@@ -576,16 +588,21 @@ class Pipeline:
                 static.update(interface_feeds(feeds, k))
         loop = self._step_loop(latents, static, step_controlnet, len(plan))
         loop.start(plan, latents, static, step_guidance, step_controlnet)
+        step_noise = functools.partial(_step_noise, plan, latents.shape, generator)
+        step_noise(0, loop)
         t1 = time.perf_counter()
         loop.step()  # the first step alone: it includes the graph capture
         timings["first_step_s"] = time.perf_counter() - t1
         bar.update()
         computed, reused_times = [], []
         for k in range(1, len(plan)):
+            step_noise(k, loop)
             t1 = time.perf_counter()
             loop.step(reuse=k in reused)
             (reused_times if k in reused else computed).append(time.perf_counter() - t1)
             bar.update()
+        if self.io_binding:  # the bound-buffer loop: per shape, captured with CUDA graphs
+            timings["capture"] = self._capture_timings(timings["first_step_s"], computed, 1 in reused)
         timings["step_mean_s"] = float(np.mean(computed)) if computed else timings["first_step_s"]
         timings["steps_s"] = timings["first_step_s"] + float(np.sum(computed)) + float(np.sum(reused_times))
         if reused_times:
@@ -595,6 +612,17 @@ class Pipeline:
             timings["step_launch_mean_s"] = float(np.mean(launches))
         timings["steps"] = len(plan)
         return loop.latents().astype(np.float32)
+
+    def _capture_timings(self, first: float, computed: list, second_reused: bool) -> dict:
+        """What the step loop's cache did for this image: ``new_shape`` (its buffers were made and, with
+        CUDA graphs, its two graphs captured on its first two steps), ``capture_s`` (those two steps
+        over two later ones: the capture's cost; None without a third computed step) and the cache's
+        counts (:meth:`~onnxopt.pipeline.capture_cache.CaptureCache.stats`)."""
+        capture_s = None
+        if self._new_shape and not second_reused and len(computed) >= 2:
+            capture_s = first + computed[0] - 2 * float(np.median(computed[1:]))
+        return {"new_shape": self._new_shape, "cuda_graph": self.cuda_graph, "capture_s": capture_s,
+                **self._device_loops.stats()}
 
     def _decode(self, latents: np.ndarray, guidance: float, timings: dict) -> np.ndarray:
         """The VAE stage, split so a slow one shows which part is slow: the decoder's run (latents in,
@@ -681,9 +709,10 @@ class Pipeline:
         # diffusers' schedulers take at most num_train_timesteps steps: one table size serves every run
         capacity = max(steps, self.folder.scheduler_config().get("num_train_timesteps", 1000))
         key = DeviceStepLoop.key(latents, cond, controlnet, capacity)
-        if key not in self._device_loops:
-            n = len(self._device_loops)
-            where = dict(cuda_graph=self.cuda_graph, graph_ids=(2 * n, 2 * n + 1), device_id=self.device_id,
+        loop = self._device_loops.lookup(key)
+        self._new_shape = loop is None
+        if loop is None:  # graph ids never given before: an evicted shape's ids still replay its capture
+            where = dict(cuda_graph=self.cuda_graph, graph_ids=self._device_loops.graph_ids(2), device_id=self.device_id,
                          device="cpu" if self.provider == "cpu" else "cuda")
             if down is not None:
                 loop = TwoStreamStepLoop(require_provider(self.provider), down, step, controlnet_session,
@@ -693,8 +722,8 @@ class Pipeline:
                                       self.sessions.get("controlnet_prepare"), self.sessions["reuse"],
                                       launch_timing=self.launch_timing, **where)
             loop.bind(latents, cond, capacity, controlnet)
-            self._device_loops[key] = loop
-        return self._device_loops[key]
+            self._device_loops.insert(key, loop)
+        return loop
 
     def _unet_session(self):
         """The UNet's own session: made at load for the unfused loop; on first use when a fused
@@ -708,15 +737,17 @@ class Pipeline:
         return self.sessions[name]
 
     def _unfused_loop(self, sched, steps, initial, cond, controlnet, guidance, step_times, bar, kind, reused=frozenset(),
-                      start: int | None = None, extra=None):
+                      start: int | None = None, extra=None, generator=None):
         """diffusers' loop from the ``initial`` latents and the timestep at ``start`` (None: text to
         image): UNet session, guidance in numpy (``guidance`` None: no guidance, the prompt's own
         output), diffusers' scale_model_input and step (at a ``reused`` step: diffusers' step on the
         last computed guided output, no UNet); ``extra``: the inpainting channels the UNet reads
-        after the latents."""
-        from onnxopt.pipeline.schedulers import _scale_model_input, _set_timesteps
+        after the latents. ``generator``: the image's, for a step that draws noise.
+        """
+        from onnxopt.pipeline.schedulers import _scale_model_input, _set_timesteps, step_extra_kwargs
 
         torch = _torch()
+        step_kwargs = step_extra_kwargs(sched, generator)  # diffusers' prepare_extra_step_kwargs (eta 0)
         _set_timesteps(sched, steps, self._timestep_kwargs(sched, steps))
         if (start is not None or kind == "sdxl") and hasattr(sched, "set_begin_index"):
             sched.set_begin_index(start or 0)
@@ -727,7 +758,7 @@ class Pipeline:
         for k, t in enumerate(sched.timesteps[start or 0:]):
             t1 = time.perf_counter()
             if k in reused:
-                latents = sched.step(torch.from_numpy(eps), t, latents, return_dict=False)[0]
+                latents = sched.step(torch.from_numpy(eps), t, latents, return_dict=False, **step_kwargs)[0]
                 step_times.append(time.perf_counter() - t1)
                 bar.update()
                 continue
@@ -744,10 +775,22 @@ class Pipeline:
             eps2 = run_host(unet, feeds)[denoiser.output].astype(np.float32)
             eps_u, eps_c = eps2[: len(eps2) // 2], eps2[len(eps2) // 2:]
             eps = eps_c if guidance is None else eps_u + np.float32(guidance) * (eps_c - eps_u)
-            latents = sched.step(torch.from_numpy(eps), t, latents, return_dict=False)[0]
+            latents = sched.step(torch.from_numpy(eps), t, latents, return_dict=False, **step_kwargs)[0]
             step_times.append(time.perf_counter() - t1)
             bar.update()
         return latents.numpy()
+
+
+def _step_noise(plan, shape, generator, k: int, loop) -> None:
+    """Step k's noise into the loop's ``state`` input when the plan's step k draws it (the order and
+    shape of diffusers' ``randn_tensor(model_output.shape, generator=...)`` in the scheduler's step)."""
+    if plan.draws_noise(k):
+        if generator is None:
+            raise OnnxoptError("a scheduler that draws noise at each step needs the image's generator")
+        from diffusers.utils.torch_utils import randn_tensor
+
+        torch = _torch()
+        loop.write_state(randn_tensor(shape, generator=generator, dtype=torch.float32).numpy())
 
 
 @clears_status
@@ -881,6 +924,8 @@ def check_model_configs(folder: PipelineFolder) -> None:
     if folder.kind != "sdxl" and folder.config("text_encoder").get("use_attention_mask"):
         raise GenerationError(f"{folder.root / 'text_encoder' / 'config.json'}: use_attention_mask is set: diffusers "
                               "then feeds the tokenizer's attention mask to the text encoder, which onnxopt does not")
+    if folder.kind == "sdxl":
+        check_time_ids(folder)
     vae = folder.config("vae_decoder")
     if folder.kind == "sdxl" and vae.get("latents_mean") is not None and vae.get("latents_std") is not None:
         for key in ("latents_mean", "latents_std"):  # StableDiffusionXLPipeline: .view(1, 4, 1, 1)
@@ -935,6 +980,35 @@ def _finite_float32(value) -> bool:
     return math.isfinite(value) and abs(value) <= float(np.finfo(np.float32).max)
 
 
+# StableDiffusionXLImg2ImgPipeline.__call__'s defaults: the refiner's aesthetic score conditioning
+AESTHETIC_SCORE, NEGATIVE_AESTHETIC_SCORE = 6.0, 2.5
+
+
+def sdxl_time_ids(folder: PipelineFolder, height: int, width: int) -> np.ndarray:
+    """SDXL's micro-conditioning, the negative row first (diffusers' ``_get_add_time_ids``): original
+    size, crop (0, 0), then the target size, or with ``requires_aesthetics_score`` (the refiner) the
+    aesthetic score (6.0; the negative row 2.5)."""
+    if folder.requires_aesthetics_score:
+        return np.asarray([[height, width, 0, 0, NEGATIVE_AESTHETIC_SCORE], [height, width, 0, 0, AESTHETIC_SCORE]],
+                          np.float32)
+    return np.asarray([[height, width, 0, 0, height, width]] * 2, np.float32)
+
+
+def check_time_ids(folder: PipelineFolder) -> None:
+    """The UNet's added-conditioning width must take the time ids the folder's pipeline makes (5 with
+    aesthetic scores, else 6): diffusers refuses the mismatch mid-call; here a one-line GenerationError."""
+    unet, pooled = folder.config("unet"), folder.config("text_encoder_2").get("projection_dim")
+    total, each = unet.get("projection_class_embeddings_input_dim"), unet.get("addition_time_embed_dim")
+    if not all(isinstance(v, int) and v > 0 for v in (total, each, pooled)) or (total - pooled) % each:
+        return  # not enough config to tell: the graph's own shapes decide
+    takes, makes = (total - pooled) // each, 5 if folder.requires_aesthetics_score else 6
+    if takes != makes:
+        score = "sets" if folder.requires_aesthetics_score else "does not set"
+        raise GenerationError(f"{folder.root}: the UNet takes {takes} time ids but model_index.json {score} "
+                              f"requires_aesthetics_score, which makes {makes} (a refiner's UNet takes 5: original "
+                              "size, crop, aesthetic score)")
+
+
 def check_interface(session, where, what: str, inputs: list[str], outputs: list[str]) -> None:
     """The inputs and outputs the pipeline feeds and reads, or a one-line GenerationError naming the
     graph (another component's model.onnx in its place was a KeyError or ORT's ValueError: exit 3)."""
@@ -970,10 +1044,9 @@ def reuse_steps(reuse, steps: int) -> frozenset:
 
 
 def _tokenizers_of(folder: PipelineFolder) -> tuple[str, ...]:
-    """The tokenizers a generation reads: the family's, and those of the optional encoders present."""
-    family = folder.family
-    optional = tuple(TOKENIZER_OF[e] for e in family.optional if e in TOKENIZER_OF and folder.has(e))
-    return (*family.tokenizers, *optional)
+    """The tokenizer of each text encoder the folder's pipeline runs (the SDXL refiner: tokenizer_2
+    alone; SD3's third only with its T5 encoder)."""
+    return tuple(TOKENIZER_OF[encoder] for encoder in folder.text_encoders)
 
 
 MAX_SEQUENCE_LENGTH = 512  # diffusers' StableDiffusion3Pipeline and FluxPipeline refuse a longer T5 prompt
@@ -999,8 +1072,9 @@ class _SessionMaker:
     """The sessions of a plan's entries (:meth:`Pipeline.from_plan`), by what each binds."""
 
     def __init__(self, folder: PipelineFolder, plan: GenerationPlan, device_id: int, threads: int | None,
-                 say: StartupStatus):
+                 say: StartupStatus, capture_cache: int = DEFAULT_SIZE):
         self.folder, self.plan, self.device_id, self.threads, self.say = folder, plan, device_id, threads, say
+        self.capture_cache = CaptureCache(capture_cache).size  # checked before any session exists
         self.io_binding, self.requested = plan.io_binding, plan.capture
         self.capture = plan.capture  # the step session's outcome, once it is made
         self.sessions: dict = {}
@@ -1031,7 +1105,7 @@ class _SessionMaker:
         session, capturing = self.captured(component, model, capture=capture)
         provider = self.plan.provider
         return BoundSession(require_provider(provider), session, device="cpu" if provider == "cpu" else "cuda",
-                            device_id=self.device_id, cuda_graph=capturing)
+                            device_id=self.device_id, cuda_graph=capturing, capture_cache=self.capture_cache)
 
     def text_encoder(self, name: str, model=None):
         """A text encoder, made on first use, asking for capture as the plan does."""
