@@ -128,11 +128,13 @@ QK_NORMS = {"flux-double": 4, "flux-single": 2}  # norm_q, norm_k (+ the text st
 @pytest.mark.parametrize("case", BF16_CASES)
 def test_a_bfloat16_flux_attention_fuses_as_its_float32_export_does(tmp_path, case):
     """Rotary (in float32, between the export's Casts: ORT's bfloat16 kernel would round in
-    bfloat16), the QK RMSNorms and the attention all fuse, within bfloat16's rounding of the source."""
+    bfloat16), the QK RMSNorms and the attention all fuse, within bfloat16's rounding of the source:
+    two units in the last place of the output's largest value (flux-single's outputs reach ~300, where
+    the source itself, rounding its attention scores to bfloat16, is 2.3 from torch's float32)."""
     pytest.importorskip("torch")
     pytest.importorskip("diffusers")
     from onnxopt.verify import BFLOAT16_TOLERANCE
-    from tests.dit_attention_modules import export_module
+    from tests.dit_attention_modules import BUILDERS, export_module
 
     name, exporter, shapes, opset = case
     path = tmp_path / f"{name}.onnx"
@@ -144,7 +146,9 @@ def test_a_bfloat16_flux_attention_fuses_as_its_float32_export_does(tmp_path, ca
     assert len(rotaries) == ROTARY[name] and all(numpy_dtype(n.inputs[0].dtype) == np.float32 for n in rotaries)
     assert result_of(report, "fuse-rotary-embedding").details["in_float32"] == ROTARY[name]
     assert counts["SimplifiedLayerNormalization"] == QK_NORMS[name] and counts["Pow"] == 0, counts
-    assert_same_computation(path, model, atol=BFLOAT16_TOLERANCE.atol, rtol=BFLOAT16_TOLERANCE.rtol)
+    largest = max(float(np.abs(y).max()) for y in _torch_outputs(BUILDERS[name]()))
+    atol = max(BFLOAT16_TOLERANCE.atol, 2 * largest * 2.0 ** -8)  # bfloat16 keeps 8 significant bits
+    assert_same_computation(path, model, atol=atol, rtol=BFLOAT16_TOLERANCE.rtol)
 
 
 # ---------------------------------------------------------------- lookalikes (hand-built torch modules)
