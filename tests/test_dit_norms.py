@@ -152,7 +152,7 @@ def test_the_dit_pieces_exported_in_bfloat16_fuse_as_in_float32(dit_export, expo
     ops = op_counts(model)
     assert (ops["SimplifiedLayerNormalization"], ops["SkipSimplifiedLayerNormalization"], ops["FastGelu"]) == (2, 2, 2), ops
     assert not {"Pow", "ReduceMean", "Sqrt", "Reciprocal", "RMSNormalization", "Tanh", "Gelu"} & set(ops), ops
-    assert ops["SkipLayerNormalization"] == 2, ops  # both AdaLN LayerNorms on the faster kernel, as in float32
+    assert ops["LayerNormalization"] == 2, ops  # both AdaLN LayerNorms, modulation folded, as in float32
     for node in model.graph.nodes:
         if node.op in ("SimplifiedLayerNormalization", "SkipSimplifiedLayerNormalization", "FastGelu"):
             assert numpy_dtype(node.inputs[0].dtype) == BFLOAT16, (node.name, node.inputs[0].dtype)
