@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
+import ml_dtypes
 import numpy as np
 import onnx
 from onnx import external_data_helper, helper
@@ -39,6 +40,9 @@ MAP_FROM_BYTES = 1 << 20
 
 def onnx_dtype_to_numpy(data_type: int) -> np.dtype:
     return np.dtype(helper.tensor_dtype_to_np_dtype(data_type))
+
+
+BFLOAT16 = np.dtype(ml_dtypes.bfloat16)  # NumPy's view of ONNX's bfloat16 (ONNX's own ml_dtypes type)
 
 
 def numpy_dtype(dtype) -> np.dtype:

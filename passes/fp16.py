@@ -70,6 +70,7 @@ from onnxopt.fp16_hazards import (
     periodic_arguments,
     uses,
 )
+from onnxopt.domains import MS_DOMAIN
 from onnxopt.fusion import Emit, NameAuthority
 from onnxopt.model import SKELETON_THRESHOLD_BYTES, Model
 from onnxopt.pass_infra import CONSTANTS_FOLDED, SHAPES_INFERRED, Pass, PassResult
@@ -189,6 +190,8 @@ class Fp16Pass(Pass):
                 keep(node, "schema", reason)
             elif node.op in self.kernel_gaps and node.domain in ("", "ai.onnx", None):
                 keep(node, "kernel", self.kernel_gaps[node.op])
+            elif (reason := _contrib_kernel_gap(node, versions, is_f32, self.low)) is not None:
+                keep(node, "kernel", reason)
 
         hazards = constant_hazards(graph, self.low, is_f32)
         for node, reason in hazards.fp32.values():
@@ -276,6 +279,20 @@ def _structural_refusal(node: gs.Node, versions: dict[str, int], is_f32) -> str 
     if "dtype" in sig.attributes and node.op != "Cast":
         return "its output type is set by its 'dtype' attribute"
     return None
+
+
+def _contrib_kernel_gap(node: gs.Node, versions: dict[str, int], is_f32, low: LowPrecision) -> str | None:
+    """Why a fused com.microsoft op computes in float32: its data input's type admits no ``low``.
+    ONNX Runtime 1.31's schemas and CUDA kernels agree on this for the ops the fusions write
+    (GroupNorm, SkipGroupNorm, BiasSplitGelu, BiasAdd and NhwcConv take no bfloat16:
+    docs/bf16-kernels.md); the typing would keep them float32 anyway, this says so in the report."""
+    if node.domain != MS_DOMAIN or not node.inputs or not is_f32(node.inputs[0]):
+        return None
+    sig = signature(node, versions)
+    param = sig.input_param(0) if sig is not None else None
+    if param is None or sig.is_fixed(param) or sig.allows(param, low.type_str):
+        return None
+    return f"ONNX Runtime has no {low.name} kernel for com.microsoft {node.op} (it takes {', '.join(sorted(sig.allowed[param]))})"
 
 
 def _sensitive_nodes(nodes: list[gs.Node], errors: dict[str, float], threshold: float) -> list[tuple[gs.Node, str]]:
