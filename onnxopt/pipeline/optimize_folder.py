@@ -371,7 +371,7 @@ def _optimize_component(component: PipelineComponent, out_dir: Path, src: Path, 
     notes += _refusal_notes(report)
     data_name = _data_name(component)
     info = save_model(model, out_dir / MODEL_FILE, external_data=True if data_name else None,
-                      data_location=data_name)
+                      data_location=data_name, weight_map=True)
     written = info.data_path.name if info.data_path else None
     return ComponentReport(name, passes, precision, report, info.weights_nbytes, time.perf_counter() - start,
                            written, notes)
