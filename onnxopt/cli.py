@@ -246,6 +246,9 @@ def _add_generate_parser(sub) -> None:
                      help="ControlNet conditioning scale: one for all, or one per ControlNet")
     gen.add_argument("--reuse", metavar="STEPS", help="opt-in approximation: these 0-based steps reuse the previous step's "
                      "prediction instead of running the UNet, e.g. 30-49:2 (onnxopt.pipeline.step_reuse)")
+    gen.add_argument("--lora", action="append", default=[], metavar="FILE[:SCALE]",
+                     help="a LoRA (.safetensors, diffusers/peft or kohya format) on the UNet and text encoders, its "
+                          "scale after the last colon (default 1.0); repeatable")
     gen.add_argument("--provider", choices=["cpu", "cuda", "tensorrt"], default="cpu", help="where the graphs run")
     gen.add_argument("--no-cuda-graph", dest="cuda_graph", action="store_false", help="cuda/tensorrt: do not capture the step")
     gen.add_argument("--unfused", dest="fused_step", action="store_false", help="UNet + diffusers' scheduler.step (no fused step graph)")
@@ -291,14 +294,17 @@ def cmd_generate(args) -> int:
         images.check_image(image)  # not an image, or a decompression bomb: before any session exists
     if args.json and Path(os.path.realpath(args.json)) == Path(os.path.realpath(args.output)):  # the timings replaced the PNG
         raise OnnxoptError(f"{args.json}: --json is the image -o writes; give another path")
-    outputs = Outputs(Inputs().folder(folder.root).files(*(args.controlnet_image or ())))
+    from onnxopt.lora import parse_lora_argument
+
+    loras = [parse_lora_argument(spec)[0] for spec in args.lora]
+    outputs = Outputs(Inputs().folder(folder.root).files(*(args.controlnet_image or ()), *loras))
     outputs.file(args.output, "-o")  # an input's name, whatever its suffix, says so first
     image_format = images.image_format(args.output)  # a suffix Pillow cannot write is refused before the work
     if args.json:
         outputs.file(args.json, "--json")
     with contextlib.nullcontext() if args.debug else quiet_sessions():  # ORT's errors come back as one line
         pipe = Pipeline.load(folder, args.provider, fused_step=args.fused_step and fusable(args.scheduler),
-                             cuda_graph=args.cuda_graph, status=False if args.quiet else None)
+                             cuda_graph=args.cuda_graph, status=False if args.quiet else None, loras=args.lora)
         result = pipe(args.prompt, negative_prompt=args.negative_prompt, steps=args.steps, guidance=args.guidance,
                       scheduler=args.scheduler, seed=args.seed, height=args.height, width=args.width,
                       controlnet_image=args.controlnet_image, controlnet_scale=args.controlnet_scale,
