@@ -230,6 +230,24 @@ def carry(delta: np.ndarray, ops: list) -> np.ndarray:
     return delta
 
 
+def carried_shape(shape, ops: list) -> tuple | None:
+    """The shape :func:`carry` gives a delta of ``shape``, or None where the ops do not apply to it."""
+    shape = tuple(int(d) for d in shape)
+    for op in ops:
+        kind = op[0]
+        if kind == "transpose" and sorted(op[1]) == list(range(len(shape))):
+            shape = tuple(shape[p] for p in op[1])
+        elif kind == "reshape" and int(np.prod(op[1])) == int(np.prod(shape)) and min(op[1], default=0) >= 0:
+            shape = tuple(op[1])
+        elif kind == "slice" and len(op[1]) == len(shape) and all(0 <= s <= e <= d for s, e, d in zip(op[1], op[2], shape)):
+            shape = tuple(e - s for s, e in zip(op[1], op[2]))
+        elif kind == "place" and len(op[1]) == len(shape) and all(s + n <= d for s, n, d in zip(op[2], shape, op[1])):
+            shape = tuple(op[1])
+        else:
+            return None
+    return shape
+
+
 def parameter_module(name: str) -> str:
     """``a.b.to_q.weight`` -> ``a.b.to_q``."""
     return re.sub(r"\.weight$", "", name)

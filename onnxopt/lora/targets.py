@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from onnxopt.lora.files import LoraError, LoraFile, LoraModule
-from onnxopt.weight_provenance import carry, file_sources, parameter_module
+from onnxopt.weight_provenance import carried_shape, carry, file_sources, parameter_module
 
 
 def graph_sources(proto, map_file: Path | None) -> dict[str, list]:
@@ -83,6 +83,13 @@ class LoraSet:
         for k, lora in enumerate(self.loras):
             for module in lora.modules:
                 self.changes.setdefault((module.component, self._parameter(lora, module)), []).append((k, module))
+        for component, graphs in self.graphs.items():  # every delta fits where it lands, before any session
+            for proto, map_file in graphs:
+                dims = {t.name: tuple(t.dims) for t in proto.graph.initializer}
+                for name, parts in graph_sources(proto, map_file).items():
+                    for parameter, ops in parts:
+                        for k, module in self.changes.get((component, parameter), []):
+                            _check_fits(module, ops, dims.get(name), self.loras[k].path)
 
     def _parameters(self, component: str) -> set[str]:
         return self._known.get(component, set())
@@ -118,16 +125,16 @@ class LoraSet:
         return found
 
 
+def _check_fits(module: LoraModule, ops: list, dims: tuple | None, path: Path) -> None:
+    shape = (module.up.shape[0], *module.down.shape[1:])
+    if dims is None or carried_shape(shape, ops) != tuple(dims):
+        raise LoraError(f"{path}: {module.component}.{module.module}: its delta {list(shape)} does not fit the "
+                        f"weight it changes ({list(dims or ())} in the graph)")
+
+
 def _carried(module: LoraModule, ops: list, dims: tuple, path: Path) -> np.ndarray:
-    delta = module.delta()
-    try:
-        part = carry(delta, ops)
-    except ValueError:  # a reshape the delta's size does not allow
-        part = None
-    if part is None or part.shape != dims:
-        raise LoraError(f"{path}: {module.component}.{module.module}: its delta {list(delta.shape)} does not fit the "
-                        f"weight it changes ({list(dims)} in the graph)")
-    return part.astype(np.float32)
+    _check_fits(module, ops, dims, path)
+    return carry(module.delta(), ops).astype(np.float32)
 
 
 __all__ = ["LoraSet", "Target", "module_matches"]
