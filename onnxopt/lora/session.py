@@ -8,7 +8,9 @@ Each graph file's initializers that some LoRA changes become graph inputs (the m
 memory, its other weights still read from its external data files). Their values live in buffers
 this module owns, one per weight and session: on the CUDA EP device memory (an OrtValue), on the
 CPU an array. ``set_scales`` computes ``W + sum_l scale_l * delta_l`` for each and writes it into the
-same buffer (``OrtValue.update_inplace``).
+same buffer: a small graph of its own (:func:`update_graph`) on the same device, its inputs the
+base weights and each LoRA's delta (uploaded once), its outputs bound to those buffers, so a swap
+moves ``len(scales)`` floats to the device and runs one memory-bound graph.
 
 Why inputs and not initializers: ONNX Runtime offers no way to change an initializer once a session
 exists. ``SessionOptions.add_initializer`` / ``add_external_initializers`` take a value only at
@@ -16,8 +18,7 @@ session creation, and the CUDA EP copies initializers to the device then (so a l
 host buffer is not seen; the CPU EP may also prepack MatMul weights). A captured CUDA graph replays
 the device addresses it was captured with, and a bound input keeps its address whatever is copied
 into it: the same mechanism the step loop's latents use (:mod:`onnxopt.pipeline.sessions`). So a
-scale or LoRA change is one host computation and one copy into each buffer; the captured graphs
-replay with the new weights.
+scale or LoRA change rewrites the buffers in place; the captured graphs replay with the new weights.
 
 The wrapper binds its weights into every IO binding it hands out (``io_binding``), adds them to the
 feeds of a plain ``run``, and hides them from ``get_inputs``: the runner's sessions, bound-buffer
@@ -49,13 +50,69 @@ def weights_as_inputs(proto: onnx.ModelProto, names: set[str]) -> bytes:
     return model.SerializeToString()
 
 
-class WeightInputs:
-    """``session`` with the LoRA-touched weights fed from buffers of its own (see the module docstring)."""
+def update_graph(targets: dict[str, Target], loras: int) -> bytes:
+    """The graph that writes every changed weight where the session reads it::
 
-    def __init__(self, ort, session, targets: dict[str, Target], scales: list[float], device: str, device_id: int):
+        W'_t = Cast(Cast(base_t, float32) + sum_l scales[l] * Cast(delta_lt, float32), dtype of W_t)
+
+    inputs ``lora_scales`` [loras] and, per weight t, ``base_t`` and ``delta_l_t`` (each LoRA that
+    changes it), outputs ``t``: all bound to buffers that stay put, so a new scale is one copy of
+    ``loras`` floats and one run, on the device where the weights live."""
+    import onnx_graphsurgeon as gs
+
+    from onnxopt.fusion import Emit, NameAuthority
+    from onnxopt.pipeline.sessions import serialized_graph
+
+    graph = gs.Graph(name="lora_update", opset=17)
+    make = Emit(graph, NameAuthority(graph), "lora")
+    scales = make.variable("lora_scales", np.float32, [loras], exact=True)
+    inputs, outputs = [scales], []
+    for k, (name, target) in enumerate(targets.items()):
+        dtype, shape = target.base.dtype, list(target.base.shape)
+        to_weight = onnx.helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
+        base = make.variable(f"base_{k}", dtype, shape, exact=True)
+        inputs.append(base)
+        total = make.op.Cast(base, to=onnx.TensorProto.FLOAT, _dtype=np.float32)
+        for lora, delta in enumerate(target.deltas):
+            if delta is None:
+                continue
+            part = make.variable(f"delta_{lora}_{k}", dtype, shape, exact=True)
+            inputs.append(part)
+            scale = make.op.Gather(scales, make.constant(f"index{lora}", np.array([lora], np.int64)), axis=0, _shape=[1])
+            total = make.op.Add(total, make.op.Mul(make.op.Cast(part, to=onnx.TensorProto.FLOAT, _dtype=np.float32), scale))
+        outputs.append(make.variable(name, dtype, shape, exact=True))
+        make.op.Cast(total, to=to_weight, _outputs=[outputs[-1]])
+    make.into(graph)
+    graph.inputs, graph.outputs = inputs, outputs
+    return serialized_graph(graph)
+
+
+class WeightInputs:
+    """``session`` with the LoRA-touched weights fed from buffers of its own (see the module
+    docstring), rewritten in place by a small update graph on the same device."""
+
+    def __init__(self, ort, session, targets: dict[str, Target], scales: list[float], device: str, device_id: int,
+                 make_update):
         self.session, self.targets = session, targets
-        self.host = {name: t.value(scales) for name, t in targets.items()}
-        self.buffers = {name: ort.OrtValue.ortvalue_from_numpy(value, device, device_id) for name, value in self.host.items()}
+
+        def on_device(value):
+            return ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(value), device, device_id)
+
+        self.buffers = {name: ort.OrtValue.ortvalue_from_shape_and_type(list(t.base.shape), t.base.dtype, device, device_id)
+                        for name, t in targets.items()}
+        self.scales = on_device(np.asarray(scales, np.float32))
+        self.update = make_update(update_graph(targets, len(scales)))
+        self.binding = self.update.io_binding()
+        self.binding.bind_ortvalue_input("lora_scales", self.scales)
+        self._keep = []  # the update graph's inputs: they must live as long as the binding
+        for k, (name, target) in enumerate(targets.items()):
+            values = [(f"base_{k}", target.base)] + [(f"delta_{lora}_{k}", delta.astype(target.base.dtype))
+                                                     for lora, delta in enumerate(target.deltas) if delta is not None]
+            for input_name, value in values:
+                self._keep.append(on_device(value))
+                self.binding.bind_ortvalue_input(input_name, self._keep[-1])
+            self.binding.bind_ortvalue_output(name, self.buffers[name])
+        self.set_scales(scales)
 
     def __getattr__(self, name):  # run_with_iobinding, get_outputs, ... of the session
         return getattr(self.session, name)
@@ -70,13 +127,13 @@ class WeightInputs:
         return binding
 
     def run(self, output_names, feeds, run_options=None):
-        return self.session.run(output_names, {**feeds, **self.host}, run_options)
+        """A plain run (host feeds): the weights as host arrays (copied from their buffers)."""
+        weights = {name: value.numpy() for name, value in self.buffers.items()}
+        return self.session.run(output_names, {**feeds, **weights}, run_options)
 
     def set_scales(self, scales: list[float]) -> None:
-        for name, target in self.targets.items():
-            value = target.value(scales)
-            self.buffers[name].update_inplace(value)
-            self.host[name] = value
+        self.scales.update_inplace(np.asarray(scales, np.float32))
+        self.update.run_with_iobinding(self.binding)
 
 
 class LoraWeights:
@@ -105,7 +162,8 @@ class LoraWeights:
 
         session = make(weights_as_inputs(proto, set(targets)), external_data_folder=base_dir)
         wrapped = WeightInputs(import_onnxruntime(), session, targets, self.loras.scales,
-                               "cpu" if self.provider == "cpu" else "cuda", self.device_id)
+                               "cpu" if self.provider == "cpu" else "cuda", self.device_id,
+                               lambda graph: make(graph, cuda_graph=False))
         self.sessions.append(wrapped)
         return wrapped
 
