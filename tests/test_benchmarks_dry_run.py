@@ -49,3 +49,17 @@ def test_the_table_compares_each_row_with_torch_compile_and_lists_the_kernel_fam
     assert "RuntimeError: boom" in text
     assert "| torch.compile(reduce-overhead, fullgraph) bf16 | 50.00 | 1.00x |" in text
     assert "| onnxopt ort-cuda fp16 | 50.00 | 30.00 | 15.00 | 0.00 | 5.00 |" in text
+
+
+def test_the_lora_swap_benchmark_dry_run_keeps_its_sessions(tmp_path, capsys):
+    """benchmarks/lora_swap_gpu.py --dry-run on the committed tiny SD 1.5 folder: every step once, and
+    its checks hold (sessions kept across swaps, a swap changes the image, the first scales give the
+    first image back)."""
+    pytest.importorskip("peft", reason="the benchmark's LoRAs are made with peft")
+    from benchmarks.lora_swap_gpu import main
+
+    out = tmp_path / "lora.json"
+    assert main(["--kind", "sd15", "--dry-run", "--work", str(tmp_path), "--out", str(out)]) == 0
+    result = __import__("json").loads(out.read_text())
+    assert result["weights_touched"] > 0 and result["swap_ms"]["runs"] == 3
+    assert "| swap median ms |" in capsys.readouterr().out

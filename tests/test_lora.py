@@ -23,7 +23,6 @@ Tolerances are those of tests/test_pipeline_generate.py (fp32 on both sides, ker
 
 from __future__ import annotations
 
-import json
 import struct
 from pathlib import Path
 
@@ -55,57 +54,15 @@ def _torch_pipeline():
     return pipe
 
 
-def make_lora(out_dir: Path, seed: int, unet_targets, text_targets, rank: int, alpha: int) -> Path:
-    """A LoRA with random (non-zero) A and B, written as diffusers' save_lora_weights writes it: peft
-    keys, the text encoder's with ``text_model.`` as files in the wild have them, peft's config as metadata."""
-    import torch
-    from diffusers import StableDiffusionPipeline
-    from peft import LoraConfig, inject_adapter_in_model
-    from peft.utils import get_peft_model_state_dict
-
-    torch.manual_seed(seed)
-    pipe = _torch_pipeline()
-    layers, metadata = {}, {}
-    for name, model, targets, prefix in (("unet", pipe.unet, unet_targets, ""),
-                                          ("text_encoder", pipe.text_encoder, text_targets, "text_model.")):
-        if not targets:
-            continue
-        config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, init_lora_weights=False)
-        inject_adapter_in_model(config, model)
-        layers[name] = {prefix + k: v for k, v in get_peft_model_state_dict(model).items()}
-        metadata[name] = config.to_dict()
-    StableDiffusionPipeline.save_lora_weights(
-        out_dir, unet_lora_layers=layers.get("unet"), text_encoder_lora_layers=layers.get("text_encoder"),
-        unet_lora_adapter_metadata=metadata.get("unet"), text_encoder_lora_adapter_metadata=metadata.get("text_encoder"))
-    return out_dir / "pytorch_lora_weights.safetensors"
-
-
-def as_kohya(peft_file: Path, out: Path) -> Path:
-    """The same LoRA in kohya's format: lora_unet_/lora_te_ names with underscores, lora_down/lora_up,
-    and each module's alpha as a tensor (kohya files carry no peft config)."""
-    from safetensors import safe_open
-    from safetensors.numpy import save_file
-
-    with safe_open(str(peft_file), framework="np") as f:
-        config = json.loads(f.metadata()["lora_adapter_metadata"])
-        tensors = {k: f.get_tensor(k) for k in f.keys()}
-    kohya = {}
-    for key, value in tensors.items():
-        component, rest = key.split(".", 1)
-        module, role = rest.rsplit(".lora_", 1)
-        name = ("lora_unet_" if component == "unet" else "lora_te_") + module.replace(".", "_")
-        kohya[f"{name}.{'lora_down' if role.startswith('A') else 'lora_up'}.weight"] = value
-        kohya[f"{name}.alpha"] = np.asarray(float(config[f"{component}.lora_alpha"]), np.float32)
-    save_file(kohya, str(out))
-    return out
-
-
 @pytest.fixture(scope="module")
 def loras(tmp_path_factory):
-    root = tmp_path_factory.mktemp("loras")
-    a = make_lora(root / "a", 1, UNET_TARGETS, TEXT_TARGETS, rank=4, alpha=8)
-    b = make_lora(root / "b", 2, ["to_k", "to_out.0", "ff.net.2"], ["v_proj", "fc2"], rank=2, alpha=1)
-    return {"a": a, "b": b, "a-kohya": as_kohya(a, root / "a_kohya.safetensors")}
+    """LoRA a (rank 4, alpha 8) and b (rank 2, alpha 1) of models.lora, and a in kohya's format."""
+    from models.lora import write_kohya, write_lora
+
+    root, pipe = tmp_path_factory.mktemp("loras"), _torch_pipeline()
+    a = write_lora(pipe, root / "a", 1, UNET_TARGETS, TEXT_TARGETS, rank=4, alpha=8)
+    b = write_lora(pipe, root / "b", 2, ["to_k", "to_out.0", "ff.net.2"], ["v_proj", "fc2"], rank=2, alpha=1)
+    return {"a": a, "b": b, "a-kohya": write_kohya(a, root / "a_kohya.safetensors")}
 
 
 @pytest.fixture(scope="module")
