@@ -69,6 +69,7 @@ from onnxopt.pipeline.folder import (check_folder_files, check_folder_paths, che
 from onnxopt.pipeline.merged_step import write_merged_step
 from onnxopt.pipeline.step_graph import write_step_graph
 from onnxopt.report import OptimizationReport
+from onnxopt.weight_provenance import MAP_SUFFIX
 
 TARGETS = ("ort-cuda", "tensorrt")
 CALIBRATION_MAX_LATENT = 32  # latent side of the VAE fp16 calibration (256x256 pixels for SD)
@@ -227,7 +228,8 @@ def plan_outputs(src: Path, dst: Path, report_json=None) -> tuple[Path, Path | N
         outputs.file(report, "--report-json")  # also refuses the output folder itself
         return folder, None, outputs
     inside = real.relative_to(into)  # written into the folder before it appears: both or neither
-    if (src / inside).exists() or inside.name in GENERATED_NAMES or inside.name.startswith("model.static."):
+    if (src / inside).exists() or inside.name in GENERATED_NAMES or inside.name.startswith("model.static.") \
+            or inside.name.endswith(MAP_SUFFIX):
         raise ModelSaveError(f"{report}: --report-json would replace {inside}, a file of the output folder")
     if not (src / inside).parent.is_dir():
         raise ModelSaveError(f"{report}: folder {inside.parent} is not in the output folder")
