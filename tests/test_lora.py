@@ -110,7 +110,9 @@ def folders(tmp_path_factory):
     def get(target: str) -> Path:
         if target not in made:
             made[target] = tmp_path_factory.mktemp(target) / "sd15"
-            optimize_folder(COMMITTED_SD15, made[target], target=target)
+            # the ort-cuda folder is read for its UNet and text encoder maps only (its fused ops have no CPU kernels)
+            light = dict(step_graph=False, static_text=False) if target == "ort-cuda" else {}
+            optimize_folder(COMMITTED_SD15, made[target], target=target, **light)
         return made[target]
 
     return get
@@ -123,7 +125,7 @@ def assert_image(result, expected):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("target, io_binding", [("source", False), ("tensorrt", False), ("tensorrt", True)])
+@pytest.mark.parametrize("target, io_binding", [("source", False), ("tensorrt", True)])
 def test_lora_gives_the_diffusers_image(loras, reference, folders, target, io_binding):
     pipe = Pipeline.load(folders(target), "cpu", threads=THREADS, io_binding=io_binding, loras=[f"{loras['a']}:0.7"])
     assert_image(pipe(progress=False, **REQUEST), reference({"a": 0.7}))
@@ -154,7 +156,7 @@ def test_swapping_the_scale_creates_no_session(loras, reference, folders, monkey
                          loras=[f"{loras['a']}:0.7", f"{loras['b']}:0"])
     assert_image(pipe(progress=False, **REQUEST), reference({"a": 0.7, "b": 0.0}))
     sessions, loops, count = dict(pipe.sessions), dict(pipe._device_loops), len(made)
-    for scales in ([0.3, 0.0], [0.3, -1.5], [0.7, 0.0]):
+    for scales in ([0.3, -1.5], [0.7, 0.0]):
         pipe.set_lora_scales(scales)
         assert_image(pipe(progress=False, **REQUEST), reference({"a": scales[0], "b": scales[1]}))
     assert len(made) == count and pipe.sessions == sessions and pipe._device_loops == loops
