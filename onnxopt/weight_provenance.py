@@ -203,10 +203,18 @@ def weight_map(model) -> dict:
     for constant in model.constants():
         found = sources(constant._values)
         if found:
-            tensors[constant.name] = {"dtype": str(np.dtype(constant.dtype)) if constant.dtype is not None else "",
+            tensors[constant.name] = {"dtype": _dtype_name(constant),
                                       "shape": [int(d) for d in constant.shape],
                                       "from": [{"source": name, "ops": ops} for name, ops in found]}
     return {"format": MAP_FORMAT, "tensors": tensors}
+
+
+def _dtype_name(constant) -> str:
+    """The weight's element type as NumPy names it ("" where NumPy has none: bfloat16 under graphsurgeon)."""
+    try:
+        return str(np.dtype(constant.dtype))
+    except TypeError:
+        return ""
 
 
 # --- applying: a source's delta carried into a weight's layout ----------------------------------
