@@ -275,3 +275,31 @@ def test_the_scale_comes_after_the_last_colon(text, expected):
 
     path, scale = parse_lora_argument(text)
     assert (str(path), scale) == expected
+
+
+@pytest.mark.gpu
+def test_captured_step_replays_with_the_swapped_weights(loras, tmp_path):
+    """On a GPU (``pytest -m gpu``): the ort-cuda folder with CUDA graphs; after a scale swap the
+    replayed graphs read the new weights (the image of a pipeline loaded at that scale without
+    capture, within the fused fp32 kernels' run-to-run spread) and no session is made again."""
+    from onnxopt.runners import cuda_available
+
+    if not cuda_available():
+        pytest.skip("needs onnxruntime-gpu and a CUDA device")
+    from onnxopt.pipeline import optimize_folder
+
+    folder = tmp_path / "ort-cuda"
+    optimize_folder(COMMITTED_SD15, folder, target="ort-cuda")
+    spec = [f"{loras['a']}:0.7", f"{loras['b']}:0"]
+    captured = Pipeline.load(folder, "cuda", cuda_graph=True, loras=spec)
+    first = captured(progress=False, **REQUEST)
+    sessions = dict(captured.sessions)
+    for scales in ([0.2, -1.5], [0.7, 0.0]):
+        captured.set_lora_scales(scales)
+        got = captured(progress=False, **REQUEST)
+        expected = Pipeline.load(folder, "cuda", cuda_graph=False,
+                                 loras=[f"{loras['a']}:{scales[0]}", f"{loras['b']}:{scales[1]}"])(progress=False, **REQUEST)
+        scale = float(np.abs(expected.latents).max())
+        np.testing.assert_allclose(got.latents, expected.latents, rtol=0, atol=3e-3 * scale)
+    assert captured.cuda_graph and captured.sessions == sessions
+    assert np.abs(got.latents - first.latents).max() <= 3e-3 * float(np.abs(first.latents).max())
