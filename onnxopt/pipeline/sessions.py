@@ -159,9 +159,10 @@ def value_shape(value) -> tuple:
     return tuple(value.shape()) if is_device_value(value) else np.shape(value)
 
 
-def timestep_feed(session, value, batch: int) -> np.ndarray:
-    """The timestep as ``session`` takes it: a scalar, [1], or [batch] (exports differ), in its dtype."""
-    spec = next(i for i in session.get_inputs() if i.name == "timestep")
+def timestep_feed(session, value, batch: int, name: str = "timestep") -> np.ndarray:
+    """The timestep as ``session`` takes it (input ``name``): a scalar, [1], or [batch] (exports differ),
+    in its dtype."""
+    spec = next(i for i in session.get_inputs() if i.name == name)
     dtype = ORT_TYPES.get(spec.type, np.float32)
     if len(spec.shape) == 0:
         return np.asarray(value, dtype=dtype)
@@ -236,6 +237,10 @@ class HostStepLoop:
         out = run_host(self.step_session, feeds)
         self.feeds.update(latents=out["latents_out"], state=out["state_out"], step_index=out["step_index_out"])
         self.guided = out["guided_output"]
+
+    def write_state(self, value: np.ndarray) -> None:
+        """The next step's ``state`` input (a stochastic scheduler's noise for that step)."""
+        self.feeds["state"] = value.astype(self.types["state"], copy=False)
 
     def latents(self) -> np.ndarray:
         return self.feeds["latents"]
@@ -471,6 +476,11 @@ class DeviceStepLoop:
         self.prepare_session.run_with_iobinding(self.prepare_bindings[parity], self.options[parity])
         for session, binding in zip(self.controlnet_sessions, self.controlnet_bindings):
             session.run_with_iobinding(binding, self.options[0])
+
+    def write_state(self, value: np.ndarray) -> None:
+        """The next step's ``state`` buffer (a stochastic scheduler's noise for that step): a write
+        into the bound buffer, which the captured graph reads where it was captured."""
+        self.states[self.index % 2].update_inplace(np.ascontiguousarray(value.astype(self.types["state"], copy=False)))
 
     def latents(self) -> np.ndarray:
         """The latents after the last step."""

@@ -11,6 +11,12 @@
     latents_out = c_x * latents + c_eps * eps + c_state * state
     state_out   = d_x * latents + d_eps * eps
 
+An inpainting UNet (StableDiffusionInpaintPipeline's: more input channels than it outputs) reads
+the latents and, after them on the channel axis, the mask and the masked image's latents: the step
+graph then takes those as ``inpaint_channels`` [2b, C_in - C, h, w] float32 (both guidance rows, fixed
+for a whole image) and the UNet's sample is ``Concat([Concat([latents * c_in] * 2), inpaint_channels],
+axis 1)``, diffusers' ``torch.cat([scale_model_input(latents), mask, masked_image_latents], dim=1)``.
+
 The interface (the pipeline contract): inputs ``latents``, ``state`` (float32), ``step_index`` [1]
 int64, ``schedule_timesteps`` [T] (the UNet's timestep dtype), ``schedule_coefficients`` [T, 6]
 float32, ``guidance_scale`` [1] and the UNet's conditioning inputs by their own names and dtypes;
@@ -57,6 +63,7 @@ import onnx_graphsurgeon as gs
 from onnxopt.errors import UnsupportedModelError
 from onnxopt.fusion import Emit, NameAuthority
 from onnxopt.model import Model
+from onnxopt.pipeline.families import UNET, Denoiser
 from onnxopt.shapes import infer_shapes
 from onnxopt.weights import numpy_dtype
 
@@ -65,23 +72,33 @@ STEP_INPUTS = ("latents", "state", "step_index", "schedule_timesteps", "schedule
 STEP_OUTPUTS = ("latents_out", "state_out", "step_index_out", "guided_output")
 UNET_INPUTS = ("sample", "timestep", "encoder_hidden_states")
 IMAGE_BATCH = "images"  # the latents' batch dim: half the UNet's (uncond and cond rows)
+INPAINT_INPUT = "inpaint_channels"  # an inpainting UNet's mask and masked-image latents (module docstring)
 F32 = np.dtype(np.float32)
 
 
-def build_step_graph(unet: Model, *, cfg_late: bool = False) -> Model:
+def build_step_graph(unet: Model, *, cfg_late: bool = False, denoiser: Denoiser = UNET) -> Model:
     """The step graph of ``unet`` (see the module docstring). ``unet`` is left as it was; the
     result shares its weights. ``cfg_late``: compute what both guidance halves share once
-    (:mod:`onnxopt.passes.cfg_late`). Raises :class:`UnsupportedModelError` for a graph without
-    the UNet inputs ``sample``, ``timestep`` and ``encoder_hidden_states``."""
+    (:mod:`onnxopt.passes.cfg_late`). ``denoiser``: the names of the graph's latent and timestep
+    inputs and its output (:mod:`onnxopt.pipeline.families`: a UNet's ``sample``/``out_sample``,
+    a diffusion transformer's ``hidden_states``/``out_hidden_states``); every other input is
+    passed through. Raises :class:`UnsupportedModelError` for a graph without those inputs and
+    ``encoder_hidden_states``."""
     graph = copy_sharing_constants(unet.graph)
-    sample, timestep, out_sample = _unet_interface(unet, graph)
+    sample, timestep, out_sample = _unet_interface(unet, graph, denoiser)
     where = str(unet.source) if unet.source else "UNet"
     latent_shape = _latent_shape(sample.shape, where)
+    extra = _inpaint_channels(sample, out_sample)
+    if extra:
+        latent_shape[1] = out_sample.shape[1]
     make = Emit(graph, NameAuthority(graph), PREFIX.rstrip("/"))
     step = {name: make.variable(name, dtype, shape, exact=True) for name, dtype, shape in (
         ("latents", F32, latent_shape), ("state", F32, latent_shape), ("step_index", np.int64, [1]),
         ("schedule_timesteps", timestep.dtype, ["schedule"]), ("schedule_coefficients", F32, ["schedule", 6]),
         ("guidance_scale", F32, [1]))}
+    if extra:
+        batch2 = sample.shape[0] if sample.shape else None
+        step[INPAINT_INPUT] = make.variable(INPAINT_INPUT, F32, [batch2, extra, *latent_shape[2:]], exact=True)
     sample.name, timestep.name = f"{PREFIX}unet_sample", f"{PREFIX}unet_timestep"
     coefficients, step_index_out = _feed_the_unet(make, step, sample, timestep, latent_shape, where)
     outputs = _guide_and_update(make, step, coefficients, out_sample, latent_shape, unet.opset, where)
@@ -105,22 +122,23 @@ def build_step_graph(unet: Model, *, cfg_late: bool = False) -> Model:
     return model
 
 
-def _unet_interface(unet: Model, graph: gs.Graph) -> tuple[gs.Tensor, gs.Tensor, gs.Tensor]:
-    """(sample, timestep, out_sample) of the UNet graph, or a one-line UnsupportedModelError."""
+def _unet_interface(unet: Model, graph: gs.Graph, denoiser: Denoiser = UNET) -> tuple[gs.Tensor, gs.Tensor, gs.Tensor]:
+    """(sample, timestep, out_sample) of the denoiser graph, or a one-line UnsupportedModelError."""
     inputs = {t.name: t for t in graph.inputs}
-    where = str(unet.source) if unet.source else "UNet"
+    where = str(unet.source) if unet.source else denoiser.component
     # a context-kv denoiser takes the K/V its companion computes from encoder_hidden_states instead
-    missing = [name for name in UNET_INPUTS if name not in inputs
+    missing = [name for name in (denoiser.sample, denoiser.timestep, "encoder_hidden_states") if name not in inputs
                and not (name == "encoder_hidden_states" and "context_kv" in unet.companions)]
     if missing:
-        raise UnsupportedModelError(f"{where}: not a UNet graph: no input {', '.join(missing)} "
+        what = "a UNet" if denoiser.component == "unet" else f"a {denoiser.component}"
+        raise UnsupportedModelError(f"{where}: not {what} graph: no input {', '.join(missing)} "
                                     f"(it has {', '.join(inputs) or 'none'})")
     clashes = [name for name in inputs if name in STEP_INPUTS]
     if clashes or not graph.outputs:
         raise UnsupportedModelError(f"{where}: cannot build a step graph: "
                                     + (f"input {clashes[0]} clashes with a step input" if clashes else "no output"))
-    out_sample = next((t for t in graph.outputs if t.name == "out_sample"), graph.outputs[0])
-    return inputs["sample"], inputs["timestep"], out_sample
+    out_sample = next((t for t in graph.outputs if t.name == denoiser.output), graph.outputs[0])
+    return inputs[denoiser.sample], inputs[denoiser.timestep], out_sample
 
 
 def _feed_the_unet(make: Emit, step: dict, sample, timestep, latent_shape, where: str):
@@ -139,12 +157,16 @@ def _feed_the_unet(make: Emit, step: dict, sample, timestep, latent_shape, where
               label="step_index_out")
     scaled = make.node("Mul", [step["latents"], coefficients[0]], F32, latent_shape, label="scaled_latents")
     sample_dtype = _float_dtype(sample, where)
+    doubled_shape = [sample.shape[0] if sample.shape else None, *latent_shape[1:]]
+    inputs, axis, full_shape = [scaled, scaled], 0, doubled_shape
+    if INPAINT_INPUT in step:  # the mask and masked-image latents after the latents (diffusers' cat on dim 1)
+        doubled = make.node("Concat", [scaled, scaled], F32, doubled_shape, label="model_input_latents", axis=0)
+        inputs, axis, full_shape = [doubled, step[INPAINT_INPUT]], 1, [doubled_shape[0], *sample.shape[1:]]
     if sample_dtype == F32:
-        make.node("Concat", [scaled, scaled], F32, None, outputs=[sample], label="model_input", axis=0)
+        make.node("Concat", inputs, F32, None, outputs=[sample], label="model_input", axis=axis)
     else:
-        doubled_shape = [sample.shape[0] if sample.shape else None, *latent_shape[1:]]
-        doubled = make.node("Concat", [scaled, scaled], F32, doubled_shape, label="model_input_f32", axis=0)
-        make.node("Cast", [doubled], None, None, outputs=[sample], label="model_input", to=_onnx_type(sample_dtype))
+        full = make.node("Concat", inputs, F32, full_shape, label="model_input_f32", axis=axis)
+        make.node("Cast", [full], None, None, outputs=[sample], label="model_input", to=_onnx_type(sample_dtype))
     if timestep.shape is not None and len(timestep.shape) == 0:
         make.node("Reshape", [step_timestep, ints("scalar_shape", np.zeros(0, np.int64))], None, None,
                   outputs=[timestep], label="timestep_scalar")
@@ -185,7 +207,7 @@ def _guide_and_update(make: Emit, step: dict, coefficients, out_sample, latent_s
 
 
 def write_step_graph(unet_dir: str | os.PathLike, *, file_name: str = "step.onnx", context_kv: bool = True,
-                     cfg_late: bool = False, controlnets: int = 1) -> Path:
+                     cfg_late: bool = False, controlnets: int = 1, denoiser: Denoiser = UNET) -> Path:
     """Build the step graph of ``unet_dir/model.onnx`` and write it to ``unet_dir/file_name``
     (atomically). Weights stored in external data files of ``unet_dir`` are referenced where they
     are, not copied; an inline UNet gives an inline step graph (own data file past ~1.8 GB).
@@ -196,7 +218,9 @@ def write_step_graph(unet_dir: str | os.PathLike, *, file_name: str = "step.onnx
     ``<stem>.context_kv.onnx`` (its inputs: the prompt's conditioning; its outputs: inputs of the
     step graph, by name), which the runner runs once per prompt. When the pass refuses the UNet,
     the whole UNet goes into the step graph. ``controlnets`` > 1: the graph reads one residual set
-    per ControlNet and sums them (:mod:`onnxopt.pipeline.multi_controlnet`). Returns the path written."""
+    per ControlNet and sums them (:mod:`onnxopt.pipeline.multi_controlnet`). ``denoiser``: the
+    graph's interface (a diffusion transformer's: :data:`~onnxopt.pipeline.families.SD3_TRANSFORMER`).
+    Returns the path written."""
     from onnxopt.loading import load_model
     from onnxopt.saving import save_model
 
@@ -207,7 +231,7 @@ def write_step_graph(unet_dir: str | os.PathLike, *, file_name: str = "step.onnx
 
         cut, _ = optimize(unet_dir / "model.onnx", ["context-kv"])
         unet = cut if "context_kv" in cut.companions else None
-    step = build_step_graph(unet or load_model(unet_dir / "model.onnx"), cfg_late=cfg_late)
+    step = build_step_graph(unet or load_model(unet_dir / "model.onnx"), cfg_late=cfg_late, denoiser=denoiser)
     if controlnets > 1:
         from onnxopt.pipeline.multi_controlnet import sum_controlnet_residuals
 
@@ -224,6 +248,17 @@ def copy_sharing_constants(graph: gs.Graph) -> gs.Graph:
             if isinstance(tensor, gs.Constant) and tensor.name in originals:
                 node.inputs[i] = originals[tensor.name]
     return copied
+
+
+def _inpaint_channels(sample: gs.Tensor, out_sample: gs.Tensor) -> int:
+    """How many channels the UNet reads beyond the latents it predicts (an inpainting UNet's mask and
+    masked-image latents); 0 for a text-to-image UNet or where the shapes do not say."""
+    if not (sample.shape and out_sample.shape and len(sample.shape) == len(out_sample.shape) == 4):
+        return 0
+    channels_in, channels_out = sample.shape[1], out_sample.shape[1]
+    if isinstance(channels_in, int) and isinstance(channels_out, int) and channels_in > channels_out:
+        return channels_in - channels_out
+    return 0
 
 
 def _latent_shape(shape, where: str) -> list:
