@@ -30,6 +30,8 @@ import onnx
 from onnx import external_data_helper, helper
 from onnx_graphsurgeon.ir.tensor import Constant, LazyValues, SparseValues
 
+from onnxopt import weight_provenance
+
 CHUNK_BYTES = 64 << 20
 # External tensors from this size on are mapped, not read: a read copies the bytes into fresh
 # memory, and on a VM every fresh page is a fault (reading a 1 GiB weight slice took 1.5-1.9 s
@@ -245,7 +247,11 @@ def stored_values(constant: Constant) -> LazyValues | np.ndarray:
 
 
 def store_values(constant: Constant, values: LazyValues | np.ndarray) -> None:
-    """Give ``constant`` new data, an array or a lazy source; the old one is not read."""
+    """Give ``constant`` new data, an array or a lazy source; the old one is not read. New data
+    that says nothing of where it came from holds the old (the same weight read into memory, or
+    put back after a save): :mod:`onnxopt.weight_provenance` follows it."""
+    if not weight_provenance.sources(values):
+        weight_provenance.record(values, [(constant._values, [])])
     constant._values = values
 
 

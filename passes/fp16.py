@@ -87,6 +87,7 @@ from onnxopt.precision import (
 )
 from onnxopt.registry import register_pass
 from onnxopt.verify import BFLOAT16_TOLERANCE
+from onnxopt.weight_provenance import record
 from onnxopt.weights import DerivedValues, constant_nbytes, read_uncached, store_values, stored_values
 
 LOW, F32, BOTH = "low", "float32", "both"
@@ -668,9 +669,10 @@ class _Conversion:
         # Small results are computed now: the saver writes tensors under the skeleton threshold
         # from the skeleton itself, where a DerivedValues would be exported without its data.
         if int(np.prod(constant.shape, dtype=np.int64)) * low.np_dtype.itemsize < SKELETON_THRESHOLD_BYTES:
-            return low.convert(read_uncached(source), mask)
+            return record(low.convert(read_uncached(source), mask), [(source, [])])  # a cast: same layout
         with _graphsurgeon_quiet():  # graphsurgeon has no NumPy name for bfloat16 and says so per tensor
-            return DerivedValues(constant.shape, low.np_dtype, lambda: low.convert(read_uncached(source), mask), name=name)
+            values = DerivedValues(constant.shape, low.np_dtype, lambda: low.convert(read_uncached(source), mask), name=name)
+        return record(values, [(source, [])])
 
 
 @contextlib.contextmanager
