@@ -498,8 +498,7 @@ def _build(src: Path, tmp: Path, report: FolderReport, components, controlnets, 
         if c.name in CLIP_TEXT_ENCODERS and static_text:
             line.detail("static text encoder graphs")
             report.components[-1].notes.append(_write_static_text(src, tmp, c.name))
-        # the step graph guides a batch of 2 (CFG): Flux runs batch 1 with its guidance embedded, its own loop
-        if c.name == "transformer" and step_graph and _denoiser(src).classifier_free_guidance:
+        if c.name == "transformer" and step_graph:
             line.detail("step graph")
             write_step_graph(tmp / "transformer", context_kv=False, denoiser=_denoiser(src))
             report.components[-1].notes.append("step graph written (onnxopt.pipeline.step_graph)")
