@@ -14,8 +14,8 @@ The text side runs once per prompt. The denoising loop is the fused step graph
 Euler update ``latents + (sigma_next - sigma) * v`` in one graph) run by the loop every family
 shares: host feeds on the CPU, bound buffers replayed as one captured CUDA graph per step on
 CUDA. Without the fused step (``fused_step=False``, TensorRT) it is diffusers' own scheduler on
-the host around the transformer's session. Each graph input is fed the type the graph declares (``run_host``): optimum's int64 ids and
-diffusers' float32 ids alike. Flux's own computations are :mod:`onnxopt.pipeline.flux`.
+the host around the transformer's session. Each graph input is fed the type the graph declares
+(``run_host``): optimum's int64 ids and diffusers' float32 ids alike. Flux's own computations are :mod:`onnxopt.pipeline.flux`.
 """
 
 from __future__ import annotations
