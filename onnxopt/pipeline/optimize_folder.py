@@ -39,8 +39,8 @@ The step graph: after the UNet is written, :func:`onnxopt.pipeline.step_graph.wr
 ``unet/step.onnx`` beside it (guidance and the scheduler update appended; the UNet's weights referred
 to, not copied); a diffusion transformer's is ``transformer/step.onnx`` (SD3: guidance and the
 update; Flux, which embeds its guidance: the update alone); with ``cfg_late`` (``--cfg-late``, off
-by default until measured on a GPU) what both guidance halves share is computed once in it (:mod:`onnxopt.passes.cfg_late`). With a ControlNet,
-``merged_step.onnx`` at the root holds the ControlNet and that step graph in one graph
+by default until measured on a GPU) what both guidance halves share is computed once in it
+(:mod:`onnxopt.passes.cfg_late`). With a ControlNet, ``merged_step.onnx`` at the root holds the ControlNet and that step graph in one graph
 (:mod:`onnxopt.pipeline.merged_step`; weights referred to as well). More than one ControlNet
 (``controlnet/``, ``controlnet_1/``...: diffusers' MultiControlNetModel layout): each gets the
 ControlNet preset and its hint split; the step graph reads one residual set per ControlNet and sums
