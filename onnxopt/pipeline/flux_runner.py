@@ -97,7 +97,7 @@ class FluxRunner(Pipeline):
             latents = self._denoise_fused(scheduler, steps, latents, cond, progress, timings)
         else:
             latents = self._denoise_flux(self._scheduler(scheduler), steps, latents, cond, progress, timings)
-        pixels = self._decode(latents, guidance, timings)
+        pixels = self._decode(latents, guidance, timings)[0]  # [1, H, W, 3]: the image
         timings["total_s"] = time.perf_counter() - start
         timings["rest_s"] = timings["total_s"] - sum(timings.get(k, 0.0) for k in (
             "text_encoder_s", "steps_s", "vae_decode_s"))
