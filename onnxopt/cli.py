@@ -261,6 +261,9 @@ def _add_generate_parser(sub) -> None:
                           "-o img.png writes img.png, img-1.png, ... img-(N-1).png")
     gen.add_argument("--reuse", metavar="STEPS", help="opt-in approximation: these 0-based steps reuse the previous step's "
                      "prediction instead of running the UNet, e.g. 30-49:2 (onnxopt.pipeline.step_reuse)")
+    gen.add_argument("--lora", action="append", default=[], metavar="FILE[:SCALE]",
+                     help="a LoRA (.safetensors, diffusers/peft or kohya format) on the UNet and text encoders, its "
+                          "scale after the last colon (default 1.0); repeatable")
     gen.add_argument("--provider", choices=["cpu", "cuda", "tensorrt"], default="cpu", help="where the graphs run")
     gen.add_argument("--no-cuda-graph", dest="cuda_graph", action="store_false", help="cuda/tensorrt: do not capture the step")
     gen.add_argument("--unfused", dest="fused_step", action="store_false", help="UNet + diffusers' scheduler.step (no fused step graph)")
@@ -316,7 +319,10 @@ def cmd_generate(args) -> int:
         images.check_image(image)  # not an image, or a decompression bomb: before any session exists
     if args.json and Path(os.path.realpath(args.json)) == Path(os.path.realpath(args.output)):  # the timings replaced the PNG
         raise OnnxoptError(f"{args.json}: --json is the image -o writes; give another path")
-    reads = [*(args.controlnet_image or ()), args.image, args.mask, args.prompts]
+    from onnxopt.lora import parse_lora_argument
+
+    reads = [*(args.controlnet_image or ()), args.image, args.mask, args.prompts,
+             *(parse_lora_argument(spec)[0] for spec in args.lora)]
     outputs = Outputs(Inputs().folder(folder.root).files(*reads))
     names = numbered_outputs(args.output, len(prompts) * args.num_images)
     for name in names:
@@ -326,7 +332,7 @@ def cmd_generate(args) -> int:
         outputs.file(args.json, "--json")
     with contextlib.nullcontext() if args.debug else quiet_sessions():  # ORT's errors come back as one line
         pipe = Pipeline.load(folder, args.provider, fused_step=args.fused_step and fusable(args.scheduler),
-                             cuda_graph=args.cuda_graph, status=False if args.quiet else None)
+                             cuda_graph=args.cuda_graph, status=False if args.quiet else None, loras=args.lora)
         # an init image, a mask and several images are the UNet families' (onnxopt.pipeline.img2img)
         init = {k: v for k, v in (("image", args.image), ("mask", args.mask), ("strength", args.strength),
                                   ("num_images", args.num_images)) if v not in (None, 1)}

@@ -162,9 +162,10 @@ def plan_generation(folder: PipelineFolder, provider: str, options: PlanOptions 
 
 def inpainting_unet(folder: PipelineFolder) -> bool:
     """Whether the UNet reads more channels than the latents (an inpainting UNet: latents, mask and
-    masked-image latents, StableDiffusionInpaintPipeline's); a transformer family's never is."""
-    unet, vae = folder.config("unet"), folder.config("vae_decoder")
-    return folder.denoiser == "unet" and unet.get("in_channels", 4) != vae.get("latent_channels", 4)
+    masked-image latents, StableDiffusionInpaintPipeline's). A transformer family's denoiser is none."""
+    if folder.denoiser != "unet":
+        return False
+    return folder.config("unet").get("in_channels", 4) != folder.config("vae_decoder").get("latent_channels", 4)
 
 
 def folder_scheduler_name(folder: PipelineFolder) -> str:

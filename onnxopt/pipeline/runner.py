@@ -178,6 +178,10 @@ class Pipeline:
         self._warned_truncation: set = set()  # prompts already warned about
         self.static_text = False  # use text_encoder*/model.static.b{b}.onnx (set by load)
         self.text_sources: dict[str, str] = {}  # encoder -> the graph its last prompt ran on, and why
+        self.lora = None  # onnxopt.lora.LoraWeights, when loaded with LoRAs (from_plan)
+        self._open_unet = lambda: create_session(  # noqa: E731 (from_plan gives its session maker's)
+            folder.component(folder.denoiser).model, provider, name=str(folder.root / folder.denoiser), device_id=device_id,
+            threads=threads)
         self._open_once = lambda name, model=None: create_session(  # noqa: E731 (load gives BoundSessions)
             model or folder.component(name).model, provider, name=str(folder.root / name), device_id=device_id,
             threads=threads)
@@ -192,7 +196,7 @@ class Pipeline:
              threads: int | None = None, io_binding: bool | None = None, context_kv: bool = True,
              controlnet_hint: bool = True, merged_step: bool = True, launch_timing: bool = False,
              step_file: str | None = None, two_streams: bool | None = None, static_text: bool = True,
-             status: bool | None = None, capture_cache: int = DEFAULT_SIZE) -> "Pipeline":
+             status: bool | None = None, capture_cache: int = DEFAULT_SIZE, loras: list | None = None) -> "Pipeline":
         """Open ``folder`` and create its sessions on ``provider`` (cpu | cuda | tensorrt).
 
         ``cuda_graph`` (cuda/tensorrt): capture the step graph as CUDA graphs. ``fused_step=False``
@@ -237,6 +241,9 @@ class Pipeline:
 
         ``status``: say what start-up is doing (importing, loading each component, building the step
         graph) on one line of stderr, cleared when done; None: only when stderr is a terminal.
+
+        ``loras``: LoRA files, ``"FILE[:SCALE]"`` or (path, scale), applied to the UNet and the text
+        encoders as bound inputs (:mod:`onnxopt.lora`); :meth:`set_lora_scales` changes them later.
         """
         start = time.perf_counter()
         say = StartupStatus(status)
@@ -247,19 +254,23 @@ class Pipeline:
         options = PlanOptions(fused_step=fused_step, cuda_graph=cuda_graph, io_binding=io_binding, context_kv=context_kv,
                               controlnet_hint=controlnet_hint, merged_step=merged_step, step_file=step_file,
                               two_streams=two_streams, static_text=static_text)
-        return cls.from_plan(folder, plan_generation(folder, provider, options), device_id=device_id, threads=threads,
-                             launch_timing=launch_timing, start=start, say=say, capture_cache=capture_cache)
+        plan = plan_generation(folder, provider, options)
+        from onnxopt.lora import pipeline_loras
+
+        return cls.from_plan(folder, plan, device_id=device_id, threads=threads, launch_timing=launch_timing, start=start,
+                             say=say, capture_cache=capture_cache,
+                             loras=pipeline_loras(folder, plan, loras or [], provider, device_id))
 
     @classmethod
     def from_plan(cls, folder: PipelineFolder, plan: GenerationPlan, *, device_id: int = 0, threads: int | None = None,
                   launch_timing: bool = False, start: float | None = None, say: StartupStatus | None = None,
-                  capture_cache: int = DEFAULT_SIZE) -> "Pipeline":
+                  capture_cache: int = DEFAULT_SIZE, loras=None) -> "Pipeline":
         """Create the sessions ``plan`` lists, in its order, each as its ``binds`` says (text
         encoders on first use); the step session's capture outcome decides the rest's. ``say``:
-        the start-up status line (:class:`StartupStatus`)."""
+        the start-up status line (:class:`StartupStatus`). ``loras``: :class:`onnxopt.lora.LoraWeights`."""
         start = time.perf_counter() if start is None else start
         say = say or StartupStatus(False)
-        sessions = _SessionMaker(folder, plan, device_id, threads, say, capture_cache)
+        sessions = _SessionMaker(folder, plan, device_id, threads, say, capture_cache, loras)
         for entry in plan.sessions:
             if not entry.lazy:
                 sessions.make(entry)
@@ -279,10 +290,17 @@ class Pipeline:
         pipe.controlnet_models = plan.controlnet_models
         pipe.launch_timing = launch_timing
         pipe.static_text, pipe._open_once = plan.static_text, sessions.text_encoder
-        pipe.status = say
+        pipe.status, pipe.lora, pipe._open_unet = say, loras, lambda: sessions.open(pipe.folder.denoiser)
         pipe._device_loops = CaptureCache(capture_cache)
         say.done()
         return pipe
+
+    def set_lora_scales(self, scales: list[float]) -> None:
+        """Each loaded LoRA's scale (0: off), in the order they were given: written into the weight
+        buffers the sessions read, so no session is re-created and no CUDA graph re-captured."""
+        if self.lora is None:
+            raise GenerationError("this pipeline was loaded without LoRAs (Pipeline.load(..., loras=[...]))")
+        self.lora.set_scales(scales)
 
     def _controlnet_session(self, k: int = 0):
         """ControlNet k's own session: at load, unless the merged step graph holds the ControlNets;
@@ -731,9 +749,7 @@ class Pipeline:
         name = self.folder.denoiser
         if name not in self.sessions:
             self.status(f"loading {name} (the scheduler's own step, unfused)")
-            self.sessions[name] = create_session(self.folder.component(name).model, self.provider,
-                                                 name=str(self.folder.root / name), device_id=self.device_id,
-                                                 threads=self.threads)
+            self.sessions[name] = self._open_unet()
         return self.sessions[name]
 
     def _unfused_loop(self, sched, steps, initial, cond, controlnet, guidance, step_times, bar, kind, reused=frozenset(),
@@ -1072,8 +1088,9 @@ class _SessionMaker:
     """The sessions of a plan's entries (:meth:`Pipeline.from_plan`), by what each binds."""
 
     def __init__(self, folder: PipelineFolder, plan: GenerationPlan, device_id: int, threads: int | None,
-                 say: StartupStatus, capture_cache: int = DEFAULT_SIZE):
+                 say: StartupStatus, capture_cache: int = DEFAULT_SIZE, loras=None):
         self.folder, self.plan, self.device_id, self.threads, self.say = folder, plan, device_id, threads, say
+        self.loras = loras  # onnxopt.lora.LoraWeights: the weights LoRAs change become bound inputs
         self.capture_cache = CaptureCache(capture_cache).size  # checked before any session exists
         self.io_binding, self.requested = plan.io_binding, plan.capture
         self.capture = plan.capture  # the step session's outcome, once it is made
@@ -1081,8 +1098,15 @@ class _SessionMaker:
 
     def open(self, component: str, model=None, **kw):
         self.say(f"loading {component}" + (f" ({Path(model).name})" if isinstance(model, (str, Path)) else ""))
-        return create_session(model or self.folder.component(component).model, self.plan.provider,
-                              name=f"{self.folder.root / component}", device_id=self.device_id, threads=self.threads, **kw)
+        model = model or self.folder.component(component).model
+
+        def make(graph, **extra):
+            return create_session(graph, self.plan.provider, name=f"{self.folder.root / component}",
+                                  device_id=self.device_id, threads=self.threads, **{**kw, **extra})
+
+        if self.loras is None:
+            return make(model)
+        return self.loras.session(component, model, make, map_model=self.folder.component(component).model)
 
     def captured(self, component: str, model, say: bool = False, capture: bool | None = None, **kw):
         """(session, whether it captures): CUDA graphs when asked (``capture``, default: as the
@@ -1171,16 +1195,16 @@ def _progress(total: int, enabled: bool):
 
 
 def generate(folder, prompt: str, *, output=None, provider: str = "cpu", fused_step: bool = True, cuda_graph: bool = True,
-             **options) -> Result:
-    """Load ``folder``, generate one image (``options`` as :meth:`Pipeline.__call__`), write it to
-    ``output`` (atomically, in the format its suffix names) when given."""
+             loras: list | None = None, **options) -> Result:
+    """Load ``folder`` (with ``loras``, as :meth:`Pipeline.load`), generate one image (``options`` as
+    :meth:`Pipeline.__call__`), write it to ``output`` (atomically, in the format its suffix names) when given."""
     if output is not None:
         images.check_writable(output)
         images.image_format(output)
     folder = folder if isinstance(folder, PipelineFolder) else PipelineFolder.open(folder)
     options["scheduler"] = check_request(folder, steps=options.get("steps", 50), scheduler=options.get("scheduler"))
     pipe = Pipeline.load(folder, provider, fused_step=fused_step and fusable(options["scheduler"]), cuda_graph=cuda_graph,
-                         status=None if options.get("progress", True) else False)
+                         status=None if options.get("progress", True) else False, loras=loras)
     result = pipe(prompt, **options)
     if output is not None:
         images.write_image(result.image, output)

@@ -276,7 +276,7 @@ def write_step_graph(unet_dir: str | os.PathLike, *, file_name: str = "step.onnx
         from onnxopt.pipeline.multi_controlnet import sum_controlnet_residuals
 
         step = sum_controlnet_residuals(step, controlnets)
-    return save_model(step, unet_dir / file_name, reference_external=True).path
+    return save_model(step, unet_dir / file_name, reference_external=True, weight_map=True).path
 
 
 def copy_sharing_constants(graph: gs.Graph) -> gs.Graph:
