@@ -77,9 +77,10 @@ def flux(tmp_path_factory):
     return made
 
 
-def run(folder, **options):
+def run(folder, load=None, **options):
+    """One image of ``folder`` on the CPU EP; ``load``: Pipeline.load's options."""
     request = dict(steps=STEPS, guidance=GUIDANCE, seed=SEED, height=HEIGHT, width=WIDTH, progress=False)
-    return Pipeline.load(folder, "cpu", threads=1)(PROMPT, **{**request, **options})
+    return Pipeline.load(folder, "cpu", threads=1, **(load or {}))(PROMPT, **{**request, **options})
 
 
 def copy(folder, tmp_path) -> Path:
@@ -95,6 +96,25 @@ def test_generate_gives_diffusers_image(flux, kind, layout):
     result = run(folders[layout])
     np.testing.assert_allclose(result.pixels, reference.image(), rtol=0, atol=PIXEL_ATOL)
     assert result.timings["guidance_embedding"] is (kind == "flux-dev")
+    assert result.timings["step"] == "built in memory from transformer/model.onnx"  # the fused step ran
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_written_step_graph_on_bound_buffers_and_the_unfused_loop_give_diffusers_image(flux, kind, tmp_path):
+    """transformer/step.onnx as optimize writes it, run by the bound-buffer loop (the one CUDA
+    replays as captured graphs; on CPU buffers here), and diffusers' own loop around the transformer."""
+    from onnxopt.pipeline.families import FLUX_TRANSFORMER
+    from onnxopt.pipeline.step_graph import write_step_graph
+
+    reference, folders = flux[kind]
+    folder = copy(folders["optimum"], tmp_path)
+    write_step_graph(folder / "transformer", context_kv=False, denoiser=FLUX_TRANSFORMER)
+    bound = run(folder, load=dict(io_binding=True))
+    assert bound.timings["step"] == "transformer/step.onnx"
+    np.testing.assert_allclose(bound.pixels, reference.image(), rtol=0, atol=PIXEL_ATOL)
+    unfused = run(folder, load=dict(fused_step=False))
+    assert unfused.timings["step"].startswith("unfused")
+    np.testing.assert_allclose(unfused.pixels, reference.image(), rtol=0, atol=PIXEL_ATOL)
 
 
 def test_the_cli_writes_diffusers_image_and_prints_the_plan(flux, tmp_path, capsys):
@@ -114,7 +134,7 @@ def test_the_cli_writes_diffusers_image_and_prints_the_plan(flux, tmp_path, caps
     plan = capsys.readouterr().out
     assert "(flux) on cpu" in plan and "scheduler:  flow-match" in plan
     assert "text_encoder, text_encoder_2, transformer, vae_decoder" in plan
-    assert "transformer          transformer/model.onnx: every step, host feeds" in plan
+    assert "step graph: built in memory from transformer/model.onnx" in plan
 
 
 def test_schnell_ignores_guidance_as_diffusers_does(flux):
@@ -199,11 +219,12 @@ def test_a_negative_prompt_or_a_long_sequence_is_refused(flux):
 @pytest.mark.slow  # the optimizer over five components: ~50 s on two cores
 def test_optimize_for_ort_cuda_writes_the_folder_and_its_plan(flux, tmp_path, capsys):
     """``optimize --target ort-cuda`` on a Flux folder: every component written (the CPU EP cannot run
-    its contrib ops: the image is checked on the GPU), no CFG step graph beside the transformer."""
+    its contrib ops: the image is checked on the GPU), the fused step graph beside the transformer."""
     _, folders = flux["flux-schnell"]
     out = tmp_path / "out"
     assert onnxopt_main(["optimize", "-i", str(folders["optimum"]), "-o", str(out), "--target", "ort-cuda", "-q"]) == 0
-    assert not (out / "transformer" / "step.onnx").exists()
+    assert (out / "transformer" / "step.onnx").is_file()
     capsys.readouterr()
     assert onnxopt_main(["generate", str(out), "--plan"]) == 0
-    assert "(flux) on cpu" in capsys.readouterr().out
+    plan = capsys.readouterr().out
+    assert "(flux) on cpu" in plan and "step graph: transformer/step.onnx" in plan

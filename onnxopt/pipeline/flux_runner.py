@@ -9,10 +9,13 @@
     for each timestep t:  v = transformer(latents, t / 1000, ...); latents = scheduler.step(v, t, latents)
     image = postprocess(vae_decoder(unpack(latents) / scaling_factor + shift_factor))
 
-The text side runs once per prompt, the denoising loop is diffusers' own scheduler on the host
-around the transformer's session (the fused step graph serves batch-2 guidance only so far), and
-each graph input is fed the type the graph declares (``run_host``): optimum's int64 ids and
-diffusers' float32 ids alike. Flux's own computations are :mod:`onnxopt.pipeline.flux`.
+The text side runs once per prompt. The denoising loop is the fused step graph
+(:mod:`onnxopt.pipeline.step_graph` without guidance: the transformer on ``t / 1000`` and the
+Euler update ``latents + (sigma_next - sigma) * v`` in one graph) run by the loop every family
+shares: host feeds on the CPU, bound buffers replayed as one captured CUDA graph per step on
+CUDA. Without the fused step (``fused_step=False``, TensorRT) it is diffusers' own scheduler on
+the host around the transformer's session. Each graph input is fed the type the graph declares
+(``run_host``): optimum's int64 ids and diffusers' float32 ids alike. Flux's own computations are :mod:`onnxopt.pipeline.flux`.
 """
 
 from __future__ import annotations
@@ -75,8 +78,10 @@ class FluxRunner(Pipeline):
                                               folder.component("transformer").model)
         scaling, shift = flux.vae_factors(folder.config("vae_decoder"), folder.component("vae_decoder").folder)
 
-        timings: dict = {"provider": self.provider, "step": f"unfused: {folder.denoiser}/model.onnx and diffusers' step",
-                         "cuda_graph": False, "session_runs_per_step": 1, "classifier_free_guidance": False,
+        timings: dict = {"provider": self.provider, "step": self.step_source if self.fused_step else
+                         f"unfused: {folder.denoiser}/model.onnx and diffusers' step",
+                         "cuda_graph": self.cuda_graph and self.fused_step, "session_runs_per_step": 1,
+                         "classifier_free_guidance": False,
                          "guidance_embedding": embeds_guidance}
         start = time.perf_counter()
         t0 = time.perf_counter()
@@ -88,7 +93,10 @@ class FluxRunner(Pipeline):
             cond["guidance"] = flux.guidance_feed(guidance)
         channels = folder.config("transformer").get("in_channels", 64) // 4
         latents = flux.initial_latents(seed, channels, *self._latent_hw)
-        latents = self._denoise_flux(self._scheduler(scheduler), steps, latents, cond, progress, timings)
+        if self.fused_step:
+            latents = self._denoise_fused(scheduler, steps, latents, cond, progress, timings)
+        else:
+            latents = self._denoise_flux(self._scheduler(scheduler), steps, latents, cond, progress, timings)
         every = self._decode(latents, guidance, timings)  # [1, H, W, 3]
         timings["total_s"] = time.perf_counter() - start
         timings["rest_s"] = timings["total_s"] - sum(timings.get(k, 0.0) for k in (
@@ -122,6 +130,24 @@ class FluxRunner(Pipeline):
         if "transformer" not in self.sessions:
             self.sessions["transformer"] = self._open_once("transformer")
         return self.sessions["transformer"]
+
+    def _denoise_fused(self, name: str, steps: int, latents: np.ndarray, cond: dict, progress: bool, timings: dict):
+        """The fused step's loop (the UNet and SD3 families' own: host feeds, or bound buffers
+        captured as CUDA graphs) on FlowMatchEulerDiscreteScheduler's plan for this image's size."""
+        from onnxopt.pipeline.schedulers import SchedulerError
+
+        self._latent_size = self._latent_hw  # the plan's dynamic shifting reads it
+        try:
+            plan = self._plan(name, self._scheduler(name), steps)
+        except SchedulerError as exc:
+            raise GenerationError(f"{self.folder.root}: the fused step cannot run {name}: {exc}") from exc
+        self.status.done()
+        bar = _progress(len(plan), progress)
+        # guidance_scale: read by no node of a step graph without classifier-free guidance
+        result = self._fused_loop(plan, _torch().from_numpy(latents), cond, None, 1.0, frozenset(), bar, timings)
+        bar.close()
+        timings["unet_steps"] = timings["steps"]
+        return result
 
     def _denoise_flux(self, sched, steps: int, latents: np.ndarray, cond: dict, progress: bool, timings: dict):
         """diffusers' loop: the transformer on t / 1000, FlowMatchEulerDiscreteScheduler's own step."""

@@ -172,7 +172,7 @@ class LatentSource:
         noise = randn_tensor((batch, channels, height // factor, width // factor), generator=generator,
                              device=torch.device("cpu"), dtype=torch.float32)
         _set_timesteps(sched, steps, timestep_kwargs)
-        return noise * sched.init_noise_sigma
+        return noise * getattr(sched, "init_noise_sigma", 1.0)  # flow matching has none (SD3: unscaled)
 
     def from_image(self, init: InitRequest, sched, steps: int, generator, batch: int):
         """(initial latents [N, C, h, w], index of the first timestep, inpainting channels [2N, 1 + C, h, w] or None)."""

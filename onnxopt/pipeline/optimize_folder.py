@@ -37,9 +37,10 @@ file): :mod:`onnxopt.pipeline.static_text`.
 
 The step graph: after the UNet is written, :func:`onnxopt.pipeline.step_graph.write_step_graph` writes
 ``unet/step.onnx`` beside it (guidance and the scheduler update appended; the UNet's weights referred
-to, not copied); with ``cfg_late`` (``--cfg-late``, off by default until measured on a GPU) what both
-guidance halves share is computed once in it (:mod:`onnxopt.passes.cfg_late`). With a ControlNet,
-``merged_step.onnx`` at the root holds the ControlNet and that step graph in one graph
+to, not copied); a diffusion transformer's is ``transformer/step.onnx`` (SD3: guidance and the
+update; Flux, which embeds its guidance: the update alone); with ``cfg_late`` (``--cfg-late``, off
+by default until measured on a GPU) what both guidance halves share is computed once in it
+(:mod:`onnxopt.passes.cfg_late`). With a ControlNet, ``merged_step.onnx`` at the root holds the ControlNet and that step graph in one graph
 (:mod:`onnxopt.pipeline.merged_step`; weights referred to as well). More than one ControlNet
 (``controlnet/``, ``controlnet_1/``...: diffusers' MultiControlNetModel layout): each gets the
 ControlNet preset and its hint split; the step graph reads one residual set per ControlNet and sums
@@ -500,8 +501,7 @@ def _build(src: Path, tmp: Path, report: FolderReport, components, controlnets, 
         if c.name in CLIP_TEXT_ENCODERS and static_text:
             line.detail("static text encoder graphs")
             report.components[-1].notes.append(_write_static_text(src, tmp, c.name))
-        # the step graph guides a batch of 2 (CFG): Flux runs batch 1 with its guidance embedded, its own loop
-        if c.name == "transformer" and step_graph and _denoiser(src).classifier_free_guidance:
+        if c.name == "transformer" and step_graph:
             line.detail("step graph")
             write_step_graph(tmp / "transformer", context_kv=False, denoiser=_denoiser(src))
             report.components[-1].notes.append("step graph written (onnxopt.pipeline.step_graph)")

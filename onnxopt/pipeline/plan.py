@@ -131,8 +131,6 @@ def plan_generation(folder: PipelineFolder, provider: str, options: PlanOptions 
 
     if options.scheduler is not None and options.scheduler not in FUSABLE_SCHEDULERS:
         options = replace(options, fused_step=False)
-    if not folder.family.denoiser.classifier_free_guidance:  # the step graph guides a batch of 2: Flux runs batch 1
-        options = replace(options, fused_step=False)
     if provider == "tensorrt":  # each component's engine, host loop (onnxopt.runners.engine_session)
         options = replace(options, fused_step=False, io_binding=False, static_text=False)
     capture = options.cuda_graph and provider != "cpu"

@@ -11,6 +11,11 @@
     latents_out = c_x * latents + c_eps * eps + c_state * state
     state_out   = d_x * latents + d_eps * eps
 
+Without classifier-free guidance (a denoiser whose family embeds its guidance, Flux:
+``Denoiser.classifier_free_guidance`` False) the denoiser runs one row per image: its input is
+``latents * c_in`` (any rank: Flux's packed [B, tokens, 64]), its output is ``guided_output`` as
+it is, and ``guidance_scale`` is read by nothing (kept so that one interface serves every loop).
+
 An inpainting UNet (StableDiffusionInpaintPipeline's: more input channels than it outputs) reads
 the latents and, after them on the channel axis, the mask and the masked image's latents: the step
 graph then takes those as ``inpaint_channels`` [2b, C_in - C, h, w] float32 (both guidance rows, fixed
@@ -87,8 +92,9 @@ def build_step_graph(unet: Model, *, cfg_late: bool = False, denoiser: Denoiser 
     graph = copy_sharing_constants(unet.graph)
     sample, timestep, out_sample = _unet_interface(unet, graph, denoiser)
     where = str(unet.source) if unet.source else "UNet"
-    latent_shape = _latent_shape(sample.shape, where)
-    extra = _inpaint_channels(sample, out_sample)
+    guided = denoiser.classifier_free_guidance
+    latent_shape = _latent_shape(sample.shape, where, guided)
+    extra = _inpaint_channels(sample, out_sample) if guided else 0
     if extra:
         latent_shape[1] = out_sample.shape[1]
     make = Emit(graph, NameAuthority(graph), PREFIX.rstrip("/"))
@@ -100,8 +106,11 @@ def build_step_graph(unet: Model, *, cfg_late: bool = False, denoiser: Denoiser 
         batch2 = sample.shape[0] if sample.shape else None
         step[INPAINT_INPUT] = make.variable(INPAINT_INPUT, F32, [batch2, extra, *latent_shape[2:]], exact=True)
     sample.name, timestep.name = f"{PREFIX}unet_sample", f"{PREFIX}unet_timestep"
-    coefficients, step_index_out = _feed_the_unet(make, step, sample, timestep, latent_shape, where)
-    outputs = _guide_and_update(make, step, coefficients, out_sample, latent_shape, unet.opset, where)
+    coefficients, step_index_out = _feed_the_unet(make, step, sample, timestep, latent_shape, where, guided)
+    if guided:
+        outputs = _guide_and_update(make, step, coefficients, out_sample, latent_shape, unet.opset, where)
+    else:
+        outputs = _update(make, step, coefficients, out_sample, latent_shape, where)
     make.into(graph)
 
     passed_through = [t for t in graph.inputs if t is not sample and t is not timestep]
@@ -141,10 +150,11 @@ def _unet_interface(unet: Model, graph: gs.Graph, denoiser: Denoiser = UNET) -> 
     return inputs[denoiser.sample], inputs[denoiser.timestep], out_sample
 
 
-def _feed_the_unet(make: Emit, step: dict, sample, timestep, latent_shape, where: str):
+def _feed_the_unet(make: Emit, step: dict, sample, timestep, latent_shape, where: str, guided: bool = True):
     """The UNet's inputs from the step's: this step's timestep and coefficient row read from the
-    schedule at ``step_index``, ``sample`` = Concat([latents * c_in] * 2) (cast to the UNet's
-    type), the timestep shaped as the UNet takes it. Returns (the six coefficients, step_index_out)."""
+    schedule at ``step_index``, ``sample`` = Concat([latents * c_in] * 2) (without guidance:
+    latents * c_in; cast to the UNet's type), the timestep shaped as the UNet takes it. Returns
+    (the six coefficients, step_index_out)."""
     ints = lambda name, values: make.constant(name, np.array(values, np.int64))  # noqa: E731
     step_timestep = make.node("Gather", [step["schedule_timesteps"], step["step_index"]], timestep.dtype, [1],
                               label="timestep", axis=0)
@@ -157,6 +167,29 @@ def _feed_the_unet(make: Emit, step: dict, sample, timestep, latent_shape, where
               label="step_index_out")
     scaled = make.node("Mul", [step["latents"], coefficients[0]], F32, latent_shape, label="scaled_latents")
     sample_dtype = _float_dtype(sample, where)
+    if not guided:  # one row per image
+        if sample_dtype == F32:
+            make.node("Identity", [scaled], None, None, outputs=[sample], label="model_input")
+        else:
+            make.node("Cast", [scaled], None, None, outputs=[sample], label="model_input", to=_onnx_type(sample_dtype))
+    else:
+        _feed_both_rows(make, step, scaled, sample, sample_dtype, latent_shape)
+    if timestep.shape is not None and len(timestep.shape) == 0:
+        make.node("Reshape", [step_timestep, ints("scalar_shape", np.zeros(0, np.int64))], None, None,
+                  outputs=[timestep], label="timestep_scalar")
+    elif timestep.shape == [1]:  # exported for one timestep broadcast over the batch: keep it so
+        make.node("Identity", [step_timestep], None, None, outputs=[timestep], label="timestep_batch")
+    else:
+        shape = make.node("Shape", [sample], np.int64, [len(latent_shape)], label="model_input_shape")
+        batch2 = make.node("Slice", [shape, ints("zero", [0]), ints("one", [1])], np.int64, [1],
+                           label="model_input_batch")
+        make.node("Expand", [step_timestep, batch2], None, None, outputs=[timestep], label="timestep_batch")
+    return coefficients, step_index_out
+
+
+def _feed_both_rows(make: Emit, step: dict, scaled, sample, sample_dtype, latent_shape) -> None:
+    """sample = Concat([latents * c_in] * 2) (an inpainting UNet's extra channels after them), cast
+    to the UNet's type."""
     doubled_shape = [sample.shape[0] if sample.shape else None, *latent_shape[1:]]
     inputs, axis, full_shape = [scaled, scaled], 0, doubled_shape
     if INPAINT_INPUT in step:  # the mask and masked-image latents after the latents (diffusers' cat on dim 1)
@@ -167,24 +200,11 @@ def _feed_the_unet(make: Emit, step: dict, sample, timestep, latent_shape, where
     else:
         full = make.node("Concat", inputs, F32, full_shape, label="model_input_f32", axis=axis)
         make.node("Cast", [full], None, None, outputs=[sample], label="model_input", to=_onnx_type(sample_dtype))
-    if timestep.shape is not None and len(timestep.shape) == 0:
-        make.node("Reshape", [step_timestep, ints("scalar_shape", np.zeros(0, np.int64))], None, None,
-                  outputs=[timestep], label="timestep_scalar")
-    elif timestep.shape == [1]:  # exported for one timestep broadcast over the batch: keep it so
-        make.node("Identity", [step_timestep], None, None, outputs=[timestep], label="timestep_batch")
-    else:
-        shape = make.node("Shape", [sample], np.int64, [4], label="model_input_shape")
-        batch2 = make.node("Slice", [shape, ints("zero", [0]), ints("one", [1])], np.int64, [1],
-                           label="model_input_batch")
-        make.node("Expand", [step_timestep, batch2], None, None, outputs=[timestep], label="timestep_batch")
-    return coefficients, step_index_out
 
 
 def _guide_and_update(make: Emit, step: dict, coefficients, out_sample, latent_shape, opset: int, where: str):
     """Guidance (eps_u + g * (eps_c - eps_u)) and the scheduler update of the module docstring.
     Returns the outputs (latents_out, state_out, guided_output)."""
-    _, c_x, c_eps, c_state, d_x, d_eps = coefficients
-    latents, state = step["latents"], step["state"]
     eps2 = out_sample
     if _float_dtype(out_sample, where) != F32:
         doubled_shape = [out_sample.shape[0] if out_sample.shape else None, *latent_shape[1:]]
@@ -197,6 +217,26 @@ def _guide_and_update(make: Emit, step: dict, coefficients, out_sample, latent_s
     latents_out, state_out, eps = (make.variable(name, F32, latent_shape, exact=True)
                                    for name in ("latents_out", "state_out", "guided_output"))
     make.node("Add", [eps_u, guided], F32, None, outputs=[eps], label="guided_output")
+    return _scheduler_update(make, step, coefficients, eps, latents_out, state_out, latent_shape)
+
+
+def _update(make: Emit, step: dict, coefficients, out_sample, latent_shape, where: str):
+    """The scheduler update on the denoiser's own output (no guidance: one row per image, e.g.
+    Flux's embedded guidance). Returns the outputs (latents_out, state_out, guided_output)."""
+    latents_out, state_out, eps = (make.variable(name, F32, latent_shape, exact=True)
+                                   for name in ("latents_out", "state_out", "guided_output"))
+    if _float_dtype(out_sample, where) != F32:
+        make.node("Cast", [out_sample], None, None, outputs=[eps], label="guided_output", to=onnx.TensorProto.FLOAT)
+    else:
+        make.node("Identity", [out_sample], None, None, outputs=[eps], label="guided_output")
+    return _scheduler_update(make, step, coefficients, eps, latents_out, state_out, latent_shape)
+
+
+def _scheduler_update(make: Emit, step: dict, coefficients, eps, latents_out, state_out, latent_shape):
+    """latents_out = c_x * latents + c_eps * eps + c_state * state; state_out = d_x * latents + d_eps * eps."""
+    _, c_x, c_eps, c_state, d_x, d_eps = coefficients
+    latents, state = step["latents"], step["state"]
+    mul = lambda a, b, label: make.node("Mul", [a, b], F32, latent_shape, label=label)  # noqa: E731
     partial = make.node("Add", [mul(c_x, latents, "c_x_latents"), mul(c_eps, eps, "c_eps_output")], F32, latent_shape,
                         label="latents_partial")
     make.node("Add", [partial, mul(c_state, state, "c_state_state")], F32, None, outputs=[latents_out],
@@ -261,7 +301,12 @@ def _inpaint_channels(sample: gs.Tensor, out_sample: gs.Tensor) -> int:
     return 0
 
 
-def _latent_shape(shape, where: str) -> list:
+def _latent_shape(shape, where: str, guided: bool = True) -> list:
+    """The latents' shape: the denoiser input's, its batch halved under guidance (uncond and cond rows)."""
+    if not guided:  # one row per image: any rank (Flux: packed [B, tokens, 64])
+        if shape is None:
+            raise UnsupportedModelError(f"{where}: the denoiser's latent input has no declared shape")
+        return [s if isinstance(s, int) else f"latents_{k}" for k, s in enumerate(shape)]
     if shape is None:
         return [IMAGE_BATCH, 4, "height", "width"]
     if len(shape) != 4:
