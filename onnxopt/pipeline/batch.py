@@ -134,7 +134,7 @@ def generate_batch(pipe: Pipeline, images: list[BatchImage], *, steps: int = 50,
         generators = [torch.Generator("cpu").manual_seed(images[i].seed) for i in run]
         noise = torch.cat([_noise(torch, g, (1, channels, height // factor, width // factor)) for g in generators])
         sched.set_timesteps(steps)  # the denoising loop takes the initial latents scaled, as diffusers' prepare_latents
-        noise = noise * sched.init_noise_sigma
+        noise = noise * getattr(sched, "init_noise_sigma", 1.0)  # flow matching has none
         guidance = images[run[0]].guidance
         latents = pipe._denoise(scheduler, sched, steps, noise, cond, None, guidance, frozenset(), progress, timings,
                                 generator=generators)

@@ -194,7 +194,7 @@ class LatentSource:
         if not full:
             image_latents = self._scaled(self._sample(init.image, generator)).repeat(batch, 1, 1, 1)
         noise = randn_tensor(shape, generator=generator, device=torch.device("cpu"), dtype=torch.float32)
-        latents = noise * sched.init_noise_sigma if full else sched.add_noise(image_latents, noise, noise_timestep)
+        latents = noise * getattr(sched, "init_noise_sigma", 1.0) if full else sched.add_noise(image_latents, noise, noise_timestep)
         masked = self._scaled(self._sample(init.image * (init.mask < 0.5), generator)).repeat(batch, 1, 1, 1)
         mask = torch.nn.functional.interpolate(init.mask, size=shape[2:]).repeat(batch, 1, 1, 1)
         extra = torch.cat([torch.cat([mask] * 2), torch.cat([masked] * 2)], dim=1)  # both guidance rows
