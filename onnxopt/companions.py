@@ -13,6 +13,7 @@ import onnx_graphsurgeon as gs
 
 from onnxopt.graph_edit import detach, redirect_consumers
 from onnxopt.model import Model
+from onnxopt.weights import numpy_dtype
 
 
 def companion_path(path: str | Path, name: str) -> Path:
@@ -48,7 +49,7 @@ def narrow_interface_casts(model: Model) -> int:
         readers = list(inp.outputs)
         if source.dtype is None or not readers or inp in model.graph.outputs or source in companion.inputs:
             continue
-        low = onnx.helper.np_dtype_to_tensor_dtype(np.dtype(source.dtype))
+        low = onnx.helper.np_dtype_to_tensor_dtype(numpy_dtype(source.dtype))
         if any(r.op != "Cast" or int(r.attrs.get("to", -1)) != low for r in readers):
             continue
         if any(t in model.graph.outputs for r in readers for t in r.outputs) or source in companion.outputs:

@@ -58,6 +58,7 @@ from onnxopt.model import Model
 from onnxopt.report import OptimizationReport
 from onnxopt.runtime import import_onnxruntime, inference_session
 from onnxopt.verify import InputSpec, ReferenceRunner, Tolerance, Verifier, _quiet, load_feeds, random_feeds, runner_for
+from onnxopt.weights import numpy_dtype
 
 RUNTIMES = ("cuda", "trt", "cpu", "reference")
 RUNTIME_NAMES = {"cuda": "ORT CUDA EP", "trt": "TensorRT", "cpu": "ORT CPU EP", "reference": "onnx.reference"}
@@ -229,7 +230,7 @@ def tensorrt_runner(path: str, precision: str, shapes: dict[str, tuple[int, ...]
 
 def trt_precision(model: Model) -> str:
     """The TensorRT precision a model's own types ask for: bf16 or fp16 where it has such tensors, else fp32."""
-    types = {str(np.dtype(t.dtype)) if not isinstance(t.dtype, str) else t.dtype
+    types = {str(numpy_dtype(t.dtype)) if not isinstance(t.dtype, str) else t.dtype
              for t in model.graph.tensors().values() if t.dtype is not None}
     return "bf16" if "bfloat16" in types else "fp16" if "float16" in types else "fp32"
 

@@ -19,6 +19,7 @@ import onnx_graphsurgeon as gs
 
 from onnxopt.fusion import Refusal
 from onnxopt.pattern import Const, OneOf, Var, op
+from onnxopt.weights import numpy_dtype
 
 GROUP_NORM_DTYPES = (np.dtype(np.float16), np.dtype(np.float32))
 
@@ -69,8 +70,8 @@ def rank_and_channels(x: gs.Tensor) -> tuple[int, int]:
     channels = x.shape[1]
     if not isinstance(channels, (int, np.integer)) or channels <= 0:
         raise Refusal(f"the input's channel count is not a known number ({channels!r})")
-    if x.dtype is not None and np.dtype(x.dtype) not in GROUP_NORM_DTYPES:
-        raise Refusal(f"input is {np.dtype(x.dtype)}; GroupNorm takes float16 or float32")
+    if x.dtype is not None and numpy_dtype(x.dtype) not in GROUP_NORM_DTYPES:
+        raise Refusal(f"input is {numpy_dtype(x.dtype)}; GroupNorm takes float16 or float32")
     return rank, int(channels)
 
 

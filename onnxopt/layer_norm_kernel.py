@@ -20,6 +20,7 @@ from onnxopt.domains import MS_DOMAIN
 from onnxopt.fusion import Emit
 from onnxopt.pattern import constant_value
 from onnxopt.pattern.tensor_facts import normalize_axis, rank_of, shape_of, static_dim
+from onnxopt.weights import numpy_dtype
 
 SKIP_LAYER_NORM_DTYPES = (np.dtype(np.float32), np.dtype(np.float16))  # bfloat16 too, but numpy has none
 LAYER_NORM_DEFAULT_EPSILON = 1e-5  # ONNX LayerNormalization's default
@@ -45,8 +46,8 @@ def layer_norm_kernel_refusal(ln: gs.Node, normalized: gs.Tensor, gamma: gs.Tens
     if static_dim(normalized, -1) not in (None, d):
         return f"gamma of {d} broadcasts over a last dim of {static_dim(normalized, -1)}"
     dtype = normalized.dtype
-    if dtype is not None and np.dtype(dtype) not in SKIP_LAYER_NORM_DTYPES:
-        return f"dtype {np.dtype(dtype)}; the kernels take float32 and float16"
+    if dtype is not None and numpy_dtype(dtype) not in SKIP_LAYER_NORM_DTYPES:
+        return f"dtype {numpy_dtype(dtype)}; the kernels take float32 and float16"
     return d
 
 

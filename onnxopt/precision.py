@@ -38,7 +38,7 @@ from onnx import TensorProto
 
 from onnxopt.domains import MS_DOMAIN
 from onnxopt.model import Model
-from onnxopt.weights import constant_data_type, element_sources, iter_values_bytes
+from onnxopt.weights import constant_data_type, element_sources, iter_values_bytes, onnx_dtype_to_numpy
 
 FLOAT = TensorProto.FLOAT
 
@@ -384,7 +384,7 @@ def value_stats(values, low: LowPrecision, chunk_elems: int = 1 << 20) -> ValueS
     chunk at a time. Reductions only: no temporaries the size of the chunk on the common path.
     """
     if isinstance(values, gs.Constant):
-        dtype = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(constant_data_type(values)))
+        dtype = onnx_dtype_to_numpy(constant_data_type(values))
         size = int(np.prod(values.shape, dtype=np.int64))
         # a tensor that rearranges others (packed Q/K/V, a transposed conv weight) is not computed:
         # its elements are its sources'

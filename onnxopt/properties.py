@@ -20,15 +20,18 @@ from __future__ import annotations
 import contextlib
 from typing import Callable, Iterator
 
+import ml_dtypes
 import numpy as np
+import onnx
 import onnx_graphsurgeon as gs
 from onnx import shape_inference
 
 from onnxopt.model import Model
 from onnxopt.pass_infra import CONSTANTS_FOLDED, NO_DEAD_NODES, SHAPES_INFERRED
 from onnxopt.pattern.constants import is_constant
-from onnxopt.weights import is_external
+from onnxopt.weights import is_external, numpy_dtype
 
+BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
 LIMIT = 5  # tensors or nodes named in a violation
 # fold-constants leaves constant results larger than this computed at run time (model size).
 FOLD_SIZE_THRESHOLD = 16 << 20
@@ -82,7 +85,28 @@ def _foldable(node: gs.Node) -> bool:
         return False
     if any(isinstance(t, gs.Constant) and is_external(t) for t in inputs):
         return False
+    if needs_bfloat16_kernel(node):
+        return False
     return all(_within_threshold(t) for t in node.outputs)
+
+
+# ONNX Runtime's CPU build, which the folder evaluates with, reads bfloat16 in these; most arithmetic
+# (MatMul, Mul, Add...) has no bfloat16 kernel. Its Python API returns no bfloat16 array at all.
+BFLOAT16_READING_CPU_OPS = frozenset({"Cast", "Shape", "Size"})
+
+
+def needs_bfloat16_kernel(node: gs.Node) -> bool:
+    """ONNX Runtime's CPU build cannot evaluate the node for the folder: it writes bfloat16, or
+    reads it in an op that has no bfloat16 CPU kernel."""
+    if node.op == "Cast" and int(node.attrs.get("to", 0)) == onnx.TensorProto.BFLOAT16:
+        return True
+    if any(_is_bfloat16(t) for t in node.outputs):
+        return True
+    return node.op not in BFLOAT16_READING_CPU_OPS and any(_is_bfloat16(t) for t in node.inputs)
+
+
+def _is_bfloat16(tensor: gs.Tensor) -> bool:
+    return bool(tensor.name) and tensor.dtype is not None and numpy_dtype(tensor.dtype) == BFLOAT16
 
 
 def _within_threshold(tensor: gs.Tensor) -> bool:
@@ -91,7 +115,7 @@ def _within_threshold(tensor: gs.Tensor) -> bool:
     if shape is None or dtype is None or not all(isinstance(d, (int, np.integer)) and d >= 0 for d in shape):
         return False  # the folder would have had to compute it to know; a static-shape miss is what this catches
     try:
-        itemsize = np.dtype(dtype).itemsize
+        itemsize = numpy_dtype(dtype).itemsize
     except TypeError:
         return False
     return int(np.prod(shape, dtype=np.int64)) * itemsize <= FOLD_SIZE_THRESHOLD

@@ -18,6 +18,7 @@ from functools import partial
 from pathlib import Path
 from typing import Callable
 
+import ml_dtypes
 import numpy as np
 import onnx
 from polygraphy.backend.base import BaseRunner
@@ -32,6 +33,7 @@ from onnxopt.model import Model
 from onnxopt.report import Verification
 from onnxopt.runtime import import_onnxruntime, inference_session
 from onnxopt.saving import AUTO_EXTERNAL_BYTES, save_model
+from onnxopt.weights import numpy_dtype
 
 # Concrete values for symbolic dims, by name. Exporters name dims freely ("batch", "s30",
 # "height"), so a dim we cannot place gets DEFAULT_DIM; users override with --shape/dims=.
@@ -48,6 +50,12 @@ class Tolerance:
     rtol: float = 1e-3
 
 
+# bfloat16 keeps 8 bits of mantissa to float16's 11: its rounding is 8 times coarser than float16's
+# (which the fp16 pass allows 2e-2), allowed 4 times. A source computed in bfloat16 is compared no
+# tighter: any reordering of its arithmetic moves results by bfloat16 roundings.
+BFLOAT16_TOLERANCE = Tolerance(atol=8e-2, rtol=8e-2)
+
+
 @dataclass
 class InputSpec:
     shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)  # per input name
@@ -59,7 +67,7 @@ def input_metadata(model: Model, spec: InputSpec | None = None) -> TensorMetadat
 
     Refuses (:class:`OnnxoptError`, exit 2): a ``--shape`` for an input the model does not have,
     of another rank, or that contradicts a static dim; an input type random values cannot be made
-    for (string, bfloat16...); inputs larger than MAX_FEED_BYTES in all (a rank-16 input with every
+    for (string, float8...); inputs larger than MAX_FEED_BYTES in all (a rank-16 input with every
     dim symbolic is 2 PiB at the default dims), naming the dims to set."""
     spec = spec or InputSpec()
     names = [t.name for t in model.graph.inputs]
@@ -76,7 +84,8 @@ def input_metadata(model: Model, spec: InputSpec | None = None) -> TensorMetadat
         else:
             shape = tuple(_concrete_dim(d, spec.dims) for d in (declared or ()))
             defaulted.update({str(d): v for d, v in zip(declared or (), shape) if not _is_static(d) and str(d) not in spec.dims})
-        meta.add(tensor.name, dtype=dtype, shape=shape)
+        # Polygraphy's loader makes no bfloat16: it draws float32, rounded by random_feeds.
+        meta.add(tensor.name, dtype=np.dtype(np.float32) if dtype == BFLOAT16 else dtype, shape=shape)
         nbytes += int(np.prod(shape, dtype=np.float64)) * dtype.itemsize
     if nbytes > MAX_FEED_BYTES:
         dims = ", ".join(f"{d or '?'}={v}" for d, v in defaulted.items())
@@ -100,18 +109,23 @@ def _is_static(dim) -> bool:
     return isinstance(dim, (int, np.integer)) and dim >= 0
 
 
+BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
+
+
 def _feed_dtype(tensor) -> np.dtype:
     try:
-        dtype = np.dtype(tensor.dtype)
-    except TypeError:
+        dtype = numpy_dtype(tensor.dtype) if tensor.dtype is not None else None
+    except (TypeError, KeyError, ValueError):
         dtype = None
+    if dtype == BFLOAT16:
+        return dtype
     if dtype is None or dtype.kind not in "biuf":
         if isinstance(tensor.dtype, int):
             kind = onnx.TensorProto.DataType.Name(tensor.dtype).lower()
         else:
             kind = "string" if dtype is not None and dtype.kind in "OSU" else str(getattr(dtype, "name", tensor.dtype))
         raise OnnxoptError(f"cannot make random values for input '{tensor.name}' of type {kind}: "
-                           "inputs must be bool, integer or float16/32/64")
+                           "inputs must be bool, integer, bfloat16 or float16/32/64")
     return dtype
 
 
@@ -149,10 +163,14 @@ def _concrete_dim(dim, named: dict[str, int]) -> int:
 
 def random_feeds(model: Model, spec: InputSpec | None = None, seed: int = 0, iterations: int = 1) -> list[dict[str, np.ndarray]]:
     meta = input_metadata(model, spec)
-    ranges = {t.name: (INT_RANGE if np.issubdtype(np.dtype(t.dtype), np.integer) else FLOAT_RANGE) for t in model.graph.inputs}
+    ranges = {t.name: (INT_RANGE if np.issubdtype(numpy_dtype(t.dtype), np.integer) else FLOAT_RANGE) for t in model.graph.inputs}
     with _quiet():
         loader = DataLoader(seed=seed, iterations=iterations, input_metadata=meta, val_range=ranges)
-        return [dict(feed) for feed in loader]
+        feeds = [dict(feed) for feed in loader]
+    rounded = [t.name for t in model.graph.inputs if _feed_dtype(t) == BFLOAT16]
+    for feed in feeds:
+        feed.update({name: feed[name].astype(BFLOAT16) for name in rounded})
+    return feeds
 
 
 def load_feeds(path: str | Path, model: Model) -> list[dict[str, np.ndarray]]:
@@ -182,6 +200,12 @@ def load_feeds(path: str | Path, model: Model) -> list[dict[str, np.ndarray]]:
     return [feeds]
 
 
+def computes_in_bfloat16(model: Model) -> bool:
+    """The model takes or returns bfloat16 (an export made in bfloat16)."""
+    return any(t.dtype is not None and numpy_dtype(t.dtype) == BFLOAT16
+               for t in list(model.graph.inputs) + list(model.graph.outputs))
+
+
 class ReferenceRunner(BaseRunner):
     """Runs a model with onnx.reference plus onnxopt's kernels for com.microsoft ops."""
 
@@ -208,7 +232,8 @@ class ReferenceRunner(BaseRunner):
         with np.errstate(all="ignore"):  # a half-precision overflow is a result to compare, not a warning
             outputs = self._evaluator.run(names, feed_dict)
         self.inference_time = time.perf_counter() - start  # Polygraphy's Comparator sums these
-        return dict(zip(names, outputs))
+        # Polygraphy compares no bfloat16: widen it to float32, which holds every bfloat16 exactly.
+        return {name: value.astype(np.float32) if value.dtype == BFLOAT16 else value for name, value in zip(names, outputs)}
 
     def deactivate_impl(self):
         del self._evaluator
@@ -329,6 +354,10 @@ class Verifier:
         --bisect --runtime cuda``); the source always runs as :func:`runner_for` runs it."""
         self.tolerance = tolerance or Tolerance()
         self.notes: list[str] = []
+        if computes_in_bfloat16(source) and (self.tolerance.atol < BFLOAT16_TOLERANCE.atol or self.tolerance.rtol < BFLOAT16_TOLERANCE.rtol):
+            self.tolerance = Tolerance(max(self.tolerance.atol, BFLOAT16_TOLERANCE.atol), max(self.tolerance.rtol, BFLOAT16_TOLERANCE.rtol))
+            self.notes.append(f"the source computes in bfloat16: compared at atol {self.tolerance.atol:g}, rtol {self.tolerance.rtol:g} "
+                              "(any reordering of its arithmetic moves results by bfloat16 roundings)")
         self._candidate_runner = candidate_runner or runner_for
         self.feeds = feeds if feeds is not None else random_feeds(source, inputs, seed=seed)
         self._tmp = tempfile.TemporaryDirectory(prefix="onnxopt-verify-")

@@ -41,6 +41,18 @@ def onnx_dtype_to_numpy(data_type: int) -> np.dtype:
     return np.dtype(helper.tensor_dtype_to_np_dtype(data_type))
 
 
+def numpy_dtype(dtype) -> np.dtype:
+    """The NumPy dtype of a tensor's ``dtype`` as onnx-graphsurgeon holds it.
+
+    onnx-graphsurgeon keeps a NumPy dtype where NumPy has one, and the ONNX element type (an int)
+    where it has none: bfloat16 and the float8 types. ``np.dtype(16)`` raises; this maps those
+    through ONNX's ml_dtypes types (``ml_dtypes.bfloat16``...), which compare, print and convert
+    like NumPy dtypes."""
+    if isinstance(dtype, (int, np.integer)):
+        return onnx_dtype_to_numpy(int(dtype))
+    return np.dtype(dtype)
+
+
 @dataclass(frozen=True)
 class ExternalLocation:
     path: Path
@@ -140,7 +152,7 @@ class DerivedValues(LazyValues):
     """
 
     def __init__(self, shape, dtype, compute: Callable[[], np.ndarray], name: str = "", elements_of=None):
-        proto = onnx.TensorProto(name=name, data_type=helper.np_dtype_to_tensor_dtype(np.dtype(dtype)))
+        proto = onnx.TensorProto(name=name, data_type=helper.np_dtype_to_tensor_dtype(numpy_dtype(dtype)))
         proto.dims.extend(int(d) for d in shape)
         super().__init__(proto)
         self._compute = compute
@@ -309,7 +321,7 @@ def element_sources(constant: Constant) -> list[LazyValues | np.ndarray]:
     while pending:
         values = pending.pop(0)
         if isinstance(values, DerivedValues) and values.elements_of is not None \
-                and all(np.dtype(s.dtype) == np.dtype(values.dtype) for s in values.elements_of):
+                and all(numpy_dtype(s.dtype) == numpy_dtype(values.dtype) for s in values.elements_of):
             pending[:0] = values.elements_of
         else:
             found.append(values)

@@ -1,26 +1,29 @@
 """fuse-adaln-modulation: the AdaLN(-Zero/Continuous) modulation of SD3's and Flux's blocks folded into the
-LayerNorm, where ONNX Runtime's norms can take it: one scale and shift per channel, i.e. batch 1
-(Flux.1-dev runs without classifier-free guidance).
+LayerNorm, as its scale and bias, at any batch.
 
     n = LayerNormalization(x, 1, 0 | none)           diffusers' norm, elementwise_affine=False
     m = n * Unsqueeze(1 + scale | scale, 1) [+ 1] + Unsqueeze(shift, 1)
                          scale, shift: (B, D), from linear(silu(temb)).chunk(...)
-                         ==>   (B == 1)
+                         ==>   (B == 1: one scale and shift per channel)
     m = LayerNormalization(x, Reshape(1 + scale, [D]), Reshape(shift, [D]), epsilon=eps)
+                         ==>   (B > 1 or not static: one per sample and channel; x is (B, S, D))
+    m = LayerNormalization(x, Unsqueeze(scale, 1) + 1, Unsqueeze(shift, 1), axis=2, epsilon=eps)
 
-    A norm that others read too stays for them. A residual Add in front then makes it SkipLayerNormalization (fuse-skip-layer-norm), whose gamma
-    and beta are those run-time (D,) tensors.
+    At batch 1 a residual Add in front then makes it SkipLayerNormalization (fuse-skip-layer-norm), whose
+    gamma and beta are those run-time (D,) tensors. At other batches the scale and bias are (B, 1, D):
+    ONNX Runtime's LayerNormalization takes scale and bias of shape (B, 1, D) against an x of
+    (B, S, D) when axis is 2 (its LayerNormHelper's broadcast case, CPU and CUDA kernels alike), and
+    ONNX's own definition broadcasts them the same way. SkipLayerNormalization takes only (D,), so
+    the residual Add in front stays its own kernel there: an Add and a LayerNorm (three reads, two
+    writes of (B, S, D)) in place of SkipLayerNorm, Mul and Add (four and four, one more launch).
 
 Conditions: the LayerNorm normalizes the last axis, its scale is all ones and its bias absent or all
 zeros (a norm with its own affine is left as it is); scale and shift are (B, D) with D x's static last
-dim, unsqueezed at axis 1; B is statically 1.
+dim, unsqueezed at axis 1; at a batch other than a static 1, x is rank 3. A norm that others read too
+stays for them.
 
-What stays elementwise, and why (each such site is refused with it, so the report lists them):
-ONNX Runtime's LayerNormalization / SkipLayerNormalization take one gamma and beta per channel, and
-no ORT op computes a per-sample ``n * (1 + scale) + shift``. With a batch above 1 (SD3 and SD3.5
-with classifier-free guidance: B = 2) the modulation stays one Mul and one Add over (B, S, D) --
-the ``1 + scale`` is on (B, D), negligible -- and the gated residual ``x + gate * y`` keeps its Mul
-over (B, S, D) in every case (the Add goes into the next SkipLayerNormalization).
+What stays elementwise: the gated residual ``x + gate * y`` keeps its Mul over (B, S, D) (the Add
+goes into the next norm); a per-sample modulation of an x of another rank (reported).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from onnxopt.pass_infra import OrtFusion
 from onnxopt.pattern import Literal, Match, OneOf, Pattern, Var, constant_value, is_constant, op
 from onnxopt.pattern.tensor_facts import normalize_axis, rank_of, shape_of, static_dim, static_ints
 from onnxopt.registry import register_pass
+from onnxopt.weights import numpy_dtype
 
 ONE = Literal(1.0, rtol=0, atol=0)
 
@@ -47,8 +51,8 @@ def modulated_layer_norm(x, scale, shift, gamma, beta=Var("beta", optional=True)
 
 ADALN_MODULATION = Pattern(modulated_layer_norm, name="adaln-modulation")
 
-PER_SAMPLE = ("per-sample modulation stays elementwise (a Mul and an Add over (B, S, D)): ONNX Runtime's "
-              "LayerNormalization/SkipLayerNormalization take one scale and shift per channel")
+PER_SAMPLE = ("per-sample modulation stays elementwise (a Mul and an Add): ONNX Runtime's LayerNormalization "
+              "takes a per-sample scale and shift only as (B, 1, D) against an x of (B, S, D)")
 
 
 def check(match: Match, run: FusionRun) -> Match:
@@ -71,31 +75,40 @@ def check(match: Match, run: FusionRun) -> Match:
         shape = shape_of(match[name])
         if shape is None or len(shape) != 2 or shape[1] != d:
             raise Refusal(f"{name} has shape {shape}, not (B, {d})", not_a_site=True)
-    batch = static_dim(match["scale"], 0)
-    if batch != 1 or static_dim(match["shift"], 0) != 1:
+    if _per_sample(match) and rank != 3:
         run.details["stays_elementwise"] += 1
-        dim = shape_of(match["scale"])[0]
-        batch = f"batch {dim}" if isinstance(dim, int) else f"batch dim {dim!r} not statically 1"
-        raise Refusal(f"{PER_SAMPLE} ({batch})")
+        raise Refusal(f"{PER_SAMPLE} (x has rank {rank})")
     return match
+
+
+def _per_sample(match: Match) -> bool:
+    """Whether scale and shift differ per sample: a batch other than a static 1."""
+    return not (static_dim(match["scale"], 0) == 1 and static_dim(match["shift"], 0) == 1)
 
 
 def emit(make: Emit, match: Match) -> list[gs.Tensor]:
     ln, x, scale, shift = match.node("ln"), match["x"], match["scale"], match["shift"]
     d = static_dim(x, -1)
+    one = make.constant("one", np.ones((), dtype=numpy_dtype(scale.dtype)))
+    attrs = {k: ln.attrs[k] for k in ("epsilon", "stash_type") if k in ln.attrs}
+    if _per_sample(match):  # (B, 1, D) against x (B, S, D), axis 2
+        rows = make.constant("axis_1", np.array([1], np.int64))
+        batch_shape = [shape_of(scale)[0], 1, d]
+        scale_rows = make.op.Unsqueeze(scale, rows, _shape=batch_shape)
+        gamma = make.op.Add(scale_rows, one, _shape=batch_shape, _label="gamma")
+        beta = make.op.Unsqueeze(shift, rows, _shape=batch_shape, _label="beta")
+        return [make.op.LayerNormalization(x, gamma, beta, axis=2, _shape=x.shape, **attrs)]
     channels = make.constant("channels", np.array([d], np.int64))
-    one = make.constant("one", np.ones((), dtype=np.dtype(scale.dtype)))
     gamma = make.op.Reshape(make.op.Add(scale, one, _shape=scale.shape), channels, _shape=[d], _label="gamma")
     beta = make.op.Reshape(shift, channels, _shape=[d], _label="beta")
-    attrs = {k: ln.attrs[k] for k in ("epsilon", "stash_type") if k in ln.attrs}
     return [make.op.LayerNormalization(x, gamma, beta, axis=-1, _shape=x.shape, **attrs)]
 
 
 @register_pass
 class FuseAdaLnModulation(Fusion, OrtFusion):
     name = "fuse-adaln-modulation"
-    description = ("fold AdaLN's norm(x) * (1 + scale) + shift into the LayerNorm's gamma/beta at batch 1; "
-                   "report the per-sample modulations that stay elementwise")
+    description = ("fold AdaLN's norm(x) * (1 + scale) + shift into the LayerNorm's scale/bias: (D,) at "
+                   "batch 1, (B, 1, D) with axis 2 at other batches")
     rules = (Rule(ADALN_MODULATION, check, emit),)
 
     def finish(self, run: FusionRun) -> None:

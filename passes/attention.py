@@ -94,7 +94,7 @@ from onnxopt.pattern import (Const, Match, Maybe, OneOf, OpBuilder, Pattern, Var
                              constant_value, is_constant, reads_only_shape)
 from onnxopt.pattern.dims import Dim, Dims, same, text
 from onnxopt.registry import register_pass
-from onnxopt.weights import DerivedValues, read_uncached, stored_values
+from onnxopt.weights import DerivedValues, numpy_dtype, read_uncached, stored_values
 
 
 class _ReadForShape(OpBuilder):
@@ -378,8 +378,8 @@ def _bias_rank(mask: gs.Tensor, dims: Dims, *, rank, seq_q, seq_k, batch, heads,
         for d, ok in zip(leading, allowed):
             if not (same(d, Dim(1)) or any_same(d, ok)):
                 raise Refusal(f"mask '{mask.name}' has shape {text(shape)}, not (B or 1, N or 1, S, L)")
-    if mask.dtype is not None and np.dtype(mask.dtype) != dtype:
-        raise Refusal(f"mask '{mask.name}' is {np.dtype(mask.dtype)}, the attention {dtype}")
+    if mask.dtype is not None and numpy_dtype(mask.dtype) != dtype:
+        raise Refusal(f"mask '{mask.name}' is {numpy_dtype(mask.dtype)}, the attention {dtype}")
     return len(shape)
 
 
@@ -455,7 +455,7 @@ def check_heads_site(graph: gs.Graph, m: Match, dims: Dims) -> HeadsSite:
     axis = m.attrs["axis"]
     if axis not in (-1, 3):
         raise Refusal(f"Softmax over axis {axis}, not the key axis")
-    dtype = np.dtype(m["q"].dtype) if m["q"].dtype is not None else None
+    dtype = numpy_dtype(m["q"].dtype) if m["q"].dtype is not None else None
     _check_casts(m, dtype or np.dtype(np.float32))
     scale = _scale(m, h)
     causal, bias, mask_rank = _mask(graph, m, dims, cross=True, rank=4, seq_q={q[2]}, seq_k={k[2]}, batch={q[0]},
@@ -754,7 +754,7 @@ def _site_name(m: Match) -> str:
 def _dtype(constant: gs.Tensor) -> np.dtype:
     """A constant's dtype, without loading an initializer's data."""
     if isinstance(constant, gs.Constant):
-        return np.dtype(constant.dtype)
+        return numpy_dtype(constant.dtype)
     return constant_value(constant).dtype
 
 

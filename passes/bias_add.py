@@ -30,6 +30,7 @@ from onnxopt.pass_infra import OrtFusion
 from onnxopt.pattern import Const, Match, Pattern, constant_shape, op
 from onnxopt.pattern.tensor_facts import dims_agree, dims_conflict, rank_of, shape_of, static_dim
 from onnxopt.registry import register_pass
+from onnxopt.weights import numpy_dtype
 
 KERNEL_DTYPES = (np.dtype(np.float32), np.dtype(np.float16))
 LAYER_NORMS = ("LayerNormalization", "SkipLayerNormalization", "SimplifiedLayerNormalization", "SkipSimplifiedLayerNormalization")
@@ -60,8 +61,8 @@ def check(match: Match, run: FusionRun) -> Match:
     if any(dims_conflict(a, b) for a, b in zip(shape_of(product), shape_of(skip))):
         raise Refusal(f"{shape_of(product)} + {shape_of(skip)} broadcasts; BiasAdd needs skip of the input's shape")
     dtype = product.dtype
-    if dtype is not None and np.dtype(dtype) not in KERNEL_DTYPES:
-        raise Refusal(f"dtype {np.dtype(dtype)}; the CUDA kernel takes float32 and float16")
+    if dtype is not None and numpy_dtype(dtype) not in KERNEL_DTYPES:
+        raise Refusal(f"dtype {numpy_dtype(dtype)}; the CUDA kernel takes float32 and float16")
     run.details["dims_assumed_equal"] += not all(dims_agree(a, b) for a, b in zip(shape_of(product), shape_of(skip)))
     return match
 

@@ -41,7 +41,7 @@ from onnxopt.pass_infra import CONSTANTS_FOLDED, SHAPES_INFERRED, SLICES_AS_SPLI
 from onnxopt.pattern import Const, Match, OneOf, Pattern, constant_shape, constant_value, is_constant, op
 from onnxopt.pattern.tensor_facts import normalize_axis, rank_of, shape_of, static_dim, static_ints
 from onnxopt.registry import register_pass
-from onnxopt.weights import DerivedValues, stored_values
+from onnxopt.weights import DerivedValues, numpy_dtype, stored_values
 
 # ORT 1.31.1's CUDA kernel, run on an H100: "hidden size should be 2560, 5120, 6144, 10240 or 12288".
 CUDA_HIDDEN_SIZES = (2560, 5120, 6144, 10240, 12288)
@@ -75,7 +75,7 @@ class SlicesToSplit(Pass):
         result = PassResult(modified=False)
         names = NameAuthority(graph)
         for data in _tensors_sliced_twice(graph):
-            if data.dtype is None or not np.issubdtype(np.dtype(data.dtype), np.floating):
+            if data.dtype is None or not np.issubdtype(numpy_dtype(data.dtype), np.floating):
                 continue  # shape plumbing (int64 vectors) stays as the exporter wrote it
             by_axis: dict[int, list[tuple[int, int, gs.Node]]] = {}
             for node in [c for c in data.outputs if c.op == "Slice" and is_standard(c) and c.inputs[0] is data]:
@@ -202,8 +202,8 @@ def check(match: Match, run: FusionRun) -> Match:
     if reason is not None:
         raise Refusal(reason)
     dtype = h.dtype if h.dtype is not None else match["x"].dtype
-    if dtype is not None and np.dtype(dtype) not in KERNEL_DTYPES:
-        raise Refusal(f"dtype {np.dtype(dtype)}; the CUDA kernel takes float32 and float16")
+    if dtype is not None and numpy_dtype(dtype) not in KERNEL_DTYPES:
+        raise Refusal(f"dtype {numpy_dtype(dtype)}; the CUDA kernel takes float32 and float16")
     if run.fusion.check_kernel_sizes and d not in CUDA_HIDDEN_SIZES:
         raise Refusal(f"hidden size {d} is not one ORT's CUDA kernel implements {CUDA_HIDDEN_SIZES}")
     if match.pattern is GEGLU_GATING_LEFT:

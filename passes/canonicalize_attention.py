@@ -64,6 +64,7 @@ from onnxopt.pass_infra import ATTENTION_CANONICAL, CONSTANTS_FOLDED, SHAPES_INF
 from onnxopt.pattern import Const, Match, OneOf, Pattern, Tracer, Var, constant_value, is_constant, op, replace
 from onnxopt.pattern.dims import Dim, Dims, same, same_dims, text
 from onnxopt.registry import register_pass
+from onnxopt.weights import numpy_dtype
 
 
 FLOAT_TYPES = {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16, onnx.TensorProto.DOUBLE}
@@ -187,7 +188,7 @@ def rewrite_onnx_attention(graph: gs.Graph, m: Match, dims: Dims, names: NameAut
         _check_causal_lowering(q_shape, k_shape, mask)
     if mask is not None:
         mask_shape = dims.shape(mask)
-        boolean = mask.dtype is not None and np.dtype(mask.dtype) == np.bool_
+        boolean = mask.dtype is not None and numpy_dtype(mask.dtype) == np.bool_
         if boolean and not keeps_causal(graph, mask, dims, {q_shape[2], k_shape[2]}):
             raise Refusal(f"attn_mask '{mask.name}' is boolean and not proven causal (a fully masked row is 0 in Attention, NaN in Softmax)")
         if mask_shape is None or not mask_shape or not same(mask_shape[-1], k_shape[2]):
@@ -280,7 +281,7 @@ def _additive_mask(mask: gs.Tensor, dtype: np.dtype, make: Emit) -> gs.Tensor:
 def _float_dtype(t: gs.Tensor) -> np.dtype | None:
     if t.dtype is None:
         return None
-    dtype = np.dtype(t.dtype)
+    dtype = numpy_dtype(t.dtype)
     return dtype if onnx.helper.np_dtype_to_tensor_dtype(dtype) in FLOAT_TYPES else None
 
 

@@ -19,6 +19,7 @@ from onnxopt.graph_edit import detach, is_standard, redirect_consumers
 from onnxopt.model import Model
 from onnxopt.pass_infra import CONSTANTS_FOLDED, SHAPES_INFERRED, Pass, PassResult
 from onnxopt.registry import register_pass
+from onnxopt.weights import numpy_dtype
 
 _T = onnx.TensorProto
 # Exactly representable widenings (numpy's "safe" casting is not enough: it calls int64 -> float64 safe).
@@ -43,7 +44,7 @@ def onnx_type_of(tensor: gs.Tensor) -> int | None:
     if isinstance(dtype, int):
         return dtype
     try:
-        return onnx.helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
+        return onnx.helper.np_dtype_to_tensor_dtype(numpy_dtype(dtype))
     except (KeyError, TypeError, ValueError):
         return None
 

@@ -85,6 +85,7 @@ from onnxopt.pass_infra import SHAPES_INFERRED, Pass, PassResult
 from onnxopt.registry import register_pass
 from onnxopt.pattern.constants import constant_shape, constant_value, is_constant
 from onnxopt.pattern.dims import Dim, Dims
+from onnxopt.weights import numpy_dtype
 
 DUP, FREE, FULL = "duplicated", "free", "full"
 # The full batch of the tensors the pass halves, as a symbol of :class:`Dim`: an element of a shape
@@ -484,7 +485,7 @@ class _HalfBatch:
             self.halved[id(t)] = self.half_shape_of[id(t)]
             return self.halved[id(t)]
         make = Emit(self.graph, self.names, f"{PREFIX}/{t.name}")
-        mask = np.ones(len(tags), dtype=np.dtype(t.dtype) if t.dtype is not None else np.int64)
+        mask = np.ones(len(tags), dtype=numpy_dtype(t.dtype) if t.dtype is not None else np.int64)
         mask[0] = 2
         if is_constant(t):
             value = constant_value(t)

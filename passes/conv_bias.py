@@ -38,6 +38,7 @@ from onnxopt.pass_infra import OrtFusion, PassResult
 from onnxopt.pattern import constant_value, is_constant
 from onnxopt.pattern.tensor_facts import dims_conflict, rank_of, shape_of
 from onnxopt.registry import register_pass
+from onnxopt.weights import numpy_dtype
 
 KERNEL_DTYPES = (np.dtype(np.float32), np.dtype(np.float16))
 
@@ -144,8 +145,8 @@ def _bias_add_refusal(y: gs.Tensor, add: gs.Node) -> str | None:
         return f"operands of shapes {shape_of(y)} and {shape_of(r)}; the NHWC residual form is 4-D"
     if any(dims_conflict(a, b) for a, b in zip(shape_of(y), shape_of(r))):
         return f"{shape_of(y)} + {shape_of(r)} broadcasts; BiasAdd needs operands of one shape"
-    if y.dtype is not None and np.dtype(y.dtype) not in KERNEL_DTYPES:
-        return f"dtype {np.dtype(y.dtype)}; the CUDA kernel takes float32 and float16"
+    if y.dtype is not None and numpy_dtype(y.dtype) not in KERNEL_DTYPES:
+        return f"dtype {numpy_dtype(y.dtype)}; the CUDA kernel takes float32 and float16"
     return None
 
 

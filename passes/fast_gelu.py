@@ -32,6 +32,7 @@ from onnxopt.pass_infra import OrtFusion
 from onnxopt.pattern import Const, Literal, Match, OneOf, Pattern, op
 from onnxopt.pattern.tensor_facts import rank_of, shape_of, static_dim
 from onnxopt.registry import register_pass
+from onnxopt.weights import numpy_dtype
 
 SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 CUBIC = 0.044715
@@ -110,8 +111,8 @@ class FuseFastGelu(Fusion, OrtFusion):
 
 
 def _check_float(x: gs.Tensor) -> None:
-    if x.dtype is not None and np.dtype(x.dtype).kind != "f" and str(np.dtype(x.dtype)) != "bfloat16":
-        raise Refusal(f"the GELU's input has type {np.dtype(x.dtype)}; FastGelu takes float types")
+    if x.dtype is not None and numpy_dtype(x.dtype).kind != "f" and str(numpy_dtype(x.dtype)) != "bfloat16":
+        raise Refusal(f"the GELU's input has type {numpy_dtype(x.dtype)}; FastGelu takes float types")
 
 
 __all__ = ["BIASED_TANH_GELU", "TANH_GELU", "FuseFastGelu"]

@@ -14,6 +14,11 @@ Weights are never loaded to fold them: a node that reads an externally stored co
 more is excluded (exporters do not emit foldable work on weights in SD graphs, and loading a
 3.4 GB UNet to find that out would defeat lazy loading). Small external constants (dynamo stores
 even shape vectors externally) are read so they can take part.
+
+The folder evaluates with ONNX Runtime's CPU build, which has no bfloat16 kernels for most ops: a
+node that would need one stays computed at run time and is reported as refused. (Left in,
+graphsurgeon's "basic" partitioning retries a failing partition unchanged and recurses without
+bound.)
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from onnxopt.fusion import Emit, NameAuthority
 from onnxopt.graph_edit import detach, is_standard, replace_output
 from onnxopt.model import Model
 from onnxopt.pass_infra import CONSTANTS_FOLDED, Pass, PassResult
-from onnxopt.properties import FOLD_SIZE_THRESHOLD
+from onnxopt.properties import FOLD_SIZE_THRESHOLD, needs_bfloat16_kernel
 from onnxopt.registry import register_pass
 from onnxopt.weights import constant_nbytes, is_external, read_uncached, store_values
 
@@ -52,6 +57,7 @@ class FoldConstants(Pass):
         split = split_ranged_shapes(graph)
         load_small_external_constants(model)
         before = len(graph.nodes)
+        result = PassResult(modified=False)
         severity = G_LOGGER.severity
         G_LOGGER.severity = max(severity, G_LOGGER.ERROR)  # graphsurgeon logs every partition it tries
         quiet_onnxruntime()  # and the sessions it folds with warn about their own graph optimizations
@@ -66,19 +72,26 @@ class FoldConstants(Pass):
                     partitioning="basic",
                     error_ok=True,
                     size_threshold=self.size_threshold,
-                    should_exclude_node=reads_large_external_weight,
+                    should_exclude_node=excluded_from_folding,
                 )
                 graph.cleanup(remove_unused_graph_inputs=False)
+                fold_bfloat16_on_reference(graph, self.size_threshold)
                 if len(graph.nodes) == count:
                     break
         finally:
             G_LOGGER.severity = severity
+        for node in graph.nodes:
+            if needs_bfloat16_kernel(node) and _reads_constants_only(node):
+                result.refuse(node.name or node.op, "bfloat16: neither ONNX Runtime's CPU build nor the reference evaluator folds it")
         folded = before - len(graph.nodes)
         rejoined = join_ranged_shapes(graph, split)
         graph.cleanup(remove_unused_graph_inputs=False).toposort()
         # Net nodes removed, not counting the temporary Slices of the Shape(start, end) workaround.
         removed = folded + rejoined - len(split)
-        return PassResult(modified=removed > 0, sites_matched=removed, sites_rewritten=removed)
+        result.modified = removed > 0
+        result.sites_rewritten = removed
+        result.sites_matched = removed + len(result.refused)
+        return result
 
 
 def quiet_onnxruntime() -> None:
@@ -145,3 +158,54 @@ def load_small_external_constants(model: Model) -> None:
 
 def reads_large_external_weight(node: gs.Node) -> bool:
     return any(isinstance(t, gs.Constant) and is_external(t) for t in node.inputs)
+
+
+def excluded_from_folding(node: gs.Node) -> bool:
+    return reads_large_external_weight(node) or needs_bfloat16_kernel(node)
+
+
+def fold_bfloat16_on_reference(graph: gs.Graph, size_threshold: int) -> None:
+    """Evaluate the nodes graphsurgeon's folder leaves for want of a bfloat16 CPU kernel (an
+    attention scale computed from a shape, cast to bfloat16) one by one on onnx.reference, in
+    order, so that what they feed folds too; a node it cannot evaluate stays."""
+    from onnx import helper
+    from onnx.reference import ReferenceEvaluator
+
+    from onnxopt.pattern import constant_value
+
+    opset = graph.opset
+    for node in graph.toposort().nodes:
+        if not (needs_bfloat16_kernel(node) and _reads_constants_only(node)) or node.domain not in ("", "ai.onnx", None):
+            continue
+        if any(isinstance(v, gs.Graph) for v in node.attrs.values()) or reads_large_external_weight(node):
+            continue
+        inputs = [t for t in node.inputs if t.name]
+        try:
+            feeds = {t.name: constant_value(t) for t in inputs}
+            proto = helper.make_model(
+                helper.make_graph([gs.export_onnx(gs.Graph(nodes=[node], inputs=[], outputs=list(node.outputs), opset=opset),
+                                                  do_type_check=False).graph.node[0]], "fold",
+                                  [helper.make_tensor_value_info(t.name, helper.np_dtype_to_tensor_dtype(v.dtype), v.shape)
+                                   for t, v in zip(inputs, feeds.values())],
+                                  [helper.make_empty_tensor_value_info(t.name) for t in node.outputs]),
+                opset_imports=[helper.make_opsetid("", opset)])
+            values = ReferenceEvaluator(proto).run(None, feeds)
+        except Exception:  # an op the reference evaluator lacks, or a value it cannot type: leave it
+            continue
+        if any(np.asarray(v).nbytes > size_threshold for v in values):
+            continue
+        for out, value in zip(list(node.outputs), values):
+            constant = gs.Constant(out.name, np.asarray(value))
+            for consumer in list(out.outputs):
+                for i, t in enumerate(consumer.inputs):
+                    if t is out:
+                        consumer.inputs[i] = constant
+            graph.outputs[:] = [constant if t is out else t for t in graph.outputs]
+        node.outputs.clear()
+        node.inputs.clear()
+    graph.cleanup(remove_unused_graph_inputs=False)
+
+
+def _reads_constants_only(node: gs.Node) -> bool:
+    inputs = [t for t in node.inputs if t.name]
+    return bool(inputs) and all(isinstance(t, gs.Constant) for t in inputs)

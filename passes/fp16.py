@@ -85,6 +85,7 @@ from onnxopt.precision import (
     tensor_errors,
 )
 from onnxopt.registry import register_pass
+from onnxopt.verify import BFLOAT16_TOLERANCE
 from onnxopt.weights import DerivedValues, constant_nbytes, read_uncached, store_values, stored_values
 
 LOW, F32, BOTH = "low", "float32", "both"
@@ -104,8 +105,7 @@ class Fp16Pass(Pass):
     name = "fp16"
     # --verify compares fp16 results with the fp32 source: half precision's rounding is expected.
     verify_tolerance = (2e-2, 2e-2)
-    # bfloat16 keeps 8 bits of mantissa to float16's 11: its rounding is 8 times coarser, allowed 4 times.
-    BFLOAT16_VERIFY_TOLERANCE = (8e-2, 8e-2)
+    BFLOAT16_VERIFY_TOLERANCE = (BFLOAT16_TOLERANCE.atol, BFLOAT16_TOLERANCE.rtol)
     description = "float32 -> float16/bfloat16 with per-input schema typing, forced-fp32 nodes, safe masks, lazy weights"
     requires = frozenset({SHAPES_INFERRED})
     preserves = frozenset({SHAPES_INFERRED, CONSTANTS_FOLDED})

@@ -60,7 +60,7 @@ from onnxopt.pass_infra import CONSTANTS_FOLDED, SHAPES_INFERRED, OrtFusion
 from onnxopt.pattern import Match, Pattern, constant_shape, constant_value, is_constant, op
 from onnxopt.pattern.tensor_facts import shape_of, static_dims
 from onnxopt.registry import register_pass
-from onnxopt.weights import DerivedValues
+from onnxopt.weights import DerivedValues, numpy_dtype
 
 try:  # float8 arrays: ml_dtypes (onnx >= 1.18 depends on it)
     from ml_dtypes import float8_e4m3fn as FLOAT8E4M3FN
@@ -94,15 +94,15 @@ class Fp8Site:
 
 def check(match: Match, run: FusionRun) -> Fp8Site:
     x, w = match["x"], match["w"]
-    if x.dtype is None or np.dtype(x.dtype) != FLOAT16:
-        raise Refusal(f"x is {np.dtype(x.dtype) if x.dtype is not None else 'of unknown type'}, not float16 "
+    if x.dtype is None or numpy_dtype(x.dtype) != FLOAT16:
+        raise Refusal(f"x is {numpy_dtype(x.dtype) if x.dtype is not None else 'of unknown type'}, not float16 "
                       "(run fp8-linear after fp16)")
     if not is_constant(w):
         raise Refusal("the weight is not a constant (FP8 weights are quantized offline)")
     w_shape = constant_shape(w)
     if len(w_shape) != 2:
         raise Refusal(f"the weight has shape {list(w_shape)}, not (K, N)")
-    if w.dtype is None or np.dtype(w.dtype) != FLOAT16:
+    if w.dtype is None or numpy_dtype(w.dtype) != FLOAT16:
         raise Refusal(f"the weight is {w.dtype}, not float16")
     k, n = (int(d) for d in w_shape)
     dims = static_dims(x)

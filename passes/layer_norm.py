@@ -29,6 +29,7 @@ from onnxopt.pass_infra import CONSTANTS_FOLDED, SHAPES_INFERRED
 from onnxopt.pattern import Const, Literal, Match, OneOf, Pattern, constant_shape, op
 from onnxopt.pattern.tensor_facts import rank_of, static_dim
 from onnxopt.registry import register_pass
+from onnxopt.weights import numpy_dtype
 
 
 def normalized(x, eps=Const()):
@@ -64,7 +65,7 @@ def emit_layer_norm(make: Emit, match: Match) -> list[gs.Tensor]:
     if "gamma" in match:
         gamma, beta = per_channel(make, match["gamma"], d), per_channel(make, match["beta"], d)
     else:  # no affine: scale 1, no bias
-        gamma, beta = make.constant("ones", np.ones(d, dtype=np.dtype(match["x"].dtype))), None
+        gamma, beta = make.constant("ones", np.ones(d, dtype=numpy_dtype(match["x"].dtype))), None
     eps = float(match.value("eps").reshape(-1)[0])
     return [make.op.LayerNormalization(match["x"], gamma, beta, axis=-1, epsilon=eps)]
 

@@ -20,6 +20,7 @@ from onnxopt.model import Model
 from onnxopt.pass_infra import CONSTANTS_FOLDED, SHAPES_INFERRED, Pass, PassResult
 from onnxopt.pattern import constant_shape, constant_value, is_constant
 from onnxopt.registry import register_pass
+from onnxopt.weights import numpy_dtype
 
 # op -> (identity element, positions of x the identity may stand on the other side of)
 IDENTITIES = {"Mul": (1.0, (0, 1)), "Add": (0.0, (0, 1)), "Div": (1.0, (0,)), "Sub": (0.0, (0,))}
@@ -72,4 +73,4 @@ def _keeps_shape_and_type(x, c) -> bool:
     c_shape = constant_shape(c)
     if x.shape is None or len(c_shape) > len(x.shape) or any(d != 1 for d in c_shape):
         return False
-    return x.dtype is not None and np.dtype(x.dtype) == constant_value(c).dtype
+    return x.dtype is not None and numpy_dtype(x.dtype) == constant_value(c).dtype

@@ -71,7 +71,7 @@ from onnxopt.pass_infra import CONSTANTS_FOLDED, SHAPES_INFERRED, Pass, PassResu
 from onnxopt.pattern import Const, Pattern, Var, constant_shape, constant_value, is_constant, op
 from onnxopt.pattern.tensor_facts import normalize_axis, rank_of, static_dim, static_ints
 from onnxopt.registry import register_pass
-from onnxopt.weights import DerivedValues, read_uncached, stored_values
+from onnxopt.weights import DerivedValues, numpy_dtype, read_uncached, stored_values
 
 
 def gemm(x, w, c=Var("c", optional=True)):
@@ -390,7 +390,7 @@ def _read(tensor: gs.Tensor) -> np.ndarray:
 
 def _dtype(tensor: gs.Tensor) -> np.dtype:
     if isinstance(tensor, gs.Constant):
-        return np.dtype(tensor.dtype)
+        return numpy_dtype(tensor.dtype)
     return constant_value(tensor).dtype  # a Constant node's value
 
 

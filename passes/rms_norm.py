@@ -39,6 +39,7 @@ from onnxopt.pass_infra import CONSTANTS_FOLDED, SHAPES_INFERRED, OrtFusion
 from onnxopt.pattern import Const, Literal, Match, Maybe, OneOf, Pattern, constant_shape, op
 from onnxopt.pattern.tensor_facts import normalize_axis, rank_of, static_dim
 from onnxopt.registry import register_pass
+from onnxopt.weights import numpy_dtype
 
 FLOAT = TensorProto.FLOAT
 
@@ -103,7 +104,7 @@ def emit_decomposed(make: Emit, match: Match) -> list[gs.Tensor]:
     if "gamma" in match:
         gamma = per_channel(make, match["gamma"], d)
     else:
-        gamma = make.constant("ones", np.ones(d, dtype=np.dtype(x.dtype)))
+        gamma = make.constant("ones", np.ones(d, dtype=numpy_dtype(x.dtype)))
     eps = float(match.value("eps").reshape(-1)[0])
     return [_simplified_layer_norm(make, x, gamma, eps)]
 
@@ -145,7 +146,7 @@ def _decomposed_refusal(match: Match) -> str | None:
         return "epsilon is not a single value"
     if d is None:
         return "the normalized (last) dim is not static"
-    dtype = None if x.dtype is None else np.dtype(x.dtype)
+    dtype = None if x.dtype is None else numpy_dtype(x.dtype)
     if dtype is not None and dtype.kind != "f" and str(dtype) != "bfloat16":
         return f"x has type {dtype}, not a float type"
     if match.has_node("downcast"):
@@ -159,8 +160,8 @@ def _decomposed_refusal(match: Match) -> str | None:
         if reason is not None:
             return reason
         gamma_type = match["gamma"].dtype
-        if gamma_type is not None and dtype is not None and np.dtype(gamma_type) != dtype:
-            return f"gamma has type {np.dtype(gamma_type)}, x {dtype}: the kernel takes one type"
+        if gamma_type is not None and dtype is not None and numpy_dtype(gamma_type) != dtype:
+            return f"gamma has type {numpy_dtype(gamma_type)}, x {dtype}: the kernel takes one type"
     return None
 
 

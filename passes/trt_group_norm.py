@@ -58,6 +58,7 @@ from onnxopt.opset_upgrade import OPSET_21, opset_upgrade_refusal, upgrade_to_op
 from onnxopt.pass_infra import CONSTANTS_FOLDED, SHAPES_INFERRED
 from onnxopt.pattern import Match, Pattern
 from onnxopt.registry import register_pass
+from onnxopt.weights import numpy_dtype
 
 TARGET_OPSET = OPSET_21  # GroupNormalization-21: scale and bias per channel
 
@@ -85,7 +86,7 @@ def read_groups(match: Match) -> tuple[int, int, float]:
 
 
 def float_dtype(x: gs.Tensor) -> np.dtype:
-    return np.dtype(x.dtype) if x.dtype is not None else np.dtype(np.float32)
+    return numpy_dtype(x.dtype) if x.dtype is not None else np.dtype(np.float32)
 
 
 # ---------------------------------------------------------------- the site and what it writes

@@ -41,7 +41,7 @@ class ExportedModel:
 
 @pytest.fixture(scope="session")
 def export_tiny(tmp_path_factory):
-    """export_tiny(family, exporter="torchscript", shapes="dynamic", attention="sdpa", opset=None) -> ExportedModel.
+    """export_tiny(family, exporter="torchscript", shapes="dynamic", attention="sdpa", opset=None, dtype=None) -> ExportedModel.
 
     Exports a tiny model from models/ once per test session (several test files share them);
     ``opset`` None is the exporter's default (models.OPSET_VARIANTS name others).
@@ -51,8 +51,8 @@ def export_tiny(tmp_path_factory):
     root = tmp_path_factory.mktemp("exports")
 
     def get(family: str, exporter: str = "torchscript", shapes: str = "dynamic", attention: str = "sdpa",
-            opset: int | None = None) -> ExportedModel:
-        key = (family, exporter, shapes, attention) + ((f"opset{opset}",) if opset else ())
+            opset: int | None = None, dtype: str | None = None) -> ExportedModel:
+        key = (family, exporter, shapes, attention) + ((f"opset{opset}",) if opset else ()) + ((dtype,) if dtype else ())
         if key not in cache:
             pytest.importorskip("torch", reason="exporting models needs torch (pip install -e '.[models]')")
             pytest.importorskip("diffusers", reason="exporting models needs diffusers")
@@ -60,7 +60,9 @@ def export_tiny(tmp_path_factory):
             from models import build
             from models.export import export
 
-            built = build(family, size="tiny", attention=attention)
+            import torch
+
+            built = build(family, size="tiny", attention=attention, **({"dtype": getattr(torch, dtype)} if dtype else {}))
             folder = root / "-".join(key)
             path = folder / f"{family}.onnx"
             export(built, path, exporter=exporter, shapes=shapes, opset=opset)

@@ -11,8 +11,8 @@ default opset, and opset 23 where RMSNorm is ONNX RMSNormalization), ``ort-cuda`
   residual Add feeds it; no Pow, ReduceMean, Sqrt or RMSNormalization is left;
 * both tanh GELUs are FastGelu (the FeedForward's bias folded in); T5's gate Mul stays;
 * the two AdaLN modulation Linears of one time embedding are one Gemm, their chunks one Split;
-* at batch 2 both AdaLN modulations stay elementwise (reported); at batch 1 they are the
-  LayerNorm's gamma and beta;
+* at batch 1 both AdaLN modulations are the LayerNorm's gamma and beta (D,); at batch 2 its
+  scale and bias of shape (B, 1, D), axis 2 (no modulation Mul or Add is left);
 * the fused graph computes what the export does (ORT CPU, which has kernels for all three ops),
   and in bfloat16 / float16 within tolerance (onnxopt's reference kernels in that arithmetic).
 
@@ -130,8 +130,11 @@ def test_every_rms_norm_and_tanh_gelu_of_the_dit_pieces_is_fused_and_computes_th
     assert result_of(report, "fuse-parallel-gemm").details == {"groups": 1, "members": 2, "from_matmul": 0, "splits_folded": 2}
     [split] = [n for n in model.graph.nodes if n.op == "Split" and n.inputs[0].inputs[0].op == "Gemm"]
     assert len(split.outputs) == 6 + 2
-    # batch 2: both AdaLN modulations are per sample; ORT's norms take one scale per channel
-    assert result_of(report, "fuse-adaln-modulation").details["stays_elementwise"] == 2
+    # batch 2: both AdaLN modulations are per sample: the LayerNorm's (B, 1, D) scale and bias, axis 2
+    result = result_of(report, "fuse-adaln-modulation")
+    assert (result.sites_rewritten, result.details["stays_elementwise"]) == (2, 0)
+    modulated = [n for n in model.graph.nodes if n.op == "LayerNormalization" and n.attrs.get("axis") == 2]
+    assert len(modulated) == 2 and all(list(n.inputs[1].shape) == [2, 1, D] for n in modulated), modulated
     assert_same_computation(str(source), model, inputs=INPUTS, atol=1e-4, rtol=1e-3)
 
 
@@ -269,6 +272,42 @@ def test_a_layer_norm_without_affine_becomes_layer_normalization_and_the_modulat
     model, _ = optimize(source, ["fuse-layer-norm"])
     assert op_counts(model) == {"LayerNormalization": 1, "Mul": 1}
     assert_same_computation(source, model, atol=1e-5)
+
+
+def _modulated_layer_norm(x_shape):
+    """LayerNormalization(x) * (1 + Unsqueeze(scale, 1)) + Unsqueeze(shift, 1), scale/shift (B, 8) inputs."""
+    batch = x_shape[0]
+    nodes = [
+        helper.make_node("LayerNormalization", ["x", "ones"], ["n"], axis=-1, epsilon=1e-6),
+        helper.make_node("Unsqueeze", ["scale", "axis1"], ["scale_u"]), helper.make_node("Add", ["scale_u", "one"], ["g"]),
+        helper.make_node("Mul", ["n", "g"], ["ng"]), helper.make_node("Unsqueeze", ["shift", "axis1"], ["shift_u"]),
+        helper.make_node("Add", ["ng", "shift_u"], ["y"]),
+    ]
+    inits = [numpy_helper.from_array(np.ones(8, np.float32), "ones"), numpy_helper.from_array(np.float32(1.0), "one"),
+             numpy_helper.from_array(np.array([1], np.int64), "axis1")]
+    inputs = [helper.make_tensor_value_info(n, FLOAT, shape) for n, shape in
+              (("x", x_shape), ("scale", [batch, 8]), ("shift", [batch, 8]))]
+    graph = helper.make_graph(nodes, "g", inputs, [helper.make_tensor_value_info("y", FLOAT, None)], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_a_per_sample_modulation_of_a_dynamic_batch_is_the_layer_norms_batched_scale_and_bias():
+    """A batch that is not statically 1: scale and bias (B, 1, D), axis 2, checked at batch 3."""
+    source = _modulated_layer_norm(["B", "S", 8])
+    model, report = optimize(source, ["fuse-adaln-modulation"])
+    assert result_of(report, "fuse-adaln-modulation").sites_rewritten == 1
+    [ln] = [n for n in model.graph.nodes if n.op == "LayerNormalization"]
+    assert ln.attrs["axis"] == 2 and "Mul" not in op_counts(model), op_counts(model)
+    three = InputSpec(shapes={"x": (3, 5, 8), "scale": (3, 8), "shift": (3, 8)})
+    assert_same_computation(source, model, inputs=three, atol=1e-5)
+
+
+def test_a_per_sample_modulation_of_a_rank_four_x_stays_elementwise():
+    """ONNX Runtime broadcasts a per-sample scale only against a rank-3 x: a (B, H, S, D) one keeps its Mul and Add."""
+    source = _modulated_layer_norm([2, 2, 5, 8])
+    model, report = optimize(source, ["fuse-adaln-modulation"])
+    assert result_of(report, "fuse-adaln-modulation").details["stays_elementwise"] == 1
+    assert {"Mul", "Add"} <= set(op_counts(model))
 
 
 @pytest.mark.parametrize("op", ["SimplifiedLayerNormalization", "SkipSimplifiedLayerNormalization"])

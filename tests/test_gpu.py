@@ -61,6 +61,11 @@ def cases():
         "SkipLayerNormalization", {"input": rand(rng, n * s, 1, d), "skip": np.zeros((1, d), F16), "gamma": rand(rng, d),
                                    "beta": rand(rng, d), "bias": rand(rng, d)}, ["output", "", "", "sum"], epsilon=1e-5)
 
+    # the AdaLN modulation per sample (fuse-adaln-modulation at batch 2): scale and bias (B, 1, D), axis 2
+    yield "LayerNorm per-sample scale (B, 1, D)", one_node(
+        "LayerNormalization", {"X": rand(rng, n, s, d), "Scale": rand(rng, n, 1, d), "B": rand(rng, n, 1, d)}, ["Y"],
+        domain="", axis=2, epsilon=1e-6)
+
 
 CASES = dict(cases())
 

@@ -35,6 +35,7 @@ import onnx_graphsurgeon as gs
 from onnx import helper
 
 from onnxopt.graph_edit import is_absent
+from onnxopt.weights import numpy_dtype
 
 from .constants import constant_shape, constant_value, is_constant
 
@@ -599,7 +600,7 @@ def _integer_typed(tensor: gs.Tensor, depth: int = 32) -> bool:
     dtype = getattr(tensor, "dtype", None)
     if dtype is not None:
         try:
-            return np.issubdtype(np.dtype(dtype), np.integer)
+            return np.issubdtype(numpy_dtype(dtype), np.integer)
         except TypeError:
             return False
     if depth == 0 or len(tensor.inputs) != 1:

@@ -61,6 +61,7 @@ from onnxopt.fusion import Emit, NameAuthority
 from onnxopt.graph_edit import redirect_consumers
 from onnxopt.model import Model
 from onnxopt.pipeline.folder import MERGED_STEP_FILE
+from onnxopt.weights import numpy_dtype
 
 CONTROLNET_PREFIX = "controlnet/"
 CONTROLNET_STEP_INPUTS = ("sample", "timestep")  # what the prepare nodes compute inside the merged graph
@@ -86,12 +87,12 @@ def emit_controlnet_inputs(make: Emit, latents: gs.Tensor, step_index: gs.Tensor
     one = make.constant("column1", np.array([1], np.int64))
     c_in = make.op.Slice(row, first, one, one, _shape=[1, 1])
     scaled = make.op.Mul(latents, c_in)
-    if np.dtype(sample_dtype) != np.dtype(latents.dtype):
+    if np.dtype(sample_dtype) != numpy_dtype(latents.dtype):
         scaled = make.op.Cast(scaled, to=onnx.helper.np_dtype_to_tensor_dtype(np.dtype(sample_dtype)),
                               _dtype=np.dtype(sample_dtype))
     sample = make.op.Concat(scaled, scaled, axis=0, _shape=None)
     t = make.op.Gather(timesteps, step_index, axis=0, _shape=[1])
-    if np.dtype(timestep_dtype) != np.dtype(timesteps.dtype):
+    if np.dtype(timestep_dtype) != numpy_dtype(timesteps.dtype):
         t = make.op.Cast(t, to=onnx.helper.np_dtype_to_tensor_dtype(np.dtype(timestep_dtype)),
                          _dtype=np.dtype(timestep_dtype))
     if len(timestep_shape) == 0:
@@ -207,9 +208,9 @@ def merged_parts(model_path: str | os.PathLike) -> tuple[str, ...]:
 
 
 def _same_type(a: gs.Tensor, b: gs.Tensor, what: str) -> None:
-    if a.dtype is not None and b.dtype is not None and np.dtype(a.dtype) != np.dtype(b.dtype):
-        raise UnsupportedModelError(f"{what} '{a.name}' is {np.dtype(a.dtype)} in the ControlNet and "
-                                    f"{np.dtype(b.dtype)} in the UNet step graph")
+    if a.dtype is not None and b.dtype is not None and numpy_dtype(a.dtype) != numpy_dtype(b.dtype):
+        raise UnsupportedModelError(f"{what} '{a.name}' is {numpy_dtype(a.dtype)} in the ControlNet and "
+                                    f"{numpy_dtype(b.dtype)} in the UNet step graph")
 
 
 def _rename_controlnet(cn: gs.Graph, prefix: str) -> None:

@@ -69,6 +69,7 @@ from onnxopt.pipeline.folder import (check_folder_files, check_folder_paths, che
 from onnxopt.pipeline.merged_step import write_merged_step
 from onnxopt.pipeline.step_graph import write_step_graph
 from onnxopt.report import OptimizationReport
+from onnxopt.weights import numpy_dtype
 
 TARGETS = ("ort-cuda", "tensorrt")
 CALIBRATION_MAX_LATENT = 32  # latent side of the VAE fp16 calibration (256x256 pixels for SD)
@@ -311,7 +312,7 @@ def _run_on_cuda(model, feed: dict, work: Path) -> dict[str, np.ndarray]:
 
 
 def _input_dtype(model, name):
-    return next(np.dtype(t.dtype) for t in model.graph.inputs if t.name == name)
+    return next(numpy_dtype(t.dtype) for t in model.graph.inputs if t.name == name)
 
 
 def fp16_vae_error(fp32_model, fp16_model, feed) -> tuple[float, bool]:

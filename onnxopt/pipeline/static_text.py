@@ -51,6 +51,7 @@ import onnx_graphsurgeon as gs
 from onnxopt.errors import UnsupportedModelError
 from onnxopt.model import Model
 from onnxopt.pipeline.folder import STATIC_TEXT_PREFIX
+from onnxopt.weights import numpy_dtype
 
 STATIC_PREFIX = STATIC_TEXT_PREFIX  # model.static.b{batch}.onnx: the folder's name (onnxopt.pipeline.folder)
 DEFAULT_SEQUENCE = 77
@@ -126,7 +127,7 @@ def _dtype_name(tensor: gs.Tensor) -> str | None:
     if tensor.dtype is None:
         return None
     try:
-        return np.dtype(tensor.dtype).name
+        return numpy_dtype(tensor.dtype).name
     except TypeError:
         return str(tensor.dtype)
 
@@ -221,7 +222,7 @@ def rewrite_integer_argmax(graph: gs.Graph, sequence: int) -> int:
     count = 0
     for node in [n for n in graph.nodes if n.op == "ArgMax" and n.domain in ("", "ai.onnx", None)]:
         x = node.inputs[0]
-        if x.dtype is None or not np.issubdtype(np.dtype(x.dtype), np.integer):
+        if x.dtype is None or not np.issubdtype(numpy_dtype(x.dtype), np.integer):
             continue
         if not x.shape or not all(isinstance(d, int) for d in x.shape):
             raise UnsupportedModelError(f"{node.name}: ArgMax input {x.name} has no static shape")

@@ -58,6 +58,7 @@ from onnxopt.errors import UnsupportedModelError
 from onnxopt.fusion import Emit, NameAuthority
 from onnxopt.model import Model
 from onnxopt.shapes import infer_shapes
+from onnxopt.weights import numpy_dtype
 
 PREFIX = "step/"
 STEP_INPUTS = ("latents", "state", "step_index", "schedule_timesteps", "schedule_coefficients", "guidance_scale")
@@ -242,11 +243,11 @@ def _latent_shape(shape, where: str) -> list:
 
 
 def _float_dtype(tensor: gs.Tensor, where: str) -> np.dtype:
-    dtype = np.dtype(tensor.dtype) if tensor.dtype is not None else None
+    dtype = numpy_dtype(tensor.dtype) if tensor.dtype is not None else None
     if dtype not in (np.dtype(np.float32), np.dtype(np.float16)):
         raise UnsupportedModelError(f"{where}: UNet tensor {tensor.name} is {dtype}, expected float32 or float16")
     return dtype
 
 
 def _onnx_type(dtype: np.dtype) -> int:
-    return onnx.helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
+    return onnx.helper.np_dtype_to_tensor_dtype(numpy_dtype(dtype))
