@@ -28,6 +28,14 @@ What it does, in order:
 5. Renames the folder into place (and writes ``export.json``: config, sites, dims, op counts,
    bytes, seconds, peak RSS). A failure removes the partial folder; nothing is left behind.
 
+``--streamed`` (Flux, dynamo): the model is built on the meta device, its initialisation recorded
+(:mod:`models.metaweights`); the dynamo exporter traces it without weights; every initializer
+becomes an ``onnx_ir.LazyTensor`` that makes its seeded weight (bit-identical to the in-RAM build's)
+when it is written; the weight transposes the exporter's optimizer would fold (materialising every
+weight) are folded lazily first (:func:`fold_weight_transposes`), then the optimizer runs and
+the model is written a tensor at a time. Peak: the traced graph plus one weight. ``--check`` there
+is the load check only (torch's outputs would need the weights in RAM).
+
 ``--layers N`` keeps the full widths with N blocks (Flux: N double + N single), to try the
 full-size path on a small machine: Flux at full width with one block of each passes 2 GB.
 """
