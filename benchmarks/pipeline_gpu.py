@@ -6,10 +6,18 @@
     python -m benchmarks.pipeline_gpu --kind sd15-multi-controlnet --ablation --work /tmp/pipe-bench --out ...
     python -m benchmarks.pipeline_gpu --kind sd15 --dry-run --work /tmp/pipe-dry   # CPU, tiny, fp32: every step once
     python -m benchmarks.pipeline_gpu --kind sdxl --fp8 --skip torch-eager --work /tmp/pipe-bench --out ...  # + the fp8 row
+    python -m benchmarks.pipeline_gpu --kind sd35-medium --work /tmp/pipe-bench --budget 540 --out benchmarks/results/pipeline-sd35
 
 Same random weights (``models.pipelines.build_torch_pipeline(kind, "full", seed)``) and seed on
 every side; SD 1.5 at 512x512, DDIM, 50 steps; SDXL at 1024x1024, Euler (its own scheduler; its
 config leaves DDIM's clip_sample on), 30 steps; guidance 7.5; one image.
+
+SD3.5-Medium (sd35-medium: ``models.sd3.build_torch_sd3_pipeline(size="full")``: CLIP-L, OpenCLIP bigG,
+T5-XXL at 256 tokens, the 2.5 B MMDiT, the 16-channel VAE) at 1024x1024, its own
+FlowMatchEulerDiscreteScheduler (shift 3), 28 steps, guidance 4.5, bf16: the torch rows in bfloat16,
+onnxopt's folder optimized with the fp16 pass at bfloat16 (``low_precision="bfloat16"``; float16
+overflows T5). diffusers' StableDiffusion3Pipeline defaults are 28 steps and guidance 7.0; Stability's
+model card runs SD3.5-Medium at 40 steps, guidance 4.5. torch.compile compiles the transformer.
 
 Steps (each resumable: its result is recorded in <work>/<kind>/results.json and skipped when
 present; the script stops between steps after --budget seconds, so a run spans several
@@ -66,7 +74,9 @@ SETTINGS = {
     "sdxl": dict(height=1024, width=1024, steps=30, scheduler="euler"),
     "sd15-controlnet": dict(height=512, width=512, steps=50, scheduler="ddim"),
     "sd15-multi-controlnet": dict(height=512, width=512, steps=50, scheduler="ddim"),
+    "sd35-medium": dict(height=1024, width=1024, steps=28, scheduler="flow-match", guidance=4.5, precision="bf16"),
 }
+SD3_KINDS = ("sd35-medium",)
 MULTI_CONTROLNET_SCALES = [1.0, 0.5]  # sd15-multi-controlnet: one conditioning scale per ControlNet
 # The ablation (--ablation): the onnxopt pipeline as each rewrite is added, from one optimized folder.
 # name -> (Pipeline.load keyword arguments, call keyword arguments, ControlNet kinds only).
@@ -120,8 +130,11 @@ class Bench:
         self.dry = args.dry_run
         self.size = "tiny" if self.dry else "full"
         self.device = "cpu" if self.dry else "cuda"
-        self.dtype = torch.float32 if self.dry else torch.float16
         self.settings = dict(SETTINGS[self.kind], **(DRY if self.dry else {}))
+        self.bf16 = self.settings.get("precision") == "bf16"
+        self.dtype = torch.float32 if self.dry else (torch.bfloat16 if self.bf16 else torch.float16)
+        self.sd3 = self.kind in SD3_KINDS
+        self.guidance = self.settings.get("guidance", GUIDANCE)
         self.runs = 1 if self.dry else args.runs
         self.work = args.work / self.kind
         self.work.mkdir(parents=True, exist_ok=True)
@@ -134,6 +147,12 @@ class Bench:
         from models.pipelines import folder_bytes, write_onnx_folder
 
         t0 = time.perf_counter()
+        if self.sd3:
+            from models.sd3 import build_torch_sd3_pipeline, write_sd3_onnx_folder
+
+            tokenizers = self.work / "tokenizers"
+            write_sd3_onnx_folder(build_torch_sd3_pipeline(SEED, tokenizers, size=self.size), self.src, tokenizers)
+            return {"path": str(self.src), "seconds": time.perf_counter() - t0, "bytes": folder_bytes(self.src)}
         data = None if self.dry else "model.onnx_data"
         write_onnx_folder(self.kind, self.src, self.size, "torchscript", SEED, data_name=data)
         return {"path": str(self.src), "seconds": time.perf_counter() - t0, "bytes": folder_bytes(self.src)}
@@ -143,7 +162,8 @@ class Bench:
             return {"path": str(self.src), "skipped": "dry run (ort-cuda graphs need the CUDA EP)"}
         from onnxopt.pipeline import optimize_folder
 
-        report = optimize_folder(self.src, self.opt, target="ort-cuda", fp16=True)
+        low = {"low_precision": "bfloat16"} if self.bf16 else None
+        report = optimize_folder(self.src, self.opt, target="ort-cuda", fp16=True, fp16_options=low)
         return {"path": str(self.opt), "seconds": report.seconds, "table": report.table()}
 
     def torch_pipe(self, dtype, compiled: bool):
@@ -152,13 +172,20 @@ class Bench:
         from models.pipelines import build_torch_pipeline
         from onnxopt.pipeline.schedulers import make_scheduler
 
-        pipe = build_torch_pipeline(self.kind, self.size, SEED)
-        # The config the folder's scheduler_config.json is written from: the torch steps need no ONNX folder,
-        # so they can run in a call of their own (--skip folder,optimize,onnxopt).
-        pipe.scheduler = make_scheduler(self.settings["scheduler"], dict(pipe.scheduler.config))
+        if self.sd3:
+            from models.sd3 import build_torch_sd3_pipeline
+
+            pipe = build_torch_sd3_pipeline(SEED, self.work / "tokenizers", size=self.size)
+        else:
+            pipe = build_torch_pipeline(self.kind, self.size, SEED)
+            # The config the folder's scheduler_config.json is written from: the torch steps need no ONNX
+            # folder, so they can run in a call of their own (--skip folder,optimize,onnxopt).
+            pipe.scheduler = make_scheduler(self.settings["scheduler"], dict(pipe.scheduler.config))
         pipe = pipe.to(self.device, dtype)
         pipe.set_progress_bar_config(disable=True)
-        if compiled:
+        if compiled and self.sd3:  # diffusers' recipe for SD3: the transformer compiled whole
+            pipe.transformer = torch.compile(pipe.transformer, mode="reduce-overhead", fullgraph=True)
+        elif compiled:
             torch._inductor.config.conv_1x1_as_mm = True
             pipe.unet.to(memory_format=torch.channels_last)
             pipe.unet = torch.compile(pipe.unet, mode="reduce-overhead", fullgraph=True)
@@ -180,7 +207,8 @@ class Bench:
         # The initial noise is drawn in float32, as the fp32 pipeline and onnxopt draw it, then cast: an fp16
         # pipeline left to draw its own would sample float16 noise, another image altogether.
         factor = pipe.vae_scale_factor
-        noise = torch.randn((1, pipe.unet.config.in_channels, s["height"] // factor, s["width"] // factor),
+        denoiser = pipe.transformer if self.sd3 else pipe.unet
+        noise = torch.randn((1, denoiser.config.in_channels, s["height"] // factor, s["width"] // factor),
                             generator=torch.Generator("cpu").manual_seed(SEED), dtype=torch.float32)
         extra = {}
         if self.kind.endswith("controlnet"):
@@ -188,8 +216,8 @@ class Bench:
             if self.multi:
                 extra["controlnet_conditioning_scale"] = MULTI_CONTROLNET_SCALES
         with torch.no_grad():
-            image = pipe(PROMPT, negative_prompt=NEGATIVE, num_inference_steps=s["steps"], guidance_scale=GUIDANCE,
-                         height=s["height"], width=s["width"], latents=noise.to(self.device, pipe.unet.dtype),
+            image = pipe(PROMPT, negative_prompt=NEGATIVE, num_inference_steps=s["steps"], guidance_scale=self.guidance,
+                         height=s["height"], width=s["width"], latents=noise.to(self.device, denoiser.dtype),
                          output_type=output_type, callback_on_step_end=keep, **extra).images[0]
         self.sync()
         return final["latents"].float().cpu().numpy(), np.asarray(image, np.float32)
@@ -224,13 +252,15 @@ class Bench:
             setattr(obj, attr, self.timed(getattr(obj, attr), times[key].append))
 
         patch(pipe.text_encoder, "forward", "text_encoder")
-        if getattr(pipe, "text_encoder_2", None) is not None:
-            patch(pipe.text_encoder_2, "forward", "text_encoder")
+        for encoder in ("text_encoder_2", "text_encoder_3"):
+            if getattr(pipe, encoder, None) is not None:
+                patch(getattr(pipe, encoder), "forward", "text_encoder")
         patch(pipe.vae, "decode", "vae_decode")
         # The ControlNet is timed by its forward: diffusers checks that pipe.controlnet is a ControlNetModel.
         if getattr(pipe, "controlnet", None) is not None:
             patch(pipe.controlnet, "forward", "controlnet")
-        original_unet = pipe.unet
+        attribute = "transformer" if self.sd3 else "unet"  # the denoiser's
+        original_unet = getattr(pipe, attribute)
         timed_unet = self.timed(original_unet, times["unet"].append)
 
         class TimedUNet:  # pipe.unet may be a compiled module: time calls around it
@@ -240,11 +270,11 @@ class Bench:
             def __call__(self, *a, **k):
                 return timed_unet(*a, **k)
 
-        object.__setattr__(pipe, "unet", TimedUNet())  # not DiffusionPipeline.__setattr__
+        object.__setattr__(pipe, attribute, TimedUNet())  # not DiffusionPipeline.__setattr__
         try:
             self.torch_call(pipe)
         finally:
-            object.__setattr__(pipe, "unet", original_unet)
+            object.__setattr__(pipe, attribute, original_unet)
             for obj, attr, own in reversed(patched):
                 if own is None:
                     delattr(obj, attr)
@@ -309,7 +339,7 @@ class Bench:
         unknown = set(load) - set(inspect.signature(Pipeline.load).parameters)
         if unknown:
             return {"skipped": f"this Pipeline.load has no {', '.join(sorted(unknown))}"}
-        request = dict(negative_prompt=NEGATIVE, steps=s["steps"], guidance=GUIDANCE, scheduler=s["scheduler"],
+        request = dict(negative_prompt=NEGATIVE, steps=s["steps"], guidance=self.guidance, scheduler=s["scheduler"],
                        seed=SEED, height=s["height"], width=s["width"], progress=False, **call)
         if self.kind.endswith("controlnet"):
             request["controlnet_image"] = self.control_image()
@@ -423,11 +453,13 @@ class StepFeedRecorder:
 
 def table(kind: str, results: dict, dry: bool = False) -> str:
     s = dict(SETTINGS[kind], **(DRY if dry else {}))
-    precision = "DRY RUN: tiny weights, fp32, CPU" if dry else "fp16"
-    lines = [f"### {kind}: {s['height']}x{s['width']}, {s['scheduler']} {s['steps']} steps, guidance {GUIDANCE}, {precision}",
+    precision = "DRY RUN: tiny weights, fp32, CPU" if dry else s.get("precision", "fp16")
+    lines = [f"### {kind}: {s['height']}x{s['width']}, {s['scheduler']} {s['steps']} steps, guidance "
+             f"{s.get('guidance', GUIDANCE)}, {precision}",
              "", "| pipeline | end to end | cold start | text encoder | mean step | VAE decode | rest | PSNR vs fp32 | latents max abs vs fp32 |",
              "|---|---|---|---|---|---|---|---|---|"]
-    rows = (("diffusers eager", "torch-eager"), ("diffusers + torch.compile", "torch-compile"), ("onnxopt ort-cuda fp16", "onnxopt"))
+    rows = (("diffusers eager", "torch-eager"), ("diffusers + torch.compile", "torch-compile"),
+            (f"onnxopt ort-cuda {s.get('precision', 'fp16')}", "onnxopt"))
     for label, key in rows:
         r = results.get(key)
         if not r or "skipped" in r:
@@ -443,7 +475,7 @@ def table(kind: str, results: dict, dry: bool = False) -> str:
         lines += ["", f"onnxopt / torch.compile end to end: {ours['end_to_end_s'] / compiled['end_to_end_s']:.2f}x"]
     if "latents_max_abs" in eager and "latents_max_abs" in ours:
         ratio = ours["latents_max_abs"] / max(eager["latents_max_abs"], 1e-12)
-        lines += [f"onnxopt / torch fp16 deviation from fp32 (final latents max abs): {ratio:.2f}x"]
+        lines += [f"onnxopt / torch {s.get('precision', 'fp16')} deviation from fp32 (final latents max abs): {ratio:.2f}x"]
     if "step" in ours:
         lines += [f"onnxopt step: {ours['step']}, CUDA graph {ours['cuda_graph']}, first step {ours['first_step_s'] * 1e3:.0f} ms, "
                   f"sessions {ours['session_creation_s']:.1f} s"]

@@ -233,9 +233,11 @@ def _add_generate_parser(sub) -> None:
     gen.add_argument("--negative-prompt", default=None, help="what it should not show (classifier-free guidance)")
     gen.add_argument("--steps", type=int, default=50, help="denoising steps")
     gen.add_argument("--guidance", type=float, default=7.5, help="classifier-free guidance scale (1 or less: no guidance)")
-    gen.add_argument("--scheduler", default=None, help="ddim | euler | dpm++2m | pndm (diffusers' classes, from the folder's "
+    gen.add_argument("--scheduler", default=None, help="ddim | euler | dpm++2m | pndm; flow-match for SD3 (diffusers' classes, from the folder's "
                      "config; default: the folder's own scheduler, as diffusers' pipeline runs it)")
     gen.add_argument("--seed", type=int, default=0, help="as diffusers: torch.Generator('cpu').manual_seed(SEED)")
+    gen.add_argument("--max-sequence-length", type=int, default=None, metavar="TOKENS",
+                     help="SD3 and Flux: the T5 prompt length in tokens (default: diffusers', 256 for SD3, 512 for Flux)")
     gen.add_argument("--height", type=_image_side_arg, metavar="PIXELS",
                      help="image height (default: the UNet's sample_size times the VAE factor)")
     gen.add_argument("--width", type=_image_side_arg, metavar="PIXELS", help="image width (default: the UNet's sample_size times the VAE factor)")
@@ -269,7 +271,8 @@ def cmd_generate(args) -> int:
 
     from onnxopt.outputs import Inputs, Outputs, staged
     from onnxopt.pipeline import PipelineFolder, images
-    from onnxopt.pipeline.runner import Pipeline, check_request, fusable, reuse_steps
+    from onnxopt.pipeline.runner import (Pipeline, check_request, check_sequence_length, default_sequence_length, fusable,
+                                         reuse_steps)
     from onnxopt.pipeline.sessions import quiet_sessions
 
     folder = PipelineFolder.open(args.folder)
@@ -287,6 +290,9 @@ def cmd_generate(args) -> int:
                                    controlnet_image=args.controlnet_image, controlnet_scale=args.controlnet_scale,
                                    status=False if args.quiet else None)
     reuse_steps(args.reuse, args.steps)  # a bad schedule is refused before any session exists
+    if args.max_sequence_length is None:
+        args.max_sequence_length = default_sequence_length(folder)
+    check_sequence_length(folder, args.max_sequence_length)
     for image in args.controlnet_image or ():
         images.check_image(image)  # not an image, or a decompression bomb: before any session exists
     if args.json and Path(os.path.realpath(args.json)) == Path(os.path.realpath(args.output)):  # the timings replaced the PNG
@@ -302,7 +308,7 @@ def cmd_generate(args) -> int:
         result = pipe(args.prompt, negative_prompt=args.negative_prompt, steps=args.steps, guidance=args.guidance,
                       scheduler=args.scheduler, seed=args.seed, height=args.height, width=args.width,
                       controlnet_image=args.controlnet_image, controlnet_scale=args.controlnet_scale,
-                      progress=not args.quiet, reuse=args.reuse)
+                      progress=not args.quiet, reuse=args.reuse, max_sequence_length=args.max_sequence_length)
     with staged() as stage:  # the image and the timings: both or neither
         stage.write(args.output, lambda out: result.image.save(out, format=image_format))
         if args.json:

@@ -451,7 +451,7 @@ def test_a_component_the_index_names_and_the_folder_lacks_is_refused_by_optimize
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("name", ["StableDiffusion3Pipeline", "FluxPipeline", "StableDiffusionXLControlNetPipeline",
+@pytest.mark.parametrize("name", ["StableDiffusion3Img2ImgPipeline", "FluxImg2ImgPipeline", "StableDiffusionXLControlNetPipeline",
                                   "StableDiffusionImg2ImgPipeline", "PixArtAlphaPipeline"])
 @pytest.mark.parametrize("command", ["optimize", "generate", "info"])
 def test_a_pipeline_class_onnxopt_does_not_run_is_refused_by_name(tmp_path, capsys, monkeypatch, name, command):

@@ -49,3 +49,20 @@ def test_the_table_compares_each_row_with_torch_compile_and_lists_the_kernel_fam
     assert "RuntimeError: boom" in text
     assert "| torch.compile(reduce-overhead, fullgraph) bf16 | 50.00 | 1.00x |" in text
     assert "| onnxopt ort-cuda fp16 | 50.00 | 30.00 | 15.00 | 0.00 | 5.00 |" in text
+
+
+def test_the_sd35_pipeline_table_says_its_settings_and_precision():
+    """benchmarks/pipeline_gpu.py's sd35-medium kind: 1024x1024, flow-match 28 steps, guidance 4.5, bf16 on
+    every row (its --dry-run, by hand: ``python -m benchmarks.pipeline_gpu --kind sd35-medium --dry-run``)."""
+    from benchmarks.pipeline_gpu import table
+
+    row = {"end_to_end_s": 2.0, "cold_start_s": 10.0, "psnr_db": 40.0, "latents_max_abs": 0.05,
+           "stages": {"text_encoder_s": 0.02, "step_mean_s": 0.06, "vae_decode_s": 0.1}}
+    results = {"torch-eager": dict(row, end_to_end_s=4.0, latents_max_abs=0.1), "torch-compile": row,
+               "onnxopt": dict(row, end_to_end_s=1.5, step="transformer/step.onnx", cuda_graph=True, first_step_s=0.5,
+                               session_creation_s=3.0)}
+    text = table("sd35-medium", results)
+    assert text.startswith("### sd35-medium: 1024x1024, flow-match 28 steps, guidance 4.5, bf16")
+    assert "| onnxopt ort-cuda bf16 | 1.500 s |" in text
+    assert "onnxopt / torch.compile end to end: 0.75x" in text
+    assert "onnxopt / torch bf16 deviation from fp32 (final latents max abs): 0.50x" in text

@@ -874,3 +874,19 @@ def test_default_size_is_the_one_the_diffusers_pipeline_computes(built, tmp_path
     factor = pipe.vae_scale_factor
     h, w = (size, size) if isinstance(size, int) else size
     assert default_size(PipelineFolder.open(folder)) == (h * factor, w * factor)
+
+
+def test_a_batch_gives_each_sdxl_image_alone(built):
+    """SDXL's batch (onnxopt.pipeline.batch): the pooled text embeddings and time ids concatenated as
+    the hidden states are, the zero negative conditioning of an image without negative prompt beside
+    another's encoded one; each image bit for bit its image alone (fp32, CPU EP)."""
+    from onnxopt.pipeline.batch import BatchImage, generate_batch
+
+    pipe = built("sdxl").onnx()
+    images = [BatchImage(PROMPT, seed=1), BatchImage("a watercolor of a lighthouse", seed=2, negative_prompt=NEGATIVE)]
+    settings = dict(steps=2, scheduler="euler", height=HEIGHT, width=WIDTH)
+    for image, result in zip(images, generate_batch(pipe, images, **settings)):
+        expected = pipe(image.prompt, negative_prompt=image.negative_prompt, seed=image.seed, progress=False, **settings)
+        assert result.timings["batch_images"] == 2
+        np.testing.assert_array_equal(result.latents, expected.latents)
+        np.testing.assert_array_equal(result.pixels, expected.pixels)

@@ -1,4 +1,4 @@
-"""The service's request checks and batch grouping, without Ray or a pipeline."""
+"""The service's request checks, batch grouping and metrics, without Ray or a pipeline."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import pytest
 
 from onnxopt.serve.api import SEED_MAX, Defaults, Limits, RequestError, parse_generation
 from onnxopt.serve.batching import compatible_groups, run_grouped
+from onnxopt.serve.metrics import ReplicaMetrics
 
 SCHEDULERS = ("ddim", "euler")
 
@@ -64,3 +65,111 @@ def test_results_go_back_to_their_requests_in_order():
     b = parse({"prompt": "b", "seed": 5, "steps": 4})
     out = run_grouped([a, b], 4, lambda group: [(r.prompt, r.seed) for r in group])
     assert out == [[("a", 0), ("a", 1)], [("b", 5)]]
+
+
+def test_images_share_a_group_only_with_the_guidance_their_step_applies():
+    """The step graph takes one guidance scale: 7.5 and 5 are two runs; guidance <= 1 (off) is one."""
+    from onnxopt.pipeline.batch import run_key
+
+    guidances = [7.5, 5, 7.5, 1, 0.5, 1.0]
+    images = [parse({"prompt": "a", "seed": 0, "size": "64x64", "steps": 4, "guidance": g})[0] for g in guidances]
+    assert compatible_groups([[i] for i in images], max_images=8) == [[(0, 0), (2, 0)], [(1, 0)],
+                                                                       [(3, 0), (4, 0), (5, 0)]]
+    for a in images:  # the service's key and the pipeline's own run key agree
+        for b in images:
+            assert (a.compatible_key() == b.compatible_key()) == (run_key(a.guidance) == run_key(b.guidance))
+
+
+def test_a_failing_group_fails_its_own_requests_only():
+    a = parse({"prompt": "a", "n": 2, "seed": 0, "steps": 4})
+    b = parse({"prompt": "b", "seed": 5, "steps": 4, "size": "64x64"})
+    c = parse({"prompt": "c", "seed": 9, "steps": 4})
+
+    def run(group):
+        if any(r.prompt == "b" for r in group):
+            raise RuntimeError("device lost")
+        return [r.seed for r in group]
+    out = run_grouped([a, b, c], 4, run)
+    assert out[0] == [0, 1] and out[2] == [9]
+    assert isinstance(out[1], RuntimeError) and str(out[1]) == "device lost"
+
+
+class FakeMetric:
+    """Records what the replica reports, with ray.serve.metrics' constructor and method signatures."""
+
+    made: dict = {}
+
+    def __init__(self, name, description="", boundaries=None, tag_keys=None):
+        self.name, self.tag_keys, self.values = name, tag_keys or (), []
+        FakeMetric.made[name] = self
+
+    def _record(self, value, tags=None):
+        assert set(tags or {}) <= set(self.tag_keys), (self.name, tags)
+        self.values.append((value, dict(tags or {})))
+
+    inc = set = observe = _record
+
+
+def test_replica_metrics_export_latency_queue_depth_and_batches():
+    FakeMetric.made.clear()
+    metrics = ReplicaMetrics(FakeMetric, FakeMetric, FakeMetric)
+    made = FakeMetric.made
+    assert set(made) == {"onnxopt_request_latency_s", "onnxopt_requests_total", "onnxopt_replica_queue_depth",
+                         "onnxopt_batch_images"}
+    metrics.queued()
+    metrics.queued()
+    metrics.dequeued(2)
+    metrics.batch_run(3)
+    for status, seconds in ((200, 1.5), (200, 0.5), (400, 0.01), (500, 2.0)):
+        metrics.answer(status, seconds)
+    assert [v for v, _ in made["onnxopt_replica_queue_depth"].values] == [0, 1, 2, 0]
+    assert made["onnxopt_batch_images"].values == [(3, {})]
+    assert made["onnxopt_request_latency_s"].values == [(1.5, {"status": "ok"}), (0.5, {"status": "ok"}),
+                                                        (0.01, {"status": "4xx"}), (2.0, {"status": "5xx"})]
+    assert [t["status"] for _, t in made["onnxopt_requests_total"].values] == ["ok", "ok", "4xx", "5xx"]
+    assert metrics.snapshot() == {"queue_depth": 0, "served": 2, "failed": 1, "refused": 1,
+                                  "latency_p50_s": 1.5, "latency_p99_s": 1.5}
+
+
+def _row(scenario, replicas, max_batch, load_x, images_per_s, single_s=1.0, p99_s=1.5):
+    return {"scenario": scenario, "replicas": replicas, "max_batch": max_batch, "steps": 20, "load_x": load_x,
+            "images_per_s": images_per_s, "single_image_s": single_s, "p99_s": p99_s}
+
+
+def test_load_benchmark_summary_compares_peaks_against_their_baselines():
+    from benchmarks.serve_load import _parse, markdown, summary
+
+    dry = _parse(["models/pipelines/sd15-tiny", "--dry-run"])
+    assert (dry.provider, dry.size, dry.steps) == ("cpu", "64x64", [2]) and dry.step_s <= 10
+    rows = [_row("batching-off", 1, 1, 1, 2.0), _row("batching-off", 1, 1, 3, 2.5), _row("batching-on", 1, 4, 1, 2.0),
+            _row("batching-on", 1, 4, 3, 4.0, p99_s=1.8), _row("replicas-2", 2, 4, 3, 7.8),
+            dict(_row("replica-killed", 2, 4, 2, 3.0), replica_back_s=20.0)]
+    summed = {r["scenario"]: r for r in summary(rows)}
+    assert set(summed) == {"batching-off", "batching-on", "replicas-2"}  # a kill run is no throughput peak
+    assert summed["batching-off"]["gain"] is None
+    assert summed["batching-on"]["gain"] == pytest.approx(1.6) and summed["batching-on"]["p99_over_single"] == 1.8
+    assert summed["replicas-2"]["gain"] == pytest.approx(1.95)
+    table = markdown(rows, list(summed.values()))
+    assert "| replica-killed | 2 | 4 |" in table and "| 1.95 |" in table
+
+
+class FakeService:
+    """Answers as a service under a kill would: images, a full queue, a dead replica, a dropped connection."""
+
+    def __init__(self, answers):
+        self.answers = answers
+
+    def generate(self, body, timeout=None):
+        answer = self.answers[body["seed"] % len(self.answers)]
+        if isinstance(answer, Exception):
+            raise answer
+        return answer, {}, {"data": [{}]} if answer == 200 else {"error": {"message": "x"}}
+
+
+def test_load_step_counts_each_kind_of_failure_apart():
+    from benchmarks.serve_load import offered_step
+
+    service = FakeService([200, 503, 500, ConnectionResetError("reset"), 200, TimeoutError("timed out")])
+    row = offered_step(service, {"prompt": "x"}, rate=200, seconds=0.06, deadline_s=1)
+    assert row["requests"] == 12 and row["ok"] == 4
+    assert (row["503"], row["other_5xx"], row["4xx"], row["not_http"]) == (2, 2, 0, 4)

@@ -1,7 +1,7 @@
 """A diffusers/optimum ONNX pipeline folder, read without running anything.
 
     folder = PipelineFolder.open("sd15-tiny")
-    folder.kind                      # "sd" | "sdxl" | "controlnet"
+    folder.kind                      # "sd" | "sdxl" | "controlnet" | "sd3" (onnxopt.pipeline.families)
     folder.component("unet").model   # Path to unet/model.onnx
     folder.tokenizer("tokenizer_2")  # transformers.CLIPTokenizer
     folder.config("vae_decoder")     # the component's config.json (empty dict when absent)
@@ -9,11 +9,12 @@
 The layout (what optimum-cli and ``models/pipelines.py`` write)::
 
     model_index.json        _class_name: StableDiffusionPipeline | StableDiffusionXLPipeline |
-                            StableDiffusionControlNetPipeline (+ pipeline config such as
-                            force_zeros_for_empty_prompt)
+                            StableDiffusionControlNetPipeline | StableDiffusion3Pipeline (+ pipeline
+                            config such as force_zeros_for_empty_prompt)
     scheduler/scheduler_config.json
-    tokenizer/  tokenizer_2/ (SDXL)
-    text_encoder/  text_encoder_2/ (SDXL)  unet/  vae_decoder/  [vae_encoder/]  [controlnet/]
+    tokenizer/  tokenizer_2/ (SDXL, SD3)  [tokenizer_3/] (SD3's T5: tokenizer.json alone will do)
+    text_encoder/  text_encoder_2/ (SDXL, SD3)  [text_encoder_3/] (SD3's T5, optional as in diffusers)
+    unet/ | transformer/ (SD3)  vae_decoder/  [vae_encoder/]  [controlnet/]
                             each a model.onnx, external data in model.onnx_data | model.onnx.data |
                             weights.pb, and optionally config.json
     [controlnet_1/ controlnet_2/ ...]  more ControlNets: diffusers' MultiControlNetModel.save_pretrained
@@ -51,8 +52,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from onnxopt.errors import MissingDependencyError, OnnxoptError
+from onnxopt.pipeline.families import (FAMILIES, INDEX_ENTRIES, MODEL_COMPONENTS, PIPELINE_CLASSES,  # noqa: F401
+                                       RUNNABLE_CLASSES, TOKENIZER_OF, TOKENIZERS, Family)
 
-KINDS = ("sd", "sdxl", "controlnet")
+KINDS = tuple(FAMILIES)
 MAX_IMAGE_SIDE = 1 << 16  # pixels: far above any model's, far below what overflows the latents' shape
 CLIP_SEQUENCE = 77  # the prompt length CLIP's text encoders take
 TOKENIZER_NO_LIMIT = 4096  # a model_max_length above it is transformers' "no limit" placeholder
@@ -67,15 +70,9 @@ STREAMS_COMPANION = "down"  # ... and its companion, unet/step.streams.down.onnx
 HINT_COMPANION = "hint"  # controlnet/step.hint.onnx: the companion of controlnet/step.onnx
 STATIC_TEXT_PREFIX = "model.static.b"  # text_encoder*/model.static.b{batch}.onnx (onnxopt.pipeline.static_text)
 
-# What each kind needs to generate an image; vae_encoder is optional everywhere.
-REQUIRED_MODELS = {
-    "sd": ("text_encoder", "unet", "vae_decoder"),
-    "sdxl": ("text_encoder", "text_encoder_2", "unet", "vae_decoder"),
-    "controlnet": ("text_encoder", "unet", "vae_decoder", "controlnet"),
-}
-REQUIRED_TOKENIZERS = {"sd": ("tokenizer",), "sdxl": ("tokenizer", "tokenizer_2"), "controlnet": ("tokenizer",)}
-MODEL_COMPONENTS = ("text_encoder", "text_encoder_2", "unet", "vae_decoder", "vae_encoder", "controlnet")
-
+# What each kind needs to generate an image, from the one table of pipeline families (families.py)
+REQUIRED_MODELS = {kind: fam.required for kind, fam in FAMILIES.items()}
+REQUIRED_TOKENIZERS = {kind: fam.tokenizers for kind, fam in FAMILIES.items()}
 
 class PipelineFolderError(OnnxoptError):
     """The folder is not a pipeline folder onnxopt can run (one line, exit code 2)."""
@@ -165,9 +162,16 @@ CONFIG_FIELDS = {
                         "a positive integer or [height, width]"),
         "in_channels": (_positive_int, "a positive integer"),
     },
+    "transformer": {
+        "sample_size": (_positive_int, "a positive integer"),
+        "in_channels": (_positive_int, "a positive integer"),
+        "patch_size": (_positive_int, "a positive integer"),
+    },
     "vae_decoder": {
         "block_out_channels": (lambda v: isinstance(v, list) and len(v) > 0, "a non-empty list"),
         "scaling_factor": (_finite_positive, "a finite positive number"),
+        "shift_factor": (lambda v: v is None or (isinstance(v, (int, float)) and not isinstance(v, bool)
+                                                 and math.isfinite(v)), "a finite number or null"),
     },
     "vae_encoder": {
         "block_out_channels": (lambda v: isinstance(v, list) and len(v) > 0, "a non-empty list"),
@@ -191,7 +195,7 @@ def check_folder_files(root: Path) -> None:
     scheduler = root / "scheduler" / "scheduler_config.json"
     if scheduler.is_file():
         read_json(scheduler)
-    for tokenizer in ("tokenizer", "tokenizer_2"):
+    for tokenizer in TOKENIZERS:
         path = root / tokenizer / "tokenizer_config.json"
         if path.is_file():
             length = read_json(path).get("model_max_length")
@@ -203,12 +207,13 @@ def check_folder_files(root: Path) -> None:
         if path.is_file():
             configs[name] = read_json(path)
             check_config(path, name, configs[name])
-    sample = configs.get("unet", {}).get("sample_size")
-    if sample is not None:
-        default_size(root, sample, configs.get("vae_decoder", {}))
+    for denoiser in ("unet", "transformer"):
+        sample = configs.get(denoiser, {}).get("sample_size")
+        if sample is not None:
+            default_size(root, sample, configs.get("vae_decoder", {}), denoiser)
 
 
-def default_size(root: Path, sample, vae_config: dict) -> tuple[int, int]:
+def default_size(root: Path, sample, vae_config: dict, denoiser: str = "unet") -> tuple[int, int]:
     """(height, width) in pixels for a UNet ``sample_size`` (n or [h, w]) and the VAE's config; a
     size beyond :data:`MAX_IMAGE_SIDE` is refused (it overflowed the latents' shape: exit 3)."""
     channels = vae_config.get("block_out_channels")
@@ -216,7 +221,7 @@ def default_size(root: Path, sample, vae_config: dict) -> tuple[int, int]:
     h, w = (sample, sample) if isinstance(sample, int) else sample
     size = h * factor, w * factor
     if max(size) > MAX_IMAGE_SIDE:
-        raise PipelineFolderError(f"{root / 'unet' / 'config.json'}: 'sample_size' {json.dumps(sample)} makes a default "
+        raise PipelineFolderError(f"{root / denoiser / 'config.json'}: 'sample_size' {json.dumps(sample)} makes a default "
                                   f"image of {size[0]}x{size[1]} pixels (at most {MAX_IMAGE_SIDE} a side)")
     return size
 
@@ -242,40 +247,23 @@ def controlnet_folders(root: Path) -> list[str]:
     return [controlnet_name(k) for k in sorted(numbers)]
 
 
-# model_index.json's _class_name -> the kind onnxopt runs it as. One table: a pipeline family is an
-# entry here (and in REQUIRED_MODELS), never a branch. Any other class is refused by name: a folder of
-# a model onnxopt does not run (StableDiffusion3Pipeline, FluxPipeline...) was optimized as SDXL.
-PIPELINE_CLASSES = {
-    "StableDiffusionPipeline": "sd",
-    "OnnxStableDiffusionPipeline": "sd",  # diffusers' own ONNX export (convert_stable_diffusion_checkpoint_to_onnx)
-    "StableDiffusionXLPipeline": "sdxl",
-    "StableDiffusionControlNetPipeline": "controlnet",
-}
-
-
 def kind_of(index: dict, root: Path) -> str:
-    """sd / sdxl / controlnet, from model_index.json's class name (:data:`PIPELINE_CLASSES`); an index
-    without one (hand-written folders) by its folders."""
+    """The family's kind (sd / sdxl / controlnet / sd3), from model_index.json's class name
+    (:data:`~onnxopt.pipeline.families.PIPELINE_CLASSES`; a class onnxopt does not run is refused by
+    name); an index without one (hand-written folders) by its folders."""
     name = index.get("_class_name")
     if name is not None:
-        if name not in PIPELINE_CLASSES:
+        if name not in PIPELINE_CLASSES or not FAMILIES[PIPELINE_CLASSES[name]].runs:
             raise PipelineFolderError(f"{root}: model_index.json names {json.dumps(name)}, a pipeline onnxopt does not "
-                                      f"run (it runs {', '.join(PIPELINE_CLASSES)})")
+                                      f"run (it runs {', '.join(RUNNABLE_CLASSES)})")
         return PIPELINE_CLASSES[name]
+    if "transformer" in index or (root / "transformer").is_dir():
+        return "sd3"
     if "controlnet" in index or (root / "controlnet").is_dir():
         return "controlnet"
     if "text_encoder_2" in index or (root / "text_encoder_2").is_dir():
         return "sdxl"
     return "sd"
-
-
-# model_index.json's entries and what each needs in the folder (diffusers' "vae" is optimum's vae_decoder/)
-INDEX_ENTRIES = {
-    "text_encoder": "text_encoder/model.onnx", "text_encoder_2": "text_encoder_2/model.onnx",
-    "unet": "unet/model.onnx", "vae": "vae_decoder/model.onnx", "vae_decoder": "vae_decoder/model.onnx",
-    "vae_encoder": "vae_encoder/model.onnx", "controlnet": "controlnet/model.onnx",
-    "tokenizer": "tokenizer/", "tokenizer_2": "tokenizer_2/", "scheduler": "scheduler/scheduler_config.json",
-}
 
 
 def check_index_entries(root: Path, index: dict) -> None:
@@ -353,11 +341,23 @@ class PipelineFolder:
         for name in REQUIRED_MODELS[self.kind]:
             if name not in self.components:
                 raise PipelineFolderError(f"{self.root}: missing component {name}/{MODEL_FILE} ({self.kind} pipeline)")
-        for name in REQUIRED_TOKENIZERS[self.kind]:
+        optional = [tokenizer for encoder, tokenizer in TOKENIZER_OF.items()
+                    if tokenizer in self.family.optional_tokenizers and encoder in self.components]
+        for name in (*REQUIRED_TOKENIZERS[self.kind], *optional):
             if not (self.root / name).is_dir():
                 raise PipelineFolderError(f"{self.root}: missing {name}/ ({self.kind} pipeline)")
         if not (self.root / "scheduler" / "scheduler_config.json").is_file():
             raise PipelineFolderError(f"{self.root}: missing scheduler/scheduler_config.json")
+
+    @property
+    def family(self) -> Family:
+        """The folder's pipeline family (:mod:`onnxopt.pipeline.families`)."""
+        return FAMILIES[self.kind]
+
+    @property
+    def denoiser(self) -> str:
+        """The denoiser's component: unet or transformer."""
+        return self.family.denoiser.component
 
     @property
     def controlnets(self) -> list[str]:
@@ -396,12 +396,15 @@ class PipelineFolder:
         return dict(self._scheduler_config)
 
     def tokenizer(self, name: str = "tokenizer"):
-        """transformers' CLIPTokenizer from ``<folder>/<name>/`` (the real tokenizer code)."""
+        """transformers' CLIPTokenizer from ``<folder>/<name>/`` (the real tokenizer code); the family's
+        T5 tokenizer (SD3's ``tokenizer_3``, Flux's ``tokenizer_2``) is T5's (:meth:`t5_tokenizer`)."""
         try:
             from transformers import CLIPTokenizer
         except ImportError as exc:
             raise MissingDependencyError("generating images needs transformers: pip install 'onnxopt[pipeline]'") from exc
         folder = self.root / name
+        if name == self.family.t5_tokenizer:
+            return self.t5_tokenizer(folder)
         if not (folder / "tokenizer.json").is_file() and not all((folder / f).is_file() for f in ("vocab.json", "merges.txt")):
             # transformers loads a folder without them as a two-token tokenizer: every word its unknown token
             raise PipelineFolderError(f"{folder}: no tokenizer vocabulary (tokenizer.json, or vocab.json and merges.txt)")
@@ -416,6 +419,21 @@ class PipelineFolder:
             tokenizer.model_max_length = CLIP_SEQUENCE
         return tokenizer
 
+    def t5_tokenizer(self, folder: Path):
+        """transformers' T5TokenizerFast from ``folder``: its tokenizer_config.json when present, else
+        ``tokenizer.json`` alone (T5's special tokens are in it), as the folder ships it."""
+        from transformers import T5TokenizerFast
+
+        if not (folder / "tokenizer.json").is_file() and not (folder / "spiece.model").is_file():
+            raise PipelineFolderError(f"{folder}: no tokenizer vocabulary (tokenizer.json or spiece.model)")
+        try:
+            if (folder / "tokenizer_config.json").is_file():
+                return T5TokenizerFast.from_pretrained(str(folder))
+            return T5TokenizerFast(tokenizer_file=str(folder / "tokenizer.json"))
+        except Exception as exc:  # noqa: BLE001 -- the folder's files, parsed by transformers: any failure is the file's
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise PipelineFolderError(f"{folder}: cannot load the tokenizer: {first}")
+
     @property
     def vae_scale_factor(self) -> int:
         """2 ** (number of VAE blocks - 1), as diffusers computes it; 8 without a VAE config."""
@@ -425,8 +443,8 @@ class PipelineFolder:
     @property
     def default_size(self) -> tuple[int, int]:
         """(height, width) in pixels when none is asked: the UNet's sample_size times the VAE factor."""
-        sample = self.config("unet").get("sample_size", 64 if self.kind != "sdxl" else 128)
-        return default_size(self.root, sample, self.config("vae_decoder"))
+        sample = self.config(self.denoiser).get("sample_size", 64 if self.kind == "sd" or self.kind == "controlnet" else 128)
+        return default_size(self.root, sample, self.config("vae_decoder"), self.denoiser)
 
     @property
     def force_zeros_for_empty_prompt(self) -> bool:

@@ -74,8 +74,9 @@ from onnxopt.weights import numpy_dtype
 TARGETS = ("ort-cuda", "tensorrt")
 CALIBRATION_MAX_LATENT = 32  # latent side of the VAE fp16 calibration (256x256 pixels for SD)
 MODEL_FILE = "model.onnx"
-TEXT_ENCODERS = ("text_encoder", "text_encoder_2")
-DENOISERS = ("unet", "controlnet")
+TEXT_ENCODERS = ("text_encoder", "text_encoder_2", "text_encoder_3")
+CLIP_TEXT_ENCODERS = ("text_encoder", "text_encoder_2")  # static graphs at [b, 77] (T5's length is the request's)
+DENOISERS = ("unet", "transformer", "controlnet")
 VAES = ("vae_decoder", "vae_encoder")
 COMPONENTS = TEXT_ENCODERS + DENOISERS + VAES
 DEFAULT_DATA_NAME = "model.onnx_data"   # optimum's name
@@ -266,7 +267,7 @@ def vae_calibration_feed(model, name: str, folder: Path, seed: int = 0) -> dict[
     machine without the CUDA EP the calibration and the check run the fused graph on the CPU (the
     reference kernels where ORT's CPU build lacks one), minutes for SD 1.5's VAE at 64x64.
     """
-    unet_cfg = _read_json(folder / "unet" / "config.json")
+    unet_cfg = _read_json(folder / "unet" / "config.json") or _read_json(folder / "transformer" / "config.json")
     vae_cfg = _read_json(folder / name / "config.json")
     sample = unet_cfg.get("sample_size") or DEFAULT_LATENT_SIZE  # checked by check_folder_files: n or [h, w]
     side = min(min(sample) if isinstance(sample, list) else int(sample), CALIBRATION_MAX_LATENT)
@@ -494,9 +495,14 @@ def _build(src: Path, tmp: Path, report: FolderReport, components, controlnets, 
             continue
         report.components.append(_optimize_component(
             c, tmp / c.name, src, target, fp16, verify, tolerance, fp16_options, vae_max_rel_l2))
-        if c.name in TEXT_ENCODERS and static_text:
+        if c.name in CLIP_TEXT_ENCODERS and static_text:
             line.detail("static text encoder graphs")
             report.components[-1].notes.append(_write_static_text(src, tmp, c.name))
+        # the step graph guides a batch of 2 (CFG): Flux runs batch 1 with its guidance embedded, its own loop
+        if c.name == "transformer" and step_graph and _denoiser(src).classifier_free_guidance:
+            line.detail("step graph")
+            write_step_graph(tmp / "transformer", context_kv=False, denoiser=_denoiser(src))
+            report.components[-1].notes.append("step graph written (onnxopt.pipeline.step_graph)")
         if c.name == "unet" and step_graph:
             line.detail("step graph")
             step = write_step_graph(tmp / "unet", context_kv=context_kv, cfg_late=cfg_late,
@@ -516,6 +522,13 @@ def _build(src: Path, tmp: Path, report: FolderReport, components, controlnets, 
     if step_graph and controlnets:
         line.show("two-stream step graphs")
         report.component("unet").notes.append(_split_for_two_streams(tmp, controlnets))
+
+
+def _denoiser(src: Path):
+    """The folder family's denoiser interface (:mod:`onnxopt.pipeline.families`)."""
+    from onnxopt.pipeline.families import FAMILIES
+
+    return FAMILIES[kind_of(_read_json(src / "model_index.json"), src)].denoiser
 
 
 def _build_engines(tmp: Path, components, engines_for: list, report: FolderReport) -> None:

@@ -127,9 +127,11 @@ class PlanOptions:
 
 def plan_generation(folder: PipelineFolder, provider: str, options: PlanOptions = PlanOptions()) -> GenerationPlan:
     """The plan for ``folder`` on ``provider`` (cpu | cuda | tensorrt) with ``options``."""
-    from onnxopt.pipeline.schedulers import FUSED_SCHEDULERS
+    from onnxopt.pipeline.schedulers import FUSABLE_SCHEDULERS
 
-    if options.scheduler is not None and options.scheduler not in FUSED_SCHEDULERS:
+    if options.scheduler is not None and options.scheduler not in FUSABLE_SCHEDULERS:
+        options = replace(options, fused_step=False)
+    if not folder.family.denoiser.classifier_free_guidance:  # the step graph guides a batch of 2: Flux runs batch 1
         options = replace(options, fused_step=False)
     if provider == "tensorrt":  # each component's engine, host loop (onnxopt.runners.engine_session)
         options = replace(options, fused_step=False, io_binding=False, static_text=False)
@@ -142,7 +144,7 @@ def plan_generation(folder: PipelineFolder, provider: str, options: PlanOptions 
     if folder.has("vae_decoder"):
         plan.sessions.append(_entry(folder, "vae_decoder", "vae_decoder", folder.component("vae_decoder").model,
                                     "once per image", once, capture and io_binding))
-    for encoder in ("text_encoder", "text_encoder_2"):
+    for encoder in ("text_encoder", "text_encoder_2", "text_encoder_3"):
         if folder.has(encoder):
             static = " or model.static.b{b}.onnx" if options.static_text and folder.component(encoder).static_models else ""
             plan.sessions.append(SessionEntry(encoder, encoder, f"{encoder}/model.onnx{static}", "once per prompt", once,
@@ -165,7 +167,7 @@ def folder_scheduler_name(folder: PipelineFolder) -> str:
 
 
 def _components(folder: PipelineFolder) -> list[str]:
-    names = ("text_encoder", "text_encoder_2", "unet", *folder.controlnets, "vae_decoder")
+    names = ("text_encoder", "text_encoder_2", "text_encoder_3", folder.denoiser, *folder.controlnets, "vae_decoder")
     return [name for name in names if folder.has(name)]
 
 
@@ -219,8 +221,9 @@ def _plan_step(folder, plan, options, io_binding, two_streams, hints) -> None:
     if step_model is None and not build:
         return
     plan.step_model, plan.build_step_graph = step_model, build
-    graph = "unet/model.onnx, built in memory" if build else _relative(folder, step_model)
-    plan.sessions.append(SessionEntry("step", "unet", graph, "every step", STEP_LOOP, plan.capture, model=step_model))
+    graph = f"{folder.denoiser}/model.onnx, built in memory" if build else _relative(folder, step_model)
+    plan.sessions.append(SessionEntry("step", folder.denoiser, graph, "every step", STEP_LOOP, plan.capture,
+                                      model=step_model))
     plan.step_loop = "two streams" if streams is not None else ("bound buffers" if io_binding else "host feeds")
 
 
@@ -234,7 +237,8 @@ def _plan_per_step_sessions(folder, plan, io_binding) -> None:
     if fused:
         plan.sessions.append(SessionEntry("reuse", "", "reuse step (onnxopt.pipeline.step_reuse)", "a reused step", BUILT))
     else:
-        plan.sessions.append(_entry(folder, "unet", "unet", folder.component("unet").model, "every step", HOST))
+        plan.sessions.append(_entry(folder, folder.denoiser, folder.denoiser, folder.component(folder.denoiser).model,
+                                    "every step", HOST))
     if io_binding and fused and plan.entry("controlnet") is not None:  # one input graph serves every ControlNet
         plan.sessions.append(SessionEntry("controlnet_prepare", "", "ControlNet input (onnxopt.pipeline.merged_step)",
                                           "every step", BUILT, plan.capture and two))
@@ -246,7 +250,8 @@ def step_graph_source(folder: PipelineFolder, context_kv: bool = True, step_file
     ``context_kv=False`` passes over a step.onnx that reads the K/V of step.context_kv.onnx."""
     from onnxopt.pipeline.multi_controlnet import controlnet_count
 
-    unet = folder.component("unet")
+    unet = folder.component(folder.denoiser)
+    where = folder.denoiser
     controlnets = max(1, len(folder.controlnets))
     if step_file is not None:
         path = unet.folder / step_file
@@ -255,10 +260,10 @@ def step_graph_source(folder: PipelineFolder, context_kv: bool = True, step_file
         if controlnet_count(path) != controlnets:  # the residuals of the others would be dropped
             raise GenerationError(f"{path} reads the residuals of {controlnet_count(path)} ControlNet(s), the folder "
                                   f"has {controlnets}: write it with write_step_graph(..., controlnets={controlnets})")
-        return path, f"unet/{step_file}", False
+        return path, f"{where}/{step_file}", False
     if unet.step_model is not None and (context_kv or unet.context_model is None):
         if controlnet_count(unet.step_model) == controlnets:
-            return unet.step_model, "unet/step.onnx", False
+            return unet.step_model, f"{where}/step.onnx", False
         print(f"onnxopt: {unet.step_model} reads the residuals of {controlnet_count(unet.step_model)} ControlNet(s), the "
               f"folder has {controlnets}: building the step graph from unet/model.onnx", file=sys.stderr)
     try:
@@ -268,8 +273,8 @@ def step_graph_source(folder: PipelineFolder, context_kv: bool = True, step_file
     if not unet.external_data and unet.nbytes() >= INMEMORY_STEP_GRAPH_MAX_BYTES:
         print(f"onnxopt: {unet.folder} has no step.onnx and its UNet is over 1.8 GB inline: running the unfused step "
               "(write the fused one once with onnxopt.pipeline.step_graph.write_step_graph)", file=sys.stderr)
-        return None, "unfused (UNet over 1.8 GB without unet/step.onnx)", False
-    return None, "built in memory from unet/model.onnx", True
+        return None, f"unfused ({where} over 1.8 GB without {where}/step.onnx)", False
+    return None, f"built in memory from {where}/model.onnx", True
 
 
 def build_step_graph_in_memory(folder: PipelineFolder) -> bytes:
@@ -283,9 +288,10 @@ def build_step_graph_in_memory(folder: PipelineFolder) -> bytes:
     from onnxopt.pipeline.step_graph import build_step_graph
     from onnxopt.saving import _write
 
-    unet = folder.component("unet")
+    unet = folder.component(folder.denoiser)
     serialized = io.BytesIO()
-    step = sum_controlnet_residuals(build_step_graph(load_model(unet.model)), max(1, len(folder.controlnets)))
+    step = build_step_graph(load_model(unet.model), denoiser=folder.family.denoiser)
+    step = sum_controlnet_residuals(step, max(1, len(folder.controlnets)))
     _write(step, serialized, None, "", unet.folder.resolve())
     return serialized.getvalue()
 

@@ -59,6 +59,7 @@ import numpy as np
 from onnxopt.errors import MissingDependencyError, OnnxoptError
 from onnxopt.pipeline import images
 from onnxopt.pipeline.bound_session import BoundSession
+from onnxopt.pipeline.families import TOKENIZER_OF
 from onnxopt.pipeline.folder import PipelineFolder
 from onnxopt.pipeline.plan import (
     BOUND,
@@ -72,6 +73,8 @@ from onnxopt.pipeline.plan import (
     hint_key,
     plan_generation,
 )
+from onnxopt.pipeline.text_outputs import penultimate_name as _penultimate_name
+from onnxopt.pipeline.text_outputs import run_outputs as _run_outputs
 from onnxopt.pipeline.two_streams import TwoStreamStepLoop
 from onnxopt.pipeline.sessions import (
     DeviceStepLoop,
@@ -142,25 +145,6 @@ def _torch():
     return torch
 
 
-def _penultimate_name(session) -> str:
-    """The encoder's hidden_states[-2] output: ``hidden_states.{L-1}`` of 0..L (optimum's names)."""
-    names = [o.name for o in session.get_outputs()]
-    layers = sorted(int(n.split(".")[1]) for n in names if n.startswith("hidden_states.") and n.split(".")[1].isdigit())
-    if layers:
-        return f"hidden_states.{layers[-1] - 1}"
-    if "penultimate_hidden_state" in names:
-        return "penultimate_hidden_state"
-    raise OnnxoptError("SDXL text encoder has no hidden_states.{i} outputs (export it with output_hidden_states)")
-
-
-def _run_outputs(session, input_ids: np.ndarray, names: list[str]) -> list[np.ndarray]:
-    """A text encoder's ``names`` outputs only: SDXL's encoders have 14 and 34 outputs (every
-    hidden state) of which the pipeline reads one or two, and each output fetched is a copy from
-    the device (BoundSession copies only the ones asked for)."""
-    dtype = input_types(session)["input_ids"]
-    return session.run(names, {"input_ids": np.ascontiguousarray(input_ids.astype(dtype, copy=False))})
-
-
 class Pipeline:
     """An ONNX pipeline folder loaded into ORT sessions; call it to generate an image."""
 
@@ -179,7 +163,7 @@ class Pipeline:
         self._plans: dict = {}  # (scheduler, steps) -> StepPlan
         self._schedulers: dict = {}  # name -> diffusers' scheduler (Pipeline._scheduler)
         self._device_loops: dict = {}  # DeviceStepLoop.key -> a loop whose buffers (and captured graphs) stay put
-        self.tokenizers = {name: folder.tokenizer(name) for name in _tokenizers_of(folder.kind)}
+        self.tokenizers = {name: folder.tokenizer(name) for name in _tokenizers_of(folder)}
         self._warned_truncation: set = set()  # prompts already warned about
         self.static_text = False  # use text_encoder*/model.static.b{b}.onnx (set by load)
         self.text_sources: dict[str, str] = {}  # encoder -> the graph its last prompt ran on, and why
@@ -267,6 +251,10 @@ class Pipeline:
         if "vae_decoder" in made:
             check_interface(made["vae_decoder"], folder.component("vae_decoder").model, "VAE decoder",
                             ["latent_sample"], ["sample"])
+        if folder.kind == "flux" and cls is Pipeline:  # Flux's prompt, packed latents and VAE input
+            from onnxopt.pipeline.flux_runner import FluxRunner
+
+            cls = FluxRunner
         pipe = cls(folder, plan.provider, made, step_source=plan.step, cuda_graph=sessions.capture and "step" in made,
                    io_binding=plan.io_binding, device_id=device_id,
                    threads=threads, creation_s=time.perf_counter() - start)
@@ -306,22 +294,23 @@ class Pipeline:
 
     # --- the text side, once per prompt ---------------------------------------------------------
 
-    def _token_ids(self, name: str, texts: list[str]) -> np.ndarray:
+    def _token_ids(self, name: str, texts: list[str], max_length: int | None = None) -> np.ndarray:
         """diffusers' ``encode_prompt``: padded to model_max_length and cut there, and, as diffusers
         warns, a warning on stderr naming the part of the prompt that was cut (once per prompt)."""
         tokenizer = self.tokenizers[name]
-        ids = tokenizer(texts, padding="max_length", max_length=tokenizer.model_max_length, truncation=True,
+        max_length = max_length or tokenizer.model_max_length
+        ids = tokenizer(texts, padding="max_length", max_length=max_length, truncation=True,
                         return_tensors="np").input_ids
         prompt = texts[-1]  # as diffusers: the prompt is checked, the negative prompt is cut silently
         if prompt not in self._warned_truncation:
             # transformers' own "longer than the specified maximum" line is not the user's: ours says it
             getattr(tokenizer, "deprecation_warnings", {})["sequence-length-is-longer-than-the-specified-maximum"] = True
             whole = tokenizer(prompt, padding="longest").input_ids
-            if len(whole) > tokenizer.model_max_length:
+            if len(whole) > max_length:
                 self._warned_truncation.add(prompt)
-                removed = tokenizer.decode(whole[tokenizer.model_max_length - 1: -1])
+                removed = tokenizer.decode(whole[max_length - 1: -1])
                 print(f"onnxopt: warning: the following part of your input was truncated because CLIP can only handle "
-                      f"sequences up to {tokenizer.model_max_length} tokens: {removed!r}", file=sys.stderr)
+                      f"sequences up to {max_length} tokens: {removed!r}", file=sys.stderr)
         return ids
 
     def text_session(self, encoder: str, batch: int):
@@ -334,9 +323,10 @@ class Pipeline:
         if key not in self.sessions:
             session = self._open_once(encoder, static.get(batch))
             check_interface(session, static.get(batch) or component.model, "text encoder", ["input_ids"],
-                            ["last_hidden_state"] if self.folder.kind != "sdxl" else [])
-            tokenizer = self.tokenizers["tokenizer" if encoder == "text_encoder" else "tokenizer_2"]
-            check_prompt_length(self.folder, encoder, tokenizer.model_max_length, session)
+                            ["last_hidden_state"] if self.folder.kind in ("sd", "controlnet") else [])
+            if encoder != "text_encoder_3":  # T5 takes the request's length (max_sequence_length)
+                tokenizer = self.tokenizers[TOKENIZER_OF[encoder]]
+                check_prompt_length(self.folder, encoder, tokenizer.model_max_length, session)
             self.sessions[key] = session
         if batch in static:
             self.text_sources[encoder] = static[batch].name
@@ -348,9 +338,15 @@ class Pipeline:
                                           + (f" (it has {present})" if present else ""))
         return self.sessions[key]
 
-    def encode_prompt(self, prompt: str, negative_prompt: str | None) -> dict[str, np.ndarray]:
+    def encode_prompt(self, prompt: str, negative_prompt: str | None, max_sequence_length: int = 256
+                      ) -> dict[str, np.ndarray]:
         """The step's conditioning inputs, negative first (batch 2): encoder_hidden_states
-        [+ text_embeds, time_ids are added by the caller for SDXL]."""
+        [+ text_embeds, time_ids are added by the caller for SDXL; SD3: pooled_projections, T5's
+        tokens ``max_sequence_length``: :mod:`onnxopt.pipeline.sd3_text`]."""
+        if self.folder.kind == "sd3":
+            from onnxopt.pipeline.sd3_text import encode_sd3_prompt
+
+            return encode_sd3_prompt(self, prompt, negative_prompt, max_sequence_length)
         if self.folder.kind != "sdxl":
             ids = self._token_ids("tokenizer", [negative_prompt or "", prompt])
             (hidden,) = _run_outputs(self.text_session("text_encoder", len(ids)), ids, ["last_hidden_state"])
@@ -377,13 +373,15 @@ class Pipeline:
     @clears_status
     def __call__(self, prompt: str, negative_prompt: str | None = None, steps: int = 50, guidance: float = 7.5,
                  scheduler: str | None = None, seed: int = 0, height: int | None = None, width: int | None = None,
-                 controlnet_image=None, controlnet_scale=1.0, progress: bool = True, reuse=None) -> Result:
+                 controlnet_image=None, controlnet_scale=1.0, progress: bool = True, reuse=None,
+                 max_sequence_length: int = 256) -> Result:
         """One image. ``scheduler``: one of :data:`~onnxopt.pipeline.schedulers.SCHEDULERS`, made from
         the folder's config; None: the folder's own scheduler, as diffusers' pipeline uses it.
         ``guidance`` <= 1 turns classifier-free guidance off, as diffusers does (the negative prompt
         is then unused). ``controlnet_image``: the conditioning image (a path, PIL image or array), or a
         list of one per ControlNet (folders with ``controlnet_1/``...); ``controlnet_scale``: one
-        scale for every ControlNet, or a list of one per ControlNet (diffusers' semantics)."""
+        scale for every ControlNet, or a list of one per ControlNet (diffusers' semantics).
+        ``max_sequence_length``: SD3's T5 prompt length in tokens (diffusers' default 256)."""
         from diffusers.utils.torch_utils import randn_tensor
 
         torch = _torch()
@@ -392,6 +390,7 @@ class Pipeline:
                                   controlnet_image=controlnet_image, controlnet_scale=controlnet_scale)
         check_numbers(guidance=guidance, seed=seed, controlnet_scale=controlnet_scale)
         check_prompts(prompt, negative_prompt)
+        check_sequence_length(folder, max_sequence_length)
         reused = reuse_steps(reuse, steps)
         factor = folder.vae_scale_factor
         controls = []
@@ -406,9 +405,10 @@ class Pipeline:
         timings: dict = {"provider": self.provider, "step": self.step_source, "cuda_graph": self.cuda_graph,
                          "session_runs_per_step": self.session_runs_per_step()}
         start = time.perf_counter()
-        cond = self._conditioning(prompt, negative_prompt, height, width, timings)
+        cond = self._conditioning(prompt, negative_prompt, height, width, timings, max_sequence_length)
         sched = self._scheduler(scheduler)
-        channels = folder.config("unet").get("in_channels", 4)
+        self._latent_size = (height // factor, width // factor)  # flow matching's dynamic shifting reads it
+        channels = self._latent_channels()
         generator = torch.Generator("cpu").manual_seed(seed)
         noise = randn_tensor((1, channels, height // factor, width // factor), generator=generator,
                              device=torch.device("cpu"), dtype=torch.float32)
@@ -425,21 +425,49 @@ class Pipeline:
         self.calls += 1
         return Result(latents=latents, pixels=pixels, timings=timings)
 
-    def _conditioning(self, prompt, negative_prompt, height: int, width: int, timings: dict) -> dict:
+    def _conditioning(self, prompt, negative_prompt, height: int, width: int, timings: dict,
+                      max_sequence_length: int = 256) -> dict:
         """The step's conditioning: the text encoders' outputs (SDXL: with its time ids), and the
         cross-attention K/V when the step graph reads them instead of the text."""
         t0 = time.perf_counter()
-        cond = self.encode_prompt(prompt, negative_prompt)
+        cond = self._step_conditioning(self._prompt_conditioning(prompt, negative_prompt, height, width,
+                                                                  max_sequence_length))
+        timings["text_encoder_s"] = time.perf_counter() - t0
+        timings["text_encoders"] = dict(self.text_sources)
+        return cond
+
+    def _prompt_conditioning(self, prompt, negative_prompt, height: int, width: int,
+                             max_sequence_length: int = 256) -> dict[str, np.ndarray]:
+        """One prompt's conditioning on the host, two rows [negative, prompt]: the text encoders'
+        outputs (SDXL: with its time ids). A batch concatenates these (onnxopt.pipeline.batch)."""
+        cond = self.encode_prompt(prompt, negative_prompt, max_sequence_length)
         if self.folder.kind == "sdxl":
             time_ids = np.asarray([[height, width, 0, 0, height, width]], np.float32)  # original, crop (0,0), target
             cond["time_ids"] = np.concatenate([time_ids, time_ids])
+        return cond
+
+    def _step_conditioning(self, cond: dict) -> dict:
+        """``cond`` as the step graph reads it: with the cross-attention K/V when the step graph
+        reads them instead of the text (one run for all of cond's rows)."""
         if "context" in self.sessions:  # the step graph reads the cross-attention K/V, not the text
             # on bound buffers the K/V stay on the device, where the step loop binds them (SDXL's
             # 140 K/V tensors, 50 MB, cost ~20 ms a prompt through the host)
             cond.update(run_on_device(self.sessions["context"], cond))
-        timings["text_encoder_s"] = time.perf_counter() - t0
-        timings["text_encoders"] = dict(self.text_sources)
         return cond
+
+    def _latent_channels(self) -> int:
+        """The latents' channels: the denoiser config's in_channels (diffusers reads it there), which
+        the graph that runs must take where it declares them (a config of another model, e.g. a
+        4-channel one beside SD3's 16-channel transformer, was ORT's shape error mid-run)."""
+        name = self.folder.denoiser
+        channels = self.folder.config(name).get("in_channels", 4)
+        session, latent = (self.sessions["step"], "latents") if "step" in self.sessions else (
+            self._unet_session(), self.folder.family.denoiser.sample)
+        shape = next((i.shape for i in session.get_inputs() if i.name == latent), None)
+        if shape and len(shape) == 4 and isinstance(shape[1], int) and shape[1] != channels:
+            raise GenerationError(f"{self.folder.root / name / 'config.json'}: in_channels {channels}, but "
+                                  f"{name}'s graph takes latents of {shape[1]} channels")
+        return channels
 
     def _controlnet_inputs(self, cond: dict, controls: list, controlnet_scale, timings: dict) -> list[dict]:
         """Per ControlNet: its per-image inputs by its own input names (the hint, where its step
@@ -566,10 +594,22 @@ class Pipeline:
         (the folder's scheduler config is fixed), and probing diffusers costs ~0.5 ms a step."""
         from onnxopt.pipeline.schedulers import plan_steps
 
-        key = (name, steps)
+        kwargs = self._timestep_kwargs(scheduler, steps)
+        key = (name, steps, json.dumps(kwargs, sort_keys=True, default=list))
         if key not in self._plans:
-            self._plans[key] = plan_steps(scheduler, steps)
+            self._plans[key] = plan_steps(scheduler, steps, timestep_kwargs=kwargs,
+                                          timestep_scale=self.folder.family.denoiser.timestep_scale)
         return self._plans[key]
+
+    def _timestep_kwargs(self, scheduler, steps: int) -> dict:
+        """What diffusers' pipeline passes to ``set_timesteps`` (flow matching: dynamic shifting's
+        ``mu`` for this image's latent size, Flux's sigmas); nothing for the UNet families."""
+        from onnxopt.pipeline.schedulers import flow_match_timestep_kwargs
+
+        if not self.folder.family.flow_matching:
+            return {}
+        patch = self.folder.config(self.folder.denoiser).get("patch_size", 2)
+        return flow_match_timestep_kwargs(self.folder.kind, dict(scheduler.config), steps, *self._latent_size, patch)
 
     def _unscale(self, latents: np.ndarray) -> np.ndarray:
         """The VAE decoder's input. latents_mean/latents_std are read by StableDiffusionXLPipeline
@@ -577,6 +617,9 @@ class Pipeline:
         config = self.folder.config("vae_decoder")
         scaling = config.get("scaling_factor", 0.18215)
         mean, std = config.get("latents_mean"), config.get("latents_std")
+        if self.folder.family.flow_matching:  # SD3 and Flux: latents / scaling_factor + shift_factor
+            shift = config.get("shift_factor")
+            return latents / np.float32(scaling) + np.float32(shift or 0.0)
         if self.folder.kind == "sdxl" and mean is not None and std is not None:
             mean = np.asarray(mean, np.float32).reshape(1, -1, 1, 1)
             std = np.asarray(std, np.float32).reshape(1, -1, 1, 1)
@@ -610,23 +653,27 @@ class Pipeline:
     def _unet_session(self):
         """The UNet's own session: made at load for the unfused loop; on first use when a fused
         pipeline meets a scheduler the step graph cannot run."""
-        if "unet" not in self.sessions:
-            self.status("loading unet (the scheduler's own step, unfused)")
-            self.sessions["unet"] = create_session(self.folder.component("unet").model, self.provider,
-                                                   name=str(self.folder.root / "unet"), device_id=self.device_id,
-                                                   threads=self.threads)
-        return self.sessions["unet"]
+        name = self.folder.denoiser
+        if name not in self.sessions:
+            self.status(f"loading {name} (the scheduler's own step, unfused)")
+            self.sessions[name] = create_session(self.folder.component(name).model, self.provider,
+                                                 name=str(self.folder.root / name), device_id=self.device_id,
+                                                 threads=self.threads)
+        return self.sessions[name]
 
     def _unfused_loop(self, sched, steps, noise, cond, controlnet, guidance, step_times, bar, kind, reused=frozenset()):
         """diffusers' loop: UNet session, guidance in numpy (``guidance`` None: no guidance, the
         prompt's own output), diffusers' scale_model_input and step (at a ``reused`` step: diffusers'
         step on the last computed guided output, no UNet)."""
+        from onnxopt.pipeline.schedulers import _scale_model_input, _set_timesteps
+
         torch = _torch()
-        sched.set_timesteps(steps)
+        _set_timesteps(sched, steps, self._timestep_kwargs(sched, steps))
         if kind == "sdxl" and hasattr(sched, "set_begin_index"):
             sched.set_begin_index(0)
-        latents = noise * sched.init_noise_sigma
+        latents = noise * getattr(sched, "init_noise_sigma", 1.0)
         unet = self._unet_session()
+        denoiser = self.folder.family.denoiser
         eps = None
         for k, t in enumerate(sched.timesteps):
             t1 = time.perf_counter()
@@ -635,15 +682,16 @@ class Pipeline:
                 step_times.append(time.perf_counter() - t1)
                 bar.update()
                 continue
-            model_in = sched.scale_model_input(torch.cat([latents] * 2), t).numpy()
-            feeds = dict(cond, sample=model_in, timestep=timestep_feed(unet, t.item(), model_in.shape[0]))
+            model_in = _scale_model_input(sched, torch.cat([latents] * 2), t).numpy()
+            feeds = dict(cond, **{denoiser.sample: model_in, denoiser.timestep: timestep_feed(
+                unet, t.item() * denoiser.timestep_scale, model_in.shape[0], denoiser.timestep)})
             residuals = {}  # diffusers' MultiControlNetModel: the residuals summed in ControlNet order
             for k, inputs in enumerate(controlnet or ()):
                 cn = self._controlnet_session(k)
                 out = run_host(cn, dict(inputs, sample=model_in, timestep=timestep_feed(cn, t.item(), model_in.shape[0])))
                 residuals = {n: residuals[n] + v for n, v in out.items()} if residuals else out
             feeds.update(residuals)
-            eps2 = run_host(unet, feeds)["out_sample"].astype(np.float32)
+            eps2 = run_host(unet, feeds)[denoiser.output].astype(np.float32)
             eps_u, eps_c = eps2[: len(eps2) // 2], eps2[len(eps2) // 2:]
             eps = eps_c if guidance is None else eps_u + np.float32(guidance) * (eps_c - eps_u)
             latents = sched.step(torch.from_numpy(eps), t, latents, return_dict=False)[0]
@@ -660,10 +708,14 @@ def check_request(folder: PipelineFolder, *, steps: int = 50, scheduler: str | N
     :meth:`Pipeline.load`'s (the scheduler's check imports torch and diffusers: seconds)."""
     say = StartupStatus(status)
     say("importing torch and diffusers")
-    from onnxopt.pipeline.schedulers import SCHEDULERS
+    from onnxopt.pipeline.schedulers import ALL_SCHEDULERS, schedulers_for
 
-    if scheduler is not None and scheduler not in SCHEDULERS:
-        raise GenerationError(f"unknown scheduler '{scheduler}' (choose from {', '.join(SCHEDULERS)})")
+    if scheduler is not None and scheduler not in ALL_SCHEDULERS:
+        raise GenerationError(f"unknown scheduler '{scheduler}' (choose from {', '.join(ALL_SCHEDULERS)})")
+    takes = schedulers_for(folder.family.flow_matching)
+    if scheduler is not None and scheduler not in takes:
+        raise GenerationError(f"{folder.root} is a {folder.kind} pipeline: its denoiser runs {', '.join(takes)}, "
+                              f"not {scheduler}")
     if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
         raise GenerationError(f"steps must be at least 1, got {steps}")
     control_images, names = as_list(controlnet_image), folder.controlnets
@@ -686,16 +738,29 @@ def check_request(folder: PipelineFolder, *, steps: int = 50, scheduler: str | N
             raise GenerationError(f"{image}: is a folder, not an image")
         if isinstance(image, (str, Path)) and not Path(image).is_file():
             raise GenerationError(f"{image}: no such image")
-    _check_size(height, width, folder.vae_scale_factor, allow_none=True)
+    if folder.kind != "flux":  # FluxPipeline takes any size and rounds it down (onnxopt.pipeline.flux.latent_size)
+        _check_size(height, width, folder.vae_scale_factor, allow_none=True)
     scheduler = _checked_schedule(json.dumps(folder.scheduler_config(), sort_keys=True, default=str), folder.kind,
-                                  folder_scheduler_class(folder), scheduler, steps)
+                                  folder_scheduler_class(folder), scheduler, steps, _latent_size(folder, height, width))
     check_model_configs(folder)
     say.done()
     return scheduler
 
 
+def _latent_size(folder: PipelineFolder, height, width) -> tuple[int, int, int] | None:
+    """The latents' (height, width) of a request (the default size where none is asked) and the
+    transformer's patch size, for flow matching's resolution-dependent schedule; None for the UNet
+    families (their schedule does not depend on it)."""
+    if not folder.family.flow_matching:
+        return None
+    default_h, default_w = default_size(folder)
+    factor = folder.vae_scale_factor
+    return (height or default_h) // factor, (width or default_w) // factor, folder.config(folder.denoiser).get("patch_size", 2)
+
+
 @functools.lru_cache(maxsize=32)
-def _checked_schedule(config_json: str, kind: str, own: str | None, scheduler: str | None, steps: int) -> str:
+def _checked_schedule(config_json: str, kind: str, own: str | None, scheduler: str | None, steps: int,
+                      latent_size: tuple[int, int, int] | None = None) -> str:
     """The scheduler's name for a request (``scheduler``, or the folder's own), once the whole
     schedule has been dry-run (:func:`~onnxopt.pipeline.schedulers.check_schedule`). Remembered:
     every image of a pipeline asks the same question, and the dry run of 50 DDIM steps cost about
@@ -710,7 +775,13 @@ def _checked_schedule(config_json: str, kind: str, own: str | None, scheduler: s
         if steps > train_steps:  # diffusers' set_timesteps refuses it, deep in the run
             raise GenerationError(f"steps must be at most {train_steps} (num_train_timesteps of the folder's "
                                   f"scheduler_config.json), got {steps}")
-        check_schedule(make_scheduler(scheduler, config), steps)
+        made = make_scheduler(scheduler, config)
+        kwargs = {}
+        if latent_size is not None:  # flow matching: the schedule as the pipeline sets it for this size
+            from onnxopt.pipeline.schedulers import flow_match_timestep_kwargs
+
+            kwargs = flow_match_timestep_kwargs(kind, dict(made.config), steps, *latent_size)
+        check_schedule(made, steps, kwargs)
     except SchedulerError as exc:
         raise GenerationError(str(exc)) from None
     return scheduler
@@ -728,9 +799,9 @@ def folder_scheduler_class(folder: PipelineFolder) -> str | None:
 
 def fusable(scheduler: str) -> bool:
     """Whether the fused step graph can run ``scheduler`` (else a load need not prepare it)."""
-    from onnxopt.pipeline.schedulers import FUSED_SCHEDULERS
+    from onnxopt.pipeline.schedulers import FUSABLE_SCHEDULERS
 
-    return scheduler in FUSED_SCHEDULERS
+    return scheduler in FUSABLE_SCHEDULERS
 
 
 def classifier_free_guidance(guidance: float) -> bool:
@@ -761,7 +832,7 @@ def check_model_configs(folder: PipelineFolder) -> None:
                                       f"(one per latent channel), got {value!r}")
     for tokenizer, encoder in (("tokenizer", "text_encoder"), ("tokenizer_2", "text_encoder_2")):
         path = folder.root / tokenizer / "tokenizer_config.json"
-        if tokenizer in _tokenizers_of(folder.kind) and path.is_file():
+        if tokenizer in _tokenizers_of(folder) and path.is_file():
             from onnxopt.pipeline.folder import read_json
 
             check_prompt_length(folder, encoder, read_json(path).get("model_max_length"))
@@ -863,8 +934,30 @@ def reuse_steps(reuse, steps: int) -> frozenset:
         raise GenerationError(str(exc)) from None
 
 
-def _tokenizers_of(kind: str) -> tuple[str, ...]:
-    return ("tokenizer", "tokenizer_2") if kind == "sdxl" else ("tokenizer",)
+def _tokenizers_of(folder: PipelineFolder) -> tuple[str, ...]:
+    """The tokenizers a generation reads: the family's, and those of the optional encoders present."""
+    family = folder.family
+    optional = tuple(TOKENIZER_OF[e] for e in family.optional if e in TOKENIZER_OF and folder.has(e))
+    return (*family.tokenizers, *optional)
+
+
+MAX_SEQUENCE_LENGTH = 512  # diffusers' StableDiffusion3Pipeline and FluxPipeline refuse a longer T5 prompt
+
+
+def default_sequence_length(folder: PipelineFolder) -> int:
+    """diffusers' max_sequence_length default: FluxPipeline's 512, StableDiffusion3Pipeline's 256."""
+    return 512 if folder.kind == "flux" else 256
+
+
+def check_sequence_length(folder: PipelineFolder, max_sequence_length) -> None:
+    """SD3's and Flux's T5 prompt length: a positive integer up to :data:`MAX_SEQUENCE_LENGTH`, as diffusers
+    takes it (FluxPipeline refuses more than 512 too)."""
+    if folder.kind not in ("sd3", "flux"):
+        return
+    if (not isinstance(max_sequence_length, int) or isinstance(max_sequence_length, bool)
+            or not 1 <= max_sequence_length <= MAX_SEQUENCE_LENGTH):
+        raise GenerationError(f"max sequence length must be an integer in 1..{MAX_SEQUENCE_LENGTH}, "
+                              f"got {max_sequence_length!r}")
 
 
 def _check_size(height, width, factor: int, allow_none: bool = False) -> None:
@@ -927,8 +1020,9 @@ class _SessionMaker:
             if self.plan.build_step_graph:
                 self.say("preparing the step graph")
             model = build_step_graph_in_memory(self.folder) if self.plan.build_step_graph else entry.model
-            beside = {"external_data_folder": self.folder.component("unet").folder} if isinstance(model, bytes) else {}
-            session, self.capture = self.captured("unet", model, say=True, **beside)
+            denoiser = self.folder.denoiser
+            beside = {"external_data_folder": self.folder.component(denoiser).folder} if isinstance(model, bytes) else {}
+            session, self.capture = self.captured(denoiser, model, say=True, **beside)
         elif entry.binds == STEP_LOOP:
             session, _ = self.captured(entry.component, entry.model)
         elif entry.key == "reuse":

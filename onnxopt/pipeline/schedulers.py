@@ -23,6 +23,11 @@ first steps (no history: c_state = 0), ``lower_order_final`` steps, ``timestep_s
 affine (DDIM ``clip_sample`` or ``thresholding``, ``eta > 0``, Euler ``s_churn > 0``, an SDE or
 other multistep variant) is refused with a one-line error rather than planned wrongly.
 
+Flow matching (``FlowMatchEulerDiscreteScheduler``, SD3's and Flux's) is Euler on a velocity:
+``x_next = x + (sigma_next - sigma) * v``, read the same way (c_in 1: it has no ``scale_model_input``;
+c_state 0). Its schedule depends on what the pipeline passes to ``set_timesteps`` (dynamic
+shifting's ``mu``, Flux's ``sigmas``): :func:`flow_match_timestep_kwargs`.
+
 PNDM (SD 1.5's own scheduler: PLMS with ``skip_prk_steps``) is run by diffusers' own ``step`` in the
 host loop: its update reads up to three earlier model outputs, where the step graph carries one.
 
@@ -46,11 +51,15 @@ import numpy as np
 
 from onnxopt.errors import MissingDependencyError, OnnxoptError
 
-FUSED_SCHEDULERS = ("ddim", "euler", "dpm++2m")  # the ones plan_steps reads as coefficients
-SCHEDULERS = (*FUSED_SCHEDULERS, "pndm")  # every name a run takes (pndm: diffusers' step, host loop)
+FUSED_SCHEDULERS = ("ddim", "euler", "dpm++2m")  # the UNet families' that plan_steps reads as coefficients
+SCHEDULERS = (*FUSED_SCHEDULERS, "pndm")  # every name a UNet family takes (pndm: diffusers' step, host loop)
+FLOW_MATCH = "flow-match"  # FlowMatchEulerDiscreteScheduler: the transformer families' (SD3, Flux)
+FLOW_MATCH_SCHEDULERS = (FLOW_MATCH,)  # what a flow-matching denoiser takes (it predicts a velocity, not noise)
+ALL_SCHEDULERS = (*SCHEDULERS, *FLOW_MATCH_SCHEDULERS)  # every name a run takes
+FUSABLE_SCHEDULERS = (*FUSED_SCHEDULERS, *FLOW_MATCH_SCHEDULERS)  # every one the step graph runs
 # the folder's scheduler class -> the name that makes it as it is
 FOLDER_CLASSES = {"DDIMScheduler": "ddim", "EulerDiscreteScheduler": "euler", "DPMSolverMultistepScheduler": "dpm++2m",
-                  "PNDMScheduler": "pndm"}
+                  "PNDMScheduler": "pndm", "FlowMatchEulerDiscreteScheduler": FLOW_MATCH}
 TIMESTEP_SPACINGS = ("leading", "trailing", "linspace")  # diffusers' set_timesteps takes these
 # diffusers pipeline classes whose __init__ corrects an outdated scheduler config (steps_offset, clip_sample):
 # StableDiffusionPipeline and OnnxStableDiffusionPipeline; SDXL's and the ControlNet pipeline's do not
@@ -71,8 +80,9 @@ class StepPlan:
     """Everything the step loop needs from the scheduler, for ``len(timesteps)`` steps.
 
     ``coefficients[k]`` are step k's (c_in, c_x, c_eps, c_state, d_x, d_eps), float32.
-    ``timesteps[k]`` is the value diffusers feeds the UNet at step k (int for DDIM and DPM-Solver,
-    float for Euler). Initial latents are scaled by ``init_noise_sigma``.
+    ``timesteps[k]`` is the value diffusers feeds the denoiser at step k (int for DDIM and DPM-Solver,
+    float for Euler and flow matching). Initial latents are scaled by ``init_noise_sigma`` (1 for
+    flow matching, whose pipelines do not scale them).
     """
 
     timesteps: list
@@ -83,6 +93,12 @@ class StepPlan:
         return len(self.timesteps)
 
 
+def schedulers_for(flow_matching: bool) -> tuple[str, ...]:
+    """The scheduler names a family takes: a flow-matching denoiser (SD3, Flux) predicts a velocity and
+    runs flow matching only; a UNet predicts noise (or v) and runs the others."""
+    return FLOW_MATCH_SCHEDULERS if flow_matching else SCHEDULERS
+
+
 def make_scheduler(name: str, config: dict):
     """diffusers' scheduler ``name`` (one of :data:`SCHEDULERS`) configured from ``config``
     (a ``scheduler_config.json``, any scheduler class: its common keys carry over, as with
@@ -90,9 +106,9 @@ def make_scheduler(name: str, config: dict):
     classes = _diffusers_classes()
     made = {"ddim": (classes.DDIMScheduler, {}), "euler": (classes.EulerDiscreteScheduler, {}),
             "dpm++2m": (classes.DPMSolverMultistepScheduler, {"algorithm_type": "dpmsolver++", "solver_order": 2}),
-            "pndm": (classes.PNDMScheduler, {})}
+            "pndm": (classes.PNDMScheduler, {}), FLOW_MATCH: (classes.FlowMatchEulerDiscreteScheduler, {})}
     if name not in made:
-        raise SchedulerError(f"unknown scheduler '{name}'; choose one of {', '.join(SCHEDULERS)}")
+        raise SchedulerError(f"unknown scheduler '{name}'; choose one of {', '.join(ALL_SCHEDULERS)}")
     cls, options = made[name]
     check_config_values(config)
     try:
@@ -167,24 +183,26 @@ def pipeline_scheduler_config(config: dict, kind: str, class_name: str | None = 
     return config
 
 
-def check_schedule(scheduler, steps: int) -> None:
+def check_schedule(scheduler, steps: int, timestep_kwargs: dict | None = None) -> None:
     """Run ``steps`` steps of (a copy of) ``scheduler`` on a 1x4x1x1 sample of ones, as the pipeline
     drives it; a one-line SchedulerError when diffusers fails on it or a timestep falls outside the
     trained ones (e.g. ``steps`` = ``num_train_timesteps`` with "leading" spacing and ``steps_offset`` 1:
-    timestep 1000 of 0..999) or a value is not finite."""
+    timestep 1000 of 0..999; flow matching: 0..num_train_timesteps) or a value is not finite.
+    ``timestep_kwargs``: what the pipeline passes to ``set_timesteps`` (flow matching's ``mu``, ``sigmas``)."""
     torch = _torch()
     running = copy.deepcopy(scheduler)
     name = type(scheduler).__name__
     train = running.config.num_train_timesteps
     try:
-        running.set_timesteps(steps)
+        _set_timesteps(running, steps, timestep_kwargs)
         timesteps = running.timesteps
-        if len(timesteps) and not (0 <= float(timesteps.min()) and float(timesteps.max()) < train):
+        top = train + 1 if _is_flow_match(running) else train  # a flow's t = sigma * train reaches train itself
+        if len(timesteps) and not (0 <= float(timesteps.min()) and float(timesteps.max()) < top):
             raise SchedulerError(f"{name} with this scheduler_config.json cannot run {steps} steps: timestep "
                                  f"{float(timesteps.max()):g} lies outside the trained 0..{train - 1}")
         x = torch.ones(1, 4, 1, 1)
         for t in timesteps:
-            model_output = running.scale_model_input(x, t)
+            model_output = _scale_model_input(running, x, t)
             x = running.step(model_output, t, x, return_dict=False)[0]
             if not torch.isfinite(x).all():
                 raise SchedulerError(f"{name} with this scheduler_config.json cannot run {steps} steps: its sample "
@@ -200,7 +218,8 @@ def _first_line(exc: BaseException) -> str:
     return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
 
 
-def plan_steps(scheduler, num_inference_steps: int, *, step_kwargs: dict | None = None) -> StepPlan:
+def plan_steps(scheduler, num_inference_steps: int, *, step_kwargs: dict | None = None,
+               timestep_kwargs: dict | None = None, timestep_scale: float = 1.0) -> StepPlan:
     """Timesteps and per-step coefficients of ``scheduler`` for ``num_inference_steps`` steps.
 
     ``scheduler`` is not modified (a deep copy is probed). ``step_kwargs`` go to every ``step``
@@ -213,7 +232,7 @@ def plan_steps(scheduler, num_inference_steps: int, *, step_kwargs: dict | None 
         raise SchedulerError(f"number of inference steps must be a positive integer, got {num_inference_steps!r}")
     _refuse_non_affine(scheduler, step_kwargs or {})
     running = copy.deepcopy(scheduler)
-    running.set_timesteps(num_inference_steps)
+    _set_timesteps(running, num_inference_steps, timestep_kwargs)
     timesteps = running.timesteps
     rng = np.random.default_rng(0)
     rows = []
@@ -224,10 +243,63 @@ def plan_steps(scheduler, num_inference_steps: int, *, step_kwargs: dict | None 
         _check_affine(before, t, row, step_kwargs or {}, rng, torch, k)
         rows.append(row)
     return StepPlan(
-        timesteps=[t.item() for t in timesteps],
+        timesteps=[t.item() * timestep_scale if timestep_scale != 1.0 else t.item() for t in timesteps],
         coefficients=np.asarray(rows, dtype=np.float32).reshape(len(rows), len(COEFFICIENTS)),
-        init_noise_sigma=float(running.init_noise_sigma),
+        init_noise_sigma=float(getattr(running, "init_noise_sigma", 1.0)),
     )
+
+
+def _is_flow_match(scheduler) -> bool:
+    return type(scheduler).__name__ == "FlowMatchEulerDiscreteScheduler"
+
+
+def _set_timesteps(scheduler, steps: int, timestep_kwargs: dict | None) -> None:
+    """``set_timesteps`` as diffusers' ``retrieve_timesteps`` calls it: with ``sigmas`` the step
+    count is theirs (diffusers passes none then)."""
+    kwargs = dict(timestep_kwargs or {})
+    if kwargs.get("sigmas") is not None:
+        scheduler.set_timesteps(**kwargs)
+    else:
+        kwargs.pop("sigmas", None)
+        scheduler.set_timesteps(steps, **kwargs)
+
+
+def _scale_model_input(scheduler, x, t):
+    """diffusers' ``scale_model_input`` (flow matching has none: the pipelines feed the latents as they are)."""
+    scale = getattr(scheduler, "scale_model_input", None)
+    return x if scale is None else scale(x, t)
+
+
+def calculate_shift(kind: str, config: dict, image_seq_len: int) -> float:
+    """Dynamic shifting's ``mu`` for an image of ``image_seq_len`` transformer tokens, as diffusers'
+    pipeline of ``kind`` computes it (``calculate_shift`` of diffusers' SD3 and Flux pipelines, a line
+    through (base_image_seq_len, base_shift) and (max_image_seq_len, max_shift)); the pipelines' own
+    defaults where the config has no value: SD3's max_shift 1.16, Flux's 1.15. Written out, not
+    imported: importing diffusers' pipeline modules pulls in transformers' image processors (seconds,
+    and warnings on stderr) for a line equation."""
+    base_len, max_len = config.get("base_image_seq_len", 256), config.get("max_image_seq_len", 4096)
+    base_shift, max_shift = config.get("base_shift", 0.5), config.get("max_shift", 1.16 if kind == "sd3" else 1.15)
+    m = (max_shift - base_shift) / (max_len - base_len)
+    return image_seq_len * m + (base_shift - m * base_len)
+
+
+def flow_match_timestep_kwargs(kind: str, config: dict, steps: int, latent_height: int, latent_width: int,
+                               patch_size: int = 2) -> dict:
+    """What diffusers' pipeline of ``kind`` passes to FlowMatchEulerDiscreteScheduler.set_timesteps
+    for ``steps`` steps on latents of ``latent_height`` x ``latent_width``:
+
+    * ``sd3`` (StableDiffusion3Pipeline): ``mu`` only when the config has ``use_dynamic_shifting``,
+      for (latent_height // patch_size) * (latent_width // patch_size) tokens; no sigmas (the
+      scheduler's own linspace, then its ``shift``).
+    * ``flux`` (FluxPipeline): ``sigmas`` = linspace(1, 1/steps, steps) (none when the config has
+      ``use_flow_sigmas``) and ``mu`` always, for (latent_height // 2) * (latent_width // 2)
+      packed tokens."""
+    if kind == "flux":
+        sigmas = None if config.get("use_flow_sigmas") else np.linspace(1.0, 1 / steps, steps)
+        return {"sigmas": sigmas, "mu": calculate_shift(kind, config, (latent_height // 2) * (latent_width // 2))}
+    if config.get("use_dynamic_shifting"):
+        return {"mu": calculate_shift(kind, config, (latent_height // patch_size) * (latent_width // patch_size))}
+    return {}
 
 
 def _probe(scheduler, t, step_kwargs: dict, torch) -> list[float]:
@@ -235,7 +307,7 @@ def _probe(scheduler, t, step_kwargs: dict, torch) -> list[float]:
     def basis(i: int):  # latent-shaped (some scheduler code reads batch and channel dims)
         return torch.eye(3)[i].reshape(1, 3, 1, 1)
 
-    c_in = scheduler.scale_model_input(torch.ones(1, 1, 1, 1), t).item()
+    c_in = _scale_model_input(scheduler, torch.ones(1, 1, 1, 1), t).item()
     has_state = _set_state(scheduler, basis(2))
     prev = scheduler.step(basis(1), t, basis(0), **step_kwargs).prev_sample
     c_x, c_eps, c_state = prev.double().flatten().tolist()
@@ -257,7 +329,7 @@ def _check_affine(scheduler, t, row: list[float], step_kwargs: dict, rng, torch,
     has_state = _set_state(scheduler, state)
     if not has_state:
         state = torch.zeros(shape)
-    scaled = scheduler.scale_model_input(x, t)
+    scaled = _scale_model_input(scheduler, x, t)
     prev = scheduler.step(eps, t, x, **step_kwargs).prev_sample
     checks = [("scale_model_input", scaled, [(c_in, x)]),
               ("step", prev, [(c_x, x), (c_eps, eps), (c_state, state)])]
@@ -295,9 +367,10 @@ def _refuse_non_affine(scheduler, step_kwargs: dict) -> None:
     classes = _diffusers_classes()
     name = type(scheduler).__name__
     config = scheduler.config
-    supported = (classes.DDIMScheduler, classes.EulerDiscreteScheduler, classes.DPMSolverMultistepScheduler)
+    supported = (classes.DDIMScheduler, classes.EulerDiscreteScheduler, classes.DPMSolverMultistepScheduler,
+                 classes.FlowMatchEulerDiscreteScheduler)
     if not isinstance(scheduler, supported):
-        raise SchedulerError(f"{name} is not supported by the fused step graph (it runs: {', '.join(FUSED_SCHEDULERS)})")
+        raise SchedulerError(f"{name} is not supported by the fused step graph (it runs: {', '.join(FUSABLE_SCHEDULERS)})")
     reasons = []
     if config.get("thresholding"):
         reasons.append("thresholding=True")
@@ -306,6 +379,8 @@ def _refuse_non_affine(scheduler, step_kwargs: dict) -> None:
             reasons.append("clip_sample=True")
         if step_kwargs.get("eta", 0.0):
             reasons.append(f"eta={step_kwargs['eta']} (adds noise)")
+    if isinstance(scheduler, classes.FlowMatchEulerDiscreteScheduler) and config.get("stochastic_sampling"):
+        reasons.append("stochastic_sampling=True (adds noise)")
     if isinstance(scheduler, classes.EulerDiscreteScheduler) and step_kwargs.get("s_churn", 0.0):
         reasons.append(f"s_churn={step_kwargs['s_churn']} (adds noise)")
     if isinstance(scheduler, classes.DPMSolverMultistepScheduler):

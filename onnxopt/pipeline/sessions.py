@@ -159,9 +159,10 @@ def value_shape(value) -> tuple:
     return tuple(value.shape()) if is_device_value(value) else np.shape(value)
 
 
-def timestep_feed(session, value, batch: int) -> np.ndarray:
-    """The timestep as ``session`` takes it: a scalar, [1], or [batch] (exports differ), in its dtype."""
-    spec = next(i for i in session.get_inputs() if i.name == "timestep")
+def timestep_feed(session, value, batch: int, name: str = "timestep") -> np.ndarray:
+    """The timestep as ``session`` takes it (input ``name``): a scalar, [1], or [batch] (exports differ),
+    in its dtype."""
+    spec = next(i for i in session.get_inputs() if i.name == name)
     dtype = ORT_TYPES.get(spec.type, np.float32)
     if len(spec.shape) == 0:
         return np.asarray(value, dtype=dtype)

@@ -57,6 +57,7 @@ import onnx_graphsurgeon as gs
 from onnxopt.errors import UnsupportedModelError
 from onnxopt.fusion import Emit, NameAuthority
 from onnxopt.model import Model
+from onnxopt.pipeline.families import UNET, Denoiser
 from onnxopt.shapes import infer_shapes
 from onnxopt.weights import numpy_dtype
 
@@ -68,13 +69,16 @@ IMAGE_BATCH = "images"  # the latents' batch dim: half the UNet's (uncond and co
 F32 = np.dtype(np.float32)
 
 
-def build_step_graph(unet: Model, *, cfg_late: bool = False) -> Model:
+def build_step_graph(unet: Model, *, cfg_late: bool = False, denoiser: Denoiser = UNET) -> Model:
     """The step graph of ``unet`` (see the module docstring). ``unet`` is left as it was; the
     result shares its weights. ``cfg_late``: compute what both guidance halves share once
-    (:mod:`onnxopt.passes.cfg_late`). Raises :class:`UnsupportedModelError` for a graph without
-    the UNet inputs ``sample``, ``timestep`` and ``encoder_hidden_states``."""
+    (:mod:`onnxopt.passes.cfg_late`). ``denoiser``: the names of the graph's latent and timestep
+    inputs and its output (:mod:`onnxopt.pipeline.families`: a UNet's ``sample``/``out_sample``,
+    a diffusion transformer's ``hidden_states``/``out_hidden_states``); every other input is
+    passed through. Raises :class:`UnsupportedModelError` for a graph without those inputs and
+    ``encoder_hidden_states``."""
     graph = copy_sharing_constants(unet.graph)
-    sample, timestep, out_sample = _unet_interface(unet, graph)
+    sample, timestep, out_sample = _unet_interface(unet, graph, denoiser)
     where = str(unet.source) if unet.source else "UNet"
     latent_shape = _latent_shape(sample.shape, where)
     make = Emit(graph, NameAuthority(graph), PREFIX.rstrip("/"))
@@ -105,22 +109,23 @@ def build_step_graph(unet: Model, *, cfg_late: bool = False) -> Model:
     return model
 
 
-def _unet_interface(unet: Model, graph: gs.Graph) -> tuple[gs.Tensor, gs.Tensor, gs.Tensor]:
-    """(sample, timestep, out_sample) of the UNet graph, or a one-line UnsupportedModelError."""
+def _unet_interface(unet: Model, graph: gs.Graph, denoiser: Denoiser = UNET) -> tuple[gs.Tensor, gs.Tensor, gs.Tensor]:
+    """(sample, timestep, out_sample) of the denoiser graph, or a one-line UnsupportedModelError."""
     inputs = {t.name: t for t in graph.inputs}
-    where = str(unet.source) if unet.source else "UNet"
+    where = str(unet.source) if unet.source else denoiser.component
     # a context-kv denoiser takes the K/V its companion computes from encoder_hidden_states instead
-    missing = [name for name in UNET_INPUTS if name not in inputs
+    missing = [name for name in (denoiser.sample, denoiser.timestep, "encoder_hidden_states") if name not in inputs
                and not (name == "encoder_hidden_states" and "context_kv" in unet.companions)]
     if missing:
-        raise UnsupportedModelError(f"{where}: not a UNet graph: no input {', '.join(missing)} "
+        what = "a UNet" if denoiser.component == "unet" else f"a {denoiser.component}"
+        raise UnsupportedModelError(f"{where}: not {what} graph: no input {', '.join(missing)} "
                                     f"(it has {', '.join(inputs) or 'none'})")
     clashes = [name for name in inputs if name in STEP_INPUTS]
     if clashes or not graph.outputs:
         raise UnsupportedModelError(f"{where}: cannot build a step graph: "
                                     + (f"input {clashes[0]} clashes with a step input" if clashes else "no output"))
-    out_sample = next((t for t in graph.outputs if t.name == "out_sample"), graph.outputs[0])
-    return inputs["sample"], inputs["timestep"], out_sample
+    out_sample = next((t for t in graph.outputs if t.name == denoiser.output), graph.outputs[0])
+    return inputs[denoiser.sample], inputs[denoiser.timestep], out_sample
 
 
 def _feed_the_unet(make: Emit, step: dict, sample, timestep, latent_shape, where: str):
@@ -185,7 +190,7 @@ def _guide_and_update(make: Emit, step: dict, coefficients, out_sample, latent_s
 
 
 def write_step_graph(unet_dir: str | os.PathLike, *, file_name: str = "step.onnx", context_kv: bool = True,
-                     cfg_late: bool = False, controlnets: int = 1) -> Path:
+                     cfg_late: bool = False, controlnets: int = 1, denoiser: Denoiser = UNET) -> Path:
     """Build the step graph of ``unet_dir/model.onnx`` and write it to ``unet_dir/file_name``
     (atomically). Weights stored in external data files of ``unet_dir`` are referenced where they
     are, not copied; an inline UNet gives an inline step graph (own data file past ~1.8 GB).
@@ -196,7 +201,9 @@ def write_step_graph(unet_dir: str | os.PathLike, *, file_name: str = "step.onnx
     ``<stem>.context_kv.onnx`` (its inputs: the prompt's conditioning; its outputs: inputs of the
     step graph, by name), which the runner runs once per prompt. When the pass refuses the UNet,
     the whole UNet goes into the step graph. ``controlnets`` > 1: the graph reads one residual set
-    per ControlNet and sums them (:mod:`onnxopt.pipeline.multi_controlnet`). Returns the path written."""
+    per ControlNet and sums them (:mod:`onnxopt.pipeline.multi_controlnet`). ``denoiser``: the
+    graph's interface (a diffusion transformer's: :data:`~onnxopt.pipeline.families.SD3_TRANSFORMER`).
+    Returns the path written."""
     from onnxopt.loading import load_model
     from onnxopt.saving import save_model
 
@@ -207,7 +214,7 @@ def write_step_graph(unet_dir: str | os.PathLike, *, file_name: str = "step.onnx
 
         cut, _ = optimize(unet_dir / "model.onnx", ["context-kv"])
         unet = cut if "context_kv" in cut.companions else None
-    step = build_step_graph(unet or load_model(unet_dir / "model.onnx"), cfg_late=cfg_late)
+    step = build_step_graph(unet or load_model(unet_dir / "model.onnx"), cfg_late=cfg_late, denoiser=denoiser)
     if controlnets > 1:
         from onnxopt.pipeline.multi_controlnet import sum_controlnet_residuals
 

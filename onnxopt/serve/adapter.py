@@ -1,16 +1,12 @@
 """The one place the service touches onnxopt.pipeline: load a folder, turn a batch of image
-requests into PNGs. Re-point this module when the pipeline's entry points change.
+requests into PNGs.
 
-Batching contract. ``Pipeline.__call__`` makes one image from one prompt, so a compatible group
-(:meth:`ImageRequest.compatible_key`) is run here one image after another on the replica's one
-pipeline: every image equals the image ``onnxopt generate`` makes alone, because each is that very
-call. The batched step needs from the runner: ``Pipeline.__call__`` (or a sibling) taking lists of
-prompts, negative prompts and seeds of one size/steps/scheduler/guidance, drawing each image's
-noise from its own ``torch.Generator('cpu').manual_seed(seed)`` as now, concatenating the
-conditionings as [negatives..., prompts...] and the latents as [N, C, h, w], running the step graph
-(or the UNet) at batch 2N, splitting guidance per image, and decoding per image (or at batch N);
-and a step graph / bound-buffer loop keyed by that batch. Then :func:`make_images` calls it once
-per group and nothing else here changes.
+Batching contract. A compatible group (:meth:`ImageRequest.compatible_key`: one size, steps,
+scheduler and step guidance, :func:`onnxopt.pipeline.batch.run_key`) is one call of
+:func:`onnxopt.pipeline.batch.generate_batch`: one denoising loop with the UNet at 2B rows, each
+image's noise drawn from its own seed, and each image equal to the one ``onnxopt generate`` makes
+alone with its settings (``tests/test_pipeline_batch.py``; the PNG is written as generate writes it).
+Re-point this module when the pipeline's entry points change.
 """
 
 from __future__ import annotations
@@ -51,11 +47,14 @@ def check_against_folder(pipe, request: ImageRequest) -> None:
 
 
 def make_images(pipe, group: list[ImageRequest]) -> list[bytes]:
-    """PNG bytes of each request of one compatible group, in order (see the batching contract)."""
+    """PNG bytes of each request of one compatible group, in order, from one batched run."""
+    from onnxopt.pipeline.batch import BatchImage, generate_batch
+
+    first = group[0]
+    images = [BatchImage(r.prompt, seed=r.seed, negative_prompt=r.negative_prompt, guidance=r.guidance) for r in group]
+    results = generate_batch(pipe, images, steps=first.steps, height=first.height, width=first.width, **_scheduler(first))
     pngs = []
-    for r in group:
-        result = pipe(r.prompt, negative_prompt=r.negative_prompt, steps=r.steps, guidance=r.guidance,
-                      seed=r.seed, height=r.height, width=r.width, progress=False, **_scheduler(r))
+    for result in results:
         out = io.BytesIO()
         result.image.save(out, format="PNG")  # as onnxopt generate writes its file
         pngs.append(out.getvalue())

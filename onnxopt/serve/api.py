@@ -57,9 +57,11 @@ class ImageRequest:
     width: int | None
 
     def compatible_key(self) -> tuple:
-        """Images with equal keys can share one batched denoising step: same latent shape, same
-        schedule, and classifier-free guidance on for all or off for all (guidance > 1)."""
-        return (self.height, self.width, self.steps, self.scheduler, self.guidance > 1)
+        """Images with equal keys can share one batched denoising run: same latent shape, same
+        schedule, and the same guidance applied by the step (the step graph takes one guidance
+        scale), which is none for every image with classifier-free guidance off (guidance <= 1):
+        onnxopt.pipeline.batch.run_key, kept here without importing the pipeline."""
+        return (self.height, self.width, self.steps, self.scheduler, self.guidance if self.guidance > 1 else None)
 
 
 class RequestError(ValueError):

@@ -2,8 +2,9 @@
 
 Ray Serve's ``@serve.batch`` hands a replica every request queued within its wait window, with no
 notion of which requests can share a denoising step; so the batch it hands over is split here by
-:meth:`ImageRequest.compatible_key` (same size, steps, scheduler, and guidance > 1 or not), each
-group run as one, and the images handed back to the requests they belong to, in order.
+:meth:`ImageRequest.compatible_key` (same size, steps, scheduler, and the guidance the step applies),
+each group one batched run (:func:`onnxopt.pipeline.batch.generate_batch`), and the images handed
+back to the requests they belong to, in order.
 """
 
 from __future__ import annotations
@@ -26,12 +27,16 @@ def compatible_groups(requests: list[list[ImageRequest]], max_images: int) -> li
     return order
 
 
-def run_grouped(requests: list[list[ImageRequest]], max_images: int, run_group) -> list[list]:
-    """``run_group(list of ImageRequest) -> list of results`` over each compatible group; the
-    results regrouped per request, in each request's image order."""
+def run_grouped(requests: list[list[ImageRequest]], max_images: int, run_group) -> list:
+    """``run_group(list of ImageRequest) -> list of results`` over each compatible group; per
+    request, its results in its image order, or the exception its group's run raised (the other
+    groups still run: one request's failure is not its neighbours')."""
     out: list[list] = [[None] * len(images) for images in requests]
     for group in compatible_groups(requests, max_images):
-        results = run_group([requests[r][i] for r, i in group])
+        try:
+            results = run_group([requests[r][i] for r, i in group])
+        except Exception as exc:  # noqa: BLE001 (handed to the requests it belongs to)
+            results = [exc] * len(group)
         for (r, i), result in zip(group, results):
             out[r][i] = result
-    return out
+    return [next((x for x in results if isinstance(x, Exception)), results) for results in out]

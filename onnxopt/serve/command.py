@@ -30,6 +30,9 @@ def add_parser(sub) -> None:
     serve.add_argument("--max-steps", type=_positive, default=100, help="largest steps of one request (default 100)")
     serve.add_argument("--max-prompt-chars", type=_positive, default=1000)
     serve.add_argument("--address", default=None, help="join this Ray cluster (default: start a local Ray)")
+    serve.add_argument("--metrics-port", type=int, default=None,
+                       help="the local Ray's Prometheus metrics on http://127.0.0.1:PORT/metrics (onnxopt_* and Ray "
+                            "Serve's; default: a port Ray picks); with --address, the cluster's own export port")
 
 
 def _positive(text: str) -> int:
@@ -55,14 +58,18 @@ def cmd_serve(args) -> int:
     from onnxopt.serve.deployment import ServiceConfig, build_app
 
     folder = PipelineFolder.open(args.folder)  # a bad folder is refused before Ray starts
-    if not 0 < args.port < 65536:
-        raise OnnxoptError(f"--port must be in 1..65535, got {args.port}")
+    for name, port in (("--port", args.port), ("--metrics-port", args.metrics_port)):
+        if port is not None and not 0 < port < 65536:
+            raise OnnxoptError(f"{name} must be in 1..65535, got {port}")
+    if args.metrics_port is not None and args.address is not None:
+        raise OnnxoptError("--metrics-port sets the local Ray's metrics port; a cluster (--address) exports on its own")
     limits = Limits(max_n=args.max_n, max_side=args.max_side, max_steps=args.max_steps, max_prompt_chars=args.max_prompt_chars)
     config = ServiceConfig(folder=str(folder.root.resolve()), provider=args.provider, replicas=args.replicas,
                            max_batch=args.max_batch, max_queued=args.max_queue, limits=limits)
     own_ray = args.address is None
     # workers inherit this process's environment (PYTHONPATH included) from the local raylet
-    ray.init(address=args.address, include_dashboard=False, log_to_driver=False)
+    metrics = {"_metrics_export_port": args.metrics_port} if args.metrics_port is not None else {}
+    ray.init(address=args.address, include_dashboard=False, log_to_driver=False, **metrics)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):  # after ray.init, which installs its own SIGTERM handler
         signal.signal(sig, lambda *_: stop.set())
@@ -74,7 +81,8 @@ def cmd_serve(args) -> int:
         serve.start(http_options={"host": args.host, "port": args.port})
         serve.run(build_app(config), name=APP_NAME, route_prefix="/", blocking=False)
         print(f"onnxopt serve: {args.replicas} replica(s) of {folder.root} on {args.provider}, "
-              f"http://{args.host}:{args.port}/v1/images/generations", flush=True)
+              f"http://{args.host}:{args.port}/v1/images/generations"
+              + (f", metrics http://127.0.0.1:{args.metrics_port}/metrics" if args.metrics_port else ""), flush=True)
         while not stop.wait(0.5):
             pass
         print("onnxopt serve: stopping (draining requests in flight)", flush=True)
