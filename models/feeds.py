@@ -61,7 +61,7 @@ def make_feeds(specs, seed: int = 0, *, vocab: int | None = None, pad_id: int = 
         elif kind == "time_ids":
             h, w = shapes["sample"][2:4]
             row = np.array([8.0 * h, 8.0 * w, 0.0, 0.0, 8.0 * h, 8.0 * w], np.float32)
-            a = np.tile(row, (shape[0], 1))
+            a = np.tile(row[: shape[1]], (shape[0], 1))  # the SDXL refiner's 5: the fifth its aesthetic score
         elif kind == "input_ids":
             if vocab is None:
                 raise ValueError("input_ids need vocab")

@@ -13,6 +13,7 @@ The versions used are written to the folder's ``PROVENANCE.txt``.
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 import subprocess
 import sys
@@ -49,11 +50,13 @@ def _save_torch_pipeline(kind: str, torch_dir: Path, tokenizer_dir: Path, seed: 
 def clip_keys_for_transformers_4(torch_dir: Path) -> None:
     """transformers 5 saves CLIPTextModel's weights without the ``text_model.`` prefix, which
     transformers 4 (optimum's) then does not find: it exports a randomly initialized encoder, with
-    only a warning. Saved with the prefix, both versions load them."""
+    only a warning. Saved with the prefix, both versions load them. CLIPTextModelWithProjection and
+    T5EncoderModel are saved with the keys transformers 4 reads (the projection sits beside
+    ``text_model``, not in it), so they are left as they are."""
     from safetensors.numpy import load_file, save_file
 
     for path in torch_dir.glob("text_encoder*/model.safetensors"):
-        if "CLIPTextModel" not in (path.parent / "config.json").read_text():
+        if json.loads((path.parent / "config.json").read_text()).get("architectures") != ["CLIPTextModel"]:
             continue
         weights = load_file(str(path))
         save_file({k if k.startswith("text_model.") else f"text_model.{k}": v for k, v in weights.items()}, str(path),
@@ -61,8 +64,10 @@ def clip_keys_for_transformers_4(torch_dir: Path) -> None:
 
 
 def export_with_optimum(torch_dir: Path, onnx_dir: Path, out: Path, optimum_cli: Path, built_by: str) -> None:
-    """``optimum-cli export onnx --task text-to-image`` of the diffusers folder ``torch_dir`` into
-    ``onnx_dir``, with its PROVENANCE.txt (``built_by``: what saved ``torch_dir``), then copied to ``out``."""
+    """``optimum-cli export onnx --task text-to-image`` of the diffusers folder ``torch_dir`` (its text
+    encoders' weights first saved where transformers 4 finds them) into ``onnx_dir``, with its
+    PROVENANCE.txt (``built_by``: what saved ``torch_dir``), then copied to ``out``."""
+    clip_keys_for_transformers_4(torch_dir)
     subprocess.run([str(optimum_cli), "export", "onnx", "--model", str(torch_dir), "--task", "text-to-image",
                     str(onnx_dir)], check=True)
     (onnx_dir / "PROVENANCE.txt").write_text(
@@ -78,7 +83,6 @@ def write(out: Path, optimum_cli: Path, seed: int = 0, kind: str = "sd15") -> No
     with tempfile.TemporaryDirectory(prefix="onnxopt-optimum-") as tmp:
         torch_dir, onnx_dir = Path(tmp) / "torch", Path(tmp) / "onnx"
         built = _save_torch_pipeline(kind, torch_dir, Path(tmp) / "tok", seed)
-        clip_keys_for_transformers_4(torch_dir)
         # transformers 5 saves the tokenizer as tokenizer.json alone; optimum's transformers 4 reads vocab + merges
         shutil.copytree(Path(tmp) / "tok" / "tokenizer", torch_dir / "tokenizer", dirs_exist_ok=True)
         export_with_optimum(torch_dir, onnx_dir, out, optimum_cli, built)

@@ -21,7 +21,8 @@ pipeline to the layout diffusers/optimum ONNX folders have::
     [controlnet_1/model.onnx ...]     the second, third... ControlNet (the same interface), where
                                       diffusers' MultiControlNetModel.save_pretrained puts them
     vae_decoder/model.onnx            latent_sample (already / scaling_factor) -> sample
-    vae_encoder/model.onnx            sample -> latent_sample (the latent distribution's mean)
+    vae_encoder/model.onnx            sample -> latent_parameters (the latent distribution's mean and
+                                      log-variance, 2 x 4 channels: optimum's output)
     <component>/config.json           the torch component's config
 
 Kinds and what differs from the component builders' configs (tiny size):
@@ -34,6 +35,9 @@ Kinds and what differs from the component builders' configs (tiny size):
   ``sd15-controlnet`` SD 1.5 + ControlNet.  The tiny VAE downsamples 2x (two blocks), so the tiny
                       ControlNet's conditioning embedding has two stages (8, 16) -- 2x too -- as
                       diffusers' own tiny test pipelines do; full size keeps 8x on both.
+  ``sd15-inpaint``    SD 1.5 inpainting (StableDiffusionInpaintPipeline): the sd15 pipeline with a UNet of
+                      9 input channels (latents, mask, masked-image latents), as
+                      stable-diffusion-v1-5/stable-diffusion-inpainting's.
   ``sd15-multi-controlnet`` SD 1.5 + two ControlNets (diffusers' MultiControlNetModel: each its own
                       image and scale, residuals summed): ``controlnet/`` (seed) and ``controlnet_1/``
                       (seed + 1), the same architecture as ``sd15-controlnet``'s.
@@ -50,7 +54,9 @@ from pathlib import Path
 
 from .base import BuiltModel, SIZES, check_choice
 
-PIPELINE_KINDS = ("sd15", "sd21", "sdxl", "sd15-controlnet", "sd15-multi-controlnet")
+PIPELINE_KINDS = ("sd15", "sd21", "sdxl", "sd15-controlnet", "sd15-multi-controlnet", "sd15-inpaint", "sdxl-refiner")
+XL_KINDS = ("sdxl", "sdxl-refiner")
+INPAINT_CHANNELS = 9  # latents (4) + mask (1) + masked-image latents (4)
 CONTROLNET_COUNTS = {"sd15-controlnet": 1, "sd15-multi-controlnet": 2}
 EXPORTERS = ("torchscript", "dynamo")
 DATA_NAMES = ("model.onnx_data", "model.onnx.data", "weights.pb")
@@ -73,6 +79,10 @@ SCHEDULER_CONFIGS = {
                                             steps_offset=1, timestep_spacing="leading", use_karras_sigmas=False)),
 }
 SCHEDULER_CONFIGS["sd15-controlnet"] = SCHEDULER_CONFIGS["sd15-multi-controlnet"] = SCHEDULER_CONFIGS["sd15"]
+# stable-diffusion-v1-5/stable-diffusion-inpainting ships SD 1.5's PNDM config
+SCHEDULER_CONFIGS["sd15-inpaint"] = SCHEDULER_CONFIGS["sd15"]
+# stabilityai/stable-diffusion-xl-refiner-1.0 ships the base's Euler config
+SCHEDULER_CONFIGS["sdxl-refiner"] = SCHEDULER_CONFIGS["sdxl"]
 
 # SD 2.x text encoder (OpenCLIP ViT-H/14 text tower as stabilityai/stable-diffusion-2-1 text_encoder/config.json).
 SD21_TEXT_CONFIGS = {
@@ -213,7 +223,7 @@ def _vae(kind: str, size: str, seed: int):
     from .vae import make_vae
 
     vae = make_vae(size, seed)
-    if kind == "sdxl":
+    if kind in XL_KINDS:
         # stabilityai/stable-diffusion-xl-base-1.0 vae/config.json: same architecture, other scale
         vae.register_to_config(scaling_factor=0.13025, force_upcast=True)
     return vae
@@ -261,6 +271,16 @@ def build_torch_pipeline(kind: str, size: str = "tiny", seed: int = 0, tokenizer
     tokenizer_dir = Path(tokenizer_dir)
     try:
         common = dict(vae=_vae(kind, size, seed), scheduler=make_scheduler(kind))
+        if kind == "sdxl-refiner":  # text_encoder_2 alone; time ids end with the aesthetic score (5 of them)
+            from diffusers import StableDiffusionXLImg2ImgPipeline
+
+            text_config = CLIP_CONFIGS[("openclip-text", size)]
+            unet = make_unet("unet-sdxl", size, seed, cross_attention_dim=text_config["hidden_size"],
+                             projection_class_embeddings_input_dim=5 * 8 + text_config["projection_dim"])
+            return StableDiffusionXLImg2ImgPipeline(
+                text_encoder=None, tokenizer=None, text_encoder_2=_text_encoder(text_config, True, seed + 1),
+                tokenizer_2=write_tokenizer(tokenizer_dir / "tokenizer_2", "!", size), unet=unet,
+                requires_aesthetics_score=True, force_zeros_for_empty_prompt=False, add_watermarker=False, **common)
         if kind == "sdxl":
             from diffusers import StableDiffusionXLPipeline
 
@@ -278,7 +298,8 @@ def build_torch_pipeline(kind: str, size: str = "tiny", seed: int = 0, tokenizer
         else:
             text_encoder = _text_encoder(CLIP_CONFIGS[("clip-text", size)], False, seed)
             tokenizer = write_tokenizer(tokenizer_dir / "tokenizer", "<|endoftext|>", size)
-            unet = make_unet("unet-sd15", size, seed)
+            inpaint = {"in_channels": INPAINT_CHANNELS} if kind == "sd15-inpaint" else {}
+            unet = make_unet("unet-sd15", size, seed, **inpaint)
         parts = dict(text_encoder=text_encoder, tokenizer=tokenizer, unet=unet, safety_checker=None,
                      feature_extractor=None, requires_safety_checker=False, **common)
         if kind in CONTROLNET_COUNTS:
@@ -287,6 +308,10 @@ def build_torch_pipeline(kind: str, size: str = "tiny", seed: int = 0, tokenizer
             nets = [_controlnet(size, seed + k) for k in range(CONTROLNET_COUNTS[kind])]
             # a list makes diffusers wrap them in a MultiControlNetModel
             return StableDiffusionControlNetPipeline(controlnet=nets if len(nets) > 1 else nets[0], **parts)
+        if kind == "sd15-inpaint":
+            from diffusers import StableDiffusionInpaintPipeline
+
+            return StableDiffusionInpaintPipeline(**parts)
         from diffusers import StableDiffusionPipeline
 
         return StableDiffusionPipeline(**parts)
@@ -369,10 +394,10 @@ def _make_wrappers():
                                         conditioning_scale=conditioning_scale, return_dict=False)
             return (*down, mid)
 
-    from .vae import VAEDecoderWrapper, VAEEncoderWrapper  # the VAE families' own wrappers
+    from .vae import VAEDecoderWrapper, VAELatentParametersWrapper  # the VAE families' own wrappers
 
     return dict(TextEncoder=TextEncoder, UNet=UNet, ControlNet=ControlNet, VAEDecoder=VAEDecoderWrapper,
-                VAEEncoder=VAEEncoderWrapper)
+                VAEEncoder=VAELatentParametersWrapper)
 
 
 def _residual_layout(unet_config: dict) -> list[tuple[int, int]]:
@@ -396,7 +421,7 @@ def component_models(pipe, kind: str, size: str = "tiny", seed: int = 0) -> dict
     W = _Wrappers.get()
     dims = dict(EXPORT_DIMS[size])
     vae_factor = 2 ** (len(pipe.vae.config.block_out_channels) - 1)
-    vocab = len(pipe.tokenizer)
+    vocab = len(pipe.tokenizer or pipe.tokenizer_2)
     out = {}
 
     def built(name, module, specs, outputs, dyn, example_dims=dims, feed_options=None):
@@ -408,15 +433,16 @@ def component_models(pipe, kind: str, size: str = "tiny", seed: int = 0) -> dict
     ids = [dict(name="input_ids", shape=["batch", "sequence"], dtype="int32", kind="input_ids")]
     ids_dyn = {"input_ids": {0: "batch", 1: "sequence"}}
     seq = {0: "batch", 1: "sequence"}
-    xl = kind == "sdxl"
+    xl = kind in XL_KINDS
     te_outs = ["last_hidden_state", "pooler_output"]
     te_dyn = dict(ids_dyn, last_hidden_state=seq, pooler_output={0: "batch"})
-    if xl:
-        n = pipe.text_encoder.config.num_hidden_layers + 1
-        te_outs += [f"hidden_states.{i}" for i in range(n)]
-        te_dyn.update({f"hidden_states.{i}": seq for i in range(n)})
-    text_feeds = {"vocab": vocab, "pad_id": pipe.tokenizer.pad_token_id}
-    built("text_encoder", W["TextEncoder"](pipe.text_encoder, xl), ids, te_outs, te_dyn, feed_options=text_feeds)
+    if pipe.text_encoder is not None:  # the SDXL refiner has text_encoder_2 alone
+        if xl:
+            n = pipe.text_encoder.config.num_hidden_layers + 1
+            te_outs += [f"hidden_states.{i}" for i in range(n)]
+            te_dyn.update({f"hidden_states.{i}": seq for i in range(n)})
+        text_feeds = {"vocab": vocab, "pad_id": pipe.tokenizer.pad_token_id}
+        built("text_encoder", W["TextEncoder"](pipe.text_encoder, xl), ids, te_outs, te_dyn, feed_options=text_feeds)
     if xl:
         n = pipe.text_encoder_2.config.num_hidden_layers + 1
         hs = [f"hidden_states.{i}" for i in range(n)]
@@ -428,7 +454,7 @@ def component_models(pipe, kind: str, size: str = "tiny", seed: int = 0) -> dict
     ucfg = pipe.unet.config
     latent_dyn = {0: "batch", 2: "height", 3: "width"}
     unet_specs = [
-        dict(name="sample", shape=["batch", 4, "height", "width"], dtype="float32", kind="latent"),
+        dict(name="sample", shape=["batch", ucfg.in_channels, "height", "width"], dtype="float32", kind="latent"),
         dict(name="timestep", shape=["batch"], dtype="float32", kind="timestep"),
         dict(name="encoder_hidden_states", shape=["batch", "sequence", ucfg.cross_attention_dim],
              dtype="float32", kind="hidden"),
@@ -436,9 +462,10 @@ def component_models(pipe, kind: str, size: str = "tiny", seed: int = 0) -> dict
     unet_dyn = {"sample": latent_dyn, "timestep": {0: "batch"}, "encoder_hidden_states": seq,
                 "out_sample": latent_dyn}
     if xl:
-        text_dim = ucfg.projection_class_embeddings_input_dim - 6 * ucfg.addition_time_embed_dim
+        time_ids = 5 if getattr(pipe.config, "requires_aesthetics_score", False) else 6  # the refiner's end with a score
+        text_dim = ucfg.projection_class_embeddings_input_dim - time_ids * ucfg.addition_time_embed_dim
         unet_specs += [dict(name="text_embeds", shape=["batch", text_dim], dtype="float32", kind="hidden"),
-                       dict(name="time_ids", shape=["batch", 6], dtype="float32", kind="time_ids")]
+                       dict(name="time_ids", shape=["batch", time_ids], dtype="float32", kind="time_ids")]
         unet_dyn.update(text_embeds={0: "batch"}, time_ids={0: "batch"})
     res_specs, res_dyn, n_res = [], {}, 0
     if kind in CONTROLNET_COUNTS:
@@ -471,7 +498,7 @@ def component_models(pipe, kind: str, size: str = "tiny", seed: int = 0) -> dict
           ["sample"], {"latent_sample": latent_dyn, "sample": image_dyn}, vdims)
     built("vae_encoder", W["VAEEncoder"](pipe.vae),
           [dict(name="sample", shape=["batch", 3, "image_height", "image_width"], dtype="float32", kind="image")],
-          ["latent_sample"], {"sample": image_dyn, "latent_sample": latent_dyn}, vdims)
+          ["latent_parameters"], {"sample": image_dyn, "latent_parameters": latent_dyn}, vdims)
     return out
 
 

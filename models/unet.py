@@ -168,11 +168,13 @@ class UNetXLWrapper(torch.nn.Module):
         return (self.unet(sample, timestep, encoder_hidden_states, added_cond_kwargs=added, return_dict=False)[0],)
 
 
-def make_unet(family: str, size: str, seed: int = 0):
+def make_unet(family: str, size: str, seed: int = 0, **overrides):
+    """The seeded UNet of ``family``/``size``; ``overrides``: config values changed (e.g. in_channels=9,
+    an inpainting UNet)."""
     from diffusers import UNet2DConditionModel
 
     seed_everything(seed)
-    unet = UNet2DConditionModel(**CONFIGS[(family, size)])
+    unet = UNet2DConditionModel(**dict(CONFIGS[(family, size)], **overrides))
     return init_module(unet, seed)
 
 

@@ -94,6 +94,18 @@ class VAEEncoderWrapper(torch.nn.Module):
         return (self.vae.encode(sample).latent_dist.mean,)
 
 
+class VAELatentParametersWrapper(torch.nn.Module):
+    """(sample,) -> (latent_parameters,): the latent distribution's mean and log-variance, concatenated
+    on the channel axis, as optimum's ``vae_encoder`` exports them (``latent_dist.parameters``)."""
+
+    def __init__(self, vae):
+        super().__init__()
+        self.vae = vae
+
+    def forward(self, sample):
+        return (self.vae.encode(sample).latent_dist.parameters,)
+
+
 class VAEDecoderWrapper(torch.nn.Module):
     """(latent_sample,) -> (sample,)"""
 

@@ -229,11 +229,14 @@ def _add_generate_parser(sub) -> None:
     gen = sub.add_parser("generate", help="text to image from an ONNX pipeline folder (ORT CPU, CUDA or TensorRT)",
                          formatter_class=DefaultsHelpFormatter)
     gen.add_argument("folder", help="a diffusers/optimum ONNX pipeline folder (model_index.json, unet/, ...)")
-    gen.add_argument("--prompt", help="what the image shows (required unless --plan)")
+    gen.add_argument("--prompt", help="what the image shows (required unless --prompts or --plan)")
+    gen.add_argument("--prompts", type=Path, metavar="FILE",
+                     help="one prompt a line (blank lines skipped), each generated with the same seed; the images are "
+                          "numbered prompt by prompt: -o img.png gives img.png, img-1.png, ...")
     gen.add_argument("--negative-prompt", default=None, help="what it should not show (classifier-free guidance)")
     gen.add_argument("--steps", type=int, default=50, help="denoising steps")
     gen.add_argument("--guidance", type=float, default=7.5, help="classifier-free guidance scale (1 or less: no guidance)")
-    gen.add_argument("--scheduler", default=None, help="ddim | euler | dpm++2m | pndm; flow-match for SD3 (diffusers' classes, from the folder's "
+    gen.add_argument("--scheduler", default=None, help="ddim | euler | dpm++2m | euler-a | dpm++2m-karras | lcm | pndm | unipc; flow-match for SD3 and Flux (diffusers' classes, from the folder's "
                      "config; default: the folder's own scheduler, as diffusers' pipeline runs it)")
     gen.add_argument("--seed", type=int, default=0, help="as diffusers: torch.Generator('cpu').manual_seed(SEED)")
     gen.add_argument("--max-sequence-length", type=int, default=None, metavar="TOKENS",
@@ -246,8 +249,21 @@ def _add_generate_parser(sub) -> None:
                           "controlnet/, controlnet_1/, ...")
     gen.add_argument("--controlnet-scale", type=float, nargs="+", default=[1.0], metavar="SCALE",
                      help="ControlNet conditioning scale: one for all, or one per ControlNet")
+    gen.add_argument("--image", type=Path, metavar="PNG",
+                     help="init image: img2img (StableDiffusion(XL)Img2ImgPipeline), the output at its size; with --mask, "
+                          "inpainting on a folder whose UNet is an inpainting one")
+    gen.add_argument("--mask", type=Path, metavar="PNG", help="inpainting mask (white: repaint), as StableDiffusionInpaintPipeline")
+    gen.add_argument("--strength", type=float, default=None,
+                     help="how much of --image is repainted, in (0, 1]: int(steps x strength) steps run (default: "
+                          "diffusers' pipeline's: 0.8 SD img2img, 0.3 SDXL img2img, 1.0 inpainting)")
+    gen.add_argument("--num-images", type=_int_arg(1, 64), default=1, metavar="N",
+                     help="images per prompt (diffusers' num_images_per_prompt: one batch from one generator); "
+                          "-o img.png writes img.png, img-1.png, ... img-(N-1).png")
     gen.add_argument("--reuse", metavar="STEPS", help="opt-in approximation: these 0-based steps reuse the previous step's "
                      "prediction instead of running the UNet, e.g. 30-49:2 (onnxopt.pipeline.step_reuse)")
+    gen.add_argument("--lora", action="append", default=[], metavar="FILE[:SCALE]",
+                     help="a LoRA (.safetensors, diffusers/peft or kohya format) on the UNet and text encoders, its "
+                          "scale after the last colon (default 1.0); repeatable")
     gen.add_argument("--provider", choices=["cpu", "cuda", "tensorrt"], default="cpu", help="where the graphs run")
     gen.add_argument("--no-cuda-graph", dest="cuda_graph", action="store_false", help="cuda/tensorrt: do not capture the step")
     gen.add_argument("--unfused", dest="fused_step", action="store_false", help="UNet + diffusers' scheduler.step (no fused step graph)")
@@ -273,6 +289,7 @@ def cmd_generate(args) -> int:
     from onnxopt.pipeline import PipelineFolder, images
     from onnxopt.pipeline.runner import (Pipeline, check_request, check_sequence_length, default_sequence_length, fusable,
                                          reuse_steps)
+    from onnxopt.pipeline.several import numbered_outputs, read_prompts
     from onnxopt.pipeline.sessions import quiet_sessions
 
     folder = PipelineFolder.open(args.folder)
@@ -283,12 +300,17 @@ def cmd_generate(args) -> int:
                               scheduler=args.scheduler or folder_scheduler_name(folder))
         print(plan_generation(folder, args.provider, options).text())
         return EXIT_OK
-    missing = [flag for flag, value in (("--prompt", args.prompt), ("-o/--output", args.output)) if value is None]
+    if args.prompt is not None and args.prompts is not None:
+        raise OnnxoptError("give --prompt or --prompts, not both")
+    missing = [flag for flag, value in (("--prompt", args.prompt if args.prompts is None else ""),
+                                        ("-o/--output", args.output)) if value is None]
     if missing:
         raise OnnxoptError(f"generate needs {' and '.join(missing)} (or --plan, which generates nothing)")
+    prompts = [args.prompt] if args.prompts is None else read_prompts(args.prompts)
     args.scheduler = check_request(folder, steps=args.steps, scheduler=args.scheduler, height=args.height, width=args.width,
                                    controlnet_image=args.controlnet_image, controlnet_scale=args.controlnet_scale,
-                                   status=False if args.quiet else None)
+                                   status=False if args.quiet else None, image=args.image, mask=args.mask,
+                                   strength=args.strength, num_images=args.num_images)
     reuse_steps(args.reuse, args.steps)  # a bad schedule is refused before any session exists
     if args.max_sequence_length is None:
         args.max_sequence_length = default_sequence_length(folder)
@@ -297,27 +319,41 @@ def cmd_generate(args) -> int:
         images.check_image(image)  # not an image, or a decompression bomb: before any session exists
     if args.json and Path(os.path.realpath(args.json)) == Path(os.path.realpath(args.output)):  # the timings replaced the PNG
         raise OnnxoptError(f"{args.json}: --json is the image -o writes; give another path")
-    outputs = Outputs(Inputs().folder(folder.root).files(*(args.controlnet_image or ())))
-    outputs.file(args.output, "-o")  # an input's name, whatever its suffix, says so first
+    from onnxopt.lora import parse_lora_argument
+
+    reads = [*(args.controlnet_image or ()), args.image, args.mask, args.prompts,
+             *(parse_lora_argument(spec)[0] for spec in args.lora)]
+    outputs = Outputs(Inputs().folder(folder.root).files(*reads))
+    names = numbered_outputs(args.output, len(prompts) * args.num_images)
+    for name in names:
+        outputs.file(name, "-o")  # an input's name, whatever its suffix, says so first
     image_format = images.image_format(args.output)  # a suffix Pillow cannot write is refused before the work
     if args.json:
         outputs.file(args.json, "--json")
     with contextlib.nullcontext() if args.debug else quiet_sessions():  # ORT's errors come back as one line
         pipe = Pipeline.load(folder, args.provider, fused_step=args.fused_step and fusable(args.scheduler),
-                             cuda_graph=args.cuda_graph, status=False if args.quiet else None)
-        result = pipe(args.prompt, negative_prompt=args.negative_prompt, steps=args.steps, guidance=args.guidance,
-                      scheduler=args.scheduler, seed=args.seed, height=args.height, width=args.width,
-                      controlnet_image=args.controlnet_image, controlnet_scale=args.controlnet_scale,
-                      progress=not args.quiet, reuse=args.reuse, max_sequence_length=args.max_sequence_length)
-    with staged() as stage:  # the image and the timings: both or neither
-        stage.write(args.output, lambda out: result.image.save(out, format=image_format))
+                             cuda_graph=args.cuda_graph, status=False if args.quiet else None, loras=args.lora)
+        # an init image, a mask and several images are the UNet families' (onnxopt.pipeline.img2img)
+        init = {k: v for k, v in (("image", args.image), ("mask", args.mask), ("strength", args.strength),
+                                  ("num_images", args.num_images)) if v not in (None, 1)}
+        results = [pipe(prompt, negative_prompt=args.negative_prompt, steps=args.steps, guidance=args.guidance,
+                        scheduler=args.scheduler, seed=args.seed, height=args.height, width=args.width,
+                        controlnet_image=args.controlnet_image, controlnet_scale=args.controlnet_scale,
+                        progress=not args.quiet, reuse=args.reuse, max_sequence_length=args.max_sequence_length, **init)
+                   for prompt in prompts]
+    result = results[-1]
+    with staged() as stage:  # every image and the timings: all or nothing
+        for name, image in zip(names, (image for r in results for image in r.images)):
+            stage.write(name, lambda out, image=image: image.save(out, format=image_format))
         if args.json:
             plan = getattr(pipe, "plan", None)  # what the run loaded (Pipeline.from_plan's)
-            report = dict(result.timings, **({"plan": plan.as_dict()} if plan is not None else {}))
+            report = dict(result.timings) if len(results) == 1 else {"runs": [r.timings for r in results]}
+            report.update({"plan": plan.as_dict()} if plan is not None else {})
             stage.text(args.json, json.dumps(report, indent=2) + "\n")
     if not args.quiet:
         t = result.timings
-        print(f"wrote {args.output} ({result.image.width}x{result.image.height}, {t['steps']} steps, {t['step']})")
+        wrote = f"{args.output}" + (f" and {len(names) - 1} more ({names[-1].name})" if len(names) > 1 else "")
+        print(f"wrote {wrote} ({result.image.width}x{result.image.height}, {t['steps']} steps, {t['step']})")
         print(f"  text encoder {t['text_encoder_s'] * 1e3:.1f} ms | step {t['step_mean_s'] * 1e3:.2f} ms mean, "
               f"first {t['first_step_s'] * 1e3:.1f} ms | VAE decode {t['vae_decode_s'] * 1e3:.1f} ms | "
               f"total {t['total_s']:.2f} s | sessions {t['session_creation_s']:.2f} s | cold start {t['cold_start_s']:.2f} s")

@@ -7,7 +7,9 @@ viewed as (-1, 1, D) rows with a zero skip):
 
     y = LayerNorm(input + skip + bias) over the last axis D, computed in float32; s = input + skip + bias.
 
-The kernel takes float32 or float16, gamma and beta 1-D of D, input 2-D or 3-D; see
+The kernel takes float32, float16 or bfloat16 (ONNX Runtime 1.31's CUDA EP registers all three for
+SkipLayerNormalization and SkipSimplifiedLayerNormalization: contrib_ops/cuda/bert/skip_layer_norm.cc;
+its CPU EP float32 and float16), gamma and beta 1-D of D, input 2-D or 3-D; see
 :func:`layer_norm_kernel_refusal` for when it computes what a ``LayerNormalization`` node computes.
 """
 
@@ -20,9 +22,9 @@ from onnxopt.domains import MS_DOMAIN
 from onnxopt.fusion import Emit
 from onnxopt.pattern import constant_value
 from onnxopt.pattern.tensor_facts import normalize_axis, rank_of, shape_of, static_dim
-from onnxopt.weights import numpy_dtype
+from onnxopt.weights import BFLOAT16, numpy_dtype
 
-SKIP_LAYER_NORM_DTYPES = (np.dtype(np.float32), np.dtype(np.float16))  # bfloat16 too, but numpy has none
+SKIP_LAYER_NORM_DTYPES = (np.dtype(np.float32), np.dtype(np.float16), BFLOAT16)
 LAYER_NORM_DEFAULT_EPSILON = 1e-5  # ONNX LayerNormalization's default
 
 
@@ -47,7 +49,7 @@ def layer_norm_kernel_refusal(ln: gs.Node, normalized: gs.Tensor, gamma: gs.Tens
         return f"gamma of {d} broadcasts over a last dim of {static_dim(normalized, -1)}"
     dtype = normalized.dtype
     if dtype is not None and numpy_dtype(dtype) not in SKIP_LAYER_NORM_DTYPES:
-        return f"dtype {numpy_dtype(dtype)}; the kernels take float32 and float16"
+        return f"dtype {numpy_dtype(dtype)}; the kernels take float32, float16 and bfloat16"
     return d
 
 

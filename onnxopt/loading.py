@@ -18,6 +18,7 @@ from onnx_graphsurgeon.ir.tensor import Constant
 from onnxopt.errors import ModelLoadError, UnsupportedModelError
 from onnxopt.model import Model, all_nodes
 from onnxopt.validity import check_model_structure
+from onnxopt.weight_provenance import record_origins
 from onnxopt.weights import attach_external_values, external_location, file_size, load_external_attribute
 
 MIN_OPSET = 13  # LayerNormalization-era exports; older graphs should be re-exported or converted
@@ -78,12 +79,13 @@ def _from_proto(proto: onnx.ModelProto, base_dir: Path, origin: Path | None) -> 
         model_version=proto.model_version,
         doc_string=proto.doc_string,
         domain=proto.domain,
-        node_scopes=_node_scopes(proto.graph),
+        node_scopes=node_scopes(proto.graph),
         source_files=tuple(dict.fromkeys([Path(os.path.realpath(origin))] if origin else []) | dict.fromkeys(data_files)),
         input_defaults=input_defaults,
     )
     attach_external_values(model.constants() + model.subgraph_constants(), base_dir)
     _load_external_attributes(model, base_dir)
+    record_origins(model, proto, origin)  # which torch parameter each weight holds (LoRA lands by it)
     return model
 
 
@@ -126,7 +128,7 @@ def _split_input_defaults(proto: onnx.ModelProto) -> tuple[onnx.ModelProto, dict
 TORCH_NAME_SCOPES = "pkg.torch.onnx.name_scopes"  # the dynamo exporter's module path of a node
 
 
-def _node_scopes(graph: onnx.GraphProto) -> dict[str, str]:
+def node_scopes(graph: onnx.GraphProto) -> dict[str, str]:
     """Node name -> innermost torch module ('unet.mid_block.attentions.0...attn2'), where recorded.
 
     The dynamo exporter writes ``['', 'unet', 'unet.mid_block', ..., 'linear_8']`` (modules, then

@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 from typing import Callable, Iterator
 
-import ml_dtypes
 import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
@@ -29,9 +28,8 @@ from onnx import shape_inference
 from onnxopt.model import Model
 from onnxopt.pass_infra import CONSTANTS_FOLDED, NO_DEAD_NODES, SHAPES_INFERRED
 from onnxopt.pattern.constants import is_constant
-from onnxopt.weights import is_external, numpy_dtype
+from onnxopt.weights import BFLOAT16, is_external, numpy_dtype
 
-BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
 LIMIT = 5  # tensors or nodes named in a violation
 # fold-constants leaves constant results larger than this computed at run time (model size).
 FOLD_SIZE_THRESHOLD = 16 << 20

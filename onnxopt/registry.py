@@ -55,7 +55,7 @@ PRESETS["ort-cuda"] = Preset(
         "fuse-skip-group-norm",
         "fuse-bias-split-gelu",
         "fuse-layer-norm",  # before bias-add: BiasAdd leaves the Adds that feed a LayerNorm to SkipLayerNorm
-        "fuse-adaln-modulation",  # AdaLN's (1 + scale), shift into the LayerNorm at batch 1, before skip-layer-norm
+        "fuse-adaln-modulation",  # AdaLN's (1 + scale), shift into the LayerNorm's scale and bias, before skip-layer-norm
         "fuse-rms-norm",  # RMSNorm (and ONNX RMSNormalization) -> SimplifiedLayerNormalization, before skip-layer-norm
         "fuse-fast-gelu",  # tanh GELU (+ its bias Add) -> FastGelu, before bias-add takes the bias Add
         "fuse-bias-add",

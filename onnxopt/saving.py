@@ -14,6 +14,7 @@ into place only when both are complete; on any error they are removed.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +26,8 @@ from onnx_graphsurgeon.ir.tensor import Constant, LazyValues
 from onnxopt.errors import ModelSaveError
 from onnxopt.model import Model, SKELETON_THRESHOLD_BYTES
 from onnxopt.outputs import Inputs, Outputs, temp_beside
+from onnxopt.weight_provenance import map_path
+from onnxopt.weight_provenance import weight_map as weight_map_of
 from onnxopt.weights import (
     constant_data_type,
     constant_dims,
@@ -112,6 +115,7 @@ def save_model(
     external_data: bool | None = None,
     data_location: str | None = None,
     reference_external: bool = False,
+    weight_map: bool = False,
 ) -> SaveInfo:
     """Save ``model`` to ``path``, and each companion beside it (``<stem>.<name>.onnx``).
 
@@ -122,6 +126,8 @@ def save_model(
     ``reference_external``: a weight whose bytes already lie in an external data file inside the
     destination folder is written as a reference to them (same file, offset and length), not
     copied (see :func:`_external_reference`); the files written then depend on that file.
+    ``weight_map``: beside each file, ``<stem>.weights.json``: where each source weight went
+    (:mod:`onnxopt.weight_provenance`; what ``generate --lora`` reads).
     All files are complete before any is renamed into place: a failure leaves none of them.
     """
     from onnxopt.companions import companion_path
@@ -135,13 +141,18 @@ def save_model(
     tmp_files: list[Path] = []
     written: list[tuple[str | None, Path, Path | None, SaveInfo]] = []
     try:
+        maps = []
         for name, part, destination, location in parts:
             written.append((name, *_write_beside(part, destination, external_data, location, tmp_files,
                                                  reference_external)))
+            if weight_map:
+                maps.append((_write_weight_map(part, destination, tmp_files), map_path(destination)))
         for _, model_tmp, data_tmp, info in written:
             if data_tmp:
                 os.replace(data_tmp, info.data_path)
             os.replace(model_tmp, info.path)
+        for tmp, destination in maps:
+            os.replace(tmp, destination)
     except OSError as exc:
         raise ModelSaveError(f"{path}: cannot write: {exc.strerror or exc}") from exc
     finally:
@@ -178,6 +189,12 @@ def _write_beside(model: Model, path: Path, external_data: bool | None, data_loc
     except OSError as exc:
         raise ModelSaveError(f"{path}: cannot write: {exc.strerror or exc}") from exc
     return model_tmp, data_tmp, SaveInfo(path=path, data_path=data_path, weights_nbytes=weights, external=external)
+
+
+def _write_weight_map(model: Model, path: Path, tmp_files: list[Path]) -> Path:
+    tmp = _temp_beside(map_path(path), tmp_files)
+    tmp.write_text(json.dumps(weight_map_of(model)))
+    return tmp
 
 
 def check_destination(path: str | os.PathLike, source: str | os.PathLike | None = None) -> None:

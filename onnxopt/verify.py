@@ -18,7 +18,6 @@ from functools import partial
 from pathlib import Path
 from typing import Callable
 
-import ml_dtypes
 import numpy as np
 import onnx
 from polygraphy.backend.base import BaseRunner
@@ -33,7 +32,7 @@ from onnxopt.model import Model
 from onnxopt.report import Verification
 from onnxopt.runtime import import_onnxruntime, inference_session
 from onnxopt.saving import AUTO_EXTERNAL_BYTES, save_model
-from onnxopt.weights import numpy_dtype
+from onnxopt.weights import BFLOAT16, numpy_dtype
 
 # Concrete values for symbolic dims, by name. Exporters name dims freely ("batch", "s30",
 # "height"), so a dim we cannot place gets DEFAULT_DIM; users override with --shape/dims=.
@@ -108,8 +107,6 @@ def check_dim_names(model: Model, names) -> None:
 def _is_static(dim) -> bool:
     return isinstance(dim, (int, np.integer)) and dim >= 0
 
-
-BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
 
 
 def _feed_dtype(tensor) -> np.dtype:

@@ -24,10 +24,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
+import ml_dtypes
 import numpy as np
 import onnx
 from onnx import external_data_helper, helper
 from onnx_graphsurgeon.ir.tensor import Constant, LazyValues, SparseValues
+
+from onnxopt import weight_provenance
 
 CHUNK_BYTES = 64 << 20
 # External tensors from this size on are mapped, not read: a read copies the bytes into fresh
@@ -39,6 +42,9 @@ MAP_FROM_BYTES = 1 << 20
 
 def onnx_dtype_to_numpy(data_type: int) -> np.dtype:
     return np.dtype(helper.tensor_dtype_to_np_dtype(data_type))
+
+
+BFLOAT16 = np.dtype(ml_dtypes.bfloat16)  # NumPy's view of ONNX's bfloat16 (ONNX's own ml_dtypes type)
 
 
 def numpy_dtype(dtype) -> np.dtype:
@@ -241,7 +247,11 @@ def stored_values(constant: Constant) -> LazyValues | np.ndarray:
 
 
 def store_values(constant: Constant, values: LazyValues | np.ndarray) -> None:
-    """Give ``constant`` new data, an array or a lazy source; the old one is not read."""
+    """Give ``constant`` new data, an array or a lazy source; the old one is not read. New data
+    that says nothing of where it came from holds the old (the same weight read into memory, or
+    put back after a save): :mod:`onnxopt.weight_provenance` follows it."""
+    if not weight_provenance.sources(values):
+        weight_provenance.record(values, [(constant._values, [])])
     constant._values = values
 
 

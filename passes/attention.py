@@ -94,6 +94,7 @@ from onnxopt.pattern import (Const, Match, Maybe, OneOf, OpBuilder, Pattern, Var
                              constant_value, is_constant, reads_only_shape)
 from onnxopt.pattern.dims import Dim, Dims, same, text
 from onnxopt.registry import register_pass
+from onnxopt.weight_provenance import concatenated, place, record_sources, reshape
 from onnxopt.weights import DerivedValues, numpy_dtype, read_uncached, stored_values
 
 
@@ -673,16 +674,21 @@ def _packed_weight(s: AttentionSite, roles: str) -> DerivedValues:
     def pack():
         return np.stack([read().reshape(d_in, s.heads, s.head_dim) for read in readers], axis=2).reshape(d_in, -1)
 
-    return DerivedValues((d_in, len(roles) * s.width), _dtype(ws[0]), pack, name=f"{roles}.weight",
-                         elements_of=elements)
+    packed = DerivedValues((d_in, len(roles) * s.width), _dtype(ws[0]), pack, name=f"{roles}.weight",
+                           elements_of=elements)
+    n = len(roles)  # part t: (Din, H, hd) at [:, :, t, :] of (Din, H, n, hd)
+    return record_sources(packed, ws, [[reshape((d_in, s.heads, 1, s.head_dim)),
+                                         place((d_in, s.heads, n, s.head_dim), (0, 0, t, 0)),
+                                         reshape((d_in, n * s.width))] for t in range(n)])
 
 
 def _concatenated_weight(s: AttentionSite, roles: str) -> DerivedValues:
     ws, readers, elements = _weight_sources(s, roles)
     d_in = constant_shape(ws[0])[0]
-    return DerivedValues((d_in, len(roles) * s.width), _dtype(ws[0]),
-                         lambda: np.concatenate([read() for read in readers], axis=1), name=f"{roles}.weight",
-                         elements_of=elements)
+    joined = DerivedValues((d_in, len(roles) * s.width), _dtype(ws[0]),
+                           lambda: np.concatenate([read() for read in readers], axis=1), name=f"{roles}.weight",
+                           elements_of=elements)
+    return record_sources(joined, ws, concatenated([constant_shape(w) for w in ws], axis=1))
 
 
 def _bias_or_zeros(s: AttentionSite, t: str, dtype) -> np.ndarray:

@@ -24,8 +24,8 @@ Why it is the same computation: row-major Reshapes that keep the last dim D keep
 consecutive elements together, so the per-last-element bias and the last-axis normalization are
 the same on (-1, 1, D) rows; a zero skip adds nothing.
 
-    Conditions: as fuse-skip-layer-norm's (last axis, stash_type 1, mean / inv-std unused, float32
-    or float16), and gamma (and beta) constant 1-D of D, the LayerNorm input's static last dim; the
+    Conditions: as fuse-skip-layer-norm's (last axis, stash_type 1, mean / inv-std unused, float32,
+    float16 or bfloat16), and gamma (and beta) constant 1-D of D, the LayerNorm input's static last dim; the
     bias a constant of shape (D,) or (1, .., 1, D) no longer in rank than u, and u's static last dim
     D (then the Add gives u's shape, and a Reshape between keeps the last dim). Refused: a bias that
     broadcasts along another axis ((D, 1)), and a LayerNorm reading an Add of two computed tensors,
@@ -98,7 +98,7 @@ def _bias_layer_norm_plan(match, graph_outputs: set[int]) -> _RowsPlan | str:
             return f"{name} is computed at run time; this rewrite takes constant gamma and beta"
     dtype = np.dtype(constant_value(gamma).dtype)
     if dtype not in SKIP_LAYER_NORM_DTYPES:
-        return f"dtype {dtype}; the kernels take float32 and float16"
+        return f"dtype {dtype}; the kernels take float32, float16 and bfloat16"
     if static_dim(normalized, -1) != d:
         return f"the normalized last dim {_last_dim(normalized)} is not static {d}; the rows view needs it"
     bias = None

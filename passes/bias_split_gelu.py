@@ -41,6 +41,7 @@ from onnxopt.pass_infra import CONSTANTS_FOLDED, SHAPES_INFERRED, SLICES_AS_SPLI
 from onnxopt.pattern import Const, Match, OneOf, Pattern, constant_shape, constant_value, is_constant, op
 from onnxopt.pattern.tensor_facts import normalize_axis, rank_of, shape_of, static_dim, static_ints
 from onnxopt.registry import register_pass
+from onnxopt.weight_provenance import place, record, take
 from onnxopt.weights import DerivedValues, numpy_dtype, stored_values
 
 # ORT 1.31.1's CUDA kernel, run on an H100: "hidden size should be 2560, 5120, 6144, 10240 or 12288".
@@ -282,7 +283,10 @@ def _column_halves_swapped(w: gs.Tensor, half: int):
 
     if not isinstance(w, gs.Constant):  # a Constant node's value: small, computed now
         return swapped()
-    return DerivedValues(tuple(w.shape), w.dtype, swapped, name=f"{w.name}__halves_swapped", elements_of=[stored_values(w)])
+    k, d = w.shape
+    result = DerivedValues(tuple(w.shape), w.dtype, swapped, name=f"{w.name}__halves_swapped", elements_of=[stored_values(w)])
+    return record(result, [(stored_values(w), [take((0, half), (k, d)), place((k, d), (0, 0))]),
+                           (stored_values(w), [take((0, 0), (k, half)), place((k, d), (0, d - half))])])
 
 
 __all__ = ["CUDA_HIDDEN_SIZES", "GEGLU", "GEGLU_GATING_LEFT", "FuseBiasSplitGelu", "SLICES_AS_SPLIT", "SlicesToSplit", "gelu"]

@@ -3,10 +3,14 @@
     x:T -> Cast(to=T) -> y                       ==>   x                (a no-op cast)
     x:S -> Cast(to=A) -> Cast(to=B) -> y         ==>   x -> Cast(to=B)  when S -> A is lossless
                                                  ==>   x                when, in addition, B == S
+    x -> Cast(to=A) -> y1,  x -> Cast(to=A) -> y2  ==>  x -> Cast(to=A) -> y1, read for y2 too
 
 Safe because a lossless first cast (e.g. float16 -> float32, int32 -> int64) maps every value of
 S exactly into A, so casting on to B gives what casting straight to B gives. A lossy first cast
-(float32 -> float16 -> float32 rounds) is a computation and stays.
+(float32 -> float16 -> float32 rounds) is a computation and stays. Two Casts of one tensor to one
+type compute the same values: the TorchScript exporter writes one per use of ``x.float()`` or of a
+type promotion (a bfloat16 RMSNorm upcasts x for its statistics and again for the product), and
+a pattern that reads x's upcast twice sees one tensor only after they are merged.
 """
 
 from __future__ import annotations
@@ -89,7 +93,28 @@ class RemoveRedundantCasts(Pass):
             else:
                 cast.inputs[0] = source  # skip the lossless inner cast
             result.sites_rewritten += 1
+        merged = _merge_duplicate_casts(graph, graph_outputs)
+        result.sites_matched += merged
+        result.sites_rewritten += merged
         result.modified = result.sites_rewritten > 0
         if result.modified:
             graph.cleanup(remove_unused_graph_inputs=False)
+        if merged:
+            graph.toposort()  # a kept Cast may come after readers of the one it replaced
         return result
+
+
+def _merge_duplicate_casts(graph: gs.Graph, graph_outputs: set[int]) -> int:
+    """Every Cast of a tensor to a type after the first is dropped, its readers reading the
+    first's output (a Cast writing a graph output is kept); returns how many were dropped."""
+    first: dict[tuple[int, int], gs.Node] = {}
+    merged = 0
+    for cast in [n for n in graph.nodes if n.op == "Cast" and is_standard(n) and n.inputs]:
+        key = (id(cast.inputs[0]), int(cast.attrs["to"]))
+        kept = first.setdefault(key, cast)
+        if kept is cast or id(cast.outputs[0]) in graph_outputs:
+            continue
+        redirect_consumers(cast.outputs[0], kept.outputs[0])
+        detach(cast)
+        merged += 1
+    return merged

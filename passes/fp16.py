@@ -70,6 +70,7 @@ from onnxopt.fp16_hazards import (
     periodic_arguments,
     uses,
 )
+from onnxopt.domains import MS_DOMAIN
 from onnxopt.fusion import Emit, NameAuthority
 from onnxopt.model import SKELETON_THRESHOLD_BYTES, Model
 from onnxopt.pass_infra import CONSTANTS_FOLDED, SHAPES_INFERRED, Pass, PassResult
@@ -86,6 +87,7 @@ from onnxopt.precision import (
 )
 from onnxopt.registry import register_pass
 from onnxopt.verify import BFLOAT16_TOLERANCE
+from onnxopt.weight_provenance import record
 from onnxopt.weights import DerivedValues, constant_nbytes, read_uncached, store_values, stored_values
 
 LOW, F32, BOTH = "low", "float32", "both"
@@ -189,6 +191,8 @@ class Fp16Pass(Pass):
                 keep(node, "schema", reason)
             elif node.op in self.kernel_gaps and node.domain in ("", "ai.onnx", None):
                 keep(node, "kernel", self.kernel_gaps[node.op])
+            elif (reason := _contrib_kernel_gap(node, versions, is_f32, self.low)) is not None:
+                keep(node, "kernel", reason)
 
         hazards = constant_hazards(graph, self.low, is_f32)
         for node, reason in hazards.fp32.values():
@@ -276,6 +280,20 @@ def _structural_refusal(node: gs.Node, versions: dict[str, int], is_f32) -> str 
     if "dtype" in sig.attributes and node.op != "Cast":
         return "its output type is set by its 'dtype' attribute"
     return None
+
+
+def _contrib_kernel_gap(node: gs.Node, versions: dict[str, int], is_f32, low: LowPrecision) -> str | None:
+    """Why a fused com.microsoft op computes in float32: its data input's type admits no ``low``.
+    ONNX Runtime 1.31's schemas and CUDA kernels agree on this for the ops the fusions write
+    (GroupNorm, SkipGroupNorm, BiasSplitGelu, BiasAdd and NhwcConv take no bfloat16:
+    docs/bf16-kernels.md); the typing would keep them float32 anyway, this says so in the report."""
+    if node.domain != MS_DOMAIN or not node.inputs or not is_f32(node.inputs[0]):
+        return None
+    sig = signature(node, versions)
+    param = sig.input_param(0) if sig is not None else None
+    if param is None or sig.is_fixed(param) or sig.allows(param, low.type_str):
+        return None
+    return f"ONNX Runtime has no {low.name} kernel for com.microsoft {node.op} (it takes {', '.join(sorted(sig.allowed[param]))})"
 
 
 def _sensitive_nodes(nodes: list[gs.Node], errors: dict[str, float], threshold: float) -> list[tuple[gs.Node, str]]:
@@ -651,9 +669,10 @@ class _Conversion:
         # Small results are computed now: the saver writes tensors under the skeleton threshold
         # from the skeleton itself, where a DerivedValues would be exported without its data.
         if int(np.prod(constant.shape, dtype=np.int64)) * low.np_dtype.itemsize < SKELETON_THRESHOLD_BYTES:
-            return low.convert(read_uncached(source), mask)
+            return record(low.convert(read_uncached(source), mask), [(source, [])])  # a cast: same layout
         with _graphsurgeon_quiet():  # graphsurgeon has no NumPy name for bfloat16 and says so per tensor
-            return DerivedValues(constant.shape, low.np_dtype, lambda: low.convert(read_uncached(source), mask), name=name)
+            values = DerivedValues(constant.shape, low.np_dtype, lambda: low.convert(read_uncached(source), mask), name=name)
+        return record(values, [(source, [])])
 
 
 @contextlib.contextmanager

@@ -28,6 +28,7 @@ from onnxopt.fusion import Emit, Fusion, FusionRun, Refusal, Rule
 from onnxopt.layout import TO_NCHW, TO_NHWC
 from onnxopt.pattern import Match, Pattern, op
 from onnxopt.registry import register_pass
+from onnxopt.weight_provenance import record, reshape, transpose
 from onnxopt.weights import DerivedValues, read_uncached, stored_values
 
 
@@ -45,8 +46,8 @@ CONV = Pattern(conv, conv_no_bias, name="conv2d")
 def transposed_weight(w: gs.Constant) -> DerivedValues:
     """The (M, C/g, kH, kW) weight as (M, kH, kW, C/g), transposed only when read or saved."""
     m, c, kh, kw = w.shape
-    return DerivedValues((m, kh, kw, c), w.dtype, lambda: read_uncached(w).transpose(TO_NHWC), name=w.name,
-                         elements_of=[stored_values(w)])
+    return record(DerivedValues((m, kh, kw, c), w.dtype, lambda: read_uncached(w).transpose(TO_NHWC), name=w.name,
+                                elements_of=[stored_values(w)]), [(stored_values(w), [transpose(TO_NHWC)])])
 
 
 # ---------------------------------------------------------------- the site and what it writes
@@ -74,8 +75,9 @@ def emit(make: Emit, match: Match, pointwise_as_matmul: bool) -> list[gs.Tensor]
     x_nhwc = make.op.Transpose(x, perm=TO_NHWC, _shape=_permute(x.shape, TO_NHWC))
     if pointwise_as_matmul and _is_pointwise(node, w):
         m, c = w.shape[:2]
-        w_matrix = make.constant("W_matrix", DerivedValues((c, m), w.dtype, lambda: read_uncached(w)[:, :, 0, 0].T.copy(), name=w.name,
-                                                                        elements_of=[stored_values(w)]))
+        matrix = DerivedValues((c, m), w.dtype, lambda: read_uncached(w)[:, :, 0, 0].T.copy(), name=w.name,
+                               elements_of=[stored_values(w)])
+        w_matrix = make.constant("W_matrix", record(matrix, [(stored_values(w), [reshape((m, c)), transpose((1, 0))])]))
         y_nhwc = make.op.MatMul(x_nhwc, w_matrix, _dtype=y.dtype, _shape=y_shape)
         if b is not None:
             y_nhwc = make.op.Add(y_nhwc, b, _dtype=y.dtype, _shape=y_shape)

@@ -71,6 +71,7 @@ from onnxopt.pass_infra import CONSTANTS_FOLDED, SHAPES_INFERRED, Pass, PassResu
 from onnxopt.pattern import Const, Pattern, Var, constant_shape, constant_value, is_constant, op
 from onnxopt.pattern.tensor_facts import normalize_axis, rank_of, static_dim, static_ints
 from onnxopt.registry import register_pass
+from onnxopt.weight_provenance import concatenated, record_sources, transpose
 from onnxopt.weights import DerivedValues, numpy_dtype, read_uncached, stored_values
 
 
@@ -364,7 +365,10 @@ def _concatenated_weight(group: list[Linear], trans_b: int, name: str) -> Derive
 
     constants = [m.w for m in group]
     elements = [stored_values(w) for w in constants] if all(isinstance(w, gs.Constant) for w in constants) else None
-    return DerivedValues(shape, dtype, compute, name=name, elements_of=elements)
+    # each member's delta, in the merged layout (a member in the other layout transposed first)
+    ops = [([transpose((1, 0))] if m.trans_b != trans_b else []) + part
+           for m, part in zip(group, concatenated([(m.n, k) if trans_b else (k, m.n) for m in group], 1 - trans_b))]
+    return record_sources(DerivedValues(shape, dtype, compute, name=name, elements_of=elements), constants, ops)
 
 
 def _concatenated_bias(group: list[Linear], dtype: np.dtype, name: str) -> DerivedValues:

@@ -6,7 +6,8 @@ com.microsoft has no op of that name).
     ms = ReduceMean(xf ** 2 | xf * xf, axes=[-1], keepdims=1)
     r  = Sqrt(ms + eps)
     n  = xf * Reciprocal(r) | xf * (1 / r) | xf / r | xf * (ms + eps) ** -0.5      ("x * rsqrt(...)")
-    y  = Cast(n) | n   [* gamma]
+    y  = Cast(n) | n   [* gamma]         or   y = Cast(n * gamma32)   (torch.nn.RMSNorm: the weight
+                                                                   upcast too, the product cast back)
                          ==>
     y = SimplifiedLayerNormalization(x, gamma | ones(D), axis=-1, epsilon=eps, stash_type=1)
 
@@ -19,9 +20,13 @@ com.microsoft has no op of that name).
     Conditions: the mean is over the last axis alone (keepdims=1), eps a one-element constant added
     *inside* the square root; the upcast Cast, when there, is to float32, and the output Cast back
     to x's type; gamma holds D = x's static last dim values, broadcast along the last axis only
-    ((D,) or a constant (1, .., D)), of x's type; RMSNormalization normalizes the last axis only
+    ((D,) or a constant (1, .., D)), of x's type (gamma32: float32 values that x's type holds
+    exactly, the upcast weight, written back in x's type); RMSNormalization normalizes the last axis only
     (axis -1 or rank-1) and computes in float32 (stash_type 1). The kernel computes in float32
-    whatever x's type, as the upcast did.
+    whatever x's type, as the upcast did: in bfloat16 and float16 it reads x and gamma in x's type
+    and writes y in it (CUDA: SimplifiedLayerNormalization<T=V=bfloat16|float16, U=float32>), so
+    the Casts around the float32 statistics go with the rest; torch rounds twice (the normalized
+    value, then its product with gamma), the kernel once.
 
 A residual Add in front becomes SkipSimplifiedLayerNormalization in fuse-skip-layer-norm.
 """
@@ -36,7 +41,7 @@ from onnxopt.fusion import Emit, Fusion, FusionRun, Refusal, Rule
 from onnxopt.layer_norm_kernel import per_channel
 from onnxopt.norm_facts import last_axis_refusal, per_channel_refusal
 from onnxopt.pass_infra import CONSTANTS_FOLDED, SHAPES_INFERRED, OrtFusion
-from onnxopt.pattern import Const, Literal, Match, Maybe, OneOf, Pattern, constant_shape, op
+from onnxopt.pattern import Const, Literal, Match, Maybe, OneOf, Pattern, constant_shape, constant_value, is_constant, op
 from onnxopt.pattern.tensor_facts import normalize_axis, rank_of, static_dim
 from onnxopt.registry import register_pass
 from onnxopt.weights import numpy_dtype
@@ -59,15 +64,28 @@ def rms_norm_scaled(x, gamma, eps=Const()):
     return Maybe(op.Cast, rms_normalized(x, eps), _name="downcast") * gamma
 
 
+def rms_norm_scaled_then_cast(x, gamma, eps=Const()):
+    return op.Cast(rms_normalized(x, eps) * gamma, _name="downcast")
+
+
+def rms_norm_cast_back(x, eps=Const()):
+    return op.Cast(rms_normalized(x, eps), _name="downcast")
+
+
 def rms_norm_plain(x, eps=Const()):
-    return Maybe(op.Cast, rms_normalized(x, eps), _name="downcast")
+    return rms_normalized(x, eps)
 
 
 def onnx_rms_norm(x, scale):
     return op.RMSNormalization(x, scale, _name="rms_norm")
 
 
+# Where the output Cast is the root (the weight multiplied in float32, or no weight), the form with
+# the Cast has its own rule, ahead of the one without it: that one would match first at the Mul
+# before the Cast (graph order) and keep the Mul's nodes for itself.
+RMS_NORM_SCALED_THEN_CAST = Pattern(rms_norm_scaled_then_cast, name="rms-norm-scaled-in-float32")
 RMS_NORM_SCALED = Pattern(rms_norm_scaled, name="rms-norm")
+RMS_NORM_CAST_BACK = Pattern(rms_norm_cast_back, name="rms-norm-without-weight-cast-back")
 RMS_NORM_PLAIN = Pattern(rms_norm_plain, name="rms-norm-without-weight")
 ONNX_RMS_NORM = Pattern(onnx_rms_norm, name="onnx-rms-normalization")
 
@@ -76,7 +94,30 @@ def check_decomposed(match: Match, run: FusionRun) -> Match:
     reason = _decomposed_refusal(match)
     if reason is not None:
         raise Refusal(reason)
+    reason = _gamma_refusal(match)
+    if reason is not None:  # the norm without its weight may still be the weightless rules' site
+        raise Refusal(reason, not_a_site=True)
     return match
+
+
+def check_cast_back(match: Match, run: FusionRun) -> Match:
+    """The forms rooted at the output Cast: a Cast to another type than x's is no part of the norm
+    (the rules without it take the norm)."""
+    x, to = match["x"], int(match.node("downcast").attrs["to"])
+    if x.dtype is None or to != _onnx_type(numpy_dtype(x.dtype)):
+        raise Refusal("the Cast after the norm is not back to x's type", not_a_site=True)
+    reason = _decomposed_refusal(match) or _gamma_refusal(match, upcast=True)
+    if reason is not None:
+        raise Refusal(reason)
+    return match
+
+
+def _mean_square(match: Match) -> gs.Node:
+    return match.node("mean_square")
+
+
+def _root_name(match: Match) -> str:
+    return match.root.name
 
 
 def check_onnx(match: Match, run: FusionRun) -> Match:
@@ -103,6 +144,9 @@ def emit_decomposed(make: Emit, match: Match) -> list[gs.Tensor]:
     d = static_dim(x, -1)
     if "gamma" in match:
         gamma = per_channel(make, match["gamma"], d)
+        if numpy_dtype(gamma.dtype) != numpy_dtype(x.dtype):  # the upcast weight: exact in x's type
+            gamma = make.constant(f"{gamma.name.rsplit('/', 1)[-1]}_{numpy_dtype(x.dtype)}",
+                                  constant_value(gamma).astype(numpy_dtype(x.dtype)))
     else:
         gamma = make.constant("ones", np.ones(d, dtype=numpy_dtype(x.dtype)))
     eps = float(match.value("eps").reshape(-1)[0])
@@ -126,9 +170,12 @@ class FuseRmsNorm(Fusion, OrtFusion):
                    "ONNX RMSNormalization into SimplifiedLayerNormalization")
     requires = frozenset({SHAPES_INFERRED})
     preserves = frozenset({SHAPES_INFERRED, CONSTANTS_FOLDED})
-    rules = (
-        Rule(RMS_NORM_SCALED, check_decomposed, emit_decomposed),
-        Rule(RMS_NORM_PLAIN, check_decomposed, emit_decomposed),  # what the weighted form left: no weight
+    rules = (  # one site per norm (its mean of squares), named after the node it ends in
+        Rule(RMS_NORM_SCALED_THEN_CAST, check_cast_back, emit_decomposed, site=_mean_square, label=_root_name),
+        Rule(RMS_NORM_SCALED, check_decomposed, emit_decomposed, site=_mean_square, label=_root_name),
+        # what the weighted forms left: no weight, or one that is no SimplifiedLayerNormalization gamma
+        Rule(RMS_NORM_CAST_BACK, check_cast_back, emit_decomposed, site=_mean_square, label=_root_name),
+        Rule(RMS_NORM_PLAIN, check_decomposed, emit_decomposed, site=_mean_square, label=_root_name),
         Rule(ONNX_RMS_NORM, check_onnx, emit_onnx),
     )
 
@@ -155,13 +202,27 @@ def _decomposed_refusal(match: Match) -> str | None:
             return f"the normalized value is cast to type {to}, not back to x's {dtype}"
     elif match.has_node("upcast") and dtype is not None and _onnx_type(dtype) != FLOAT:
         return f"the result stays float32 where x is {dtype}; the kernel returns x's type"
-    if "gamma" in match:
-        reason = per_channel_refusal("gamma", match["gamma"], d, rank, "SimplifiedLayerNormalization")
-        if reason is not None:
-            return reason
-        gamma_type = match["gamma"].dtype
-        if gamma_type is not None and dtype is not None and numpy_dtype(gamma_type) != dtype:
-            return f"gamma has type {numpy_dtype(gamma_type)}, x {dtype}: the kernel takes one type"
+    return None
+
+
+def _gamma_refusal(match: Match, upcast: bool = False) -> str | None:
+    """Why gamma is not SimplifiedLayerNormalization's scale: one value per channel, of x's type;
+    with ``upcast``, float32 values that x's type holds exactly do (the weight upcast for a
+    product in float32, written back in x's type)."""
+    if "gamma" not in match:
+        return None
+    x, gamma = match["x"], match["gamma"]
+    reason = per_channel_refusal("gamma", gamma, static_dim(x, -1), rank_of(x), "SimplifiedLayerNormalization")
+    if reason is not None or gamma.dtype is None or x.dtype is None:
+        return reason
+    gamma_type, dtype = numpy_dtype(gamma.dtype), numpy_dtype(x.dtype)
+    if gamma_type == dtype:
+        return None
+    if not (upcast and gamma_type == np.float32 and is_constant(gamma)):
+        return f"gamma has type {gamma_type}, x {dtype}: the kernel takes one type"
+    values = constant_value(gamma)
+    if not np.array_equal(values.astype(dtype).astype(np.float32), values):
+        return f"gamma holds float32 values that {dtype} does not; the kernel takes gamma in x's type"
     return None
 
 
@@ -171,4 +232,4 @@ def _onnx_type(dtype: np.dtype) -> int:
     return np_dtype_to_tensor_dtype(dtype)
 
 
-__all__ = ["ONNX_RMS_NORM", "RMS_NORM_PLAIN", "RMS_NORM_SCALED", "FuseRmsNorm"]
+__all__ = ["ONNX_RMS_NORM", "RMS_NORM_CAST_BACK", "RMS_NORM_PLAIN", "RMS_NORM_SCALED", "RMS_NORM_SCALED_THEN_CAST", "FuseRmsNorm"]

@@ -7,6 +7,8 @@ What it matches (diffusers' ``apply_rotary_emb(x, (cos, sin), use_real_unbind_di
     odd     = pairs[..., 1]       Slice(1:2)+Squeeze | Gather(1) | Split(1, 1)[1]+Squeeze | x[..., 1::2]
     rotated = Reshape(Concat(Unsqueeze(Neg(odd), -1), Unsqueeze(even, -1), axis=-1), x's shape)
     y       = x * cos + rotated * sin          cos, sin: Unsqueeze..(table (T, H))
+            | Cast(x, FLOAT) * cos + Cast(rotated, FLOAT) * sin     (a bfloat16/float16 export: diffusers
+                                                   computes ``x.float() * cos + ...`` and casts y back)
 
 What it writes::
 
@@ -15,7 +17,10 @@ What it writes::
                                                  interleaved=1, num_heads=N), (0, 0, N, H))
     x (B, N, S, H):  y = RotaryEmbedding(x, [0], half(cos), half(sin), interleaved=1)
 
-    position_ids [0]: token s reads row s of the tables.
+    position_ids [0]: token s reads row s of the tables. Where the export upcasts, the kernel reads
+    Cast(x, FLOAT) and computes in float32 as the export does (the Cast back after y stays): ONNX
+    Runtime's bfloat16 RotaryEmbedding CUDA kernel multiplies and adds in bfloat16
+    (contrib_ops/cuda/bert/rotary_embedding_impl.cu), rounding three times where the export rounds once.
 
     and ONNX's RotaryEmbedding (opset 23), which ort-cuda counts as unfused, as the contrib op:
     RotaryEmbedding(x, cos, sin, position_ids) -> com.microsoft RotaryEmbedding(x, position_ids, cos, sin)
@@ -43,13 +48,16 @@ from dataclasses import dataclass
 
 import numpy as np
 import onnx_graphsurgeon as gs
+from onnx import TensorProto
 
 from onnxopt.dim_sources import proven_dim
 from onnxopt.fusion import Emit, Fusion, FusionRun, Refusal, Rule
 from onnxopt.pass_infra import SHAPES_INFERRED, OrtFusion
-from onnxopt.pattern import Const, Match, OneOf, Pattern, Var, constant_value, is_constant, op, reads_only_shape
+from onnxopt.pattern import Const, Match, Maybe, OneOf, Pattern, Var, constant_value, is_constant, op, reads_only_shape
 from onnxopt.pattern.dims import Dim, Dims, same, text
 from onnxopt.registry import register_pass
+
+FLOAT = TensorProto.FLOAT
 
 # ---------------------------------------------------------------- the pattern
 
@@ -70,7 +78,10 @@ def _channel(pairs, t: str):
 
 
 def _rotary(x, cos, sin, rotated):
-    return op.Add(op.Mul(x, cos, _name="cos_mul"), op.Mul(rotated, sin, _name="sin_mul"))
+    """x * cos + rotated * sin, in float32 between Casts where x is bfloat16 or float16"""
+    xf = Maybe(op.Cast, x, to=FLOAT, _name="upcast", _external_uses=True)
+    rotated_f = Maybe(op.Cast, rotated, to=FLOAT, _name="rotated_upcast")
+    return op.Add(op.Mul(xf, cos, _name="cos_mul"), op.Mul(rotated_f, sin, _name="sin_mul"))
 
 
 def rotary_sliced(x, cos, sin):
@@ -111,7 +122,7 @@ ONNX_ROTARY = Pattern(onnx_rotary, name="onnx-rotary-embedding")
 
 @dataclass
 class RotarySite:
-    x: gs.Tensor
+    x: gs.Tensor  # what the kernel reads: x, or its float32 upcast
     cos: gs.Tensor  # the (T, H) tables
     sin: gs.Tensor
     heads: int
@@ -165,7 +176,12 @@ def check_rotary(m: Match, run: FusionRun) -> RotarySite:
     heads = proven_dim(x, 2 if axis == 1 else 1, dims)  # here, or where the head split gave it
     if heads is None:
         raise Refusal(f"x '{x.name}' {text(shape)}: the head count is not a proven constant")
+    if m.has_node("upcast") != m.has_node("rotated_upcast"):
+        raise Refusal("x and its rotation are not both cast to float32")
     run.details["(B, S, N, H)" if axis == 1 else "(B, N, S, H)"] += 1
+    if m.has_node("upcast"):  # the export rotates in float32: so does the kernel, between the same Casts
+        run.details["in_float32"] += 1
+        x = m.node("upcast").outputs[0]
     return RotarySite(x, cos, sin, heads, h, axis)
 
 

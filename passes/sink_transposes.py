@@ -24,7 +24,11 @@ Rewrites for each op (P: the transpose's perm, out[i] = in[P[i]]):
   (a full-size operand would need a Transpose as costly as the one saved, and two small operands
   could trade a Transpose back and forth forever);
 * Concat(axis=a) → Concat(axis=P[a]), all inputs unwrapped as above;
-* Resize (constant scales or sizes, no ROI use) → scales/sizes permuted.
+* Resize (constant scales or sizes, no ROI use) → scales/sizes permuted;
+* LayerNormalization / SimplifiedLayerNormalization over the last axis, with a (D,) scale and bias,
+  where P keeps the last axis in place: unchanged. A diffusion transformer's QK RMSNorm reads
+  (B, S, H, Dh) -> Transpose(0, 2, 1, 3) -> norm over Dh -> Concat over the tokens -> the inverse
+  Transpose -> Reshape (B, S, H*Dh): sunk through the norm and the Concat, the pair cancels.
 
 Safe because each rewrite is the identity ``op(T(x), T(c)) = T(op(x, c))`` for ops applied
 element by element (or along an axis that is renamed accordingly).
@@ -46,6 +50,7 @@ from onnxopt.registry import register_pass
 UNARY = {"Sigmoid", "Relu", "Tanh", "Erf", "Neg", "Sqrt", "Exp", "Log", "Abs", "Cast", "Softplus", "Elu",
          "LeakyRelu", "HardSigmoid", "Gelu", "Reciprocal", "Identity", "Floor", "Ceil", "Round", "Sin", "Cos"}
 ELEMENTWISE = {"Add", "Sub", "Mul", "Div", "Pow", "Max", "Min", "Where", "Equal", "Less", "Greater", "And", "Or"}
+LAST_AXIS_NORMS = {"LayerNormalization", "SimplifiedLayerNormalization"}
 SMALL_OPERAND = 1 << 16  # elements of a broadcast operand worth a Transpose of its own
 MAX_ROUNDS = 1000
 
@@ -199,6 +204,10 @@ def _sink_through(graph: gs.Graph, names: _Names, transpose: gs.Node, consumer: 
             if converted is None:
                 return False
             new_inputs[i] = converted
+    elif op in LAST_AXIS_NORMS:
+        if not _norm_commutes(consumer, t, perm):
+            return False
+        new_inputs[0] = transpose.inputs[0]
     elif op == "Resize":
         converted = _resize_inputs(Emit(graph, names, consumer.name), consumer, perm)
         if converted is None:
@@ -222,6 +231,17 @@ def _sink_through(graph: gs.Graph, names: _Names, transpose: gs.Node, consumer: 
     make.op.Transpose(y_inner, perm=perm, _label="sunk", _outputs=[y])
     make.into(graph)
     return True
+
+
+def _norm_commutes(norm: gs.Node, t: gs.Tensor, perm: list[int]) -> bool:
+    """``norm`` normalizes ``t`` (its input 0 only) along the last axis, which ``perm`` leaves in
+    place, with a scale and bias of one value per channel: it computes the same in either layout."""
+    rank = len(perm)
+    if norm.inputs[0] is not t or any(operand is t for operand in norm.inputs[1:]):
+        return False
+    if int(norm.attrs.get("axis", -1)) % rank != rank - 1 or perm[-1] != rank - 1:
+        return False
+    return all(is_absent(p) or (p.shape is not None and len(p.shape) == 1) for p in norm.inputs[1:])
 
 
 def _to_inner_layout(graph: gs.Graph, names: _Names, operand: gs.Tensor, perm: list[int], broadcast: bool,

@@ -11,7 +11,8 @@ weights, and their exports: the unit graphs tests/test_dit_attention.py proves t
   layers, and the padding mask added to it).
 
 TorchScript (opset 17) cannot export ``aten::rms_norm``: for that exporter every ``torch.nn.RMSNorm``
-is swapped for the same math written out, as optimum's exporter does.
+is swapped for the same math written out, as optimum's exporter does (models.dit.rms_norm_written_out).
+``dtype="bfloat16"`` exports the module and its float inputs in bfloat16, as Flux and T5 are served.
 """
 
 from __future__ import annotations
@@ -34,26 +35,6 @@ class AttentionModule:
     dynamic: dict  # input name -> {axis: dim name}
     outputs: list[str]
     attentions: int  # attention sites in the module
-
-
-class _WrittenOutRMSNorm:
-    """torch.nn.RMSNorm written out (x * rsqrt(mean(x^2) + eps) * weight) for the TorchScript export."""
-
-    @staticmethod
-    def forward(norm, x):
-        import torch
-
-        eps = norm.eps if norm.eps is not None else torch.finfo(x.dtype).eps
-        y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-        return y * norm.weight if norm.weight is not None else y
-
-
-def write_out_rms_norms(module) -> None:
-    import torch
-
-    for m in module.modules():
-        if isinstance(m, torch.nn.RMSNorm):
-            m.forward = _WrittenOutRMSNorm.forward.__get__(m)
 
 
 def _seeded(module, seed: int = 0):
@@ -187,25 +168,32 @@ BUILDERS = {"sd3-joint": sd3_joint, "sd3-joint-plain": lambda: sd3_joint(None), 
             "flux-single": flux_single, "t5": t5_encoder}
 
 
-def export_module(name: str, path: Path, exporter: str, shapes: str = "dynamic", opset: int | None = None) -> AttentionModule:
-    """Export module ``name`` to ``path``: TorchScript at opset 17 (RMSNorm written out) or dynamo."""
+def export_module(name: str, path: Path, exporter: str, shapes: str = "dynamic", opset: int | None = None,
+                  dtype: str | None = None) -> AttentionModule:
+    """Export module ``name`` to ``path``: TorchScript at opset 17 (RMSNorm written out) or dynamo;
+    ``dtype`` (``"bfloat16"``) casts the module and its float inputs first."""
     import contextlib
     import io
     import warnings
 
     import torch
 
+    from models.dit import rms_norm_written_out
+
     built = BUILDERS[name]()
+    if dtype is not None:
+        built.module.to(getattr(torch, dtype))
+        built.inputs = {k: v.to(getattr(torch, dtype)) if v.is_floating_point() else v for k, v in built.inputs.items()}
     path.parent.mkdir(parents=True, exist_ok=True)
     names = list(built.inputs)
     args = tuple(built.inputs.values())
     with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
         warnings.simplefilter("ignore")
         if exporter == "torchscript":
-            write_out_rms_norms(built.module)
-            torch.onnx.export(built.module, args, str(path), dynamo=False, opset_version=17, input_names=names,
-                              output_names=built.outputs,
-                              dynamic_axes=built.dynamic if shapes == "dynamic" else None)
+            with rms_norm_written_out(built.module):
+                torch.onnx.export(built.module, args, str(path), dynamo=False, opset_version=17, input_names=names,
+                                  output_names=built.outputs,
+                                  dynamic_axes=built.dynamic if shapes == "dynamic" else None)
         else:
             kwargs = {"opset_version": opset} if opset else {}
             dims = None

@@ -66,3 +66,15 @@ def test_the_sd35_pipeline_table_says_its_settings_and_precision():
     assert "| onnxopt ort-cuda bf16 | 1.500 s |" in text
     assert "onnxopt / torch.compile end to end: 0.75x" in text
     assert "onnxopt / torch bf16 deviation from fp32 (final latents max abs): 0.50x" in text
+def test_the_lora_swap_benchmark_dry_run_keeps_its_sessions(tmp_path, capsys):
+    """benchmarks/lora_swap_gpu.py --dry-run on the committed tiny SD 1.5 folder: every step once, and
+    its checks hold (sessions kept across swaps, a swap changes the image, the first scales give the
+    first image back)."""
+    pytest.importorskip("peft", reason="the benchmark's LoRAs are made with peft")
+    from benchmarks.lora_swap_gpu import main
+
+    out = tmp_path / "lora.json"
+    assert main(["--kind", "sd15", "--dry-run", "--work", str(tmp_path), "--out", str(out)]) == 0
+    result = __import__("json").loads(out.read_text())
+    assert result["weights_touched"] > 0 and result["swap_ms"]["runs"] == 3
+    assert "| swap median ms |" in capsys.readouterr().out

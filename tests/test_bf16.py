@@ -106,3 +106,25 @@ def test_fp32_auto_calibration_keeps_an_overflowing_feed_forward_in_float32():
     _, report = optimize(big, ["cleanup", Fp16Pass(low_precision="float16", fp32_auto=True)], verify=True)
     assert report.first_broken_pass is None and report.final_verification.ok, report.table()
     assert result_of(report, "fp16").details["fp32_by_kind"].get("calibration", 0) > 0
+
+
+@pytest.mark.parametrize("low", ["bfloat16", "float16"])
+def test_a_fused_op_without_a_bfloat16_kernel_stays_float32_and_is_reported(low):
+    """com.microsoft BiasAdd (SD's residual bias) has float32 and float16 CUDA kernels only (ONNX
+    Runtime 1.31: contrib_ops/cuda/diffusion/bias_add.cc): in bfloat16 it computes in float32, and
+    the report says why; in float16 it converts."""
+    rng = np.random.default_rng(0)
+    graph = helper.make_graph(
+        [helper.make_node("BiasAdd", ["x", "bias", "skip"], ["y"], domain="com.microsoft")], "bias_add",
+        [helper.make_tensor_value_info("x", FLOAT, [2, 4, D]), helper.make_tensor_value_info("skip", FLOAT, [2, 4, D])],
+        [helper.make_tensor_value_info("y", FLOAT, [2, 4, D])],
+        [numpy_helper.from_array(rng.standard_normal(D).astype(np.float32), "bias")])
+    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
+    model, report = optimize(proto, [Fp16Pass(low_precision=low)])
+    [bias_add] = [n for n in model.graph.nodes if n.op == "BiasAdd"]
+    kept = result_of(report, "fp16").details["fp32_nodes"]
+    if low == "bfloat16":
+        assert np.dtype(bias_add.inputs[0].dtype) == np.float32
+        assert "no bfloat16 kernel for com.microsoft BiasAdd" in next(iter(kept.values())), kept
+    else:
+        assert np.dtype(bias_add.inputs[0].dtype) == np.float16 and not kept

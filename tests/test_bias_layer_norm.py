@@ -315,7 +315,7 @@ LOOKALIKES = {
     "last-dim-changed": "the Reshape between the Add and the LayerNorm does not keep the last dim: 16 -> 8",
     "mean-used": "the LayerNorm's mean / inv-std outputs are used",
     "stash-type-0": "stash_type 0; SkipLayerNormalization computes in float32",
-    "float64": "dtype float64; the kernels take float32 and float16",
+    "float64": "dtype float64; the kernels take float32, float16 and bfloat16",
 }
 
 

@@ -18,6 +18,7 @@ import onnxruntime as ort
 import pytest
 
 from onnxopt.verify import assert_same_computation
+from onnxopt.weights import numpy_dtype
 from tests.conftest import op_counts, result_of, run_passes
 
 PASSES = ["cleanup", "fuse-rotary-embedding", "fuse-attention"]
@@ -111,6 +112,43 @@ def test_the_fused_graph_computes_what_the_torch_module_does(exported, case):
     feeds = {i.name: built.inputs[i.name].numpy() for i in session.get_inputs()}
     for got, want in zip(session.run(None, feeds), _torch_outputs(built)):
         np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-4)
+
+
+# Flux is served in bfloat16: diffusers rotates ``x.float()`` in float32 and casts back, torch.nn.RMSNorm
+# upcasts and multiplies its weight in float32, the TorchScript exporter casts x once per use.
+BF16_CASES = [
+    pytest.param(("flux-double", "torchscript", "static", None), marks=pytest.mark.models, id="flux-double-torchscript"),
+    pytest.param(("flux-single", "dynamo", "dynamic", None), marks=pytest.mark.models, id="flux-single-dynamo"),
+    pytest.param(("flux-double", "dynamo", "dynamic", 23), marks=[pytest.mark.models, pytest.mark.slow], id="flux-double-opset23"),
+    pytest.param(("flux-single", "torchscript", "static", None), marks=[pytest.mark.models, pytest.mark.slow], id="flux-single-torchscript"),
+]
+QK_NORMS = {"flux-double": 4, "flux-single": 2}  # norm_q, norm_k (+ the text stream's norm_added_q/k)
+
+
+@pytest.mark.parametrize("case", BF16_CASES)
+def test_a_bfloat16_flux_attention_fuses_as_its_float32_export_does(tmp_path, case):
+    """Rotary (in float32, between the export's Casts: ORT's bfloat16 kernel would round in
+    bfloat16), the QK RMSNorms and the attention all fuse, within bfloat16's rounding of the source:
+    two units in the last place of the output's largest value (flux-single's outputs reach ~300, where
+    the source itself, rounding its attention scores to bfloat16, is 2.3 from torch's float32)."""
+    pytest.importorskip("torch")
+    pytest.importorskip("diffusers")
+    from onnxopt.verify import BFLOAT16_TOLERANCE
+    from tests.dit_attention_modules import BUILDERS, export_module
+
+    name, exporter, shapes, opset = case
+    path = tmp_path / f"{name}.onnx"
+    built = export_module(name, path, exporter, shapes, opset, dtype="bfloat16")
+    model, report = run_passes(path, [*PASSES, "fuse-rms-norm"])
+    counts = op_counts(model)
+    assert counts["MultiHeadAttention"] == built.attentions and counts["Softmax"] == 0, counts
+    rotaries = [n for n in model.graph.nodes if n.op == "RotaryEmbedding"]
+    assert len(rotaries) == ROTARY[name] and all(numpy_dtype(n.inputs[0].dtype) == np.float32 for n in rotaries)
+    assert result_of(report, "fuse-rotary-embedding").details["in_float32"] == ROTARY[name]
+    assert counts["SimplifiedLayerNormalization"] == QK_NORMS[name] and counts["Pow"] == 0, counts
+    largest = max(float(np.abs(y).max()) for y in _torch_outputs(BUILDERS[name]()))
+    atol = max(BFLOAT16_TOLERANCE.atol, 2 * largest * 2.0 ** -8)  # bfloat16 keeps 8 significant bits
+    assert_same_computation(path, model, atol=atol, rtol=BFLOAT16_TOLERANCE.rtol)
 
 
 # ---------------------------------------------------------------- lookalikes (hand-built torch modules)

@@ -33,7 +33,8 @@ from onnx import TensorProto, helper, numpy_helper
 
 from onnxopt import optimize
 from onnxopt.passes.fp16 import Fp16Pass
-from onnxopt.verify import InputSpec, assert_same_computation
+from onnxopt.verify import BFLOAT16_TOLERANCE, InputSpec, assert_same_computation
+from onnxopt.weights import BFLOAT16, numpy_dtype
 from tests.conftest import op_counts, result_of
 
 D = 32
@@ -87,12 +88,13 @@ def _dit_pieces():
 def dit_export(tmp_path_factory):
     cache = {}
 
-    def get(exporter: str, opset: int | None, batch: int = 2):
-        key = (exporter, opset, batch)
+    def get(exporter: str, opset: int | None, batch: int = 2, dtype: str = "float32"):
+        key = (exporter, opset, batch, dtype)
         if key not in cache:
             torch, module = _dit_pieces()
-            path = tmp_path_factory.mktemp("dit") / f"dit-{exporter}-{opset}-{batch}.onnx"
-            args = (torch.randn(batch, 6, D), torch.randn(batch, D))
+            module.to(getattr(torch, dtype))
+            path = tmp_path_factory.mktemp("dit") / f"dit-{exporter}-{opset}-{batch}-{dtype}.onnx"
+            args = (torch.randn(batch, 6, D, dtype=getattr(torch, dtype)), torch.randn(batch, D, dtype=getattr(torch, dtype)))
             kwargs = dict(input_names=["x", "temb"], dynamo=exporter == "dynamo")
             if exporter == "torchscript":
                 kwargs["opset_version"] = 17
@@ -136,6 +138,25 @@ def test_every_rms_norm_and_tanh_gelu_of_the_dit_pieces_is_fused_and_computes_th
     modulated = [n for n in model.graph.nodes if n.op == "LayerNormalization" and n.attrs.get("axis") == 2]
     assert len(modulated) == 2 and all(list(n.inputs[1].shape) == [2, 1, D] for n in modulated), modulated
     assert_same_computation(str(source), model, inputs=INPUTS, atol=1e-4, rtol=1e-3)
+
+
+@pytest.mark.models
+@pytest.mark.parametrize("exporter,opset", EXPORTS)
+def test_the_dit_pieces_exported_in_bfloat16_fuse_as_in_float32(dit_export, exporter, opset):
+    """Flux and T5 are exported in bfloat16: RMSNorm's statistics in float32 between Casts (two Casts
+    of x on TorchScript; diffusers' weightless RMSNorm casts back after the Mul), the tanh-GELU
+    constants rounded to bfloat16, and the residual + RMSNorm fuse as in float32, and compute the
+    source within bfloat16's rounding (ORT registers bfloat16 CUDA kernels for all of them)."""
+    source = dit_export(exporter, opset, dtype="bfloat16")
+    model, report = optimize(str(source), ["ort-cuda"], inputs=INPUTS)
+    ops = op_counts(model)
+    assert (ops["SimplifiedLayerNormalization"], ops["SkipSimplifiedLayerNormalization"], ops["FastGelu"]) == (2, 2, 2), ops
+    assert not {"Pow", "ReduceMean", "Sqrt", "Reciprocal", "RMSNormalization", "Tanh", "Gelu"} & set(ops), ops
+    assert ops["LayerNormalization"] == 2, ops  # both AdaLN LayerNorms, modulation folded, as in float32
+    for node in model.graph.nodes:
+        if node.op in ("SimplifiedLayerNormalization", "SkipSimplifiedLayerNormalization", "FastGelu"):
+            assert numpy_dtype(node.inputs[0].dtype) == BFLOAT16, (node.name, node.inputs[0].dtype)
+    assert_same_computation(str(source), model, inputs=INPUTS, atol=BFLOAT16_TOLERANCE.atol, rtol=BFLOAT16_TOLERANCE.rtol)
 
 
 @pytest.mark.models

@@ -253,3 +253,45 @@ def test_broadcast_residual_is_refused_and_a_shared_conv_output_keeps_its_bias()
                        and n.inputs[1].shape[1:3] == [3, 3])
     assert len(shared_conv.inputs) == 3
     assert_same_computation(shared, model, atol=1e-4, rtol=1e-3)
+
+
+def _qk_norm_model(norm_axis=-1, perm=(0, 2, 1, 3), norm="LayerNormalization", heads=2):
+    """A diffusion transformer's QK norm and joint attention input, written out: two token streams,
+    each (B, S, H, Dh) -> Transpose -> norm over Dh -> Concat over the tokens -> inverse Transpose
+    -> Reshape (B, S, H*Dh), the attention's input."""
+    rng = np.random.default_rng(2)
+    h, dh = heads, 8
+    inits = [numpy_helper.from_array(rng.standard_normal(dh).astype(np.float32), "g"),
+             numpy_helper.from_array(np.array([0, 0, -1], np.int64), "heads_merged")]
+    inverse = [perm.index(i) for i in range(4)]
+    nodes = []
+    for stream in ("img", "txt"):
+        nodes += [helper.make_node("Transpose", [stream], [f"{stream}_t"], perm=list(perm)),
+                  helper.make_node(norm, [f"{stream}_t", "g"], [f"{stream}_n"], axis=norm_axis, epsilon=1e-6)]
+    nodes += [helper.make_node("Concat", ["txt_n", "img_n"], ["joint"], axis=2 if perm == (0, 2, 1, 3) else 1),
+              helper.make_node("Transpose", ["joint"], ["joint_t"], perm=inverse),
+              helper.make_node("Reshape", ["joint_t", "heads_merged"], ["out"])]
+    inputs = [helper.make_tensor_value_info(stream, F32, ["b", s, h, dh]) for stream, s in (("img", 6), ("txt", 3))]
+    return make_model(nodes, inputs, [helper.make_tensor_value_info("out", F32, None)], inits)
+
+
+@pytest.mark.parametrize("norm", ["LayerNormalization", "SimplifiedLayerNormalization"])
+def test_transposes_sink_through_a_last_axis_norm_and_the_joint_concat_and_cancel(norm):
+    proto = _qk_norm_model(norm=norm)
+    model = load_model(proto)
+    PassManager(["sink-transposes"]).run(model)
+    assert [n.op for n in model.graph.nodes if n.op == "Transpose"] == []
+    assert next(n for n in model.graph.nodes if n.op == "Concat").attrs["axis"] == 1  # the tokens' axis, untransposed
+    if norm == "LayerNormalization":  # ORT's CPU build has SimplifiedLayerNormalization too, onnx.reference not
+        assert_same_computation(proto, model, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("kwargs", [dict(norm_axis=2, heads=8), dict(perm=(0, 1, 3, 2), heads=8)],
+                         ids=["norm-over-another-axis", "perm-moves-the-normalized-axis"])
+def test_a_norm_the_transpose_does_not_commute_with_stops_the_sinking(kwargs):
+    proto = _qk_norm_model(**kwargs)
+    model = load_model(proto)
+    PassManager(["sink-transposes"]).run(model)
+    norms = [n for n in model.graph.nodes if n.op == "LayerNormalization"]
+    assert all(n.inputs[0].inputs[0].op == "Transpose" for n in norms)
+    assert_same_computation(proto, model, atol=1e-5, rtol=1e-4)

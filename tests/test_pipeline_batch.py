@@ -72,7 +72,9 @@ def kv_folder(tmp_path_factory):
 
 
 @pytest.mark.parametrize("loop, scheduler", [("host", "dpm++2m"), ("bound", "euler"), ("unfused", "pndm"),
-                                             ("kv-bound", "ddim")])
+                                             ("kv-bound", "ddim"),
+                                             # noise at each step: each row from its image's own generator
+                                             ("bound", "euler-a"), ("unfused", "lcm")])
 def test_each_image_of_a_batch_is_its_image_alone(pipes, kv_folder, loop, scheduler):
     """Fused step on host feeds and on bound buffers (batch 3, then batch 1 alone, on one pipeline:
     each batch size its own bound loop), the K/V companion run once on all rows, diffusers' loop."""
@@ -90,8 +92,8 @@ def test_one_denoising_loop_per_run_and_the_text_encoder_once_per_prompt(pipes, 
     pipe = pipes()
     encoded, loops = [], []
     encode, denoise = pipe.encode_prompt, pipe._denoise
-    monkeypatch.setattr(pipe, "encode_prompt", lambda *a: encoded.append(a) or encode(*a))
-    monkeypatch.setattr(pipe, "_denoise", lambda *a: loops.append(a[3].shape[0]) or denoise(*a))
+    monkeypatch.setattr(pipe, "encode_prompt", lambda *a: encoded.append(a[:2]) or encode(*a))  # (prompt, negative)
+    monkeypatch.setattr(pipe, "_denoise", lambda *a, **k: loops.append(a[3].shape[0]) or denoise(*a, **k))
     assert_each_image_alone(pipe, IMAGES, "ddim", max_batch=2)
     # the batch: each distinct (prompt, negative) pair once; then each image alone encodes its own
     assert encoded[:3] == [("a red cube", None), ("a blue sphere", "blurry"), ("a green cone", None)]

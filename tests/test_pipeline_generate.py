@@ -37,7 +37,7 @@ pytest.importorskip("onnxruntime", reason="generating needs onnxruntime")
 
 from onnxopt.pipeline import Pipeline, PipelineFolder  # noqa: E402
 from onnxopt.pipeline.bound_session import BoundSession  # noqa: E402
-from onnxopt.pipeline.schedulers import SCHEDULERS, make_scheduler  # noqa: E402
+from onnxopt.pipeline.schedulers import make_scheduler  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 COMMITTED_SD15 = ROOT / "models" / "pipelines" / "sd15-tiny"
@@ -152,7 +152,7 @@ def assert_same_image(latents, pixels, ref_latents, ref_pixels):
     assert levels.max() <= 1 and (levels > 0).mean() <= 0.005
 
 
-@pytest.mark.parametrize("scheduler", SCHEDULERS)
+@pytest.mark.parametrize("scheduler", ["ddim", "euler", "dpm++2m", "pndm"])  # the others: test_pipeline_scheduler_images
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_onnx_pipeline_gives_the_diffusers_image(built, kind, scheduler):
     b = built(kind)

@@ -30,10 +30,10 @@ def test_the_tiny_folders_plan_lists_its_components_and_step_graph():
     assert plan.step == "built in memory from unet/model.onnx" and plan.build_step_graph
     assert plan.step_loop == "host feeds" and not plan.capture
     entries = {e.key: e for e in plan.sessions}
-    assert list(entries) == ["vae_decoder", "text_encoder", "step", "reuse"]
+    assert list(entries) == ["vae_decoder", "vae_encoder", "text_encoder", "step", "reuse"]
     assert entries["vae_decoder"].graph == "vae_decoder/model.onnx" and entries["vae_decoder"].binds == HOST
     assert entries["text_encoder"].lazy and entries["step"].binds == STEP_LOOP
-    assert json.loads(json.dumps(plan.as_dict()))["sessions"][2]["graph"] == "unet/model.onnx, built in memory"
+    assert json.loads(json.dumps(plan.as_dict()))["sessions"][3]["graph"] == "unet/model.onnx, built in memory"
 
 
 def test_on_cuda_the_same_graphs_are_bound_and_captured():
@@ -47,7 +47,7 @@ def test_on_cuda_the_same_graphs_are_bound_and_captured():
 def test_the_unfused_plan_runs_the_unet_every_step():
     plan = plan_generation(PipelineFolder.open(SD15), "cpu", PlanOptions(fused_step=False))
     assert plan.step == plan.step_loop == "unfused"
-    assert [e.key for e in plan.sessions] == ["vae_decoder", "text_encoder", "unet"]
+    assert [e.key for e in plan.sessions] == ["vae_decoder", "vae_encoder", "text_encoder", "unet"]
 
 
 @pytest.mark.parametrize("fused_step", [True, False])

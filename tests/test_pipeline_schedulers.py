@@ -50,14 +50,18 @@ def run_both(name: str, config: dict, steps: int, seed: int = 0, begin_index: bo
     assert plan.coefficients.shape == (len(plan.timesteps), 6) and plan.coefficients.dtype == np.float32
 
     generator = torch.Generator().manual_seed(seed)
+    # a stochastic step's noise: the reference draws it from its generator, the plan's run from a twin
+    step_generator, twin = torch.Generator().manual_seed(seed + 1), torch.Generator().manual_seed(seed + 1)
     x = torch.randn(2, 4, 8, 8, generator=generator) * reference.init_noise_sigma
     state = torch.zeros_like(x)
     errors = []
-    for (c_in, c_x, c_eps, c_state, d_x, d_eps), t in zip(plan.coefficients.tolist(), reference.timesteps):
+    for k, ((c_in, c_x, c_eps, c_state, d_x, d_eps), t) in enumerate(zip(plan.coefficients.tolist(), reference.timesteps)):
         scaled = reference.scale_model_input(x, t)
         torch.testing.assert_close(c_in * x, scaled, rtol=1e-6, atol=1e-6)
         eps = torch.randn(x.shape, generator=generator)
-        expected = reference.step(eps, t, x).prev_sample
+        expected = reference.step(eps, t, x, **schedulers.step_extra_kwargs(reference, step_generator)).prev_sample
+        if plan.draws_noise(k):
+            state = torch.randn(x.shape, generator=twin)
         ours = c_x * x + c_eps * eps + c_state * state
         magnitude = (abs(c_x) * x.abs() + abs(c_eps) * eps.abs() + abs(c_state) * state.abs()).max()
         errors.append(((ours - expected).abs().max() / magnitude).item())
@@ -140,10 +144,10 @@ def test_non_affine_configurations_are_refused(name, config, step_kwargs, reason
         plan_steps(make_scheduler(name, config), 10, step_kwargs=step_kwargs)
 
 
+# (DDIM's eta and Euler's s_churn draw noise: the numeric check reads such a step as affine in its
+# noise, as it reads Euler ancestral's; only the named refusal keeps them out of the step graph)
 @pytest.mark.parametrize("name, config, step_kwargs", [
     ("ddim", dict(SD15, clip_sample=True), {}),
-    ("ddim", SD15, {"eta": 0.5}),
-    ("euler", SD15, {"s_churn": 1.0}),
     ("dpm++2m", dict(SD15, thresholding=True), {}),
 ])
 def test_numeric_check_catches_what_the_config_check_would_miss(monkeypatch, name, config, step_kwargs):
@@ -173,7 +177,7 @@ def test_the_folders_own_scheduler_is_the_default():
     assert schedulers.folder_scheduler(dpm) == "dpm++2m"
     for config in (dict(dpm, solver_order=3), dict(dpm, algorithm_type="sde-dpmsolver++"),
                    dict(SD15, _class_name="LMSDiscreteScheduler"), {"num_train_timesteps": 1000}):
-        with pytest.raises(SchedulerError, match="choose one with --scheduler .*ddim, euler, dpm\\+\\+2m, pndm"):
+        with pytest.raises(SchedulerError, match="choose one with --scheduler .*ddim, euler, dpm\\+\\+2m, .*pndm"):
             schedulers.folder_scheduler(config)
 
 

@@ -130,13 +130,18 @@ def generate_batch(pipe: Pipeline, images: list[BatchImage], *, steps: int = 50,
         cond = pipe._step_conditioning(batch_conditioning(rows))
         timings["text_encoder_s"] = time.perf_counter() - t0
         timings["text_encoders"] = dict(pipe.text_sources)
-        noise = torch.cat([_noise(torch, images[i].seed, (1, channels, height // factor, width // factor)) for i in run])
+        # each image's own generator: its initial noise, then (Euler ancestral, LCM) its row of each step's noise
+        generators = [torch.Generator("cpu").manual_seed(images[i].seed) for i in run]
+        noise = torch.cat([_noise(torch, g, (1, channels, height // factor, width // factor)) for g in generators])
+        sched.set_timesteps(steps)  # the denoising loop takes the initial latents scaled, as diffusers' prepare_latents
+        noise = noise * sched.init_noise_sigma
         guidance = images[run[0]].guidance
-        latents = pipe._denoise(scheduler, sched, steps, noise, cond, None, guidance, frozenset(), progress, timings)
+        latents = pipe._denoise(scheduler, sched, steps, noise, cond, None, guidance, frozenset(), progress, timings,
+                                generator=generators)
         decode_s = 0.0
         for k, i in enumerate(run):
             own = dict(timings)
-            pixels = pipe._decode(latents[k:k + 1], images[i].guidance, own)
+            pixels = pipe._decode(latents[k:k + 1], images[i].guidance, own)[0]  # [1, H, W, 3]: the image
             decode_s += own["vae_decode_s"]
             results[i] = Result(latents=latents[k:k + 1], pixels=pixels, timings=own)
         total = time.perf_counter() - start
@@ -155,9 +160,8 @@ def batch_conditioning(rows: list[dict]) -> dict[str, np.ndarray]:
     return {name: np.concatenate([r[name][:1] for r in rows] + [r[name][1:] for r in rows]) for name in rows[0]}
 
 
-def _noise(torch, seed: int, shape: tuple):
-    """The image's initial noise, drawn exactly as Pipeline.__call__ draws it alone."""
+def _noise(torch, generator, shape: tuple):
+    """The image's initial noise, drawn from its generator exactly as Pipeline.__call__ draws it alone."""
     from diffusers.utils.torch_utils import randn_tensor
 
-    return randn_tensor(shape, generator=torch.Generator("cpu").manual_seed(seed), device=torch.device("cpu"),
-                        dtype=torch.float32)
+    return randn_tensor(shape, generator=generator, device=torch.device("cpu"), dtype=torch.float32)

@@ -12,7 +12,8 @@ Why: a plain ``run`` allocates its inputs and outputs on every call and its kern
 one by one; on the H100 the SD 1.5 VAE decode took 11.7 ms alone but 12.8-30.9 ms inside the pipeline
 (benchmarks/results/h100-2026-11-25-session6/README.md). Bound buffers that stay put are also what
 a CUDA graph needs: a replay reads and writes the addresses it was captured with, so every input
-value is copied into the same buffer, and a new input shape gets its own buffers and graph id.
+value is copied into the same buffer, and a new input shape gets its own buffers and graph id
+(at most ``capture_cache`` shapes kept, least recently used dropped: :mod:`onnxopt.pipeline.capture_cache`).
 
 The wrapper forwards every other attribute to the session (``get_inputs``, ``get_outputs``), so
 the runner treats it as one. A session created with ``enable_cuda_graph`` must only ever be run
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from onnxopt.pipeline.capture_cache import DEFAULT_SIZE, CaptureCache
 from onnxopt.pipeline.sessions import fixed_outputs
 
 
@@ -36,10 +38,11 @@ class _Bound:
 class BoundSession:
     """``session`` run on device buffers bound once per input shape (and captured when ``cuda_graph``)."""
 
-    def __init__(self, ort, session, *, device: str = "cuda", device_id: int = 0, cuda_graph: bool = False):
+    def __init__(self, ort, session, *, device: str = "cuda", device_id: int = 0, cuda_graph: bool = False,
+                 capture_cache: int = DEFAULT_SIZE):
         self.ort, self.session = ort, session
         self.device, self.device_id, self.cuda_graph = device, device_id, cuda_graph
-        self._bound: dict[tuple, _Bound] = {}
+        self._bound: CaptureCache = CaptureCache(capture_cache)  # input shapes -> _Bound
 
     def __getattr__(self, name):  # get_inputs, get_outputs, ... of the session
         return getattr(self.session, name)
@@ -54,7 +57,7 @@ class BoundSession:
         reads them (the step loop reading the K/V companion's output) can bind them once."""
         feeds = {name: np.ascontiguousarray(value) for name, value in feeds.items()}
         key = tuple(sorted((name, value.shape, value.dtype.str) for name, value in feeds.items()))
-        bound = self._bound.get(key) or self._bind(key, feeds)
+        bound = self._bound.lookup(key) or self._bind(key, feeds)
         for name, value in feeds.items():
             bound.inputs[name].update_inplace(value)
         self.session.run_with_iobinding(bound.binding, bound.options)
@@ -69,6 +72,5 @@ class BoundSession:
         outputs = fixed_outputs(ort, self.session, binding, device, device_id, probe_uncaptured=self.cuda_graph)
         options = ort.RunOptions()
         if self.cuda_graph:  # captured on the first run with these buffers, replayed after
-            options.add_run_config_entry("gpu_graph_id", str(len(self._bound)))
-        self._bound[key] = _Bound(binding, inputs, outputs, options)
-        return self._bound[key]
+            options.add_run_config_entry("gpu_graph_id", str(self._bound.graph_ids(1)[0]))
+        return self._bound.insert(key, _Bound(binding, inputs, outputs, options))

@@ -56,7 +56,9 @@ class Family:
     it needs; ``optional_tokenizers``: needed with their optional encoder; ``flow_matching``: its
     scheduler is a flow-matching one (FlowMatchEulerDiscreteScheduler), not a noise-prediction one;
     ``t5_tokenizer``: the tokenizer folder that holds T5's tokenizer (SD3's third, Flux's second);
-    ``runs``: False for a family listed so that its layout is known, refused for now."""
+    ``runs``: False for a family listed so that its layout is known, refused for now; ``runner``:
+    the family's own runner class as ``module:Class`` (a subclass of the runner's ``Pipeline``, named
+    here rather than imported so that the runner needs no import of its subclasses), None: ``Pipeline``."""
 
     kind: str
     classes: tuple[str, ...]
@@ -68,6 +70,7 @@ class Family:
     flow_matching: bool = False
     t5_tokenizer: str = "tokenizer_3"
     runs: bool = True
+    runner: str | None = None
 
     @property
     def components(self) -> tuple[str, ...]:
@@ -75,9 +78,12 @@ class Family:
 
 
 FAMILIES = {
-    "sd": Family("sd", ("StableDiffusionPipeline", "OnnxStableDiffusionPipeline"),  # diffusers' own ONNX export too
+    # the Img2Img/Inpaint classes: the same components, run with --image (onnxopt.pipeline.img2img)
+    # or --image and --mask (an inpainting UNet)
+    "sd": Family("sd", ("StableDiffusionPipeline", "OnnxStableDiffusionPipeline",  # diffusers' own ONNX export too
+                        "StableDiffusionImg2ImgPipeline", "StableDiffusionInpaintPipeline"),
                  ("text_encoder", "unet", "vae_decoder"), ("vae_encoder",), ("tokenizer",), UNET),
-    "sdxl": Family("sdxl", ("StableDiffusionXLPipeline",), ("text_encoder", "text_encoder_2", "unet", "vae_decoder"),
+    "sdxl": Family("sdxl", ("StableDiffusionXLPipeline", "StableDiffusionXLImg2ImgPipeline"), ("text_encoder", "text_encoder_2", "unet", "vae_decoder"),
                    ("vae_encoder",), ("tokenizer", "tokenizer_2"), UNET),
     "controlnet": Family("controlnet", ("StableDiffusionControlNetPipeline",),
                          ("text_encoder", "unet", "vae_decoder", "controlnet"), ("vae_encoder",), ("tokenizer",), UNET),
@@ -87,7 +93,7 @@ FAMILIES = {
                   optional_tokenizers=("tokenizer_3",), flow_matching=True),
     "flux": Family("flux", ("FluxPipeline",), ("text_encoder", "text_encoder_2", "transformer", "vae_decoder"),
                    ("vae_encoder",), ("tokenizer", "tokenizer_2"), FLUX_TRANSFORMER, flow_matching=True,
-                   t5_tokenizer="tokenizer_2"),
+                   t5_tokenizer="tokenizer_2", runner="onnxopt.pipeline.flux_runner:FluxRunner"),
 }
 
 # model_index.json's _class_name -> the family's kind

@@ -89,7 +89,7 @@ class FluxRunner(Pipeline):
         channels = folder.config("transformer").get("in_channels", 64) // 4
         latents = flux.initial_latents(seed, channels, *self._latent_hw)
         latents = self._denoise_flux(self._scheduler(scheduler), steps, latents, cond, progress, timings)
-        pixels = self._decode(latents, guidance, timings)
+        every = self._decode(latents, guidance, timings)  # [1, H, W, 3]
         timings["total_s"] = time.perf_counter() - start
         timings["rest_s"] = timings["total_s"] - sum(timings.get(k, 0.0) for k in (
             "text_encoder_s", "steps_s", "vae_decode_s"))
@@ -97,7 +97,7 @@ class FluxRunner(Pipeline):
         if self.calls == 0:
             timings["cold_start_s"] = self.creation_s + timings["total_s"]
         self.calls += 1
-        return Result(latents=latents, pixels=pixels, timings=timings)
+        return Result(latents=latents, pixels=every[0], timings=timings, all_pixels=every)
 
     def encode_flux_prompt(self, prompt: str, max_sequence_length: int) -> dict[str, np.ndarray]:
         """pooled_projections (CLIP-L's pooler_output), encoder_hidden_states (T5's last_hidden_state

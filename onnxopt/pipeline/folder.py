@@ -338,12 +338,15 @@ class PipelineFolder:
         return folder
 
     def _check_complete(self) -> None:
+        refiner_lacks = ("text_encoder", "tokenizer") if self.refiner else ()
         for name in REQUIRED_MODELS[self.kind]:
-            if name not in self.components:
+            if name not in self.components and name not in refiner_lacks:
                 raise PipelineFolderError(f"{self.root}: missing component {name}/{MODEL_FILE} ({self.kind} pipeline)")
         optional = [tokenizer for encoder, tokenizer in TOKENIZER_OF.items()
                     if tokenizer in self.family.optional_tokenizers and encoder in self.components]
         for name in (*REQUIRED_TOKENIZERS[self.kind], *optional):
+            if name in refiner_lacks:
+                continue
             if not (self.root / name).is_dir():
                 raise PipelineFolderError(f"{self.root}: missing {name}/ ({self.kind} pipeline)")
         if not (self.root / "scheduler" / "scheduler_config.json").is_file():
@@ -445,6 +448,29 @@ class PipelineFolder:
         """(height, width) in pixels when none is asked: the UNet's sample_size times the VAE factor."""
         sample = self.config(self.denoiser).get("sample_size", 64 if self.kind == "sd" or self.kind == "controlnet" else 128)
         return default_size(self.root, sample, self.config("vae_decoder"), self.denoiser)
+
+    @property
+    def refiner(self) -> bool:
+        """An SDXL refiner (stabilityai/stable-diffusion-xl-refiner-1.0's layout): model_index.json names
+        no text_encoder ([null, null]) and the folder has none; text_encoder_2 alone encodes the prompt."""
+        entry = self.index.get("text_encoder")
+        named = isinstance(entry, list) and len(entry) == 2 and entry[0] is not None
+        return self.kind == "sdxl" and not named and "text_encoder" not in self.components
+
+    @property
+    def text_encoders(self) -> tuple[str, ...]:
+        """The text encoders diffusers' pipeline runs, in its order (SDXL's two, the refiner's one;
+        SD3's third, T5, where the folder has it)."""
+        if self.kind == "sdxl" and self.refiner:
+            return ("text_encoder_2",)
+        return tuple(e for e in ("text_encoder", "text_encoder_2", "text_encoder_3")
+                     if e in self.family.required or (e in self.family.optional and self.has(e)))
+
+    @property
+    def requires_aesthetics_score(self) -> bool:
+        """StableDiffusionXLImg2ImgPipeline's switch (model_index.json): the time ids end with an
+        aesthetic score (6.0, the negative row's 2.5) instead of the target size."""
+        return self.kind == "sdxl" and self.index.get("requires_aesthetics_score", False) is True
 
     @property
     def force_zeros_for_empty_prompt(self) -> bool:

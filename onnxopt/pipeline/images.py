@@ -25,7 +25,8 @@ from onnxopt.errors import MissingDependencyError, OnnxoptError
 from onnxopt.outputs import Outputs, umask
 
 
-def _processor(vae_scale_factor: int, **options):
+def vae_processor(vae_scale_factor: int, **options):
+    """diffusers' VaeImageProcessor with ``options`` (its pipelines' own preprocessing)."""
     try:
         from diffusers.image_processor import VaeImageProcessor
     except ImportError as exc:
@@ -81,7 +82,7 @@ def preprocess_control_image(image, height: int | None, width: int | None, vae_s
     """A ControlNet conditioning image -> [1, 3, H, W] float32 in [0, 1], as StableDiffusionControlNetPipeline does."""
     if isinstance(image, (str, os.PathLike)):
         image = load_image(image)
-    processor = _processor(vae_scale_factor, do_convert_rgb=True, do_normalize=False)
+    processor = vae_processor(vae_scale_factor, do_convert_rgb=True, do_normalize=False)
     size = processor.get_default_height_width(image, height, width)  # the image's own size, rounded down
     if min(size) <= 0:  # a 1x1 image: diffusers' "height and width must be > 0" deep in the resize (exit 3)
         raise OnnxoptError(f"the conditioning image is smaller than {vae_scale_factor} pixels on a side: give a larger "

@@ -69,6 +69,7 @@ from onnxopt.pipeline.folder import (check_folder_files, check_folder_paths, che
 from onnxopt.pipeline.merged_step import write_merged_step
 from onnxopt.pipeline.step_graph import write_step_graph
 from onnxopt.report import OptimizationReport
+from onnxopt.weight_provenance import MAP_SUFFIX
 from onnxopt.weights import numpy_dtype
 
 TARGETS = ("ort-cuda", "tensorrt")
@@ -229,7 +230,8 @@ def plan_outputs(src: Path, dst: Path, report_json=None) -> tuple[Path, Path | N
         outputs.file(report, "--report-json")  # also refuses the output folder itself
         return folder, None, outputs
     inside = real.relative_to(into)  # written into the folder before it appears: both or neither
-    if (src / inside).exists() or inside.name in GENERATED_NAMES or inside.name.startswith("model.static."):
+    if (src / inside).exists() or inside.name in GENERATED_NAMES or inside.name.startswith("model.static.") \
+            or inside.name.endswith(MAP_SUFFIX):
         raise ModelSaveError(f"{report}: --report-json would replace {inside}, a file of the output folder")
     if not (src / inside).parent.is_dir():
         raise ModelSaveError(f"{report}: folder {inside.parent} is not in the output folder")
@@ -373,7 +375,7 @@ def _optimize_component(component: PipelineComponent, out_dir: Path, src: Path, 
     notes += _refusal_notes(report)
     data_name = _data_name(component)
     info = save_model(model, out_dir / MODEL_FILE, external_data=True if data_name else None,
-                      data_location=data_name)
+                      data_location=data_name, weight_map=True)
     written = info.data_path.name if info.data_path else None
     return ComponentReport(name, passes, precision, report, info.weights_nbytes, time.perf_counter() - start,
                            written, notes)

@@ -122,12 +122,12 @@ class PlanOptions:
     step_file: str | None = None
     two_streams: bool | None = None
     static_text: bool = True
-    scheduler: str | None = None  # the request's: one the fused step cannot run (pndm) plans diffusers' loop
+    scheduler: str | None = None  # the request's: one the fused step cannot run (pndm, unipc) plans diffusers' loop
 
 
 def plan_generation(folder: PipelineFolder, provider: str, options: PlanOptions = PlanOptions()) -> GenerationPlan:
     """The plan for ``folder`` on ``provider`` (cpu | cuda | tensorrt) with ``options``."""
-    from onnxopt.pipeline.schedulers import FUSABLE_SCHEDULERS
+    from onnxopt.pipeline.schedulers import FUSABLE_SCHEDULERS, HOST_SCHEDULERS
 
     if options.scheduler is not None and options.scheduler not in FUSABLE_SCHEDULERS:
         options = replace(options, fused_step=False)
@@ -144,16 +144,30 @@ def plan_generation(folder: PipelineFolder, provider: str, options: PlanOptions 
     if folder.has("vae_decoder"):
         plan.sessions.append(_entry(folder, "vae_decoder", "vae_decoder", folder.component("vae_decoder").model,
                                     "once per image", once, capture and io_binding))
+    if folder.has("vae_encoder"):  # an init image's latents (onnxopt.pipeline.img2img), once per image
+        plan.sessions.append(SessionEntry("vae_encoder", "vae_encoder", "vae_encoder/model.onnx",
+                                          "once per init image (--image)", once, capture and io_binding, lazy=True))
     for encoder in ("text_encoder", "text_encoder_2", "text_encoder_3"):
         if folder.has(encoder):
             static = " or model.static.b{b}.onnx" if options.static_text and folder.component(encoder).static_models else ""
             plan.sessions.append(SessionEntry(encoder, encoder, f"{encoder}/model.onnx{static}", "once per prompt", once,
                                               capture and io_binding, lazy=True))
     hints = _controlnet_graphs(folder, plan, options, once, capture and io_binding)
+    if options.scheduler in HOST_SCHEDULERS:
+        plan.step = (f"unfused: {options.scheduler}'s update reads several earlier model outputs "
+                     "(the step graph carries one): diffusers' own step on the host")
     if options.fused_step:
         _plan_step(folder, plan, options, io_binding, two_streams, hints)
     _plan_per_step_sessions(folder, plan, io_binding)
     return plan
+
+
+def inpainting_unet(folder: PipelineFolder) -> bool:
+    """Whether the UNet reads more channels than the latents (an inpainting UNet: latents, mask and
+    masked-image latents, StableDiffusionInpaintPipeline's). A transformer family's denoiser is none."""
+    if folder.denoiser != "unet":
+        return False
+    return folder.config("unet").get("in_channels", 4) != folder.config("vae_decoder").get("latent_channels", 4)
 
 
 def folder_scheduler_name(folder: PipelineFolder) -> str:

@@ -47,6 +47,7 @@ for the ablation.
 from __future__ import annotations
 
 import functools
+import importlib
 import json
 import math
 import sys
@@ -59,8 +60,10 @@ import numpy as np
 from onnxopt.errors import MissingDependencyError, OnnxoptError
 from onnxopt.pipeline import images
 from onnxopt.pipeline.bound_session import BoundSession
+from onnxopt.pipeline.capture_cache import DEFAULT_SIZE, CaptureCache
 from onnxopt.pipeline.families import TOKENIZER_OF
 from onnxopt.pipeline.folder import PipelineFolder
+from onnxopt.pipeline.sizes import _check_size, _written_before_0_9, default_size  # noqa: F401 (importers read them here too)
 from onnxopt.pipeline.plan import (
     BOUND,
     HOST,
@@ -92,14 +95,20 @@ from onnxopt.pipeline.sessions import (
 
 @dataclass
 class Result:
-    latents: np.ndarray  # final latents [1, C, H/f, W/f], before the VAE (not divided by the scaling factor)
-    pixels: np.ndarray  # [H, W, 3] float32 in [0, 1]: diffusers' output_type="np"
+    latents: np.ndarray  # final latents [N, C, H/f, W/f], before the VAE (not divided by the scaling factor)
+    pixels: np.ndarray  # [H, W, 3] float32 in [0, 1]: diffusers' output_type="np", the first image
     timings: dict = field(default_factory=dict)
+    all_pixels: np.ndarray | None = None  # [N, H, W, 3]: every image of the batch, in diffusers' order
 
     @functools.cached_property
     def image(self):
         """The PIL image, made on first use (1.6 ms at 512x512 that a caller of ``pixels`` never needs)."""
         return images.to_pil(self.pixels)
+
+    @property
+    def images(self) -> list:
+        """Every image of the batch (``num_images``) as PIL images, in diffusers' batch order."""
+        return [images.to_pil(p) for p in (self.pixels[None] if self.all_pixels is None else self.all_pixels)]
 
 
 class StartupStatus:
@@ -162,11 +171,17 @@ class Pipeline:
         self.status = StartupStatus(False)  # what loading a session on first use says (load sets it)
         self._plans: dict = {}  # (scheduler, steps) -> StepPlan
         self._schedulers: dict = {}  # name -> diffusers' scheduler (Pipeline._scheduler)
-        self._device_loops: dict = {}  # DeviceStepLoop.key -> a loop whose buffers (and captured graphs) stay put
+        # DeviceStepLoop.key -> a loop whose buffers (and captured graphs) stay put, per shape, LRU-bounded
+        self._device_loops = CaptureCache(DEFAULT_SIZE)
+        self._new_shape = False  # the last step loop was made for this image (its first steps capture)
         self.tokenizers = {name: folder.tokenizer(name) for name in _tokenizers_of(folder)}
         self._warned_truncation: set = set()  # prompts already warned about
         self.static_text = False  # use text_encoder*/model.static.b{b}.onnx (set by load)
         self.text_sources: dict[str, str] = {}  # encoder -> the graph its last prompt ran on, and why
+        self.lora = None  # onnxopt.lora.LoraWeights, when loaded with LoRAs (from_plan)
+        self._open_unet = lambda: create_session(  # noqa: E731 (from_plan gives its session maker's)
+            folder.component(folder.denoiser).model, provider, name=str(folder.root / folder.denoiser), device_id=device_id,
+            threads=threads)
         self._open_once = lambda name, model=None: create_session(  # noqa: E731 (load gives BoundSessions)
             model or folder.component(name).model, provider, name=str(folder.root / name), device_id=device_id,
             threads=threads)
@@ -181,7 +196,7 @@ class Pipeline:
              threads: int | None = None, io_binding: bool | None = None, context_kv: bool = True,
              controlnet_hint: bool = True, merged_step: bool = True, launch_timing: bool = False,
              step_file: str | None = None, two_streams: bool | None = None, static_text: bool = True,
-             status: bool | None = None) -> "Pipeline":
+             status: bool | None = None, capture_cache: int = DEFAULT_SIZE, loras: list | None = None) -> "Pipeline":
         """Open ``folder`` and create its sessions on ``provider`` (cpu | cuda | tensorrt).
 
         ``cuda_graph`` (cuda/tensorrt): capture the step graph as CUDA graphs. ``fused_step=False``
@@ -220,8 +235,15 @@ class Pipeline:
         a step (the step's CPU-side overhead is at most that plus the wait's return), beside
         ``step_mean_s``, the whole step.
 
+        ``capture_cache``: how many input shapes (image sizes, prompt batches) keep their bound
+        buffers and captured CUDA graphs, per session; the least recently used is dropped past it
+        (:mod:`onnxopt.pipeline.capture_cache`). ``timings["capture"]`` says what an image cost.
+
         ``status``: say what start-up is doing (importing, loading each component, building the step
         graph) on one line of stderr, cleared when done; None: only when stderr is a terminal.
+
+        ``loras``: LoRA files, ``"FILE[:SCALE]"`` or (path, scale), applied to the UNet and the text
+        encoders as bound inputs (:mod:`onnxopt.lora`); :meth:`set_lora_scales` changes them later.
         """
         start = time.perf_counter()
         say = StartupStatus(status)
@@ -232,18 +254,23 @@ class Pipeline:
         options = PlanOptions(fused_step=fused_step, cuda_graph=cuda_graph, io_binding=io_binding, context_kv=context_kv,
                               controlnet_hint=controlnet_hint, merged_step=merged_step, step_file=step_file,
                               two_streams=two_streams, static_text=static_text)
-        return cls.from_plan(folder, plan_generation(folder, provider, options), device_id=device_id, threads=threads,
-                             launch_timing=launch_timing, start=start, say=say)
+        plan = plan_generation(folder, provider, options)
+        from onnxopt.lora import pipeline_loras
+
+        return cls.from_plan(folder, plan, device_id=device_id, threads=threads, launch_timing=launch_timing, start=start,
+                             say=say, capture_cache=capture_cache,
+                             loras=pipeline_loras(folder, plan, loras or [], provider, device_id))
 
     @classmethod
     def from_plan(cls, folder: PipelineFolder, plan: GenerationPlan, *, device_id: int = 0, threads: int | None = None,
-                  launch_timing: bool = False, start: float | None = None, say: StartupStatus | None = None) -> "Pipeline":
+                  launch_timing: bool = False, start: float | None = None, say: StartupStatus | None = None,
+                  capture_cache: int = DEFAULT_SIZE, loras=None) -> "Pipeline":
         """Create the sessions ``plan`` lists, in its order, each as its ``binds`` says (text
         encoders on first use); the step session's capture outcome decides the rest's. ``say``:
-        the start-up status line (:class:`StartupStatus`)."""
+        the start-up status line (:class:`StartupStatus`). ``loras``: :class:`onnxopt.lora.LoraWeights`."""
         start = time.perf_counter() if start is None else start
         say = say or StartupStatus(False)
-        sessions = _SessionMaker(folder, plan, device_id, threads, say)
+        sessions = _SessionMaker(folder, plan, device_id, threads, say, capture_cache, loras)
         for entry in plan.sessions:
             if not entry.lazy:
                 sessions.make(entry)
@@ -251,10 +278,9 @@ class Pipeline:
         if "vae_decoder" in made:
             check_interface(made["vae_decoder"], folder.component("vae_decoder").model, "VAE decoder",
                             ["latent_sample"], ["sample"])
-        if folder.kind == "flux" and cls is Pipeline:  # Flux's prompt, packed latents and VAE input
-            from onnxopt.pipeline.flux_runner import FluxRunner
-
-            cls = FluxRunner
+        if folder.family.runner and cls is Pipeline:  # the family's own runner (Flux: its prompt, packed latents)
+            module, name = folder.family.runner.split(":")
+            cls = getattr(importlib.import_module(module), name)
         pipe = cls(folder, plan.provider, made, step_source=plan.step, cuda_graph=sessions.capture and "step" in made,
                    io_binding=plan.io_binding, device_id=device_id,
                    threads=threads, creation_s=time.perf_counter() - start)
@@ -264,9 +290,17 @@ class Pipeline:
         pipe.controlnet_models = plan.controlnet_models
         pipe.launch_timing = launch_timing
         pipe.static_text, pipe._open_once = plan.static_text, sessions.text_encoder
-        pipe.status = say
+        pipe.status, pipe.lora, pipe._open_unet = say, loras, lambda: sessions.open(pipe.folder.denoiser)
+        pipe._device_loops = CaptureCache(capture_cache)
         say.done()
         return pipe
+
+    def set_lora_scales(self, scales: list[float]) -> None:
+        """Each loaded LoRA's scale (0: off), in the order they were given: written into the weight
+        buffers the sessions read, so no session is re-created and no CUDA graph re-captured."""
+        if self.lora is None:
+            raise GenerationError("this pipeline was loaded without LoRAs (Pipeline.load(..., loras=[...]))")
+        self.lora.set_scales(scales)
 
     def _controlnet_session(self, k: int = 0):
         """ControlNet k's own session: at load, unless the merged step graph holds the ControlNets;
@@ -354,7 +388,7 @@ class Pipeline:
         zeros = negative_prompt is None and self.folder.force_zeros_for_empty_prompt
         texts = [prompt] if zeros else [negative_prompt or "", prompt]
         parts, pooled = [], None
-        for encoder, tokenizer in (("text_encoder", "tokenizer"), ("text_encoder_2", "tokenizer_2")):
+        for encoder, tokenizer in zip(self.folder.text_encoders, _tokenizers_of(self.folder)):  # refiner: the 2nd alone
             session = self.text_session(encoder, len(texts))
             pooled_name = ["text_embeds"] if encoder == "text_encoder_2" else []
             out = _run_outputs(session, self._token_ids(tokenizer, texts), [_penultimate_name(session), *pooled_name])
@@ -373,29 +407,37 @@ class Pipeline:
     @clears_status
     def __call__(self, prompt: str, negative_prompt: str | None = None, steps: int = 50, guidance: float = 7.5,
                  scheduler: str | None = None, seed: int = 0, height: int | None = None, width: int | None = None,
-                 controlnet_image=None, controlnet_scale=1.0, progress: bool = True, reuse=None,
-                 max_sequence_length: int = 256) -> Result:
-        """One image. ``scheduler``: one of :data:`~onnxopt.pipeline.schedulers.SCHEDULERS`, made from
+                 controlnet_image=None, controlnet_scale=1.0, progress: bool = True, reuse=None, image=None,
+                 mask=None, strength: float | None = None, num_images: int = 1, max_sequence_length: int = 256) -> Result:
+        """One image (``num_images``: diffusers' num_images_per_prompt, one batch from one generator).
+        ``scheduler``: one of :data:`~onnxopt.pipeline.schedulers.SCHEDULERS`, made from
         the folder's config; None: the folder's own scheduler, as diffusers' pipeline uses it.
         ``guidance`` <= 1 turns classifier-free guidance off, as diffusers does (the negative prompt
         is then unused). ``controlnet_image``: the conditioning image (a path, PIL image or array), or a
         list of one per ControlNet (folders with ``controlnet_1/``...); ``controlnet_scale``: one
         scale for every ControlNet, or a list of one per ControlNet (diffusers' semantics).
+        ``image`` (a path or PIL image) with ``strength``: img2img; with ``mask`` too, on a folder
+        whose UNet is an inpainting one: inpainting (:mod:`onnxopt.pipeline.img2img`).
         ``max_sequence_length``: SD3's T5 prompt length in tokens (diffusers' default 256)."""
-        from diffusers.utils.torch_utils import randn_tensor
+        from onnxopt.pipeline.img2img import LatentSource, check_steps_run, prepare
 
         torch = _torch()
         folder = self.folder
         scheduler = check_request(folder, steps=steps, scheduler=scheduler, height=height, width=width,
-                                  controlnet_image=controlnet_image, controlnet_scale=controlnet_scale)
+                                  controlnet_image=controlnet_image, controlnet_scale=controlnet_scale, image=image,
+                                  mask=mask, strength=strength, num_images=num_images)
         check_numbers(guidance=guidance, seed=seed, controlnet_scale=controlnet_scale)
         check_prompts(prompt, negative_prompt)
         check_sequence_length(folder, max_sequence_length)
         reused = reuse_steps(reuse, steps)
         factor = folder.vae_scale_factor
+        init = prepare(folder, image, mask, strength, height, width) if image is not None else None
+        if init is not None:
+            check_steps_run(steps, init.strength)
+            height, width = init.height, init.width
         controls = []
-        for image in as_list(controlnet_image):
-            controls.append(images.preprocess_control_image(image, height, width, factor))
+        for control in as_list(controlnet_image):
+            controls.append(images.preprocess_control_image(control, height, width, factor))
             # as diffusers: the (first) preprocessed image sets the size; later ones are resized to it
             height, width = controls[0].shape[-2:]
         default_h, default_w = default_size(folder)
@@ -405,33 +447,43 @@ class Pipeline:
         timings: dict = {"provider": self.provider, "step": self.step_source, "cuda_graph": self.cuda_graph,
                          "session_runs_per_step": self.session_runs_per_step()}
         start = time.perf_counter()
-        cond = self._conditioning(prompt, negative_prompt, height, width, timings, max_sequence_length)
+        cond = self._conditioning(prompt, negative_prompt, height, width, timings, num_images, max_sequence_length)
         sched = self._scheduler(scheduler)
         self._latent_size = (height // factor, width // factor)  # flow matching's dynamic shifting reads it
-        channels = self._latent_channels()
         generator = torch.Generator("cpu").manual_seed(seed)
-        noise = randn_tensor((1, channels, height // factor, width // factor), generator=generator,
-                             device=torch.device("cpu"), dtype=torch.float32)
-        controlnet = self._controlnet_inputs(cond, controls, controlnet_scale, timings) if controls else None
-        latents = self._denoise(scheduler, sched, steps, noise, cond, controlnet, guidance, reused, progress, timings)
-        pixels = self._decode(latents, guidance, timings)
+        source = LatentSource(folder, self._encode_image)
+        if init is None:
+            first = extra = None
+            initial = source.text_to_image(sched, steps, generator, num_images, self._latent_channels(), height, width,
+                                           self._timestep_kwargs(sched, steps))
+        else:
+            t0 = time.perf_counter()
+            initial, first, extra = source.from_image(init, sched, steps, generator, num_images)
+            timings["vae_encode_s"] = time.perf_counter() - t0
+        controlnet = self._controlnet_inputs(cond, controls, controlnet_scale, timings, num_images) if controls else None
+        latents = self._denoise(scheduler, sched, steps, initial, cond, controlnet, guidance, reused, progress, timings,
+                                first, extra, generator)
+        every = self._decode(latents, guidance, timings)
         timings["total_s"] = time.perf_counter() - start
         # what no stage holds: the scheduler's set-up, the initial noise, the writes into bound buffers
         timings["rest_s"] = timings["total_s"] - sum(timings.get(k, 0.0) for k in (
-            "text_encoder_s", "controlnet_hint_s", "steps_s", "vae_decode_s"))
+            "text_encoder_s", "controlnet_hint_s", "vae_encode_s", "steps_s", "vae_decode_s"))
         timings["session_creation_s"] = self.creation_s
         if self.calls == 0:  # loading + session creation + the first image (with its graph capture)
             timings["cold_start_s"] = self.creation_s + timings["total_s"]
         self.calls += 1
-        return Result(latents=latents, pixels=pixels, timings=timings)
+        return Result(latents=latents, pixels=every[0], timings=timings, all_pixels=every)
 
-    def _conditioning(self, prompt, negative_prompt, height: int, width: int, timings: dict,
+    def _conditioning(self, prompt, negative_prompt, height: int, width: int, timings: dict, images: int = 1,
                       max_sequence_length: int = 256) -> dict:
-        """The step's conditioning: the text encoders' outputs (SDXL: with its time ids), and the
-        cross-attention K/V when the step graph reads them instead of the text."""
+        """The step's conditioning: the text encoders' outputs (SDXL: with its time ids), each row
+        repeated ``images`` times ([negative] * N + [prompt] * N, diffusers' num_images_per_prompt),
+        and the cross-attention K/V when the step graph reads them instead of the text."""
         t0 = time.perf_counter()
-        cond = self._step_conditioning(self._prompt_conditioning(prompt, negative_prompt, height, width,
-                                                                  max_sequence_length))
+        cond = self._prompt_conditioning(prompt, negative_prompt, height, width, max_sequence_length)
+        if images > 1:
+            cond = {name: np.repeat(value, images, axis=0) for name, value in cond.items()}
+        cond = self._step_conditioning(cond)
         timings["text_encoder_s"] = time.perf_counter() - t0
         timings["text_encoders"] = dict(self.text_sources)
         return cond
@@ -442,8 +494,7 @@ class Pipeline:
         outputs (SDXL: with its time ids). A batch concatenates these (onnxopt.pipeline.batch)."""
         cond = self.encode_prompt(prompt, negative_prompt, max_sequence_length)
         if self.folder.kind == "sdxl":
-            time_ids = np.asarray([[height, width, 0, 0, height, width]], np.float32)  # original, crop (0,0), target
-            cond["time_ids"] = np.concatenate([time_ids, time_ids])
+            cond["time_ids"] = sdxl_time_ids(self.folder, height, width)
         return cond
 
     def _step_conditioning(self, cond: dict) -> dict:
@@ -469,7 +520,7 @@ class Pipeline:
                                   f"{name}'s graph takes latents of {shape[1]} channels")
         return channels
 
-    def _controlnet_inputs(self, cond: dict, controls: list, controlnet_scale, timings: dict) -> list[dict]:
+    def _controlnet_inputs(self, cond: dict, controls: list, controlnet_scale, timings: dict, images: int = 1) -> list[dict]:
         """Per ControlNet: its per-image inputs by its own input names (the hint, where its step
         graph reads the hint rather than the image)."""
         from onnxopt.pipeline.multi_controlnet import interface_name
@@ -479,7 +530,7 @@ class Pipeline:
         t0 = time.perf_counter()
         for k, (control, scale) in enumerate(zip(controls, scales)):
             feeds = {"encoder_hidden_states": cond["encoder_hidden_states"],
-                     "controlnet_cond": np.concatenate([control, control]),
+                     "controlnet_cond": np.concatenate([np.repeat(control, images, axis=0)] * 2),
                      "conditioning_scale": np.asarray([scale], np.float32)}
             if hint_key(k) in self.sessions:  # the step graph reads the hint, not the image
                 feeds.update(run_host(self.sessions[hint_key(k)], feeds))
@@ -494,11 +545,14 @@ class Pipeline:
             timings["controlnet_hint_s"] = time.perf_counter() - t0
         return controlnet
 
-    def _denoise(self, name: str, sched, steps: int, noise, cond, controlnet, guidance: float, reused, progress: bool,
-                 timings: dict) -> np.ndarray:
-        """The denoising loop: the fused step when the pipeline has one and the scheduler is affine,
-        else diffusers' loop."""
-        from onnxopt.pipeline.schedulers import SchedulerError
+    def _denoise(self, name: str, sched, steps: int, initial, cond, controlnet, guidance: float, reused, progress: bool,
+                 timings: dict, start: int | None = None, extra=None, generator=None) -> np.ndarray:
+        """The denoising loop from the ``initial`` latents: the fused step when the pipeline has one and
+        the scheduler is affine, else diffusers' loop. ``start``: the index of the first timestep
+        (img2img; None: text to image); ``extra``: the inpainting UNet's mask and masked-image channels.
+        ``generator``: the image's, which a scheduler that adds noise at each step (Euler ancestral,
+        LCM) draws from after the initial latents, as diffusers' does."""
+        from onnxopt.pipeline.schedulers import SchedulerError, _set_timesteps
 
         # diffusers' do_classifier_free_guidance is guidance > 1: below, one UNet row of the prompt alone.
         # The step graphs run both rows; at guidance 1 their eps_u + 1 * (eps_c - eps_u) is eps_c
@@ -508,20 +562,26 @@ class Pipeline:
         plan = None
         if self.fused_step:
             try:
-                plan = self._plan(name, sched, steps)
+                plan = self._plan(name, sched, steps, start or 0)
             except SchedulerError as exc:  # e.g. DDIM with clip_sample: not affine, diffusers' own step then
                 timings["step"] = f"unfused: {exc}"
         if plan is None:
             self._unet_session()
-            sched.set_timesteps(steps)  # PNDM runs steps + 1 (its second timestep twice): the bar counts them
+            # PNDM runs steps + 1 (its second timestep twice): the bar counts them
+            _set_timesteps(sched, steps, self._timestep_kwargs(sched, steps))
         self.status.done()
-        bar = _progress(len(plan) if plan is not None else len(sched.timesteps), progress)
+        bar = _progress(len(plan) if plan is not None else len(sched.timesteps) - (start or 0), progress)
         if plan is not None:
-            latents = self._fused_loop(plan, noise, cond, controlnet, guidance if cfg else 1.0, reused, bar, timings)
+            if extra is not None:  # the step graph of an inpainting UNet reads them beside the latents
+                from onnxopt.pipeline.step_graph import INPAINT_INPUT
+
+                cond = dict(cond, **{INPAINT_INPUT: extra})
+            latents = self._fused_loop(plan, initial, cond, controlnet, guidance if cfg else 1.0, reused, bar, timings,
+                                       generator)
         else:
             step_times: list = []
-            latents = self._unfused_loop(sched, steps, noise, cond, controlnet, guidance if cfg else None, step_times,
-                                         bar, self.folder.kind, reused)
+            latents = self._unfused_loop(sched, steps, initial, cond, controlnet, guidance if cfg else None, step_times,
+                                         bar, self.folder.kind, reused, start, extra, generator)
             timings["first_step_s"] = step_times[0]
             computed = [t for k, t in enumerate(step_times) if k and k not in reused]
             timings["step_mean_s"] = float(np.mean(computed)) if computed else step_times[0]
@@ -531,10 +591,12 @@ class Pipeline:
         bar.close()
         return latents
 
-    def _fused_loop(self, plan, noise, cond, controlnet, step_guidance: float, reused, bar, timings: dict) -> np.ndarray:
-        """The step graph's loop on the step plan's coefficient table; the first step (with its
-        graph capture) timed apart."""
-        latents = (noise * plan.init_noise_sigma).numpy()
+    def _fused_loop(self, plan, initial, cond, controlnet, step_guidance: float, reused, bar, timings: dict,
+                    generator=None) -> np.ndarray:
+        """The step graph's loop from the ``initial`` latents on the step plan's coefficient table
+        (from the run's first timestep: img2img's starts mid-way); the first step (with its graph
+        capture) timed apart. A step that draws noise gets it in its ``state`` input."""
+        latents = initial.numpy()
         static, step_controlnet = cond, controlnet
         if self.merged_step and controlnet is not None:  # the ControlNets' inputs are the step graph's
             from onnxopt.pipeline.multi_controlnet import interface_feeds
@@ -544,16 +606,21 @@ class Pipeline:
                 static.update(interface_feeds(feeds, k))
         loop = self._step_loop(latents, static, step_controlnet, len(plan))
         loop.start(plan, latents, static, step_guidance, step_controlnet)
+        step_noise = functools.partial(_step_noise, plan, latents.shape, generator)
+        step_noise(0, loop)
         t1 = time.perf_counter()
         loop.step()  # the first step alone: it includes the graph capture
         timings["first_step_s"] = time.perf_counter() - t1
         bar.update()
         computed, reused_times = [], []
         for k in range(1, len(plan)):
+            step_noise(k, loop)
             t1 = time.perf_counter()
             loop.step(reuse=k in reused)
             (reused_times if k in reused else computed).append(time.perf_counter() - t1)
             bar.update()
+        if self.io_binding:  # the bound-buffer loop: per shape, captured with CUDA graphs
+            timings["capture"] = self._capture_timings(timings["first_step_s"], computed, 1 in reused)
         timings["step_mean_s"] = float(np.mean(computed)) if computed else timings["first_step_s"]
         timings["steps_s"] = timings["first_step_s"] + float(np.sum(computed)) + float(np.sum(reused_times))
         if reused_times:
@@ -564,6 +631,17 @@ class Pipeline:
         timings["steps"] = len(plan)
         return loop.latents().astype(np.float32)
 
+    def _capture_timings(self, first: float, computed: list, second_reused: bool) -> dict:
+        """What the step loop's cache did for this image: ``new_shape`` (its buffers were made and, with
+        CUDA graphs, its two graphs captured on its first two steps), ``capture_s`` (those two steps
+        over two later ones: the capture's cost; None without a third computed step) and the cache's
+        counts (:meth:`~onnxopt.pipeline.capture_cache.CaptureCache.stats`)."""
+        capture_s = None
+        if self._new_shape and not second_reused and len(computed) >= 2:
+            capture_s = first + computed[0] - 2 * float(np.median(computed[1:]))
+        return {"new_shape": self._new_shape, "cuda_graph": self.cuda_graph, "capture_s": capture_s,
+                **self._device_loops.stats()}
+
     def _decode(self, latents: np.ndarray, guidance: float, timings: dict) -> np.ndarray:
         """The VAE stage, split so a slow one shows which part is slow: the decoder's run (latents in,
         the graph, the image out to the host) and diffusers' postprocessing on the host (torch CPU)."""
@@ -573,7 +651,7 @@ class Pipeline:
         if not np.isfinite(decoded).all():  # a NaN image would be written as a silently black PNG
             raise GenerationError(f"the image is not finite (NaN or inf out of the VAE decoder, guidance {guidance:g}): "
                                   "nothing written")
-        pixels = images.postprocess(decoded, self.folder.vae_scale_factor)[0]
+        pixels = images.postprocess(decoded, self.folder.vae_scale_factor)
         timings["vae_decode_s"] = time.perf_counter() - t0
         timings["vae_run_s"], timings["vae_postprocess_s"] = t1 - t0, timings["vae_decode_s"] - (t1 - t0)
         return pixels
@@ -589,15 +667,15 @@ class Pipeline:
             self._schedulers[name] = make_scheduler(name, config)
         return self._schedulers[name]
 
-    def _plan(self, name: str, scheduler, steps: int):
-        """The step plan of (scheduler, steps), probed once per pipeline: it depends on nothing else
-        (the folder's scheduler config is fixed), and probing diffusers costs ~0.5 ms a step."""
+    def _plan(self, name: str, scheduler, steps: int, first: int = 0):
+        """The step plan of (scheduler, steps, first timestep), probed once per pipeline: it depends on
+        nothing else (the folder's scheduler config is fixed), and probing diffusers costs ~0.5 ms a step."""
         from onnxopt.pipeline.schedulers import plan_steps
 
         kwargs = self._timestep_kwargs(scheduler, steps)
-        key = (name, steps, json.dumps(kwargs, sort_keys=True, default=list))
+        key = (name, steps, first, json.dumps(kwargs, sort_keys=True, default=list))
         if key not in self._plans:
-            self._plans[key] = plan_steps(scheduler, steps, timestep_kwargs=kwargs,
+            self._plans[key] = plan_steps(scheduler, steps, timestep_kwargs=kwargs, first_step=first,
                                           timestep_scale=self.folder.family.denoiser.timestep_scale)
         return self._plans[key]
 
@@ -610,6 +688,20 @@ class Pipeline:
             return {}
         patch = self.folder.config(self.folder.denoiser).get("patch_size", 2)
         return flow_match_timestep_kwargs(self.folder.kind, dict(scheduler.config), steps, *self._latent_size, patch)
+
+    def _encode_image(self, pixels: np.ndarray) -> np.ndarray:
+        """The VAE encoder's latent_parameters for ``pixels`` [1, 3, H, W] in [-1, 1] (its session made on first use)."""
+        from onnxopt.pipeline.img2img import ENCODER_OUTPUT
+
+        if "vae_encoder" not in self.sessions:
+            self.status("loading vae_encoder")
+            session = self._open_once("vae_encoder")
+            check_interface(session, self.folder.component("vae_encoder").model, "VAE encoder with latent_parameters "
+                            "(the distribution img2img samples, as optimum exports it)", ["sample"], [ENCODER_OUTPUT])
+            self.sessions["vae_encoder"] = session
+        session = self.sessions["vae_encoder"]
+        feed = pixels.astype(input_types(session)["sample"], copy=False)
+        return run_host(session, {"sample": np.ascontiguousarray(feed)})[ENCODER_OUTPUT].astype(np.float32)
 
     def _unscale(self, latents: np.ndarray) -> np.ndarray:
         """The VAE decoder's input. latents_mean/latents_std are read by StableDiffusionXLPipeline
@@ -635,9 +727,10 @@ class Pipeline:
         # diffusers' schedulers take at most num_train_timesteps steps: one table size serves every run
         capacity = max(steps, self.folder.scheduler_config().get("num_train_timesteps", 1000))
         key = DeviceStepLoop.key(latents, cond, controlnet, capacity)
-        if key not in self._device_loops:
-            n = len(self._device_loops)
-            where = dict(cuda_graph=self.cuda_graph, graph_ids=(2 * n, 2 * n + 1), device_id=self.device_id,
+        loop = self._device_loops.lookup(key)
+        self._new_shape = loop is None
+        if loop is None:  # graph ids never given before: an evicted shape's ids still replay its capture
+            where = dict(cuda_graph=self.cuda_graph, graph_ids=self._device_loops.graph_ids(2), device_id=self.device_id,
                          device="cpu" if self.provider == "cpu" else "cuda")
             if down is not None:
                 loop = TwoStreamStepLoop(require_provider(self.provider), down, step, controlnet_session,
@@ -647,8 +740,8 @@ class Pipeline:
                                       self.sessions.get("controlnet_prepare"), self.sessions["reuse"],
                                       launch_timing=self.launch_timing, **where)
             loop.bind(latents, cond, capacity, controlnet)
-            self._device_loops[key] = loop
-        return self._device_loops[key]
+            self._device_loops.insert(key, loop)
+        return loop
 
     def _unet_session(self):
         """The UNet's own session: made at load for the unfused loop; on first use when a fused
@@ -656,34 +749,38 @@ class Pipeline:
         name = self.folder.denoiser
         if name not in self.sessions:
             self.status(f"loading {name} (the scheduler's own step, unfused)")
-            self.sessions[name] = create_session(self.folder.component(name).model, self.provider,
-                                                 name=str(self.folder.root / name), device_id=self.device_id,
-                                                 threads=self.threads)
+            self.sessions[name] = self._open_unet()
         return self.sessions[name]
 
-    def _unfused_loop(self, sched, steps, noise, cond, controlnet, guidance, step_times, bar, kind, reused=frozenset()):
-        """diffusers' loop: UNet session, guidance in numpy (``guidance`` None: no guidance, the
-        prompt's own output), diffusers' scale_model_input and step (at a ``reused`` step: diffusers'
-        step on the last computed guided output, no UNet)."""
-        from onnxopt.pipeline.schedulers import _scale_model_input, _set_timesteps
+    def _unfused_loop(self, sched, steps, initial, cond, controlnet, guidance, step_times, bar, kind, reused=frozenset(),
+                      start: int | None = None, extra=None, generator=None):
+        """diffusers' loop from the ``initial`` latents and the timestep at ``start`` (None: text to
+        image): UNet session, guidance in numpy (``guidance`` None: no guidance, the prompt's own
+        output), diffusers' scale_model_input and step (at a ``reused`` step: diffusers' step on the
+        last computed guided output, no UNet); ``extra``: the inpainting channels the UNet reads
+        after the latents. ``generator``: the image's, for a step that draws noise.
+        """
+        from onnxopt.pipeline.schedulers import _scale_model_input, _set_timesteps, step_extra_kwargs
 
         torch = _torch()
+        step_kwargs = step_extra_kwargs(sched, generator)  # diffusers' prepare_extra_step_kwargs (eta 0)
         _set_timesteps(sched, steps, self._timestep_kwargs(sched, steps))
-        if kind == "sdxl" and hasattr(sched, "set_begin_index"):
-            sched.set_begin_index(0)
-        latents = noise * getattr(sched, "init_noise_sigma", 1.0)
+        if (start is not None or kind == "sdxl") and hasattr(sched, "set_begin_index"):
+            sched.set_begin_index(start or 0)
+        latents = initial
         unet = self._unet_session()
         denoiser = self.folder.family.denoiser
         eps = None
-        for k, t in enumerate(sched.timesteps):
+        for k, t in enumerate(sched.timesteps[start or 0:]):
             t1 = time.perf_counter()
             if k in reused:
-                latents = sched.step(torch.from_numpy(eps), t, latents, return_dict=False)[0]
+                latents = sched.step(torch.from_numpy(eps), t, latents, return_dict=False, **step_kwargs)[0]
                 step_times.append(time.perf_counter() - t1)
                 bar.update()
                 continue
             model_in = _scale_model_input(sched, torch.cat([latents] * 2), t).numpy()
-            feeds = dict(cond, **{denoiser.sample: model_in, denoiser.timestep: timestep_feed(
+            sample = model_in if extra is None else np.concatenate([model_in, extra], axis=1)
+            feeds = dict(cond, **{denoiser.sample: sample, denoiser.timestep: timestep_feed(
                 unet, t.item() * denoiser.timestep_scale, model_in.shape[0], denoiser.timestep)})
             residuals = {}  # diffusers' MultiControlNetModel: the residuals summed in ControlNet order
             for k, inputs in enumerate(controlnet or ()):
@@ -694,20 +791,34 @@ class Pipeline:
             eps2 = run_host(unet, feeds)[denoiser.output].astype(np.float32)
             eps_u, eps_c = eps2[: len(eps2) // 2], eps2[len(eps2) // 2:]
             eps = eps_c if guidance is None else eps_u + np.float32(guidance) * (eps_c - eps_u)
-            latents = sched.step(torch.from_numpy(eps), t, latents, return_dict=False)[0]
+            latents = sched.step(torch.from_numpy(eps), t, latents, return_dict=False, **step_kwargs)[0]
             step_times.append(time.perf_counter() - t1)
             bar.update()
         return latents.numpy()
 
 
+def _step_noise(plan, shape, generator, k: int, loop) -> None:
+    """Step k's noise into the loop's ``state`` input when the plan's step k draws it (the order and
+    shape of diffusers' ``randn_tensor(model_output.shape, generator=...)`` in the scheduler's step)."""
+    if plan.draws_noise(k):
+        if generator is None:
+            raise OnnxoptError("a scheduler that draws noise at each step needs the image's generator")
+        from diffusers.utils.torch_utils import randn_tensor
+
+        torch = _torch()
+        loop.write_state(randn_tensor(shape, generator=generator, dtype=torch.float32).numpy())
+
+
 @clears_status
 def check_request(folder: PipelineFolder, *, steps: int = 50, scheduler: str | None = None, height=None, width=None,
-                  controlnet_image=None, controlnet_scale=1.0, status: bool | None = False) -> str:
+                  controlnet_image=None, controlnet_scale=1.0, status: bool | None = False, image=None, mask=None,
+                  strength=None, num_images: int = 1) -> str:
     """Refuse a bad request before any session exists (one-line :class:`GenerationError`); returns
     the scheduler's name (``scheduler``, or the folder's own when None). ``status``: as
     :meth:`Pipeline.load`'s (the scheduler's check imports torch and diffusers: seconds)."""
     say = StartupStatus(status)
     say("importing torch and diffusers")
+    from onnxopt.pipeline.img2img import check_init_request, check_num_images, check_steps_run, strength_of
     from onnxopt.pipeline.schedulers import ALL_SCHEDULERS, schedulers_for
 
     if scheduler is not None and scheduler not in ALL_SCHEDULERS:
@@ -733,13 +844,20 @@ def check_request(folder: PipelineFolder, *, steps: int = 50, scheduler: str | N
                               f"each (--controlnet-scale), got {len(scales)}")
     if control_images and any(folder.config(name).get("global_pool_conditions") for name in names):
         raise GenerationError("ControlNets with global_pool_conditions (guess mode) are not supported")
-    for image in control_images:
-        if isinstance(image, (str, Path)) and Path(image).is_dir():
-            raise GenerationError(f"{image}: is a folder, not an image")
-        if isinstance(image, (str, Path)) and not Path(image).is_file():
-            raise GenerationError(f"{image}: no such image")
+    for control in control_images:
+        if isinstance(control, (str, Path)) and Path(control).is_dir():
+            raise GenerationError(f"{control}: is a folder, not an image")
+        if isinstance(control, (str, Path)) and not Path(control).is_file():
+            raise GenerationError(f"{control}: no such image")
     if folder.kind != "flux":  # FluxPipeline takes any size and rounds it down (onnxopt.pipeline.flux.latent_size)
         _check_size(height, width, folder.vae_scale_factor, allow_none=True)
+    if folder.family.flow_matching and (image is not None or mask is not None or num_images != 1):
+        raise GenerationError(f"{folder.root} is a {folder.kind} pipeline: an init image, a mask and several images "
+                              "are run for the UNet families only")
+    check_num_images(num_images)
+    check_init_request(folder, image, mask, strength, height, width)
+    if image is not None:
+        check_steps_run(steps, strength_of(folder, strength))
     scheduler = _checked_schedule(json.dumps(folder.scheduler_config(), sort_keys=True, default=str), folder.kind,
                                   folder_scheduler_class(folder), scheduler, steps, _latent_size(folder, height, width))
     check_model_configs(folder)
@@ -822,6 +940,8 @@ def check_model_configs(folder: PipelineFolder) -> None:
     if folder.kind != "sdxl" and folder.config("text_encoder").get("use_attention_mask"):
         raise GenerationError(f"{folder.root / 'text_encoder' / 'config.json'}: use_attention_mask is set: diffusers "
                               "then feeds the tokenizer's attention mask to the text encoder, which onnxopt does not")
+    if folder.kind == "sdxl":
+        check_time_ids(folder)
     vae = folder.config("vae_decoder")
     if folder.kind == "sdxl" and vae.get("latents_mean") is not None and vae.get("latents_std") is not None:
         for key in ("latents_mean", "latents_std"):  # StableDiffusionXLPipeline: .view(1, 4, 1, 1)
@@ -836,30 +956,6 @@ def check_model_configs(folder: PipelineFolder) -> None:
             from onnxopt.pipeline.folder import read_json
 
             check_prompt_length(folder, encoder, read_json(path).get("model_max_length"))
-
-
-def default_size(folder: PipelineFolder) -> tuple[int, int]:
-    """(height, width) when none is asked: the UNet's sample_size times the VAE factor, after
-    StableDiffusionPipeline.__init__'s correction of old configs (a UNet config written by diffusers
-    before 0.9 with an integer sample_size under 64 means 64: the SD 1.x checkpoints of that time)."""
-    unet = folder.config("unet")
-    sample = unet.get("sample_size")
-    if folder.kind == "sd" and isinstance(sample, int) and sample < 64 and _written_before_0_9(unet):
-        return 64 * folder.vae_scale_factor, 64 * folder.vae_scale_factor
-    return folder.default_size
-
-
-def _written_before_0_9(config: dict) -> bool:
-    """Whether the config's ``_diffusers_version`` is before 0.9.0.dev0 (diffusers' own comparison)."""
-    from packaging import version
-
-    written = config.get("_diffusers_version")
-    if written is None:
-        return False
-    try:
-        return version.parse(version.parse(str(written)).base_version) < version.parse("0.9.0.dev0")
-    except version.InvalidVersion:
-        raise GenerationError(f"unet/config.json: _diffusers_version {written!r} is not a version") from None
 
 
 def check_prompt_length(folder: PipelineFolder, encoder: str, length, session=None) -> None:
@@ -900,6 +996,35 @@ def _finite_float32(value) -> bool:
     return math.isfinite(value) and abs(value) <= float(np.finfo(np.float32).max)
 
 
+# StableDiffusionXLImg2ImgPipeline.__call__'s defaults: the refiner's aesthetic score conditioning
+AESTHETIC_SCORE, NEGATIVE_AESTHETIC_SCORE = 6.0, 2.5
+
+
+def sdxl_time_ids(folder: PipelineFolder, height: int, width: int) -> np.ndarray:
+    """SDXL's micro-conditioning, the negative row first (diffusers' ``_get_add_time_ids``): original
+    size, crop (0, 0), then the target size, or with ``requires_aesthetics_score`` (the refiner) the
+    aesthetic score (6.0; the negative row 2.5)."""
+    if folder.requires_aesthetics_score:
+        return np.asarray([[height, width, 0, 0, NEGATIVE_AESTHETIC_SCORE], [height, width, 0, 0, AESTHETIC_SCORE]],
+                          np.float32)
+    return np.asarray([[height, width, 0, 0, height, width]] * 2, np.float32)
+
+
+def check_time_ids(folder: PipelineFolder) -> None:
+    """The UNet's added-conditioning width must take the time ids the folder's pipeline makes (5 with
+    aesthetic scores, else 6): diffusers refuses the mismatch mid-call; here a one-line GenerationError."""
+    unet, pooled = folder.config("unet"), folder.config("text_encoder_2").get("projection_dim")
+    total, each = unet.get("projection_class_embeddings_input_dim"), unet.get("addition_time_embed_dim")
+    if not all(isinstance(v, int) and v > 0 for v in (total, each, pooled)) or (total - pooled) % each:
+        return  # not enough config to tell: the graph's own shapes decide
+    takes, makes = (total - pooled) // each, 5 if folder.requires_aesthetics_score else 6
+    if takes != makes:
+        score = "sets" if folder.requires_aesthetics_score else "does not set"
+        raise GenerationError(f"{folder.root}: the UNet takes {takes} time ids but model_index.json {score} "
+                              f"requires_aesthetics_score, which makes {makes} (a refiner's UNet takes 5: original "
+                              "size, crop, aesthetic score)")
+
+
 def check_interface(session, where, what: str, inputs: list[str], outputs: list[str]) -> None:
     """The inputs and outputs the pipeline feeds and reads, or a one-line GenerationError naming the
     graph (another component's model.onnx in its place was a KeyError or ORT's ValueError: exit 3)."""
@@ -935,10 +1060,9 @@ def reuse_steps(reuse, steps: int) -> frozenset:
 
 
 def _tokenizers_of(folder: PipelineFolder) -> tuple[str, ...]:
-    """The tokenizers a generation reads: the family's, and those of the optional encoders present."""
-    family = folder.family
-    optional = tuple(TOKENIZER_OF[e] for e in family.optional if e in TOKENIZER_OF and folder.has(e))
-    return (*family.tokenizers, *optional)
+    """The tokenizer of each text encoder the folder's pipeline runs (the SDXL refiner: tokenizer_2
+    alone; SD3's third only with its T5 encoder)."""
+    return tuple(TOKENIZER_OF[encoder] for encoder in folder.text_encoders)
 
 
 MAX_SEQUENCE_LENGTH = 512  # diffusers' StableDiffusion3Pipeline and FluxPipeline refuse a longer T5 prompt
@@ -960,29 +1084,29 @@ def check_sequence_length(folder: PipelineFolder, max_sequence_length) -> None:
                               f"got {max_sequence_length!r}")
 
 
-def _check_size(height, width, factor: int, allow_none: bool = False) -> None:
-    multiple = max(8, factor)
-    for name, value in (("height", height), ("width", width)):
-        if value is None and allow_none:
-            continue
-        if not isinstance(value, int) or value < multiple or value % multiple:
-            raise GenerationError(f"{name} must be a positive multiple of {multiple}, got {value}")
-
-
 class _SessionMaker:
     """The sessions of a plan's entries (:meth:`Pipeline.from_plan`), by what each binds."""
 
     def __init__(self, folder: PipelineFolder, plan: GenerationPlan, device_id: int, threads: int | None,
-                 say: StartupStatus):
+                 say: StartupStatus, capture_cache: int = DEFAULT_SIZE, loras=None):
         self.folder, self.plan, self.device_id, self.threads, self.say = folder, plan, device_id, threads, say
+        self.loras = loras  # onnxopt.lora.LoraWeights: the weights LoRAs change become bound inputs
+        self.capture_cache = CaptureCache(capture_cache).size  # checked before any session exists
         self.io_binding, self.requested = plan.io_binding, plan.capture
         self.capture = plan.capture  # the step session's outcome, once it is made
         self.sessions: dict = {}
 
     def open(self, component: str, model=None, **kw):
         self.say(f"loading {component}" + (f" ({Path(model).name})" if isinstance(model, (str, Path)) else ""))
-        return create_session(model or self.folder.component(component).model, self.plan.provider,
-                              name=f"{self.folder.root / component}", device_id=self.device_id, threads=self.threads, **kw)
+        model = model or self.folder.component(component).model
+
+        def make(graph, **extra):
+            return create_session(graph, self.plan.provider, name=f"{self.folder.root / component}",
+                                  device_id=self.device_id, threads=self.threads, **{**kw, **extra})
+
+        if self.loras is None:
+            return make(model)
+        return self.loras.session(component, model, make, map_model=self.folder.component(component).model)
 
     def captured(self, component: str, model, say: bool = False, capture: bool | None = None, **kw):
         """(session, whether it captures): CUDA graphs when asked (``capture``, default: as the
@@ -1005,7 +1129,7 @@ class _SessionMaker:
         session, capturing = self.captured(component, model, capture=capture)
         provider = self.plan.provider
         return BoundSession(require_provider(provider), session, device="cpu" if provider == "cpu" else "cuda",
-                            device_id=self.device_id, cuda_graph=capturing)
+                            device_id=self.device_id, cuda_graph=capturing, capture_cache=self.capture_cache)
 
     def text_encoder(self, name: str, model=None):
         """A text encoder, made on first use, asking for capture as the plan does."""
@@ -1071,16 +1195,16 @@ def _progress(total: int, enabled: bool):
 
 
 def generate(folder, prompt: str, *, output=None, provider: str = "cpu", fused_step: bool = True, cuda_graph: bool = True,
-             **options) -> Result:
-    """Load ``folder``, generate one image (``options`` as :meth:`Pipeline.__call__`), write it to
-    ``output`` (atomically, in the format its suffix names) when given."""
+             loras: list | None = None, **options) -> Result:
+    """Load ``folder`` (with ``loras``, as :meth:`Pipeline.load`), generate one image (``options`` as
+    :meth:`Pipeline.__call__`), write it to ``output`` (atomically, in the format its suffix names) when given."""
     if output is not None:
         images.check_writable(output)
         images.image_format(output)
     folder = folder if isinstance(folder, PipelineFolder) else PipelineFolder.open(folder)
     options["scheduler"] = check_request(folder, steps=options.get("steps", 50), scheduler=options.get("scheduler"))
     pipe = Pipeline.load(folder, provider, fused_step=fused_step and fusable(options["scheduler"]), cuda_graph=cuda_graph,
-                         status=None if options.get("progress", True) else False)
+                         status=None if options.get("progress", True) else False, loras=loras)
     result = pipe(prompt, **options)
     if output is not None:
         images.write_image(result.image, output)

@@ -28,8 +28,15 @@ Flow matching (``FlowMatchEulerDiscreteScheduler``, SD3's and Flux's) is Euler o
 c_state 0). Its schedule depends on what the pipeline passes to ``set_timesteps`` (dynamic
 shifting's ``mu``, Flux's ``sigmas``): :func:`flow_match_timestep_kwargs`.
 
-PNDM (SD 1.5's own scheduler: PLMS with ``skip_prk_steps``) is run by diffusers' own ``step`` in the
-host loop: its update reads up to three earlier model outputs, where the step graph carries one.
+Euler ancestral and LCM add noise at each step (LCM: at each step but the last). Their update is
+affine in (x, eps, noise): the probe passes a seeded generator, sees whether the step drew from it,
+and reads the noise's coefficient from a basis channel whose x, eps and state are all zero. The
+run draws that noise with the image's generator in diffusers' order and feeds it as ``state``
+(:attr:`StepPlan.noise`), so the image is diffusers' own.
+
+PNDM (SD 1.5's own scheduler: PLMS with ``skip_prk_steps``) and UniPC are run by diffusers' own
+``step`` in the host loop (the plan says so): their updates read up to three earlier model outputs
+(UniPC: the previous sample too, for its corrector), where the step graph carries one.
 
 What a run uses is what diffusers' pipeline for the folder uses (:func:`pipeline_scheduler_config`):
 the folder's scheduler class built from its config, the pipeline class's own corrections applied
@@ -51,15 +58,20 @@ import numpy as np
 
 from onnxopt.errors import MissingDependencyError, OnnxoptError
 
-FUSED_SCHEDULERS = ("ddim", "euler", "dpm++2m")  # the UNet families' that plan_steps reads as coefficients
-SCHEDULERS = (*FUSED_SCHEDULERS, "pndm")  # every name a UNet family takes (pndm: diffusers' step, host loop)
+# the UNet families' that plan_steps reads as coefficients (euler-a and lcm: with the noise they draw as an input)
+FUSED_SCHEDULERS = ("ddim", "euler", "dpm++2m", "euler-a", "dpm++2m-karras", "lcm")
+# diffusers' own step in the host loop: their update reads several earlier outputs, the step graph carries one
+HOST_SCHEDULERS = ("pndm", "unipc")
+SCHEDULERS = (*FUSED_SCHEDULERS, *HOST_SCHEDULERS)  # every name a UNet family takes
 FLOW_MATCH = "flow-match"  # FlowMatchEulerDiscreteScheduler: the transformer families' (SD3, Flux)
 FLOW_MATCH_SCHEDULERS = (FLOW_MATCH,)  # what a flow-matching denoiser takes (it predicts a velocity, not noise)
 ALL_SCHEDULERS = (*SCHEDULERS, *FLOW_MATCH_SCHEDULERS)  # every name a run takes
 FUSABLE_SCHEDULERS = (*FUSED_SCHEDULERS, *FLOW_MATCH_SCHEDULERS)  # every one the step graph runs
 # the folder's scheduler class -> the name that makes it as it is
 FOLDER_CLASSES = {"DDIMScheduler": "ddim", "EulerDiscreteScheduler": "euler", "DPMSolverMultistepScheduler": "dpm++2m",
-                  "PNDMScheduler": "pndm", "FlowMatchEulerDiscreteScheduler": FLOW_MATCH}
+                  "PNDMScheduler": "pndm", "EulerAncestralDiscreteScheduler": "euler-a",
+                  "UniPCMultistepScheduler": "unipc", "LCMScheduler": "lcm", "FlowMatchEulerDiscreteScheduler": FLOW_MATCH}
+_DPM_2M = {"algorithm_type": "dpmsolver++", "solver_order": 2}
 TIMESTEP_SPACINGS = ("leading", "trailing", "linspace")  # diffusers' set_timesteps takes these
 # diffusers pipeline classes whose __init__ corrects an outdated scheduler config (steps_offset, clip_sample):
 # StableDiffusionPipeline and OnnxStableDiffusionPipeline; SDXL's and the ControlNet pipeline's do not
@@ -83,11 +95,20 @@ class StepPlan:
     ``timesteps[k]`` is the value diffusers feeds the denoiser at step k (int for DDIM and DPM-Solver,
     float for Euler and flow matching). Initial latents are scaled by ``init_noise_sigma`` (1 for
     flow matching, whose pipelines do not scale them).
+
+    ``noise[k]``: step k draws noise (Euler ancestral, LCM): ``randn_tensor(latents.shape,
+    generator)`` after the previous step's draw, as diffusers' ``step(..., generator=...)`` draws
+    it; the step loop writes it into the step's ``state`` input and ``c_state`` is its coefficient
+    (these schedulers keep no earlier prediction: ``d_x = d_eps = 0``).
     """
 
     timesteps: list
     coefficients: np.ndarray
     init_noise_sigma: float
+    noise: tuple = ()
+
+    def draws_noise(self, k: int) -> bool:
+        return bool(self.noise) and self.noise[k]
 
     def __len__(self) -> int:
         return len(self.timesteps)
@@ -105,8 +126,11 @@ def make_scheduler(name: str, config: dict):
     diffusers' ``from_config``)."""
     classes = _diffusers_classes()
     made = {"ddim": (classes.DDIMScheduler, {}), "euler": (classes.EulerDiscreteScheduler, {}),
-            "dpm++2m": (classes.DPMSolverMultistepScheduler, {"algorithm_type": "dpmsolver++", "solver_order": 2}),
-            "pndm": (classes.PNDMScheduler, {}), FLOW_MATCH: (classes.FlowMatchEulerDiscreteScheduler, {})}
+            "dpm++2m": (classes.DPMSolverMultistepScheduler, _DPM_2M),
+            "dpm++2m-karras": (classes.DPMSolverMultistepScheduler, dict(_DPM_2M, use_karras_sigmas=True)),
+            "euler-a": (classes.EulerAncestralDiscreteScheduler, {}), "lcm": (classes.LCMScheduler, {}),
+            "pndm": (classes.PNDMScheduler, {}), "unipc": (classes.UniPCMultistepScheduler, {}),
+            FLOW_MATCH: (classes.FlowMatchEulerDiscreteScheduler, {})}
     if name not in made:
         raise SchedulerError(f"unknown scheduler '{name}'; choose one of {', '.join(ALL_SCHEDULERS)}")
     cls, options = made[name]
@@ -147,6 +171,8 @@ def folder_scheduler(config: dict, class_name: str | None = None) -> str:
     name = FOLDER_CLASSES.get(cls)
     if name == "dpm++2m" and (config.get("algorithm_type", "dpmsolver++"), config.get("solver_order", 2)) != ("dpmsolver++", 2):
         name = None  # "dpm++2m" forces DPM-Solver++ of order 2: not this config's solver
+    if name == "dpm++2m" and config.get("use_karras_sigmas"):
+        name = "dpm++2m-karras"
     if name is None:
         raise SchedulerError(f"the folder's scheduler {cls} ({_describe(dict(config, _class_name=cls))}) is not one "
                              f"onnxopt runs as configured: "
@@ -201,9 +227,10 @@ def check_schedule(scheduler, steps: int, timestep_kwargs: dict | None = None) -
             raise SchedulerError(f"{name} with this scheduler_config.json cannot run {steps} steps: timestep "
                                  f"{float(timesteps.max()):g} lies outside the trained 0..{train - 1}")
         x = torch.ones(1, 4, 1, 1)
+        extra = step_extra_kwargs(running, torch.Generator().manual_seed(0))  # not the global RNG's draws
         for t in timesteps:
             model_output = _scale_model_input(running, x, t)
-            x = running.step(model_output, t, x, return_dict=False)[0]
+            x = running.step(model_output, t, x, return_dict=False, **extra)[0]
             if not torch.isfinite(x).all():
                 raise SchedulerError(f"{name} with this scheduler_config.json cannot run {steps} steps: its sample "
                                      f"is not finite at timestep {float(t):g}")
@@ -214,14 +241,29 @@ def check_schedule(scheduler, steps: int, timestep_kwargs: dict | None = None) -
                              f"{type(exc).__name__}: {_first_line(exc)}") from None
 
 
+def step_extra_kwargs(scheduler, generator=None, eta: float = 0.0) -> dict:
+    """diffusers' ``prepare_extra_step_kwargs``: ``eta`` and ``generator`` for a ``step`` that takes them."""
+    import inspect
+
+    accepted = inspect.signature(scheduler.step).parameters
+    extra = {"eta": eta} if "eta" in accepted else {}
+    if "generator" in accepted:
+        extra["generator"] = generator
+    return extra
+
+
 def _first_line(exc: BaseException) -> str:
     return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
 
 
 def plan_steps(scheduler, num_inference_steps: int, *, step_kwargs: dict | None = None,
-               timestep_kwargs: dict | None = None, timestep_scale: float = 1.0) -> StepPlan:
+               timestep_kwargs: dict | None = None, timestep_scale: float = 1.0, first_step: int = 0) -> StepPlan:
     """Timesteps and per-step coefficients of ``scheduler`` for ``num_inference_steps`` steps.
 
+    ``first_step``: the run starts at that timestep index, as img2img's does (diffusers'
+    ``get_timesteps``, with its ``set_begin_index``); the steps from there on are probed as a run of
+    their own, so a multistep solver starts at first order there (slicing the full schedule's plan
+    would carry the history of steps never run).
     ``scheduler`` is not modified (a deep copy is probed). ``step_kwargs`` go to every ``step``
     call as the pipeline would pass them (DDIM ``eta``, Euler ``s_churn``...); values that make
     the update non-affine are refused. Raises :class:`SchedulerError` for a configuration whose
@@ -233,19 +275,23 @@ def plan_steps(scheduler, num_inference_steps: int, *, step_kwargs: dict | None 
     _refuse_non_affine(scheduler, step_kwargs or {})
     running = copy.deepcopy(scheduler)
     _set_timesteps(running, num_inference_steps, timestep_kwargs)
-    timesteps = running.timesteps
+    if first_step and hasattr(running, "set_begin_index"):
+        running.set_begin_index(first_step)
+    timesteps = running.timesteps[first_step:]
     rng = np.random.default_rng(0)
-    rows = []
+    rows, noise = [], []
     for k in range(len(timesteps)):
         t = timesteps[k]
         before = copy.deepcopy(running)
-        row = _probe(running, t, step_kwargs or {}, torch)
-        _check_affine(before, t, row, step_kwargs or {}, rng, torch, k)
+        row, draws = _probe(running, t, step_kwargs or {}, torch)
+        _check_affine(before, t, row, draws, step_kwargs or {}, rng, torch, k)
         rows.append(row)
+        noise.append(draws)
     return StepPlan(
         timesteps=[t.item() * timestep_scale if timestep_scale != 1.0 else t.item() for t in timesteps],
         coefficients=np.asarray(rows, dtype=np.float32).reshape(len(rows), len(COEFFICIENTS)),
         init_noise_sigma=float(getattr(running, "init_noise_sigma", 1.0)),
+        noise=tuple(noise),
     )
 
 
@@ -302,35 +348,60 @@ def flow_match_timestep_kwargs(kind: str, config: dict, steps: int, latent_heigh
     return {}
 
 
-def _probe(scheduler, t, step_kwargs: dict, torch) -> list[float]:
-    """One step of ``scheduler`` on basis vectors (advances it); returns the step's coefficients."""
+PROBE_SEED = 0  # the probe's own generator: the noise a step draws is regenerated from it
+
+
+def _probe(scheduler, t, step_kwargs: dict, torch) -> tuple[list[float], bool]:
+    """One step of ``scheduler`` on basis vectors (advances it): the step's coefficients, and whether
+    it drew noise. Channels: x, eps, state, and a fourth with all three zero, where a step that
+    draws noise outputs ``c_noise * noise`` alone (the noise regenerated from the probe's seed)."""
     def basis(i: int):  # latent-shaped (some scheduler code reads batch and channel dims)
-        return torch.eye(3)[i].reshape(1, 3, 1, 1)
+        return torch.eye(4)[i].reshape(1, 4, 1, 1)
 
     c_in = _scale_model_input(scheduler, torch.ones(1, 1, 1, 1), t).item()
     has_state = _set_state(scheduler, basis(2))
-    prev = scheduler.step(basis(1), t, basis(0), **step_kwargs).prev_sample
-    c_x, c_eps, c_state = prev.double().flatten().tolist()
+    generator = torch.Generator().manual_seed(PROBE_SEED)
+    prev = scheduler.step(basis(1), t, basis(0), **{**step_extra_kwargs(scheduler, generator), **step_kwargs}).prev_sample
+    out = prev.double().flatten()
+    draws = not torch.equal(generator.get_state(), torch.Generator().manual_seed(PROBE_SEED).get_state())
+    c_noise = 0.0
+    if draws:
+        if has_state:
+            raise SchedulerError(f"{type(scheduler).__name__} draws noise and keeps an earlier prediction: the step "
+                                 "graph's one state input cannot carry both")
+        noise = _probe_noise(torch, prev.shape).double().flatten()
+        c_noise = (out[3] / noise[3]).item()
+        out = out - c_noise * noise
+    c_x, c_eps, c_state = out[:3].tolist()
     d_x = d_eps = 0.0
     stored = _state(scheduler)
     if stored is not None:
         d_x, d_eps = stored.double().flatten()[:2].tolist()
     if not has_state:
-        c_state = 0.0
-    return [c_in, c_x, c_eps, c_state, d_x, d_eps]
+        c_state = c_noise
+    return [c_in, c_x, c_eps, c_state, d_x, d_eps], draws
 
 
-def _check_affine(scheduler, t, row: list[float], step_kwargs: dict, rng, torch, k: int) -> None:
-    """Run ``scheduler`` (a copy from before step k) on random inputs; refuse if the coefficients miss it."""
+def _probe_noise(torch, shape):
+    """What diffusers' ``randn_tensor(shape, generator)`` draws first from a CPU generator of the probe's seed."""
+    from diffusers.utils.torch_utils import randn_tensor
+
+    return randn_tensor(tuple(shape), generator=torch.Generator().manual_seed(PROBE_SEED), dtype=torch.float32)
+
+
+def _check_affine(scheduler, t, row: list[float], draws: bool, step_kwargs: dict, rng, torch, k: int) -> None:
+    """Run ``scheduler`` (a copy from before step k) on random inputs; refuse if the coefficients miss it.
+    ``draws``: the step's noise (regenerated from the probe's seed) is its ``state`` term."""
     c_in, c_x, c_eps, c_state, d_x, d_eps = row
     shape = (2, 4, 4, 4)
     # Large values on purpose: clipping and thresholding act beyond |x0| = 1.
     x, eps, state = (torch.from_numpy(rng.standard_normal(shape).astype(np.float32) * 10) for _ in range(3))
     has_state = _set_state(scheduler, state)
     if not has_state:
-        state = torch.zeros(shape)
+        state = _probe_noise(torch, shape) if draws else torch.zeros(shape)
     scaled = _scale_model_input(scheduler, x, t)
-    prev = scheduler.step(eps, t, x, **step_kwargs).prev_sample
+    extra = step_extra_kwargs(scheduler, torch.Generator().manual_seed(PROBE_SEED))
+    prev = scheduler.step(eps, t, x, **{**extra, **step_kwargs}).prev_sample
     checks = [("scale_model_input", scaled, [(c_in, x)]),
               ("step", prev, [(c_x, x), (c_eps, eps), (c_state, state)])]
     stored = _state(scheduler)
@@ -368,13 +439,13 @@ def _refuse_non_affine(scheduler, step_kwargs: dict) -> None:
     name = type(scheduler).__name__
     config = scheduler.config
     supported = (classes.DDIMScheduler, classes.EulerDiscreteScheduler, classes.DPMSolverMultistepScheduler,
-                 classes.FlowMatchEulerDiscreteScheduler)
+                 classes.EulerAncestralDiscreteScheduler, classes.LCMScheduler, classes.FlowMatchEulerDiscreteScheduler)
     if not isinstance(scheduler, supported):
         raise SchedulerError(f"{name} is not supported by the fused step graph (it runs: {', '.join(FUSABLE_SCHEDULERS)})")
     reasons = []
     if config.get("thresholding"):
         reasons.append("thresholding=True")
-    if isinstance(scheduler, classes.DDIMScheduler):
+    if isinstance(scheduler, (classes.DDIMScheduler, classes.LCMScheduler)):
         if config.get("clip_sample"):
             reasons.append("clip_sample=True")
         if step_kwargs.get("eta", 0.0):

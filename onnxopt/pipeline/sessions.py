@@ -238,6 +238,10 @@ class HostStepLoop:
         self.feeds.update(latents=out["latents_out"], state=out["state_out"], step_index=out["step_index_out"])
         self.guided = out["guided_output"]
 
+    def write_state(self, value: np.ndarray) -> None:
+        """The next step's ``state`` input (a stochastic scheduler's noise for that step)."""
+        self.feeds["state"] = value.astype(self.types["state"], copy=False)
+
     def latents(self) -> np.ndarray:
         return self.feeds["latents"]
 
@@ -472,6 +476,11 @@ class DeviceStepLoop:
         self.prepare_session.run_with_iobinding(self.prepare_bindings[parity], self.options[parity])
         for session, binding in zip(self.controlnet_sessions, self.controlnet_bindings):
             session.run_with_iobinding(binding, self.options[0])
+
+    def write_state(self, value: np.ndarray) -> None:
+        """The next step's ``state`` buffer (a stochastic scheduler's noise for that step): a write
+        into the bound buffer, which the captured graph reads where it was captured."""
+        self.states[self.index % 2].update_inplace(np.ascontiguousarray(value.astype(self.types["state"], copy=False)))
 
     def latents(self) -> np.ndarray:
         """The latents after the last step."""

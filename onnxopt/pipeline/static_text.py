@@ -256,6 +256,6 @@ def write_static_text_encoders(component_dir: str | os.PathLike, batches,
     for batch in batches:
         model = load_model(component_dir / "model.onnx")
         make_static(model, batch, sequence)
-        path = save_model(model, component_dir / static_file_name(batch), reference_external=True).path
+        path = save_model(model, component_dir / static_file_name(batch), reference_external=True, weight_map=True).path
         written.append((path, nodes_off_cuda(model)))
     return written

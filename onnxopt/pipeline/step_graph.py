@@ -11,6 +11,12 @@
     latents_out = c_x * latents + c_eps * eps + c_state * state
     state_out   = d_x * latents + d_eps * eps
 
+An inpainting UNet (StableDiffusionInpaintPipeline's: more input channels than it outputs) reads
+the latents and, after them on the channel axis, the mask and the masked image's latents: the step
+graph then takes those as ``inpaint_channels`` [2b, C_in - C, h, w] float32 (both guidance rows, fixed
+for a whole image) and the UNet's sample is ``Concat([Concat([latents * c_in] * 2), inpaint_channels],
+axis 1)``, diffusers' ``torch.cat([scale_model_input(latents), mask, masked_image_latents], dim=1)``.
+
 The interface (the pipeline contract): inputs ``latents``, ``state`` (float32), ``step_index`` [1]
 int64, ``schedule_timesteps`` [T] (the UNet's timestep dtype), ``schedule_coefficients`` [T, 6]
 float32, ``guidance_scale`` [1] and the UNet's conditioning inputs by their own names and dtypes;
@@ -66,6 +72,7 @@ STEP_INPUTS = ("latents", "state", "step_index", "schedule_timesteps", "schedule
 STEP_OUTPUTS = ("latents_out", "state_out", "step_index_out", "guided_output")
 UNET_INPUTS = ("sample", "timestep", "encoder_hidden_states")
 IMAGE_BATCH = "images"  # the latents' batch dim: half the UNet's (uncond and cond rows)
+INPAINT_INPUT = "inpaint_channels"  # an inpainting UNet's mask and masked-image latents (module docstring)
 F32 = np.dtype(np.float32)
 
 
@@ -81,11 +88,17 @@ def build_step_graph(unet: Model, *, cfg_late: bool = False, denoiser: Denoiser 
     sample, timestep, out_sample = _unet_interface(unet, graph, denoiser)
     where = str(unet.source) if unet.source else "UNet"
     latent_shape = _latent_shape(sample.shape, where)
+    extra = _inpaint_channels(sample, out_sample)
+    if extra:
+        latent_shape[1] = out_sample.shape[1]
     make = Emit(graph, NameAuthority(graph), PREFIX.rstrip("/"))
     step = {name: make.variable(name, dtype, shape, exact=True) for name, dtype, shape in (
         ("latents", F32, latent_shape), ("state", F32, latent_shape), ("step_index", np.int64, [1]),
         ("schedule_timesteps", timestep.dtype, ["schedule"]), ("schedule_coefficients", F32, ["schedule", 6]),
         ("guidance_scale", F32, [1]))}
+    if extra:
+        batch2 = sample.shape[0] if sample.shape else None
+        step[INPAINT_INPUT] = make.variable(INPAINT_INPUT, F32, [batch2, extra, *latent_shape[2:]], exact=True)
     sample.name, timestep.name = f"{PREFIX}unet_sample", f"{PREFIX}unet_timestep"
     coefficients, step_index_out = _feed_the_unet(make, step, sample, timestep, latent_shape, where)
     outputs = _guide_and_update(make, step, coefficients, out_sample, latent_shape, unet.opset, where)
@@ -144,12 +157,16 @@ def _feed_the_unet(make: Emit, step: dict, sample, timestep, latent_shape, where
               label="step_index_out")
     scaled = make.node("Mul", [step["latents"], coefficients[0]], F32, latent_shape, label="scaled_latents")
     sample_dtype = _float_dtype(sample, where)
+    doubled_shape = [sample.shape[0] if sample.shape else None, *latent_shape[1:]]
+    inputs, axis, full_shape = [scaled, scaled], 0, doubled_shape
+    if INPAINT_INPUT in step:  # the mask and masked-image latents after the latents (diffusers' cat on dim 1)
+        doubled = make.node("Concat", [scaled, scaled], F32, doubled_shape, label="model_input_latents", axis=0)
+        inputs, axis, full_shape = [doubled, step[INPAINT_INPUT]], 1, [doubled_shape[0], *sample.shape[1:]]
     if sample_dtype == F32:
-        make.node("Concat", [scaled, scaled], F32, None, outputs=[sample], label="model_input", axis=0)
+        make.node("Concat", inputs, F32, None, outputs=[sample], label="model_input", axis=axis)
     else:
-        doubled_shape = [sample.shape[0] if sample.shape else None, *latent_shape[1:]]
-        doubled = make.node("Concat", [scaled, scaled], F32, doubled_shape, label="model_input_f32", axis=0)
-        make.node("Cast", [doubled], None, None, outputs=[sample], label="model_input", to=_onnx_type(sample_dtype))
+        full = make.node("Concat", inputs, F32, full_shape, label="model_input_f32", axis=axis)
+        make.node("Cast", [full], None, None, outputs=[sample], label="model_input", to=_onnx_type(sample_dtype))
     if timestep.shape is not None and len(timestep.shape) == 0:
         make.node("Reshape", [step_timestep, ints("scalar_shape", np.zeros(0, np.int64))], None, None,
                   outputs=[timestep], label="timestep_scalar")
@@ -219,7 +236,7 @@ def write_step_graph(unet_dir: str | os.PathLike, *, file_name: str = "step.onnx
         from onnxopt.pipeline.multi_controlnet import sum_controlnet_residuals
 
         step = sum_controlnet_residuals(step, controlnets)
-    return save_model(step, unet_dir / file_name, reference_external=True).path
+    return save_model(step, unet_dir / file_name, reference_external=True, weight_map=True).path
 
 
 def copy_sharing_constants(graph: gs.Graph) -> gs.Graph:
@@ -231,6 +248,17 @@ def copy_sharing_constants(graph: gs.Graph) -> gs.Graph:
             if isinstance(tensor, gs.Constant) and tensor.name in originals:
                 node.inputs[i] = originals[tensor.name]
     return copied
+
+
+def _inpaint_channels(sample: gs.Tensor, out_sample: gs.Tensor) -> int:
+    """How many channels the UNet reads beyond the latents it predicts (an inpainting UNet's mask and
+    masked-image latents); 0 for a text-to-image UNet or where the shapes do not say."""
+    if not (sample.shape and out_sample.shape and len(sample.shape) == len(out_sample.shape) == 4):
+        return 0
+    channels_in, channels_out = sample.shape[1], out_sample.shape[1]
+    if isinstance(channels_in, int) and isinstance(channels_out, int) and channels_in > channels_out:
+        return channels_in - channels_out
+    return 0
 
 
 def _latent_shape(shape, where: str) -> list:

@@ -1,0 +1,53 @@
+"""Several images from one command: a prompts file, and the file names of a batch.
+
+    read_prompts("prompts.txt")          # one prompt a line (LF or CRLF); blank lines skipped
+    numbered_outputs("out/img.png", 3)   # out/img.png, out/img-1.png, out/img-2.png
+
+With P prompts and ``--num-images N``, each prompt is its own generation (diffusers'
+``pipe(prompt, num_images_per_prompt=N, generator=torch.Generator().manual_seed(seed))``: the same
+seed for every prompt) and the P x N images are numbered prompt by prompt: prompt p's image i is
+number p * N + i.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from onnxopt.pipeline.plan import GenerationError
+
+MAX_PROMPTS = 10_000  # a prompts file is a list of prompts, not a corpus
+
+
+def read_prompts(path) -> list[str]:
+    """The prompts of ``path``, one a line; a one-line GenerationError for a folder, a file that is
+    not UTF-8 text, or one without any prompt."""
+    path = Path(path)
+    if path.is_dir():
+        raise GenerationError(f"{path}: is a folder, not a prompts file (--prompts)")
+    try:
+        text = path.read_bytes().decode("utf-8-sig")
+    except FileNotFoundError:
+        raise GenerationError(f"{path}: no such prompts file (--prompts)") from None
+    except UnicodeDecodeError:
+        raise GenerationError(f"{path}: not UTF-8 text (--prompts: one prompt a line)") from None
+    except OSError as exc:
+        raise GenerationError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    prompts = [line.strip() for line in text.splitlines() if line.strip()]
+    if not prompts:
+        raise GenerationError(f"{path}: no prompt in the file (--prompts: one prompt a line)")
+    if len(prompts) > MAX_PROMPTS:
+        raise GenerationError(f"{path}: {len(prompts)} prompts, at most {MAX_PROMPTS} a run")
+    return prompts
+
+
+def numbered_outputs(path, count: int) -> list[Path]:
+    """``path``, then ``<stem>-1<suffix>``, ``<stem>-2<suffix>``...: ``count`` names in all. A numbered
+    name that is a symbolic link is refused: an image is never written through (or in place of) a link."""
+    path = Path(path)
+    names = [path] + [path.with_name(f"{path.stem}-{k}{path.suffix}") for k in range(1, count)]
+    for name in names[1:]:
+        if os.path.islink(name):
+            raise GenerationError(f"{name}: is a symbolic link; onnxopt does not write images through links "
+                                  "(remove it, or choose another -o)")
+    return names
