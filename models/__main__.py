@@ -87,6 +87,9 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--check", action="store_true", help="compare with torch on ONNX Runtime CPU at small dims "
                                                          "(float32; others: load only)")
     e.add_argument("--tolerance", type=float, default=1e-3, help="relative L2 allowed by --check")
+    e.add_argument("--streamed", action="store_true",
+                   help="build on the meta device and make each seeded weight as it is written: peak RSS far below "
+                        "the weights (Flux; dynamo; the same weights as without it)")
     e.add_argument("-o", "--output", required=True, help="output folder (must not exist or be empty)")
 
     sub.add_parser("coverage", help="fusion coverage table of the ort-cuda preset (python -m models coverage --help)")

@@ -66,6 +66,8 @@ class BuiltModel:
     # exporter -> a context manager factory entered around that exporter's call only: module swaps
     # for ops it cannot export (TorchScript lacks aten::rms_norm: models.dit writes Flux's RMSNorm out)
     export_patches: dict[str, Callable] = field(default_factory=dict)
+    # a model built on the meta device: its seeded parameters, made one at a time (models.metaweights)
+    weights: "object" = None
 
     @property
     def input_names(self) -> list[str]:

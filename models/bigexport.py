@@ -28,6 +28,14 @@ What it does, in order:
 5. Renames the folder into place (and writes ``export.json``: config, sites, dims, op counts,
    bytes, seconds, peak RSS). A failure removes the partial folder; nothing is left behind.
 
+``--streamed`` (Flux, dynamo): the model is built on the meta device, its initialisation recorded
+(:mod:`models.metaweights`); the dynamo exporter traces it without weights; every initializer
+becomes an ``onnx_ir.LazyTensor`` that makes its seeded weight (bit-identical to the in-RAM build's)
+when it is written; the weight transposes the exporter's optimizer would fold (materialising every
+weight) are folded lazily first (:func:`fold_weight_transposes`), then the optimizer runs and
+the model is written a tensor at a time. Peak: the traced graph plus one weight. ``--check`` there
+is the load check only (torch's outputs would need the weights in RAM).
+
 ``--layers N`` keeps the full widths with N blocks (Flux: N double + N single), to try the
 full-size path on a small machine: Flux at full width with one block of each passes 2 GB.
 """
@@ -47,6 +55,8 @@ DTYPES = ("float32", "bfloat16", "float16")
 DTYPE_FAMILIES = ("sd3-medium", "sd35-medium", "sd35-large", "flux-dev", "flux-schnell", "t5-xxl", "vae16-encoder",
                   "vae16-decoder", "vae-encoder", "vae-decoder")
 DATA_NAME = "model.onnx.data"
+# families whose builders build on the meta device (--streamed)
+STREAMED_FAMILIES = ("flux-dev", "flux-schnell")
 
 
 def layer_overrides(family: str, layers: int | None) -> dict:
@@ -130,7 +140,7 @@ def relative_l2(got, want) -> float:
 def export_folder(family: str, out_dir, *, size: str = "full", exporter: str = "dynamo", shapes: str = "dynamic",
                   dtype: str = "float32", opset: int | None = None, seed: int = 0, layers: int | None = None,
                   export_dims: dict | None = None, check: bool = False, check_dims: dict | None = None,
-                  tolerance: float = 1e-3, log=print) -> dict:
+                  tolerance: float = 1e-3, streamed: bool = False, log=print) -> dict:
     """Build ``family`` and export it to ``out_dir/model.onnx`` (+ ``model.onnx.data``); see the module doc."""
     import torch
 
@@ -143,8 +153,16 @@ def export_folder(family: str, out_dir, *, size: str = "full", exporter: str = "
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         raise FileExistsError(f"{out_dir} exists and is not an empty folder")
     partial = out_dir.parent / f".{out_dir.name}.partial-{os.getpid()}"
+    if streamed and exporter != "dynamo":
+        raise ValueError("--streamed exports with the dynamo exporter only")
+    if streamed and family not in STREAMED_FAMILIES:
+        raise ValueError(f"--streamed builds {', '.join(STREAMED_FAMILIES)} only (their initialisation is replayed "
+                         f"a tensor at a time), not {family}")
+    if streamed and check and dtype == "float32":
+        raise ValueError("--check in float32 compares with torch's outputs, which need the model in RAM: "
+                         "drop --streamed")
     summary = {"family": family, "size": size, "exporter": exporter, "shapes": shapes, "dtype": dtype,
-               "opset": opset, "seed": seed, "layers": layers}
+               "opset": opset, "seed": seed, "layers": layers, "streamed": streamed}
     t0 = time.perf_counter()
     try:
         partial.mkdir(parents=True)
@@ -154,6 +172,8 @@ def export_folder(family: str, out_dir, *, size: str = "full", exporter: str = "
         overrides = layer_overrides(family, layers)
         if overrides:
             kwargs["overrides"] = overrides
+        if streamed:
+            kwargs["meta"] = True
         built = build(family, size, seed=seed, **kwargs)
         for name, value in (export_dims or {}).items():
             if name not in built.example_dims:
@@ -166,8 +186,22 @@ def export_folder(family: str, out_dir, *, size: str = "full", exporter: str = "
         log(f"built {family} ({size}, {dtype}): {n_params / 1e9:.3f} B parameters in {summary['build_seconds']} s, "
             f"peak RSS {peak_rss_gb():.1f} GB")
         path = partial / "model.onnx"
-        want = _reference(built, check_dims) if check else None
-        if exporter == "dynamo":
+        want = _reference(built, check_dims) if check and not streamed else None
+        if streamed:
+            t1 = time.perf_counter()
+            model = streamed_program(built, shapes, opset)
+            summary["export_seconds"] = round(time.perf_counter() - t1, 1)
+            log(f"exported on the meta device and optimized (onnxscript, as the exporter does) in "
+                f"{summary['export_seconds']} s; peak RSS {peak_rss_gb():.1f} GB")
+            t1 = time.perf_counter()
+            ir_save(model, path)
+            del model
+            summary["write_seconds"] = round(time.perf_counter() - t1, 1)
+            log(f"wrote the seeded weights a tensor at a time in {summary['write_seconds']} s; "
+                f"peak RSS {peak_rss_gb():.1f} GB")
+            release(built)
+            del built
+        elif exporter == "dynamo":
             # optimize=False: the ONNX program references the module's parameters; the onnxscript
             # optimizer's folding (every Linear weight's Transpose) would copy them all while the
             # module still holds them. It runs below, on the saved file, once torch is gone.
@@ -175,13 +209,14 @@ def export_folder(family: str, out_dir, *, size: str = "full", exporter: str = "
             res = export(built, raw, exporter, shapes, opset=opset, optimize=False)
         else:
             res = export(built, path, exporter, shapes, opset=opset)
-        summary["export_seconds"] = round(res.seconds, 1)
-        log(f"exported ({exporter}, {shapes}) in {res.seconds:.0f} s, {len(res.files)} file(s); "
-            f"peak RSS {peak_rss_gb():.1f} GB")
-        release(built)
-        del built, res
+        if not streamed:
+            summary["export_seconds"] = round(res.seconds, 1)
+            log(f"exported ({exporter}, {shapes}) in {res.seconds:.0f} s, {len(res.files)} file(s); "
+                f"peak RSS {peak_rss_gb():.1f} GB")
+            release(built)
+            del built, res
         gc.collect()
-        if exporter == "dynamo":
+        if exporter == "dynamo" and not streamed:
             t1 = time.perf_counter()
             optimize_streamed(raw, path)
             summary["optimize_seconds"] = round(time.perf_counter() - t1, 1)
@@ -206,6 +241,92 @@ def export_folder(family: str, out_dir, *, size: str = "full", exporter: str = "
     log(f"wrote {out_dir} ({sum(summary['files'].values()) / 1e9:.2f} GB) in {summary['seconds']:.0f} s, "
         f"peak RSS {summary['peak_rss_gb']:.1f} GB")
     return summary
+
+
+def streamed_program(built, shapes: str, opset: int | None):
+    """The dynamo export of a meta-built model (``build(..., meta=True)``), optimized as the exporter
+    does, every weight an ``onnx_ir.LazyTensor`` that ``built.weights`` makes when it is written.
+
+    The optimizer's constant folding would transpose every Linear weight, materialising them all: the
+    transposes of weights are folded here first, lazily (the folded initializer is the permuted weight,
+    made when written), so the optimizer finds none left to fold."""
+    import onnx_ir as ir
+
+    from .export import dynamo_program
+
+    model = dynamo_program(built, shapes, opset=opset).model
+    for name, value in model.graph.initializers.items():
+        if name not in built.weights:
+            raise NotImplementedError(f"initializer {name} is not a parameter of the meta-built model")
+        value.const_value = ir.LazyTensor(_seeded(built.weights, name), dtype=value.const_value.dtype,
+                                          shape=value.const_value.shape, name=name)
+    fold_weight_transposes(model)
+    _exporter_optimize(model)
+    return model
+
+
+def _seeded(weights, name):
+    from torch.onnx._internal.exporter._core import TorchTensor
+
+    return lambda: TorchTensor(weights.tensor(name), name)
+
+
+def fold_weight_transposes(model) -> int:
+    """Replace each ``Transpose`` of a lazy initializer with a lazy initializer holding the transposed
+    weight, named as the Transpose's output; the source goes when nothing else reads it.  Returns how
+    many were folded."""
+    import onnx_ir as ir
+
+    graph = model.graph
+    folded = 0
+    for node in list(graph):
+        if node.op_type != "Transpose" or node.domain not in ("", "ai.onnx"):
+            continue
+        src = node.inputs[0]
+        if src is None or not src.is_initializer() or not isinstance(src.const_value, ir.LazyTensor):
+            continue
+        rank = len(src.const_value.shape)
+        perm = node.attributes["perm"].as_ints() if "perm" in node.attributes else list(range(rank))[::-1]
+        out = node.outputs[0]
+        if out.is_graph_output():
+            continue
+        name, dims = out.name, src.const_value.shape
+        lazy = ir.LazyTensor(_permuted(src.const_value, perm, name), dtype=src.const_value.dtype,
+                             shape=ir.Shape([dims[i] for i in perm]), name=name)
+        value = ir.Value(name=None, shape=lazy.shape, type=ir.TensorType(lazy.dtype), const_value=lazy)
+        ir.convenience.replace_all_uses_with(out, value)
+        graph.remove(node, safe=True)
+        value.name = name
+        graph.register_initializer(value)
+        if not src.uses():
+            graph.initializers.pop(src.name)
+        folded += 1
+    return folded
+
+
+def _permuted(source, perm, name):
+    from torch.onnx._internal.exporter._core import TorchTensor
+
+    import numpy as np
+    import onnx_ir as ir
+    import torch
+
+    make = source.raw  # the source LazyTensor's thunk (a TorchTensor of the seeded weight, from streamed_program)
+
+    def permuted():
+        tensor = make()
+        if isinstance(tensor.raw, torch.Tensor):
+            return TorchTensor(tensor.raw.permute(*perm).contiguous(), name)
+        return ir.Tensor(np.ascontiguousarray(tensor.numpy().transpose(perm)), dtype=tensor.dtype, name=name)
+
+    return permuted
+
+
+def ir_save(model, path: Path) -> None:
+    """``model`` to ``path`` + one ``model.onnx.data``, a tensor at a time (lazy ones made as they are written)."""
+    import onnx_ir as ir
+
+    ir.save(model, str(path), external_data=DATA_NAME)
 
 
 def release(built) -> None:
@@ -263,7 +384,7 @@ def _check(path, want, dtype, tolerance, log) -> dict:
 
     from .export import run_onnx
 
-    d = want["dims"]
+    d = want["dims"] if want else None  # a streamed export has no torch reference (load checks only)
     if dtype != "float32":
         import onnx
         import onnxruntime as ort
@@ -297,7 +418,7 @@ def main(args) -> int:
     try:
         export_folder(args.family, args.output, size=args.size, exporter=args.exporter, shapes=args.shapes,
                       dtype=args.dtype, opset=args.opset, seed=args.seed, layers=args.layers, check=args.check,
-                      tolerance=args.tolerance,
+                      tolerance=args.tolerance, streamed=args.streamed,
                       export_dims={k: getattr(args, k) for k in ("batch", "height", "width", "sequence")
                                    if getattr(args, k) is not None})
     except FileExistsError as exc:

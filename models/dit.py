@@ -50,6 +50,7 @@ import contextlib
 import torch
 
 from .base import BuiltModel, check_choice, count_sites, default_dtype, dtype_name, SIZES
+from .metaweights import SeededWeights
 from .seeding import init_module, seed_everything
 
 # stabilityai/stable-diffusion-3-medium-diffusers transformer/config.json
@@ -211,13 +212,21 @@ class FluxWrapper(torch.nn.Module):
                                  txt_ids=txt_ids, guidance=guidance, return_dict=False)[0],)
 
 
-def make_transformer(family: str, size: str, seed: int = 0, dtype=None, overrides: dict | None = None):
+def make_transformer(family: str, size: str, seed: int = 0, dtype=None, overrides: dict | None = None,
+                     meta: bool = False):
     """The seeded diffusers model; ``dtype`` (e.g. ``torch.bfloat16``) builds it in that precision
     directly (the full Flux-dev is 48 GB in float32); ``overrides`` change config entries (fewer
-    layers at full width, to try the full-size export path on a smaller machine)."""
+    layers at full width, to try the full-size export path on a smaller machine).
+
+    ``meta``: built on the meta device, returned with its recorded initialisation
+    (``(model, calls)``, see :mod:`models.metaweights`): the same weights, made one at a time later."""
     from diffusers import FluxTransformer2DModel, SD3Transformer2DModel
 
     cls = FluxTransformer2DModel if family in FLUX_FAMILIES else SD3Transformer2DModel
+    if meta:
+        from .metaweights import build_on_meta
+
+        return build_on_meta(lambda: cls(**dict(CONFIGS[(family, size)], **(overrides or {}))), dtype, seed)
     seed_everything(seed)
     with default_dtype(dtype):
         model = cls(**dict(CONFIGS[(family, size)], **(overrides or {})))
@@ -225,13 +234,17 @@ def make_transformer(family: str, size: str, seed: int = 0, dtype=None, override
 
 
 def build(family: str, size: str = "tiny", attention: str = "sdpa", seed: int = 0, dtype=None,
-          overrides: dict | None = None) -> BuiltModel:
+          overrides: dict | None = None, meta: bool = False) -> BuiltModel:
+    """``meta``: the module is on the meta device and ``weights`` (a :class:`models.metaweights.SeededWeights`,
+    keyed by the wrapper's parameter names) makes its seeded parameters one at a time."""
     check_choice("family", family, FAMILIES)
     check_choice("size", size, SIZES)
     if attention != "sdpa":
         raise ValueError(f"{family}: attention must be 'sdpa' (diffusers has no classic joint-attention processor)")
     cfg = dict(CONFIGS[(family, size)], **(overrides or {}))
-    model = make_transformer(family, size, seed, dtype, overrides)
+    model = make_transformer(family, size, seed, dtype, overrides, meta)
+    if meta:
+        model, calls = model
     flux = family in FLUX_FAMILIES
     dt = dtype_name(dtype)
     if flux:
@@ -292,4 +305,5 @@ def build(family: str, size: str = "tiny", attention: str = "sdpa", seed: int = 
         config=dict(cfg),
         seed=seed,
         export_patches=patches,
+        weights=SeededWeights(wrapper, calls, seed) if meta else None,
     )

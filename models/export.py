@@ -68,19 +68,8 @@ def export(built, path, exporter: str = "torchscript", shapes: str = "dynamic", 
     path.parent.mkdir(parents=True, exist_ok=True)
     args = built.example_inputs
     dynamic_axes = built.dynamic_axes if shapes == "dynamic" else None
-    if quiet:
-        # torch.onnx logs a warning per torchvision op it cannot register, on every dynamo export
-        logging.getLogger("torch.onnx").setLevel(logging.ERROR)
-    sink = io.StringIO()
-    redirect = (contextlib.redirect_stdout(sink), contextlib.redirect_stderr(sink)) if quiet else ()
     t0 = time.perf_counter()
-    with contextlib.ExitStack() as stack, torch.no_grad():
-        for r in redirect:
-            stack.enter_context(r)
-        if exporter in built.export_patches:
-            stack.enter_context(built.export_patches[exporter]())
-        stack.enter_context(warnings.catch_warnings())
-        warnings.simplefilter("ignore")
+    with _exporting(built, exporter, quiet):
         if exporter == "torchscript":
             torch.onnx.export(
                 built.module, args, str(path),
@@ -108,6 +97,44 @@ def export(built, path, exporter: str = "torchscript", shapes: str = "dynamic", 
     secs = time.perf_counter() - t0
     files = model_files(path)
     return ExportResult(str(path), exporter, shapes, secs, files, sum(os.path.getsize(f) for f in files))
+
+
+def dynamo_program(built, shapes: str = "dynamic", *, opset: int | None = None, quiet: bool = True):
+    """The dynamo exporter's ONNX program for ``built``, unsaved and unoptimized (``optimize=False``).
+    A module on the meta device is traced with meta inputs: its initializers hold no data."""
+    import torch
+
+    if shapes not in SHAPES:
+        raise ValueError(f"shapes must be one of {SHAPES}, got {shapes!r}")
+    device = next(built.module.parameters()).device
+    args = tuple(a.to(device) for a in built.example_inputs)
+    kwargs = {"opset_version": opset} if opset else {}
+    with _exporting(built, "dynamo", quiet):
+        return torch.onnx.export(built.module, args, None, dynamo=True, input_names=built.input_names,
+                                 output_names=built.output_names,
+                                 dynamic_axes=built.dynamic_axes if shapes == "dynamic" else None,
+                                 optimize=False, **kwargs)
+
+
+@contextlib.contextmanager
+def _exporting(built, exporter: str, quiet: bool):
+    """What every export call runs inside: no grad, the builder's patches for ``exporter``, and (quiet)
+    the exporters' output and warnings swallowed."""
+    import torch
+
+    if quiet:
+        # torch.onnx logs a warning per torchvision op it cannot register, on every dynamo export
+        logging.getLogger("torch.onnx").setLevel(logging.ERROR)
+    sink = io.StringIO()
+    redirect = (contextlib.redirect_stdout(sink), contextlib.redirect_stderr(sink)) if quiet else ()
+    with contextlib.ExitStack() as stack, torch.no_grad():
+        for r in redirect:
+            stack.enter_context(r)
+        if exporter in built.export_patches:
+            stack.enter_context(built.export_patches[exporter]())
+        stack.enter_context(warnings.catch_warnings())
+        warnings.simplefilter("ignore")
+        yield
 
 
 @dataclass

@@ -27,6 +27,8 @@ ONES_NOISE = 0.1     # weight of 1  ->  1 + 0.1 * randn   (GroupNorm / LayerNorm
 BIAS_NOISE = 0.05    # 1-D zeros    ->  0.05 * randn      (biases, norm beta)
 WEIGHT_NOISE = 0.02  # N-D zeros    ->  0.02 * randn      (zero convs, zero-initialised conv_out)
 OTHER_NOISE = 0.05   # any other constant c -> c + 0.05 * randn * max(|c|, 1)
+# The perturbation draws from its own generator, seeded with seed + this (the global one seeds the init).
+PERTURB_SEED_OFFSET = 1_000_003
 
 
 def seed_everything(seed: int = DEFAULT_SEED) -> None:
@@ -37,7 +39,7 @@ def seed_everything(seed: int = DEFAULT_SEED) -> None:
         torch.manual_seed(seed)
 
 
-def _is_constant(t: "torch.Tensor") -> bool:
+def is_constant(t: "torch.Tensor") -> bool:
     if t.numel() <= 1:
         return False
     flat = t.detach().reshape(-1)
@@ -55,26 +57,31 @@ def perturb_constant_parameters(module: "torch.nn.Module", seed: int = DEFAULT_S
 
 
 def _perturb(module, seed):
-    gen = torch.Generator().manual_seed(seed + 1_000_003)
+    gen = torch.Generator().manual_seed(seed + PERTURB_SEED_OFFSET)
     summary = {"ones": 0, "zero_bias": 0, "zero_weight": 0, "other": 0}
     for _, p in sorted(module.named_parameters(), key=lambda kv: kv[0]):
-        if not p.dtype.is_floating_point or not _is_constant(p):
+        if not p.dtype.is_floating_point or not is_constant(p):
             continue
-        c = float(p.reshape(-1)[0])
         noise = torch.randn(p.shape, generator=gen, dtype=torch.float32).to(p.dtype)
-        if c == 1.0:
-            p.copy_(1.0 + ONES_NOISE * noise)
-            summary["ones"] += 1
-        elif c == 0.0 and p.dim() == 1:
-            p.copy_(BIAS_NOISE * noise)
-            summary["zero_bias"] += 1
-        elif c == 0.0:
-            p.copy_(WEIGHT_NOISE * noise)
-            summary["zero_weight"] += 1
-        else:
-            p.copy_(c + OTHER_NOISE * max(abs(c), 1.0) * noise)
-            summary["other"] += 1
+        summary[perturb_constant(p, noise)] += 1
     return summary
+
+
+def perturb_constant(p: "torch.Tensor", noise: "torch.Tensor") -> str:
+    """Replace the constant tensor ``p`` with ``noise`` scaled around its value, in place; returns
+    which kind of constant it was (a key of :func:`perturb_constant_parameters`' summary)."""
+    c = float(p.reshape(-1)[0])
+    if c == 1.0:
+        p.copy_(1.0 + ONES_NOISE * noise)
+        return "ones"
+    if c == 0.0 and p.dim() == 1:
+        p.copy_(BIAS_NOISE * noise)
+        return "zero_bias"
+    if c == 0.0:
+        p.copy_(WEIGHT_NOISE * noise)
+        return "zero_weight"
+    p.copy_(c + OTHER_NOISE * max(abs(c), 1.0) * noise)
+    return "other"
 
 
 def init_module(module: "torch.nn.Module", seed: int = DEFAULT_SEED) -> "torch.nn.Module":
