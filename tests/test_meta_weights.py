@@ -14,6 +14,7 @@ Claims:
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -105,8 +106,11 @@ def test_weight_transposes_fold_lazily_and_are_made_once_when_written(tmp_path):
 
 @pytest.mark.models
 @pytest.mark.slow
+@pytest.mark.skipif(os.environ.get("ONNXOPT_STREAMED_EXPORT") != "1",
+                    reason="minutes of tracing and rewriting on 2 cores: ONNXOPT_STREAMED_EXPORT=1 runs it")
 def test_streamed_export_writes_the_in_ram_exports_graph_and_weights(tmp_path):
-    """The committed fixture is the in-RAM dynamo export (optimize=True) of the same seeded model."""
+    """The committed fixture is the in-RAM dynamo export (optimize=True) of the same seeded model.
+    Run where exports are cheap (ONNXOPT_STREAMED_EXPORT=1); the fast tests above prove the weights."""
     pytest.importorskip("onnxscript", reason="the dynamo exporter needs onnxscript")
     import hashlib
 
