@@ -234,8 +234,11 @@ def _add_generate_parser(sub) -> None:
                      help="one prompt a line (blank lines skipped), each generated with the same seed; the images are "
                           "numbered prompt by prompt: -o img.png gives img.png, img-1.png, ...")
     gen.add_argument("--negative-prompt", default=None, help="what it should not show (classifier-free guidance)")
-    gen.add_argument("--steps", type=int, default=50, help="denoising steps")
-    gen.add_argument("--guidance", type=float, default=7.5, help="classifier-free guidance scale (1 or less: no guidance)")
+    gen.add_argument("--steps", type=int, default=None,
+                     help="denoising steps (default: the folder's pipeline's, as diffusers': 50; SD3 and Flux 28)")
+    gen.add_argument("--guidance", type=float, default=None,
+                     help="classifier-free guidance scale, 1 or less: no guidance; Flux dev: its embedded guidance "
+                          "(default: the folder's pipeline's, as diffusers': 7.5; SD3 7.0; Flux 3.5)")
     gen.add_argument("--scheduler", default=None, help="ddim | euler | dpm++2m | euler-a | dpm++2m-karras | lcm | pndm | unipc; flow-match for SD3 and Flux (diffusers' classes, from the folder's "
                      "config; default: the folder's own scheduler, as diffusers' pipeline runs it)")
     gen.add_argument("--seed", type=int, default=0, help="as diffusers: torch.Generator('cpu').manual_seed(SEED)")
@@ -307,6 +310,8 @@ def cmd_generate(args) -> int:
     if missing:
         raise OnnxoptError(f"generate needs {' and '.join(missing)} (or --plan, which generates nothing)")
     prompts = [args.prompt] if args.prompts is None else read_prompts(args.prompts)
+    args.steps = folder.family.default_steps if args.steps is None else args.steps
+    args.guidance = folder.family.default_guidance if args.guidance is None else args.guidance
     args.scheduler = check_request(folder, steps=args.steps, scheduler=args.scheduler, height=args.height, width=args.width,
                                    controlnet_image=args.controlnet_image, controlnet_scale=args.controlnet_scale,
                                    status=False if args.quiet else None, image=args.image, mask=args.mask,

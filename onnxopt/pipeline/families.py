@@ -71,6 +71,10 @@ class Family:
     t5_tokenizer: str = "tokenizer_3"
     runs: bool = True
     runner: str | None = None
+    # generate's defaults without --steps/--guidance: diffusers' pipeline's (SDXL's guidance_scale is 5.0 in diffusers
+    # 0.42; onnxopt keeps 7.5 for the UNet families, as it always had)
+    default_steps: int = 50
+    default_guidance: float = 7.5
 
     @property
     def components(self) -> tuple[str, ...]:
@@ -90,10 +94,11 @@ FAMILIES = {
     # diffusers' StableDiffusion3Pipeline runs without T5 (text_encoder_3=None: zeros in its place)
     "sd3": Family("sd3", ("StableDiffusion3Pipeline",), ("text_encoder", "text_encoder_2", "transformer", "vae_decoder"),
                   ("text_encoder_3", "vae_encoder"), ("tokenizer", "tokenizer_2"), SD3_TRANSFORMER,
-                  optional_tokenizers=("tokenizer_3",), flow_matching=True),
+                  optional_tokenizers=("tokenizer_3",), flow_matching=True, default_steps=28, default_guidance=7.0),
     "flux": Family("flux", ("FluxPipeline",), ("text_encoder", "text_encoder_2", "transformer", "vae_decoder"),
                    ("vae_encoder",), ("tokenizer", "tokenizer_2"), FLUX_TRANSFORMER, flow_matching=True,
-                   t5_tokenizer="tokenizer_2", runner="onnxopt.pipeline.flux_runner:FluxRunner"),
+                   t5_tokenizer="tokenizer_2", runner="onnxopt.pipeline.flux_runner:FluxRunner", default_steps=28,
+                   default_guidance=3.5),
 }
 
 # model_index.json's _class_name -> the family's kind
