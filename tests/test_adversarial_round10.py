@@ -381,6 +381,7 @@ def fake_pipeline(monkeypatch, during=lambda: None):
 
     class Result:
         image = Image.new("RGB", (8, 8))
+        images = [image]
         timings = {"steps": 1}
 
     def call(*args, **kwargs):
@@ -452,7 +453,7 @@ def test_a_component_the_index_names_and_the_folder_lacks_is_refused_by_optimize
 
 
 @pytest.mark.parametrize("name", ["StableDiffusion3Img2ImgPipeline", "FluxImg2ImgPipeline", "StableDiffusionXLControlNetPipeline",
-                                  "StableDiffusionImg2ImgPipeline", "PixArtAlphaPipeline"])
+                                  "StableDiffusionUpscalePipeline", "PixArtAlphaPipeline"])
 @pytest.mark.parametrize("command", ["optimize", "generate", "info"])
 def test_a_pipeline_class_onnxopt_does_not_run_is_refused_by_name(tmp_path, capsys, monkeypatch, name, command):
     src = pipeline_copy(tmp_path)

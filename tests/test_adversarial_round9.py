@@ -467,8 +467,11 @@ def test_a_control_image_that_is_a_folder_is_named_as_one(tmp_path):
 
     from onnxopt.pipeline.runner import GenerationError, check_request
 
+    from onnxopt.pipeline.families import FAMILIES
+
     controlnet_folder = SimpleNamespace(kind="controlnet", controlnets=["controlnet"], root=tmp_path, vae_scale_factor=8,
-                                        config=lambda name: {}, scheduler_config=lambda: {})
+                                        config=lambda name: {}, scheduler_config=lambda: {},
+                                        family=FAMILIES["controlnet"])
     with pytest.raises(GenerationError, match="is a folder, not an image"):
         check_request(controlnet_folder, controlnet_image=[tmp_path])
 

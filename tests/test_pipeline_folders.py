@@ -190,7 +190,14 @@ def test_optimize_ort_cuda_folder_matches_source(folders, tmp_path, kind):
     # and beside each text encoder its graphs at the batches the pipeline feeds (onnxopt.pipeline.static_text)
     static = {f"{e}/model.static.b{b}.onnx" for e in ("text_encoder", "text_encoder_2") if (src / e).is_dir()
               for b in ((1, 2) if kind == "sdxl" else (2,))}
-    assert after.keys() == before.keys() | {"unet/step.onnx", "unet/step.context_kv.onnx"} | hint | static
+    # and beside each graph the optimizer writes, its weight map (onnxopt.weight_provenance: where each
+    # source weight went, for --lora): at least beside every component's model.onnx, the step graphs and
+    # the static text graphs, and only beside a graph
+    graphs = {*(rel for rel in before if rel.endswith("model.onnx")), "unet/step.onnx", "unet/step.context_kv.onnx", *static}
+    maps = {rel for rel in after if rel.endswith(".weights.json")}
+    assert {g.removesuffix(".onnx") + ".weights.json" for g in graphs} <= maps
+    assert all(m.removesuffix(".weights.json") + ".onnx" in after for m in maps), maps
+    assert after.keys() == before.keys() | {"unet/step.onnx", "unet/step.context_kv.onnx"} | hint | static | maps
     for rel, digest in before.items():
         if not rel.endswith(("model.onnx", "model.onnx_data")):
             assert after[rel] == digest, rel                            # configs, tokenizer, scheduler: copied

@@ -232,9 +232,10 @@ def test_write_step_graph_references_the_unet_external_data(export_tiny, tmp_pat
     path = write_step_graph(unet_dir, context_kv=context_kv)
 
     written = ["step.onnx"] + (["step.context_kv.onnx"] if context_kv else [])
+    maps = [name.removesuffix(".onnx") + ".weights.json" for name in written]  # each graph's weight map (for --lora)
     assert path == unet_dir / "step.onnx"
-    assert sorted(p.name for p in unet_dir.iterdir()) == sorted(["model.onnx", "model.onnx_data", *written])
-    after = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in unet_dir.iterdir() if p.name not in written}
+    assert sorted(p.name for p in unet_dir.iterdir()) == sorted(["model.onnx", "model.onnx_data", *written, *maps])
+    after = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in unet_dir.iterdir() if p.name not in written + maps}
     assert after == before  # the UNet's files are untouched
     unet_proto = onnx.load(str(unet_dir / "model.onnx"), load_external_data=False)
     external = {t.name: list(t.external_data) for t in unet_proto.graph.initializer if t.external_data}
@@ -266,7 +267,7 @@ def test_write_step_graph_of_an_inline_unet_is_inline(export_tiny, tmp_path):
     unet_dir.mkdir()
     save_model(load_model(export_tiny("unet-sd15").path), unet_dir / "model.onnx", external_data=False)
     path = write_step_graph(unet_dir, file_name="fused.onnx", context_kv=False)
-    assert sorted(p.name for p in unet_dir.iterdir()) == ["fused.onnx", "model.onnx"]
+    assert sorted(p.name for p in unet_dir.iterdir()) == ["fused.onnx", "fused.weights.json", "model.onnx"]
     assert not any(t.external_data for t in onnx.load(str(path), load_external_data=False).graph.initializer)
     unet = load_model(unet_dir / "model.onnx")
     feeds = step_feeds(unet, 1, 0)
