@@ -691,6 +691,7 @@ def test_the_python_api_keeps_library_logs_quiet(tmp_path, capfd, monkeypatch):
 def test_generate_help_shows_the_defaults(capsys):
     assert main(["generate", "--help"]) == 0
     out = " ".join(capsys.readouterr().out.split())
-    for default in ("(default: 50)", "(default: 7.5)", "default: the folder's own scheduler", "(default: 0)", "(default: cpu)"):
+    for default in ("as diffusers': 50; SD3 and Flux 28)", "as diffusers': 7.5; SD3 7.0; Flux 3.5)",
+                    "default: the folder's own scheduler", "(default: 0)", "(default: cpu)"):
         assert default in out, out
     assert "(default: None)" not in out and "(default: True)" not in out
