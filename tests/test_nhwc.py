@@ -295,3 +295,16 @@ def test_a_norm_the_transpose_does_not_commute_with_stops_the_sinking(kwargs):
     norms = [n for n in model.graph.nodes if n.op == "LayerNormalization"]
     assert all(n.inputs[0].inputs[0].op == "Transpose" for n in norms)
     assert_same_computation(proto, model, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("exporter", ["dynamo", "torchscript"])
+def test_no_transpose_is_left_around_the_qk_norms_of_the_tiny_sd35_transformer(exporter):
+    """The real export: after ort-cuda no Transpose feeds or reads a QK RMSNorm, and the graph computes the same."""
+    source = FIXTURES / "dit" / f"sd35-medium.tiny.{exporter}.dynamic.sdpa.onnx"
+    model, _ = optimize(str(source), ["ort-cuda"])
+    norms = [n for n in model.graph.nodes if n.op == "SimplifiedLayerNormalization"]
+    assert norms
+    for norm in norms:
+        assert not (norm.inputs[0].inputs and norm.inputs[0].inputs[0].op == "Transpose"), norm.name
+        assert not any(c.op == "Transpose" for c in norm.outputs[0].outputs), norm.name
+    assert_same_computation(str(source), model, atol=1e-4, rtol=1e-3)
