@@ -143,3 +143,49 @@ def test_a_wrappers_bound_inputs_are_bound_into_every_binding(session):
     (got,) = captured.run(["out"], {"x": f["x"], "y": f["y"]})
     np.testing.assert_allclose(got, -(f["x"] + f["y"]), rtol=1e-6)
 
+
+
+def cuda_or_skip():
+    from onnxopt.runners.ort_cuda import cuda_available
+
+    if not cuda_available():
+        pytest.skip("needs onnxruntime-gpu and a CUDA device")
+
+
+@pytest.mark.gpu
+def test_on_the_cuda_ep_a_captured_graph_replays_each_new_value_and_shape():
+    """With CUDA graphs, values written into the bound inputs reach the replayed graph, and each
+    shape has its own capture (an uncaptured output probe first)."""
+    cuda_or_skip()
+    from onnxopt.pipeline.sessions import provider_list
+
+    session = ort.InferenceSession(scaled_sum_model(), providers=provider_list("cuda", cuda_graph=True))
+    captured = CapturedSession(ort, session, device="cuda", cuda_graph=True)
+    for rows, seed in ((2, 0), (2, 1), (2, 2), (5, 3), (2, 4), (5, 5)):
+        f = feeds(rows, seed)
+        (got,) = captured.run(["out"], f)
+        np.testing.assert_allclose(got, expected(f), rtol=1e-6)
+    assert captured.stats() == {"size": 4, "cached": 2, "captures": 2, "evictions": 0}
+
+
+@pytest.mark.gpu
+def test_bench_session_with_cuda_graph_gives_the_cpu_output():
+    """``onnxopt bench``'s session (its buffers probed uncaptured, then captured on its own graph
+    id) gives ORT CPU's output on the tiny UNet, and a second bind (new values) replays its own."""
+    cuda_or_skip()
+    from onnxopt.runners.ort_cuda import OrtCudaSession
+    from tests.conftest import FIXTURES
+
+    unet = FIXTURES / "unet-sd15.tiny.torchscript.static.sdpa.onnx"
+    cpu = ort.InferenceSession(str(unet), providers=["CPUExecutionProvider"])
+    session = OrtCudaSession(str(unet), cuda_graph=True)
+    rng = np.random.default_rng(0)
+    for _ in range(2):
+        feed = {i.name: rng.standard_normal([d if isinstance(d, int) else 1 for d in i.shape]).astype(np.float32)
+                for i in cpu.get_inputs()}
+        session.bind(feed)
+        for _ in range(3):  # a regular run, the capture, a replay
+            session.run()
+        (got,) = session.outputs().values()
+        (want,) = cpu.run(None, feed)
+        np.testing.assert_allclose(got, want, rtol=0, atol=2e-3 * float(np.abs(want).max()))
