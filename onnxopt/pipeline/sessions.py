@@ -8,11 +8,11 @@ Providers:
   :class:`~onnxopt.runners.captured_session.CapturedSession`: the text encoders and the VAE once per
   image, on buffers bound once per shape and captured; the step graph (and the ControlNet) on
   device buffers allocated once per pipeline and shape, and reused by every later image: a
-  captured CUDA graph replays the addresses it was captured with, so they must stay put. The schedule (timesteps and
-  coefficients of every step) is written once per image; the step graph reads its row by a step
-  counter that it increments itself. With ``cuda_graph=True`` the step is captured as CUDA graphs
-  (the ``enable_cuda_graph`` provider option). The latents, the solver state and the step
-  counter ping-pong between two buffers A and B::
+  captured CUDA graph replays the addresses it was captured with, so they must stay put. The
+  schedule (timesteps and coefficients of every step) is written once per image; the step graph
+  reads its row by a step counter that it increments itself. With ``cuda_graph=True`` the step
+  is captured as CUDA graphs (the ``enable_cuda_graph`` provider option). The latents, the
+  solver state and the step counter ping-pong between two buffers A and B::
 
         even steps:  latents=A, state=SA, index=IA  ->  latents_out=B, state_out=SB, index_out=IB   graph 2k
         odd steps:   latents=B, state=SB, index=IB  ->  latents_out=A, state_out=SA, index_out=IA   graph 2k+1
@@ -260,7 +260,8 @@ class DeviceStepLoop:
 
     def _captured_session(self, session) -> CapturedSession:
         """``session`` on this loop's device, its graph ids as the loop captures."""
-        return CapturedSession(self.ort, session, device=self.device, device_id=self.device_id, cuda_graph=self.cuda_graph)
+        return CapturedSession(self.ort, session, device=self.device, device_id=self.device_id,
+                               cuda_graph=self.cuda_graph)
 
     def _zeros(self, shape, dtype):
         value = self.step_captured.buffer(np.zeros(shape, dtype))

@@ -110,8 +110,8 @@ class CapturedSession:
         """A fresh buffer holding ``value`` (cast to ``dtype``): on a GPU a copy; on the CPU, ORT's
         ``ortvalue_from_numpy`` uses the (contiguous, cast) array's own memory."""
         array = np.asarray(value)
-        return self.ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(array.astype(dtype or array.dtype, copy=False)),
-                                                     self.device, self.device_id)
+        array = np.ascontiguousarray(array.astype(dtype or array.dtype, copy=False))
+        return self.ort.OrtValue.ortvalue_from_numpy(array, self.device, self.device_id)
 
     def run_options(self, graph_id: int | None, *, queue_only: bool = False):
         """ORT's run options: ``gpu_graph_id`` when this session captures (or -1, never captured);
@@ -140,7 +140,8 @@ class CapturedSession:
         outputs = self._probed_outputs(binding) if outputs is None else outputs
         for spec in self.session.get_outputs():
             binding.bind_ortvalue_output(spec.name, outputs[spec.name])
-        return BoundRun(self, binding, bound, dict(outputs), graph_id, self.run_options(graph_id, queue_only=queue_only))
+        options = self.run_options(graph_id, queue_only=queue_only)
+        return BoundRun(self, binding, bound, dict(outputs), graph_id, options)
 
     def _probed_outputs(self, binding) -> dict:
         """A buffer per output of the shape (they may be symbolic) and type one run with outputs ORT
