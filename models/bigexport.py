@@ -140,8 +140,9 @@ def relative_l2(got, want) -> float:
 def export_folder(family: str, out_dir, *, size: str = "full", exporter: str = "dynamo", shapes: str = "dynamic",
                   dtype: str = "float32", opset: int | None = None, seed: int = 0, layers: int | None = None,
                   export_dims: dict | None = None, check: bool = False, check_dims: dict | None = None,
-                  tolerance: float = 1e-3, streamed: bool = False, log=print) -> dict:
-    """Build ``family`` and export it to ``out_dir/model.onnx`` (+ ``model.onnx.data``); see the module doc."""
+                  tolerance: float = 1e-3, streamed: bool = False, overrides: dict | None = None, log=print) -> dict:
+    """Build ``family`` and export it to ``out_dir/model.onnx`` (+ ``model.onnx.data``); see the module doc.
+    ``overrides``: config entries of the builder (e.g. a pipeline's text widths), beside ``layers``'."""
     import torch
 
     from . import build
@@ -169,7 +170,7 @@ def export_folder(family: str, out_dir, *, size: str = "full", exporter: str = "
         kwargs = {} if dtype == "float32" else {"dtype": getattr(torch, dtype)}
         if kwargs and family not in DTYPE_FAMILIES:
             raise ValueError(f"{family} is built in float32 only (--dtype applies to {', '.join(DTYPE_FAMILIES)})")
-        overrides = layer_overrides(family, layers)
+        overrides = dict(overrides or {}, **layer_overrides(family, layers))
         if overrides:
             kwargs["overrides"] = overrides
         if streamed:
