@@ -120,15 +120,57 @@ def assemble_folder(kind: str, src: Path, size: str, seed: int) -> dict:
     return {"path": str(src), "seconds": time.perf_counter() - t0, "bytes": folder_bytes(src)}
 
 
-def torch_pipeline(kind: str, size: str, seed: int, tokenizers: Path, dtype):
-    """diffusers' FluxPipeline from the folder's weights: transformer and T5 built in bfloat16 at full
-    size (float32 in the dry run), then the whole pipeline in ``dtype`` (on the CPU)."""
+def torch_pipeline(kind: str, size: str, seed: int, tokenizers: Path, cache: Path | None = None):
+    """diffusers' FluxPipeline from the folder's weights, on the CPU: transformer and T5 built in bfloat16
+    at full size (float32 in the dry run), CLIP and the VAE in float32.
+
+    Building the 11.9 B transformer draws its seeded weights on one CPU core (minutes): with ``cache``,
+    the first build saves them to ``cache/transformer.safetensors`` (when its file system has room) and
+    later builds load them from there onto a transformer built on the meta device."""
     import torch
 
-    from models.flux_pipeline import build_flux_pipeline
+    from models import dit
+    from models.flux_pipeline import build_flux_pipeline, transformer_overrides
 
     build = torch.bfloat16 if size == "full" else None
-    return build_flux_pipeline(kind, size, seed, tokenizer_dir=tokenizers, dtype=build).to(dtype=dtype)
+    saved = cache / "transformer.safetensors" if cache is not None else None
+    if saved is not None and saved.is_file():
+        from safetensors.torch import load_file
+
+        pipe = build_flux_pipeline(kind, size, seed, tokenizer_dir=tokenizers, dtype=build, skip=("transformer",))
+        transformer, _ = dit.make_transformer(kind, size, seed, dtype=build, overrides=transformer_overrides(size),
+                                              meta=True)
+        transformer.load_state_dict(load_file(str(saved)), assign=True)
+        pipe.register_modules(transformer=transformer.eval())
+        return pipe
+    pipe = build_flux_pipeline(kind, size, seed, tokenizer_dir=tokenizers, dtype=build)
+    if saved is not None and free_bytes(cache) > 1.2 * sum(p.numel() * p.element_size()
+                                                           for p in pipe.transformer.parameters()):
+        from safetensors.torch import save_file
+
+        partial = saved.with_name(saved.name + ".partial")
+        save_file(pipe.transformer.state_dict(), str(partial))
+        partial.rename(saved)
+    return pipe
+
+
+def float32_text_first(pipe, prompt: str, max_sequence_length: int, device: str) -> dict:
+    """The float32 reference on one GPU: CLIP and T5 in float32 encode the prompt, are dropped, then the
+    transformer and the VAE go to the GPU in float32 (all four at once, 68 GB, leave too little room).
+    Returns the pipeline call's prompt arguments (the embeddings)."""
+    import torch
+
+    pipe.text_encoder.to(device, torch.float32)
+    pipe.text_encoder_2.to(device, torch.float32)
+    with torch.no_grad():
+        embeds, pooled, _ = pipe.encode_prompt(prompt=prompt, prompt_2=None, device=device,
+                                               max_sequence_length=max_sequence_length)
+    pipe.register_modules(text_encoder=None, text_encoder_2=None)
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    pipe.transformer.to(device, torch.float32)
+    pipe.vae.to(device, torch.float32)
+    return {"prompt_embeds": embeds, "pooled_prompt_embeds": pooled}
 
 
 def packed_noise(pipe, height: int, width: int, seed: int):

@@ -191,6 +191,7 @@ class Bench:
         self.shared = self.shared_folders(args.work / self.model) if self.model != self.kind else {}
         self.src, self.opt = self.shared.get("folder", self.src), self.shared.get("optimize", self.opt)
         self.multi = self.kind == "sd15-multi-controlnet"
+        self.prompt = {"prompt": PROMPT}  # the pipeline call's prompt arguments (torch_pipe sets them)
 
     def shared_folders(self, other: Path) -> dict:
         """The folders another kind of the same weights built in --work (recorded done, still there)."""
@@ -239,6 +240,11 @@ class Bench:
         from onnxopt.pipeline import optimize_folder
 
         low = {"low_precision": "bfloat16"} if self.bf16 else None
+        if self.flux:  # the optimized folder is about the source's size
+            from benchmarks.pipeline_flux import check_room
+            from models.pipelines import folder_bytes
+
+            check_room(self.opt.parent, 1.02 * folder_bytes(self.src), "the optimized folder")
         for stale in self.opt.parent.glob(f".{self.opt.name}.tmp-*"):  # what a killed call left
             shutil.rmtree(stale, ignore_errors=True)
         report = optimize_folder(self.src, self.opt, target="ort-cuda", fp16=True, fp16_options=low)
@@ -248,13 +254,14 @@ class Bench:
             out["source_removed"] = str(self.src)
         return out
 
-    def torch_pipe(self, dtype, compiled: bool):
+    def torch_pipe(self, dtype, compiled: bool, reference: bool = False):
         import torch
 
         from models.pipelines import build_torch_pipeline
         from onnxopt.pipeline.schedulers import make_scheduler
 
         offload = False
+        self.prompt = {"prompt": PROMPT}  # the call's prompt arguments
         if self.sd3:
             from models.sd3 import build_torch_sd3_pipeline
 
@@ -262,9 +269,10 @@ class Bench:
         elif self.flux:
             from benchmarks.pipeline_flux import torch_pipeline
 
-            pipe = torch_pipeline(self.kind, self.size, SEED, self.work / "tokenizers", dtype)
-            # float32 Flux: 68 GB of weights; each model goes to the GPU when it runs
-            offload = self.device == "cuda" and dtype == torch.float32
+            pipe = torch_pipeline(self.kind, self.size, SEED, self.work / "tokenizers", self.src.parent / "torch-weights")
+            # the float32 reference: 68 GB of weights; the text encoders run and go before the transformer
+            # comes (also in the dry run, on the CPU, where the eager row checks it gives the same image)
+            offload = reference
         else:
             pipe = build_torch_pipeline(self.model, self.size, SEED)
             # The config the folder's scheduler_config.json is written from: the torch steps need no ONNX
@@ -275,7 +283,9 @@ class Bench:
 
                 pipe = StableDiffusionImg2ImgPipeline(**pipe.components)
         if offload:
-            pipe.enable_model_cpu_offload()
+            from benchmarks.pipeline_flux import float32_text_first
+
+            self.prompt = float32_text_first(pipe, PROMPT, self.settings["max_sequence_length"], self.device)
         else:
             pipe = pipe.to(self.device, dtype)
         pipe.set_progress_bar_config(disable=True)
@@ -333,7 +343,7 @@ class Bench:
             else:
                 extra["mask_image"] = mask
         with torch.no_grad(), float32_draws():
-            image = pipe(PROMPT, num_inference_steps=s["steps"], guidance_scale=self.guidance,
+            image = pipe(**self.prompt, num_inference_steps=s["steps"], guidance_scale=self.guidance,
                          output_type=output_type, callback_on_step_end=keep, **extra).images[0]
         self.sync()
         return final["latents"].float().cpu().numpy(), np.asarray(image, np.float32)
@@ -420,7 +430,7 @@ class Bench:
     def torch_fp32(self) -> dict:
         import torch
 
-        pipe = self.torch_pipe(torch.float32, compiled=False)
+        pipe = self.torch_pipe(torch.float32, compiled=False, reference=True)
         latents, image = self.torch_call(pipe)
         np.save(self.work / "fp32_latents.npy", latents)
         np.save(self.work / "fp32_image.npy", image)
