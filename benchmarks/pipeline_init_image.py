@@ -6,11 +6,12 @@ sees edges and gradients, not white noise); the mask is a white ellipse (repaint
 the same PIL images on every side.
 
 diffusers' img2img and inpainting pipelines draw the VAE encoder's sample and the noise with
-``randn_tensor(..., dtype=the pipeline's dtype)``: a float16 pipeline draws float16 numbers from the
-generator, a different stream from float32's (not its rounding), so the float16 image would be
-another image, not a less precise one. :func:`float32_draws` makes diffusers draw in float32 and cast,
-as its float32 pipeline (the reference) and onnxopt draw; the text-to-image kinds get the same by
-passing float32 noise as ``latents``.
+``randn_tensor(..., dtype=the pipeline's dtype)``. torch's CPU normal kernel gives a float16 draw the
+float32 numbers, rounded, only on its vectorised path (here: sizes that are multiples of 16, as latents
+are); elsewhere float16 is another stream, and the float16 image would be another image, not a less
+precise one. :func:`float32_draws` makes diffusers draw in float32 and cast for every shape, as its
+float32 pipeline (the reference) and onnxopt draw; the text-to-image kinds get the same by passing
+float32 noise as ``latents``.
 """
 from __future__ import annotations
 

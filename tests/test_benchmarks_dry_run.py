@@ -78,3 +78,37 @@ def test_the_lora_swap_benchmark_dry_run_keeps_its_sessions(tmp_path, capsys):
     result = __import__("json").loads(out.read_text())
     assert result["weights_touched"] > 0 and result["swap_ms"]["runs"] == 3
     assert "| swap median ms |" in capsys.readouterr().out
+
+
+def test_the_img2img_table_says_the_strength_the_steps_run_and_diffusers_defaults():
+    """benchmarks/pipeline_gpu.py's sd15-img2img kind (its --dry-run, by hand: ``python -m
+    benchmarks.pipeline_gpu --kind sd15-img2img --dry-run``): 37 of 50 DDIM steps at strength 0.75, where
+    diffusers' defaults differ, and the VAE encode stage."""
+    from benchmarks.pipeline_gpu import table
+
+    row = {"end_to_end_s": 0.4, "cold_start_s": 10.0, "psnr_db": 40.0, "latents_max_abs": 0.05,
+           "stages": {"text_encoder_s": 0.008, "step_mean_s": 0.006, "vae_encode_s": 0.012, "vae_decode_s": 0.03}}
+    text = table("sd15-img2img", {"torch-eager": row, "torch-compile": row, "onnxopt": row})
+    assert text.startswith("### sd15-img2img: 512x512, ddim 50 steps, guidance 7.5, img2img strength 0.75 (37 steps run), fp16")
+    assert "StableDiffusionImg2ImgPipeline defaults: strength 0.8" in text
+    assert "| VAE encode | VAE decode |" in text and "| 6.00 ms | 12.0 ms | 30.0 ms |" in text
+
+
+def test_diffusers_img2img_draws_float32_numbers_cast_to_the_pipeline_dtype():
+    """A float16 img2img/inpainting pipeline draws the encoder's sample and the noise as float32 numbers,
+    cast, under pipeline_init_image.float32_draws: the stream of the float32 reference, not another one
+    (1000 numbers: off torch's vectorised normal kernel, where float16 draws its own)."""
+    pytest.importorskip("diffusers")
+    from diffusers.models.autoencoders import vae
+    from diffusers.pipelines.stable_diffusion import pipeline_stable_diffusion_img2img as img2img
+
+    from benchmarks.pipeline_init_image import float32_draws
+
+    def draw(module):
+        return module.randn_tensor((1000,), generator=torch.Generator().manual_seed(0), dtype=torch.float16)
+
+    want = torch.randn((1000,), generator=torch.Generator().manual_seed(0), dtype=torch.float32).half()
+    with float32_draws():
+        for module in (img2img, vae):
+            assert torch.equal(draw(module), want)
+    assert not torch.equal(draw(img2img), want)  # restored: float16's own stream
