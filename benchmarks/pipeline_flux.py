@@ -4,7 +4,8 @@ FluxPipeline from the same seeded weights.
 A full-size folder is too big to export in one piece in RAM or on a 64 GB disk twice over: the
 transformer (11.9 B parameters, 23.8 GB in bfloat16) is exported streamed (meta-built, each seeded
 weight made as it is written: ``models.bigexport``, ``--streamed``), T5-XXL (4.76 B, 9.5 GB in
-bfloat16) built in bfloat16 and exported on its own, then CLIP-L, the VAE, tokenizers, scheduler and
+bfloat16) built in bfloat16 and exported on its own (both then with float32 graph inputs and outputs, a
+Cast at each: ``models.bigexport.float32_io``), then CLIP-L, the VAE, tokenizers, scheduler and
 model_index.json are written around them (``models.flux_pipeline.write_flux_onnx_folder(names=...)``).
 Each part is a step of its own (one 10-minute call each). A part killed mid-way leaves a hidden
 ``.<name>.partial-<pid>`` folder: the next try removes it first.
@@ -60,7 +61,7 @@ def check_room(path: Path, need: float, what: str) -> None:
 def export_part(kind: str, name: str, src: Path, size: str, dtype: str, seed: int) -> dict:
     """``transformer`` (streamed, dynamo) or ``text_encoder_2`` (T5, TorchScript) into ``<src>.parts/<name>``,
     with its config.json."""
-    from models.bigexport import export_folder
+    from models.bigexport import export_folder, float32_io
     from models.flux_pipeline import T5_SEED_OFFSET, t5_overrides, transformer_overrides
 
     parts = parts_dir(src)
@@ -83,8 +84,10 @@ def export_part(kind: str, name: str, src: Path, size: str, dtype: str, seed: in
         from models.t5 import CONFIGS
 
         T5Config(**dict(CONFIGS[size], **(t5_overrides(size) or {}))).save_pretrained(str(out))
+    float32 = float32_io(out / "model.onnx")  # the pipeline feeds float32 (onnxopt's fp16 pass keeps I/O types)
     keep = ("seconds", "peak_rss_gb", "params", "files", "export_seconds", "write_seconds")
-    return {"path": str(out), "removed_partials": removed, **{k: summary.get(k) for k in keep}}
+    return {"path": str(out), "removed_partials": removed, "float32_io": float32,
+            **{k: summary.get(k) for k in keep}}
 
 
 def _transformer_config(kind: str, size: str, out: Path) -> None:

@@ -79,6 +79,52 @@ def peak_rss_gb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # kB on Linux
 
 
+def float32_io(path: Path) -> list[str]:
+    """Make the bfloat16/float16 graph inputs and outputs of the model at ``path`` float32, a ``Cast`` at
+    each boundary (rewrites ``model.onnx`` only; external weights are untouched). A model built in
+    bfloat16 exports bfloat16 I/O, which numpy cannot hold: a pipeline feeds float32, as it feeds a
+    graph whose fp16 pass kept its I/O types. Returns the names changed."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    model = onnx.load(str(path), load_external_data=False)
+    graph = model.graph
+    low = {TensorProto.BFLOAT16, TensorProto.FLOAT16}
+    front, back, changed = [], [], []
+
+    def rename(old: str, new: str, outputs: bool) -> None:
+        for node in graph.node:
+            node.input[:] = [new if x == old else x for x in node.input]
+            if outputs:
+                node.output[:] = [new if x == old else x for x in node.output]
+        for info in graph.value_info:
+            if info.name == old:
+                info.name = new
+
+    for value in graph.input:
+        t = value.type.tensor_type
+        if t.elem_type in low:
+            inside = f"{value.name}__{TensorProto.DataType.Name(t.elem_type).lower()}"
+            rename(value.name, inside, outputs=False)
+            front.append(helper.make_node("Cast", [value.name], [inside], to=t.elem_type, name=f"{inside}__cast"))
+            t.elem_type = TensorProto.FLOAT
+            changed.append(value.name)
+    for value in graph.output:
+        t = value.type.tensor_type
+        if t.elem_type in low:
+            inside = f"{value.name}__{TensorProto.DataType.Name(t.elem_type).lower()}"
+            rename(value.name, inside, outputs=True)
+            back.append(helper.make_node("Cast", [inside], [value.name], to=TensorProto.FLOAT, name=f"{inside}__cast"))
+            t.elem_type = TensorProto.FLOAT
+            changed.append(value.name)
+    if changed:
+        nodes = [*front, *graph.node, *back]
+        del graph.node[:]
+        graph.node.extend(nodes)
+        onnx.save(model, str(path))
+    return changed
+
+
 def merge_external_data(path: Path, data_name: str = DATA_NAME) -> int:
     """Rewrite ``path`` so that every external tensor lives in one ``data_name`` file next to it,
     copied file to file in 64 MB chunks (never a whole tensor in memory); the old files go.

@@ -112,3 +112,29 @@ def test_diffusers_img2img_draws_float32_numbers_cast_to_the_pipeline_dtype():
         for module in (img2img, vae):
             assert torch.equal(draw(module), want)
     assert not torch.equal(draw(img2img), want)  # restored: float16's own stream
+
+
+def test_float32_io_casts_at_the_boundary_of_a_bfloat16_graph(tmp_path):
+    """models.bigexport.float32_io: a graph exported in bfloat16 takes and gives float32 (numpy has no
+    bfloat16; onnxopt's pipeline feeds float32), Casts at the boundary, its int inputs untouched, the
+    values those of the bfloat16 graph."""
+    import onnxruntime as ort
+
+    from models.bigexport import float32_io
+
+    graph = helper.make_graph(
+        [helper.make_node("Identity", ["x"], ["h"]), helper.make_node("Identity", ["h"], ["y"]),
+         helper.make_node("Identity", ["ids"], ["ids_out"])], "g",
+        [helper.make_tensor_value_info("x", TensorProto.BFLOAT16, [3]),
+         helper.make_tensor_value_info("ids", TensorProto.INT64, [2])],
+        [helper.make_tensor_value_info("y", TensorProto.BFLOAT16, [3]),
+         helper.make_tensor_value_info("ids_out", TensorProto.INT64, [2])])
+    path = tmp_path / "model.onnx"
+    path.write_bytes(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString())
+    assert float32_io(path) == ["x", "y"]
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    assert [i.type for i in session.get_inputs()] == ["tensor(float)", "tensor(int64)"]
+    y, ids = session.run(None, {"x": np.array([1.0, 1.00390625, 3.0], np.float32), "ids": np.array([4, 5])})
+    np.testing.assert_array_equal(y, [1.0, 1.0, 3.0])  # through bfloat16: 1 + 2^-8 rounds to 1
+    np.testing.assert_array_equal(ids, [4, 5])
+    assert float32_io(path) == []  # nothing left to change
