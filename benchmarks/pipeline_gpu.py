@@ -43,7 +43,8 @@ seeded construction, the transformer compiled. The float32 reference is that pip
 
 Steps (each resumable: its result is recorded in <work>/<kind>/results.json and skipped when
 present; the script stops between steps after --budget seconds, so a run spans several
-10-minute calls of the device machine -- rerun the same command until it prints the table):
+10-minute calls of the device machine -- rerun the same command until it prints the table; a
+full-size Flux step runs only as the first step of a call):
 
   folder: <part>  Flux only: the transformer (streamed) and T5, each exported on its own (a call each)
   folder          export the fp32 ONNX folder (TorchScript, dynamic axes) from those weights (Flux:
@@ -638,8 +639,8 @@ def main(argv=None) -> int:
     skip = set(filter(None, args.skip.split(",")))
     try:
         for key, fn in plan:
-            if key not in skip:
-                steps.run(key, fn)
+            if key not in skip:  # full-size Flux: every step takes minutes, each gets a call of its own
+                steps.run(key, fn, alone=bench.flux and not args.dry_run)
     except TimeoutError as exc:
         print(f"budget spent before step '{exc}': rerun the same command to continue", flush=True)
     text = table(args.kind, steps.results, args.dry_run)
