@@ -188,7 +188,8 @@ class Bench:
         self.runs = 1 if self.dry else args.runs
         self.work = args.work / self.kind
         self.work.mkdir(parents=True, exist_ok=True)
-        scratch = (args.scratch / self.kind) if args.scratch else self.work
+        scratch = getattr(args, "scratch", None)  # Flux: the source folder's file system (other scripts make a Bench)
+        scratch = scratch / self.kind if scratch else self.work
         self.src, self.opt = scratch / "folder", self.work / "optimized"
         self.shared = self.shared_folders(args.work / self.model) if self.model != self.kind else {}
         self.src, self.opt = self.shared.get("folder", self.src), self.shared.get("optimize", self.opt)
@@ -606,6 +607,32 @@ class StepFeedRecorder:
         return getattr(self.session, name)
 
 
+REFERENCE_FILES = ("fp32_latents.npy", "fp32_image.npy")
+
+
+def resume_torch_rows(previous: Path, work: Path) -> list[str]:
+    """The torch rows (which need no ONNX folder) and the float32 reference of an earlier run's --out,
+    into ``work``, where not there already: a kind too long for one machine's hold runs its torch rows
+    on one machine and its ONNX steps on another."""
+    import json
+
+    taken = []
+    for name in REFERENCE_FILES:
+        if (previous / name).is_file() and not (work / name).is_file():
+            shutil.copyfile(previous / name, work / name)
+            taken.append(name)
+    earlier = json.loads((previous / "results.json").read_text())
+    path = work / "results.json"
+    results = json.loads(path.read_text()) if path.is_file() else {}
+    for key, value in earlier.items():
+        if key.startswith("torch-") and key not in results:
+            results[key] = value
+            taken.append(key)
+    path.write_text(json.dumps(results, indent=2, default=str))
+    print(f"taken from {previous}: {', '.join(taken) or 'nothing new'}", flush=True)
+    return taken
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--kind", choices=list(SETTINGS), default="sd15")
@@ -616,11 +643,16 @@ def main(argv=None) -> int:
     ap.add_argument("--runs", type=int, default=5, help="timed images after the warm-up (median reported)")
     ap.add_argument("--out", type=Path, help="copy results.json and table.md here (e.g. benchmarks/results/pipeline-sd15)")
     ap.add_argument("--dry-run", action="store_true", help="CPU, tiny weights, fp32, one run of each step (no compile)")
+    ap.add_argument("--resume-from", type=Path, metavar="OUT",
+                    help="an --out of an earlier run (another machine): its torch rows and float32 reference are "
+                         "taken, the ONNX steps run here")
     ap.add_argument("--skip", default="", help="comma-separated steps not to run (e.g. torch-compile)")
     ap.add_argument("--ablation", action="store_true", help="also the onnxopt pipeline as each rewrite is added")
     ap.add_argument("--fp8", action="store_true", help=f"also the row '{FP8_ROW}': unet/{FP8_STEP_FILE} (fp8-linear)")
     args = ap.parse_args(argv)
     bench = Bench(args)
+    if args.resume_from:
+        resume_torch_rows(args.resume_from, bench.work)
     steps = Steps(bench.work, args.budget)
     plan = [(f"folder: {part}", lambda part=part: bench.folder_part(part)) for part in STREAMED_PARTS if bench.flux]
     plan += [("folder", bench.build_folder), ("optimize", bench.optimize), ("torch-fp32", bench.torch_fp32),
@@ -648,6 +680,10 @@ def main(argv=None) -> int:
         text += "\n\n" + ablation_table(args.kind, steps.results, fp8_only=not args.ablation)
     print(text)
     steps.save(args.out, text)
+    if args.out is not None:  # the quality reference travels with the results (--resume-from)
+        for name in REFERENCE_FILES:
+            if (bench.work / name).is_file():
+                shutil.copyfile(bench.work / name, args.out / name)
     return 0
 
 
