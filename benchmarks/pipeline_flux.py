@@ -4,7 +4,7 @@ FluxPipeline from the same seeded weights.
 A full-size folder is too big to export in one piece in RAM or on a 64 GB disk twice over: the
 transformer (11.9 B parameters, 23.8 GB in bfloat16) is exported streamed (meta-built, each seeded
 weight made as it is written: ``models.bigexport``, ``--streamed``), T5-XXL (4.76 B, 9.5 GB in
-bfloat16) built in bfloat16 and exported on its own (both then with float32 graph inputs and outputs, a
+bfloat16) built in bfloat16 and exported on its own with dynamo (both then with float32 graph inputs and outputs, a
 Cast at each: ``models.bigexport.float32_io``), then CLIP-L, the VAE, tokenizers, scheduler and
 model_index.json are written around them (``models.flux_pipeline.write_flux_onnx_folder(names=...)``).
 Each part is a step of its own (one 10-minute call each). A part killed mid-way leaves a hidden
@@ -59,7 +59,8 @@ def check_room(path: Path, need: float, what: str) -> None:
 
 
 def export_part(kind: str, name: str, src: Path, size: str, dtype: str, seed: int) -> dict:
-    """``transformer`` (streamed, dynamo) or ``text_encoder_2`` (T5, TorchScript) into ``<src>.parts/<name>``,
+    """``transformer`` (streamed, dynamo) or ``text_encoder_2`` (T5, dynamo: the TorchScript exporter fails on
+    a bfloat16 T5, "ScalarType ComplexDouble is an unexpected tensor scalar type") into ``<src>.parts/<name>``,
     with its config.json."""
     from models.bigexport import export_folder, float32_io
     from models.flux_pipeline import T5_SEED_OFFSET, t5_overrides, transformer_overrides
@@ -77,7 +78,7 @@ def export_part(kind: str, name: str, src: Path, size: str, dtype: str, seed: in
                                 overrides=transformer_overrides(size))
         _transformer_config(kind, size, out)
     else:
-        summary = export_folder("t5-xxl", out, size=size, exporter="torchscript", dtype=dtype,
+        summary = export_folder("t5-xxl", out, size=size, exporter="dynamo", dtype=dtype,
                                 seed=seed + T5_SEED_OFFSET, overrides=t5_overrides(size))
         from transformers import T5Config
 
