@@ -19,7 +19,7 @@ import numpy as np
 
 from onnxopt.errors import MissingDependencyError, OnnxoptError
 from onnxopt.runners.captured_session import CapturedSession
-from onnxopt.runtime import import_onnxruntime, inference_session, session_options
+from onnxopt.runtime import ORT_TYPES, import_onnxruntime, inference_session, session_options
 
 
 def gpu_memory_used_mb(device_id: int = 0) -> float | None:
@@ -107,9 +107,7 @@ class OrtCudaSession:
         self.bound = None
 
     def input_types(self) -> dict[str, np.dtype]:
-        mapping = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(int64)": np.int64,
-                   "tensor(int32)": np.int32, "tensor(double)": np.float64, "tensor(bool)": np.bool_}
-        return {i.name: np.dtype(mapping.get(i.type, np.float32)) for i in self.session.get_inputs()}
+        return {i.name: np.dtype(ORT_TYPES.get(i.type, np.float32)) for i in self.session.get_inputs()}
 
     def bind(self, feeds: dict[str, np.ndarray]) -> None:
         """Copy ``feeds`` to the GPU (cast to the model's input types) and preallocate the outputs:
