@@ -82,14 +82,32 @@ def peak_rss_gb() -> float:
 def float32_io(path: Path) -> list[str]:
     """Make the bfloat16/float16 graph inputs and outputs of the model at ``path`` float32, a ``Cast`` at
     each boundary (rewrites ``model.onnx`` only; external weights are untouched). A model built in
-    bfloat16 exports bfloat16 I/O, which numpy cannot hold: a pipeline feeds float32, as it feeds a
+    bfloat16 exports bfloat16 I/O: this is how a pipeline fed only float32 ran them, as it feeds a
     graph whose fp16 pass kept its I/O types. Returns the names changed."""
+    from onnx import TensorProto
+
+    return retype_io(path, {TensorProto.BFLOAT16, TensorProto.FLOAT16}, TensorProto.FLOAT)
+
+
+def bfloat16_io(path: Path) -> list[str]:
+    """The inverse of :func:`float32_io`: the float32 graph inputs and outputs of the model at ``path``
+    become bfloat16, a ``Cast`` to float32 after each input and to bfloat16 before each output, as
+    a graph exported from a bf16 torch module declares them (and the fp32 graph between the Casts
+    runs on ORT's CPU EP). Returns the names changed."""
+    from onnx import TensorProto
+
+    return retype_io(path, {TensorProto.FLOAT}, TensorProto.BFLOAT16)
+
+
+def retype_io(path: Path, old_types: set[int], new_type: int) -> list[str]:
+    """The graph inputs and outputs of the model at ``path`` whose element type is in ``old_types``
+    declared ``new_type`` instead, a ``Cast`` at each boundary back to the type the graph computes
+    in (rewrites ``model.onnx`` only; external weights are untouched). Returns the names changed."""
     import onnx
     from onnx import TensorProto, helper
 
     model = onnx.load(str(path), load_external_data=False)
     graph = model.graph
-    low = {TensorProto.BFLOAT16, TensorProto.FLOAT16}
     front, back, changed = [], [], []
 
     def rename(old: str, new: str, outputs: bool) -> None:
@@ -103,19 +121,19 @@ def float32_io(path: Path) -> list[str]:
 
     for value in graph.input:
         t = value.type.tensor_type
-        if t.elem_type in low:
+        if t.elem_type in old_types:
             inside = f"{value.name}__{TensorProto.DataType.Name(t.elem_type).lower()}"
             rename(value.name, inside, outputs=False)
             front.append(helper.make_node("Cast", [value.name], [inside], to=t.elem_type, name=f"{inside}__cast"))
-            t.elem_type = TensorProto.FLOAT
+            t.elem_type = new_type
             changed.append(value.name)
     for value in graph.output:
         t = value.type.tensor_type
-        if t.elem_type in low:
+        if t.elem_type in old_types:
             inside = f"{value.name}__{TensorProto.DataType.Name(t.elem_type).lower()}"
             rename(value.name, inside, outputs=True)
-            back.append(helper.make_node("Cast", [inside], [value.name], to=TensorProto.FLOAT, name=f"{inside}__cast"))
-            t.elem_type = TensorProto.FLOAT
+            back.append(helper.make_node("Cast", [inside], [value.name], to=new_type, name=f"{inside}__cast"))
+            t.elem_type = new_type
             changed.append(value.name)
     if changed:
         nodes = [*front, *graph.node, *back]

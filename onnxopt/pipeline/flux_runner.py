@@ -39,6 +39,7 @@ from onnxopt.pipeline.runner import (
     default_size,
 )
 from onnxopt.pipeline.sessions import input_types, run_host
+from onnxopt.pipeline.text_outputs import run_outputs
 
 VELOCITY = "out_hidden_states"
 
@@ -116,7 +117,7 @@ class FluxRunner(Pipeline):
             raise GenerationError(f"{self.folder.component('text_encoder').model}: CLIP-L has no pooler_output output "
                                   f"(it has {', '.join(clip)})")
         t5_ids = flux.t5_token_ids(self.tokenizers["tokenizer_2"], prompt, max_sequence_length)
-        (hidden,) = self._t5_session().run(["last_hidden_state"], _ids_feed(self._t5_session(), t5_ids))
+        (hidden,) = run_outputs(self._t5_session(), t5_ids, ["last_hidden_state"])
         return {"pooled_projections": clip["pooler_output"].astype(np.float32),
                 "encoder_hidden_states": hidden.astype(np.float32), "txt_ids": flux.text_ids(hidden.shape[1])}
 
@@ -179,8 +180,4 @@ class FluxRunner(Pipeline):
         """The VAE decoder's input: unpacked, / scaling_factor + shift_factor (the folder's VAE config)."""
         scaling, shift = flux.vae_factors(self.folder.config("vae_decoder"), self.folder.component("vae_decoder").folder)
         return flux.vae_input(latents, *self._latent_hw, scaling, shift)
-
-
-def _ids_feed(session, ids: np.ndarray) -> dict[str, np.ndarray]:
-    return {"input_ids": np.ascontiguousarray(ids.astype(input_types(session)["input_ids"], copy=False))}
 

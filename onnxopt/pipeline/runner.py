@@ -700,8 +700,7 @@ class Pipeline:
                             "(the distribution img2img samples, as optimum exports it)", ["sample"], [ENCODER_OUTPUT])
             self.sessions["vae_encoder"] = session
         session = self.sessions["vae_encoder"]
-        feed = pixels.astype(input_types(session)["sample"], copy=False)
-        return run_host(session, {"sample": np.ascontiguousarray(feed)})[ENCODER_OUTPUT].astype(np.float32)
+        return run_host(session, {"sample": pixels})[ENCODER_OUTPUT].astype(np.float32)
 
     def _unscale(self, latents: np.ndarray) -> np.ndarray:
         """The VAE decoder's input. latents_mean/latents_std are read by StableDiffusionXLPipeline

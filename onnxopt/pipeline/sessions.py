@@ -45,7 +45,17 @@ import numpy as np
 
 from onnxopt.errors import MissingDependencyError, OnnxoptError
 from onnxopt.runners.captured_session import CapturedSession, write
-from onnxopt.runtime import ORT_TYPES, import_onnxruntime, inference_session, ort_logging, session_options
+from onnxopt.runtime import (
+    ORT_TYPES,
+    as_type,
+    host_array,
+    import_onnxruntime,
+    inference_session,
+    input_dtype,
+    ort_logging,
+    run_session,
+    session_options,
+)
 
 PROVIDERS = ("cpu", "cuda", "tensorrt")
 
@@ -104,20 +114,23 @@ def create_session(model: Path | bytes, provider: str, *, name: str, cuda_graph:
 
 
 def input_types(session) -> dict[str, np.dtype]:
-    return {i.name: np.dtype(ORT_TYPES.get(i.type, np.float32)) for i in session.get_inputs()}
+    """Each input's NumPy type, as the graph declares it (bfloat16: ml_dtypes'); a one-line error
+    for an input of a type onnxopt cannot feed."""
+    return {i.name: input_dtype(i) for i in session.get_inputs()}
 
 
 def _cast_feeds(session, feeds: dict) -> dict[str, np.ndarray]:
-    """The feeds ``session`` reads, as contiguous numpy arrays of its input types."""
+    """The feeds ``session`` reads, as contiguous numpy arrays of its input types (rounded here, once,
+    where a graph takes a narrower type than the host computes in)."""
     types = input_types(session)
-    return {name: np.ascontiguousarray(np.asarray(value).astype(types[name], copy=False))
-            for name, value in feeds.items() if name in types}
+    return {name: as_type(value, types[name]) for name, value in feeds.items() if name in types}
 
 
 def run_host(session, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Run with numpy feeds cast to the session's input types; outputs by name."""
+    """Run with numpy feeds cast to the session's input types; outputs by name (a bfloat16 output as
+    float32: :func:`onnxopt.runtime.run_session`)."""
     names = [o.name for o in session.get_outputs()]
-    return dict(zip(names, session.run(names, _cast_feeds(session, feeds))))
+    return dict(zip(names, run_session(import_onnxruntime(), session, names, _cast_feeds(session, feeds))))
 
 
 def run_on_device(session, feeds: dict[str, np.ndarray]) -> dict:
@@ -142,10 +155,10 @@ def timestep_feed(session, value, batch: int, name: str = "timestep") -> np.ndar
     """The timestep as ``session`` takes it (input ``name``): a scalar, [1], or [batch] (exports differ),
     in its dtype."""
     spec = next(i for i in session.get_inputs() if i.name == name)
-    dtype = ORT_TYPES.get(spec.type, np.float32)
+    dtype = input_dtype(spec)
     if len(spec.shape) == 0:
-        return np.asarray(value, dtype=dtype)
-    return np.full([1 if spec.shape[0] == 1 else batch], value, dtype=dtype)
+        return as_type(value, dtype)
+    return as_type(np.full([1 if spec.shape[0] == 1 else batch], value), dtype)
 
 
 def as_list(value) -> list:
@@ -169,7 +182,7 @@ def schedule_tables(plan, timestep_dtype, capacity: int | None = None) -> tuple[
         raise ValueError(f"a schedule of {len(plan)} steps does not fit {rows} rows")
     timesteps = np.zeros([rows], np.dtype(timestep_dtype))
     coefficients = np.zeros([rows, 6], np.float32)
-    timesteps[: len(plan)] = np.asarray(plan.timesteps, dtype=np.float64).astype(timestep_dtype)
+    timesteps[: len(plan)] = as_type(np.asarray(plan.timesteps, dtype=np.float64), timestep_dtype)
     coefficients[: len(plan)] = plan.coefficients
     return timesteps, coefficients
 
@@ -192,7 +205,7 @@ class HostStepLoop:
               controlnet: dict[str, np.ndarray] | None = None):
         self.plan = plan
         timesteps, coefficients = schedule_tables(plan, self.types["schedule_timesteps"])
-        self.feeds = {**static, "latents": latents.astype(self.types["latents"]),
+        self.feeds = {**static, "latents": as_type(latents, self.types["latents"]),
                       "state": np.zeros(latents.shape, self.types["state"]), "step_index": np.zeros([1], np.int64),
                       "schedule_timesteps": timesteps, "schedule_coefficients": coefficients,
                       "guidance_scale": np.asarray([guidance], np.float32)}
@@ -219,7 +232,7 @@ class HostStepLoop:
 
     def write_state(self, value: np.ndarray) -> None:
         """The next step's ``state`` input (a stochastic scheduler's noise for that step)."""
-        self.feeds["state"] = value.astype(self.types["state"], copy=False)
+        self.feeds["state"] = as_type(value, self.types["state"])
 
     def latents(self) -> np.ndarray:
         return self.feeds["latents"]
@@ -427,7 +440,7 @@ class DeviceStepLoop:
 
     def latents(self) -> np.ndarray:
         """The latents after the last step."""
-        return self.buffers[self.index % 2].numpy()
+        return host_array(self.ort, self.buffers[self.index % 2])
 
 
 def controlnet_prepare_model(dtype=np.float32, timestep_dtype=np.float32, timestep_shape: tuple = (1,)) -> bytes:

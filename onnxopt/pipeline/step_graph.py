@@ -23,7 +23,7 @@ for a whole image) and the UNet's sample is ``Concat([Concat([latents * c_in] * 
 axis 1)``, diffusers' ``torch.cat([scale_model_input(latents), mask, masked_image_latents], dim=1)``.
 
 The interface (the pipeline contract): inputs ``latents``, ``state`` (float32), ``step_index`` [1]
-int64, ``schedule_timesteps`` [T] (the UNet's timestep dtype), ``schedule_coefficients`` [T, 6]
+int64, ``schedule_timesteps`` [T] (the UNet's timestep dtype; float32 for bfloat16), ``schedule_coefficients`` [T, 6]
 float32, ``guidance_scale`` [1] and the UNet's conditioning inputs by their own names and dtypes;
 outputs ``latents_out``, ``state_out``, ``step_index_out`` (= step_index + 1) and ``guided_output``
 (eps, float32: what a reused step reads, :mod:`onnxopt.pipeline.step_reuse`). Row k of the
@@ -38,7 +38,8 @@ engine, one capture) serves every scheduler and step count (a scheduler baked in
 force a TensorRT engine rebuild and a new capture for each).
 
 The latents, the state, the coefficients and the update stay float32 whatever the UNet's precision
-(an fp16-io UNet gets Casts around it), so fifty steps do not accumulate fp16 rounding.
+(an fp16- or bf16-io UNet gets Casts around it), so fifty steps do not accumulate fp16 or bf16
+rounding: the latents are rounded to the denoiser's type where it reads them, once per step.
 
 The UNet inside is not rewritten: its nodes are copied as they are, and its weights are the very
 same graphsurgeon Constants (``is``), so a large UNet is never held twice. (Each shared Constant's
@@ -61,6 +62,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import ml_dtypes
 import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
@@ -100,7 +102,7 @@ def build_step_graph(unet: Model, *, cfg_late: bool = False, denoiser: Denoiser 
     make = Emit(graph, NameAuthority(graph), PREFIX.rstrip("/"))
     step = {name: make.variable(name, dtype, shape, exact=True) for name, dtype, shape in (
         ("latents", F32, latent_shape), ("state", F32, latent_shape), ("step_index", np.int64, [1]),
-        ("schedule_timesteps", timestep.dtype, ["schedule"]), ("schedule_coefficients", F32, ["schedule", 6]),
+        ("schedule_timesteps", _schedule_dtype(timestep), ["schedule"]), ("schedule_coefficients", F32, ["schedule", 6]),
         ("guidance_scale", F32, [1]))}
     if extra:
         batch2 = sample.shape[0] if sample.shape else None
@@ -156,7 +158,8 @@ def _feed_the_unet(make: Emit, step: dict, sample, timestep, latent_shape, where
     latents * c_in; cast to the UNet's type), the timestep shaped as the UNet takes it. Returns
     (the six coefficients, step_index_out)."""
     ints = lambda name, values: make.constant(name, np.array(values, np.int64))  # noqa: E731
-    step_timestep = make.node("Gather", [step["schedule_timesteps"], step["step_index"]], timestep.dtype, [1],
+    schedule_dtype = _schedule_dtype(timestep)
+    step_timestep = make.node("Gather", [step["schedule_timesteps"], step["step_index"]], schedule_dtype, [1],
                               label="timestep", axis=0)
     row = make.node("Gather", [step["schedule_coefficients"], step["step_index"]], F32, [1, 6], label="coefficients",
                     axis=0)
@@ -174,17 +177,28 @@ def _feed_the_unet(make: Emit, step: dict, sample, timestep, latent_shape, where
             make.node("Cast", [scaled], None, None, outputs=[sample], label="model_input", to=_onnx_type(sample_dtype))
     else:
         _feed_both_rows(make, step, scaled, sample, sample_dtype, latent_shape)
+    shaped = timestep  # a bfloat16 timestep: shaped in float32, then one Cast (ORT's CPU EP has no bf16 Expand)
+    if schedule_dtype != numpy_dtype(timestep.dtype):
+        shaped = make.variable(f"{PREFIX}timestep_shaped", schedule_dtype, timestep.shape)
+        make.node("Cast", [shaped], None, None, outputs=[timestep], label="timestep_cast", to=_onnx_type(timestep.dtype))
     if timestep.shape is not None and len(timestep.shape) == 0:
         make.node("Reshape", [step_timestep, ints("scalar_shape", np.zeros(0, np.int64))], None, None,
-                  outputs=[timestep], label="timestep_scalar")
+                  outputs=[shaped], label="timestep_scalar")
     elif timestep.shape == [1]:  # exported for one timestep broadcast over the batch: keep it so
-        make.node("Identity", [step_timestep], None, None, outputs=[timestep], label="timestep_batch")
+        make.node("Identity", [step_timestep], None, None, outputs=[shaped], label="timestep_batch")
     else:
         shape = make.node("Shape", [sample], np.int64, [len(latent_shape)], label="model_input_shape")
         batch2 = make.node("Slice", [shape, ints("zero", [0]), ints("one", [1])], np.int64, [1],
                            label="model_input_batch")
-        make.node("Expand", [step_timestep, batch2], None, None, outputs=[timestep], label="timestep_batch")
+        make.node("Expand", [step_timestep, batch2], None, None, outputs=[shaped], label="timestep_batch")
     return coefficients, step_index_out
+
+
+def _schedule_dtype(timestep: gs.Tensor) -> np.dtype:
+    """``schedule_timesteps``' type: the denoiser's timestep type, but float32 for a bfloat16 one
+    (cast to bf16 in the graph, rounding to nearest even as the host would)."""
+    dtype = numpy_dtype(timestep.dtype)
+    return F32 if dtype == np.dtype(ml_dtypes.bfloat16) else dtype
 
 
 def _feed_both_rows(make: Emit, step: dict, scaled, sample, sample_dtype, latent_shape) -> None:
@@ -324,8 +338,9 @@ def _latent_shape(shape, where: str, guided: bool = True) -> list:
 
 def _float_dtype(tensor: gs.Tensor, where: str) -> np.dtype:
     dtype = numpy_dtype(tensor.dtype) if tensor.dtype is not None else None
-    if dtype not in (np.dtype(np.float32), np.dtype(np.float16)):
-        raise UnsupportedModelError(f"{where}: UNet tensor {tensor.name} is {dtype}, expected float32 or float16")
+    if dtype not in (np.dtype(np.float32), np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16)):
+        raise UnsupportedModelError(f"{where}: UNet tensor {tensor.name} is {dtype}, expected float32, float16 or "
+                                    "bfloat16")
     return dtype
 
 

@@ -7,6 +7,7 @@ import numpy as np
 
 from onnxopt.errors import OnnxoptError
 from onnxopt.pipeline.sessions import input_types
+from onnxopt.runtime import as_type, import_onnxruntime, run_session
 
 
 def penultimate_name(session) -> str:
@@ -24,6 +25,6 @@ def penultimate_name(session) -> str:
 def run_outputs(session, input_ids: np.ndarray, names: list[str]) -> list[np.ndarray]:
     """A text encoder's ``names`` outputs only: SDXL's encoders have 14 and 34 outputs (every
     hidden state) of which the pipeline reads one or two, and each output fetched is a copy from
-    the device (CapturedSession copies only the ones asked for)."""
+    the device (CapturedSession copies only the ones asked for). A bfloat16 output comes back float32."""
     dtype = input_types(session)["input_ids"]
-    return session.run(names, {"input_ids": np.ascontiguousarray(input_ids.astype(dtype, copy=False))})
+    return run_session(import_onnxruntime(), session, names, {"input_ids": as_type(input_ids, dtype)})

@@ -13,6 +13,8 @@ step loops, the ControlNets, the LoRA update) and ``onnxopt bench`` all run thro
         graph_id       the run options' ``gpu_graph_id`` when the session captures (None: no id)
     run.write(feeds)   host values into its input buffers, in place (``update_inplace``)
     run.run()          ``run_with_iobinding``: a graph id's first run captures, every later one replays
+    bfloat16 buffers are made, written and read through :mod:`onnxopt.runtime` (NumPy has no
+    bfloat16; ORT takes its bits): ``captured.run`` gives a bf16 output as float32
 
     captured.run_bound(feeds)          the keyed use (text encoders, K/V companion, hint, VAE decoder)
         key = the feeds' names, shapes and dtypes
@@ -49,15 +51,15 @@ from __future__ import annotations
 import numpy as np
 
 from onnxopt.runners.capture_cache import DEFAULT_SIZE, CaptureCache
-from onnxopt.runtime import ORT_TYPES
+from onnxopt.runtime import ORT_TYPES, empty_ortvalue, host_array, ortvalue, update_ortvalue
 
 UNCAPTURED = -1  # ORT's graph id for a run that is never captured
 
 
 def write(buffer, value, dtype=None) -> None:
-    """``value`` (cast to ``dtype``) into ``buffer`` in place: the address a captured graph reads stays."""
-    array = np.asarray(value)
-    buffer.update_inplace(np.ascontiguousarray(array.astype(dtype or array.dtype, copy=False)))
+    """``value`` (cast to ``dtype``, else to the buffer's own type) into ``buffer`` in place: the
+    address a captured graph reads stays. bfloat16 included (:mod:`onnxopt.runtime`)."""
+    update_ortvalue(buffer, value, dtype)
 
 
 class BoundRun:
@@ -103,15 +105,12 @@ class CapturedSession:
 
     def empty(self, shape, dtype):
         """A fresh buffer on this session's device (its contents undefined)."""
-        return self.ort.OrtValue.ortvalue_from_shape_and_type(list(shape), np.dtype(dtype).type, self.device,
-                                                              self.device_id)
+        return empty_ortvalue(self.ort, shape, dtype, self.device, self.device_id)
 
     def buffer(self, value, dtype=None):
         """A fresh buffer holding ``value`` (cast to ``dtype``): on a GPU a copy; on the CPU, ORT's
         ``ortvalue_from_numpy`` uses the (contiguous, cast) array's own memory."""
-        array = np.asarray(value)
-        array = np.ascontiguousarray(array.astype(dtype or array.dtype, copy=False))
-        return self.ort.OrtValue.ortvalue_from_numpy(array, self.device, self.device_id)
+        return ortvalue(self.ort, value, dtype, self.device, self.device_id)
 
     def run_options(self, graph_id: int | None, *, queue_only: bool = False):
         """ORT's run options: ``gpu_graph_id`` when this session captures (or -1, never captured);
@@ -179,4 +178,4 @@ class CapturedSession:
 
     def run(self, output_names, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
         outputs = self.run_bound(feeds)
-        return [outputs[name].numpy() for name in output_names or list(outputs)]
+        return [host_array(self.ort, outputs[name]) for name in output_names or list(outputs)]

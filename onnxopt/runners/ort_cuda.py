@@ -19,7 +19,7 @@ import numpy as np
 
 from onnxopt.errors import MissingDependencyError, OnnxoptError
 from onnxopt.runners.captured_session import CapturedSession
-from onnxopt.runtime import ORT_TYPES, import_onnxruntime, inference_session, session_options
+from onnxopt.runtime import as_type, host_array, import_onnxruntime, inference_session, input_dtype, session_options
 
 
 def gpu_memory_used_mb(device_id: int = 0) -> float | None:
@@ -107,21 +107,21 @@ class OrtCudaSession:
         self.bound = None
 
     def input_types(self) -> dict[str, np.dtype]:
-        return {i.name: np.dtype(ORT_TYPES.get(i.type, np.float32)) for i in self.session.get_inputs()}
+        return {i.name: input_dtype(i, self.path) for i in self.session.get_inputs()}
 
     def bind(self, feeds: dict[str, np.ndarray]) -> None:
         """Copy ``feeds`` to the GPU (cast to the model's input types) and preallocate the outputs:
         fixed device buffers of the shapes one uncaptured run gives (a CUDA graph replays the
         addresses it captured), on a graph id never used before (a new binding captures anew)."""
         types = self.input_types()
-        inputs = {name: np.ascontiguousarray(feeds[name].astype(dtype)) for name, dtype in types.items()}
+        inputs = {name: as_type(feeds[name], dtype) for name, dtype in types.items()}
         self.bound = self.captured.bind(inputs, graph_id=self.captured.graph_ids(1)[0])
 
     def run(self) -> None:
         self.bound.run()
 
     def outputs(self) -> dict[str, np.ndarray]:
-        return {name: value.numpy() for name, value in self.bound.outputs.items()}
+        return {name: host_array(self.captured.ort, value) for name, value in self.bound.outputs.items()}
 
     def time(self, warmup: int = 10, runs: int = 40) -> Timing:
         for _ in range(warmup):
