@@ -31,7 +31,9 @@ from onnxopt.errors import MissingDependencyError, OnnxoptError
 # (bfloat16: ml_dtypes', which onnx itself uses; NumPy has none).
 ORT_TYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(int64)": np.int64,
              "tensor(int32)": np.int32, "tensor(double)": np.float64, "tensor(bool)": np.bool_,
-             "tensor(bfloat16)": ml_dtypes.bfloat16}
+             "tensor(bfloat16)": ml_dtypes.bfloat16, "tensor(int8)": np.int8, "tensor(uint8)": np.uint8,
+             "tensor(int16)": np.int16, "tensor(uint16)": np.uint16, "tensor(uint32)": np.uint32,
+             "tensor(uint64)": np.uint64}
 
 # Types ORT's Python API cannot take as NumPy arrays (ONNX Runtime 1.32), by dtype: (ONNX element
 # type, the NumPy type of the same width whose bytes ORT does take). What 1.32 does with bfloat16:

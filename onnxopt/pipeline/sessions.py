@@ -104,13 +104,16 @@ def create_session(model: Path | bytes, provider: str, *, name: str, cuda_graph:
         so.add_session_config_entry("session.intra_op.allow_spinning", "0")
     providers = provider_list(provider, cuda_graph=cuda_graph, device_id=device_id)
     try:
-        return inference_session(model, providers, so)
+        session = inference_session(model, providers, so)
     except Exception as exc:  # ORT raises its own exception types with long messages
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         hint = (" (a folder optimized for the CUDA EP, with its contrib ops: run it with --provider cuda, or optimize "
                 "it with --target tensorrt, whose standard ONNX every provider runs)"
                 if provider == "cpu" and "NOT_IMPLEMENTED" in first else "")
         raise OnnxoptError(f"{name}: ONNX Runtime cannot load the model: {first}{hint}") from exc
+    for spec in session.get_inputs():  # refused now, by component, rather than at its first feed
+        input_dtype(spec, name)
+    return session
 
 
 def input_types(session) -> dict[str, np.dtype]:

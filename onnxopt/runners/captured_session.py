@@ -51,7 +51,7 @@ from __future__ import annotations
 import numpy as np
 
 from onnxopt.runners.capture_cache import DEFAULT_SIZE, CaptureCache
-from onnxopt.runtime import ORT_TYPES, empty_ortvalue, host_array, ortvalue, update_ortvalue
+from onnxopt.runtime import ORT_TYPES, as_type, empty_ortvalue, host_array, input_dtype, ortvalue, update_ortvalue
 
 UNCAPTURED = -1  # ORT's graph id for a run that is never captured
 
@@ -156,6 +156,12 @@ class CapturedSession:
 
     # --- the keyed use: one binding per input shape -----------------------------------------------
 
+    def input_types(self) -> dict[str, np.dtype]:
+        """Each input's type as the graph declares it (what :meth:`run_bound` casts its feeds to)."""
+        if not hasattr(self, "_input_types"):
+            self._input_types = {spec.name: input_dtype(spec) for spec in self.session.get_inputs()}
+        return self._input_types
+
     def graph_ids(self, n: int) -> tuple[int, ...]:
         return self.cache.graph_ids(n)
 
@@ -163,10 +169,12 @@ class CapturedSession:
         return self.cache.stats()
 
     def run_bound(self, feeds: dict[str, np.ndarray]) -> dict:
-        """Run on ``feeds``; the outputs by name, left in their fixed buffers (OrtValues on the
-        device): the same buffers for every later run of the same input shapes, so a graph that
-        reads them (the step loop reading the K/V companion's output) can bind them once."""
-        feeds = {name: np.ascontiguousarray(value) for name, value in feeds.items()}
+        """Run on ``feeds`` (cast to the input types the graph declares); the outputs by name, left in
+        their fixed buffers (OrtValues on the device): the same buffers for every later run of the
+        same input shapes, so a graph that reads them (the step loop reading the K/V companion's
+        output) can bind them once."""
+        types = self.input_types()
+        feeds = {name: as_type(value, types.get(name, np.asarray(value).dtype)) for name, value in feeds.items()}
         key = tuple(sorted((name, value.shape, value.dtype.str) for name, value in feeds.items()))
         run = self.cache.lookup(key)
         if run is None:  # captured on the first run with these buffers, replayed after
