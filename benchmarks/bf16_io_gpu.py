@@ -79,7 +79,8 @@ def folder_image(name: str, out: Path) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=None, help="where the bf16-io folders are written (default: a temp dir)")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="where the bf16-io folders are written (default: a temp dir)")
     args = parser.parse_args()
     out = args.out or Path(tempfile.mkdtemp(prefix="bf16io-"))
     results = {"round_trip": round_trip()}

@@ -42,12 +42,14 @@ ORT_TYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor
 #   OrtValue.ortvalue_from_numpy(ml_dtypes array)             fails: "only supported from non-string numpy arrays"
 #   OrtValue.ortvalue_from_shape_and_type(shape, ml_dtypes)   fails the same way
 #   OrtValue.ortvalue_from_numpy_with_onnx_type(uint16 bits, BFLOAT16)   works (CPU, shares the array's memory)
-#   OrtValue.ortvalue_from_shape_and_type(shape, BFLOAT16 as an int, device)   works (any device)
+#   OrtValue.ortvalue_from_shape_and_type(shape, BFLOAT16 as an int, device)   works (its docs: for
+#                                                             types NumPy lacks)
 #   bf16 OrtValue.update_inplace(uint16 bits)                 works (a bf16 array: fails as above)
 #   bf16 OrtValue.numpy(), and run() returning a bf16 output  fail: "No corresponding Numpy type"
 #   host OrtValue over uint16 bits .update_inplace(bf16 OrtValue)   works: the read-back used here
 # So a bf16 value goes to ORT as an OrtValue made from its bits, the session runs on OrtValues, and
-# a bf16 output comes back through a host buffer of uint16 bits, read as float32 (exact).
+# a bf16 output comes back through a host buffer of uint16 bits, read as float32 (exact). Measured
+# on the CPU EP (tests/test_pipeline_bf16_io.py); the CUDA side: benchmarks/bf16_io_gpu.py.
 BITS_ONLY = {np.dtype(ml_dtypes.bfloat16): (16, np.uint16)}  # 16: onnx.TensorProto.BFLOAT16
 
 ORT_QUIET = 4  # ORT's severities: 0 verbose, 1 info, 2 warning, 3 error, 4 fatal

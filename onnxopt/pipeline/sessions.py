@@ -34,6 +34,11 @@ per-image inputs, ``step`` once per timestep, ``latents`` at the end. Both take 
 session, or a list of them (more than one ControlNet, :mod:`onnxopt.pipeline.multi_controlnet`),
 with one dict of per-image inputs each; ControlNet k's residuals go to the step graph's inputs
 ``interface_name(residual, k)``, which the step graph sums.
+
+Every graph input is fed the type its graph declares, bfloat16 included (rounded once, to nearest
+even, where the graph asks for it), and a bfloat16 output comes back to the host as float32:
+:mod:`onnxopt.runtime` says how, with what ONNX Runtime's Python API takes. A session whose input
+is of a type onnxopt cannot feed (a string, float8) is refused when it is made (exit code 2).
 """
 
 from __future__ import annotations

@@ -102,7 +102,8 @@ def build_step_graph(unet: Model, *, cfg_late: bool = False, denoiser: Denoiser 
     make = Emit(graph, NameAuthority(graph), PREFIX.rstrip("/"))
     step = {name: make.variable(name, dtype, shape, exact=True) for name, dtype, shape in (
         ("latents", F32, latent_shape), ("state", F32, latent_shape), ("step_index", np.int64, [1]),
-        ("schedule_timesteps", _schedule_dtype(timestep), ["schedule"]), ("schedule_coefficients", F32, ["schedule", 6]),
+        ("schedule_timesteps", _schedule_dtype(timestep), ["schedule"]),
+        ("schedule_coefficients", F32, ["schedule", 6]),
         ("guidance_scale", F32, [1]))}
     if extra:
         batch2 = sample.shape[0] if sample.shape else None
@@ -180,7 +181,8 @@ def _feed_the_unet(make: Emit, step: dict, sample, timestep, latent_shape, where
     shaped = timestep  # a bfloat16 timestep: shaped in float32, then one Cast (ORT's CPU EP has no bf16 Expand)
     if schedule_dtype != numpy_dtype(timestep.dtype):
         shaped = make.variable(f"{PREFIX}timestep_shaped", schedule_dtype, timestep.shape)
-        make.node("Cast", [shaped], None, None, outputs=[timestep], label="timestep_cast", to=_onnx_type(timestep.dtype))
+        make.node("Cast", [shaped], None, None, outputs=[timestep], label="timestep_cast",
+                  to=_onnx_type(timestep.dtype))
     if timestep.shape is not None and len(timestep.shape) == 0:
         make.node("Reshape", [step_timestep, ints("scalar_shape", np.zeros(0, np.int64))], None, None,
                   outputs=[shaped], label="timestep_scalar")
