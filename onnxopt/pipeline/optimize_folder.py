@@ -306,13 +306,13 @@ def _run_once(model, feed: dict) -> dict[str, np.ndarray]:
 
 def _run_on_cuda(model, feed: dict, work: Path) -> dict[str, np.ndarray]:
     from onnxopt.precision import CUDA_CHECK_PROVIDERS
-    from onnxopt.runtime import inference_session
+    from onnxopt.runtime import import_onnxruntime, inference_session, run_session
     from onnxopt.saving import save_model
 
     path = save_model(model, work / "check.onnx", external_data=True).path
     session = inference_session(path, CUDA_CHECK_PROVIDERS)  # quiet: cuDNN's discarded plans logged 18 [E:...] lines
     names = [o.name for o in session.get_outputs()]
-    return dict(zip(names, session.run(names, feed)))
+    return dict(zip(names, run_session(import_onnxruntime(), session, names, feed)))  # bf16 I/O too
 
 
 def _input_dtype(model, name):
