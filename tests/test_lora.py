@@ -15,6 +15,9 @@ for ``tensorrt`` and for ``ort-cuda`` (fp32):
   module lands in -- packed Q/K/V, packed K/V, NHWC and 1x1-as-MatMul conv weights -- make the
   optimized UNet and text encoder compute what the exported ones compute with the same LoRA merged
   (onnxopt's reference kernels against ORT's CPU EP);
+* there, an NhwcConv whose weight a LoRA changes (a graph input, which the CUDA EP refuses for
+  NhwcConv) runs as Transpose-Conv-Transpose and computes what the optimized UNet with the LoRA
+  folded in computes; a LoRA of no conv leaves every NhwcConv as it was;
 * a file that is not a LoRA of these formats, or a LoRA for another model, is refused with one line
   and exit code 2.
 
@@ -204,6 +207,68 @@ def test_the_ort_cuda_weight_map_puts_each_delta_in_its_slice(loras, folders):
         got = list(reference_run(optimized, feed).values())[0]
         np.testing.assert_allclose(got, expected, rtol=0, atol=1e-4 * np.abs(expected).max())
         assert np.abs(plain.run(None, feed)[0] - expected).max() > 1e-2 * np.abs(expected).max()
+
+
+def _unet_with_lora(folders, loras, names):
+    """The ort-cuda UNet (with its weights), its LoRA targets for ``names`` at 0.8, and a seeded feed."""
+    import onnx
+
+    from onnxopt.lora import pipeline_loras
+    from onnxopt.pipeline.plan import plan_generation
+
+    folder = PipelineFolder.open(folders("ort-cuda"))
+    lora_set = pipeline_loras(folder, plan_generation(folder, "cpu"), [f"{loras[n]}:0.8" for n in names], "cpu").loras
+    path = folder.root / "unet" / "model.onnx"
+    proto = onnx.load(str(path))
+    targets = lora_set.targets("unet", proto, path, path.parent)
+    rng = np.random.default_rng(0)
+    values = {"sample": rng.standard_normal((2, 4, 8, 8)), "timestep": np.array([500]),
+              "encoder_hidden_states": rng.standard_normal((2, 77, 32))}
+    feed = {i.name: values[i.name].astype(onnx.helper.tensor_dtype_to_np_dtype(i.type.tensor_type.elem_type))
+            for i in proto.graph.input}
+    return path, proto, targets, lora_set, feed
+
+
+def _nhwc_convs(proto) -> list:
+    return [n for n in proto.graph.node if n.op_type == "NhwcConv"]
+
+
+@pytest.mark.slow
+def test_an_nhwc_conv_the_lora_changes_runs_as_conv_with_the_weight_an_input(loras, folders):
+    """The LoRA session's graph of the ort-cuda UNet (conv1 LoRAs: NhwcConv weights as inputs, which
+    the CUDA EP refuses) computes, with the weights fed, what the optimized UNet with the LoRA folded
+    in computes (reference kernels); only the NhwcConvs whose weight the LoRA changes were rewritten."""
+    import onnx
+
+    from onnxopt.lora.session import weights_as_inputs
+    from onnxopt.reference import run as reference_run
+
+    path, proto, targets, lora_set, feed = _unet_with_lora(folders, loras, ["a"])
+    rewritten = onnx.load_from_string(weights_as_inputs(proto, set(targets)))
+    changed = [n for n in _nhwc_convs(proto) if n.input[1] in targets]
+    kept = [n for n in _nhwc_convs(proto) if n.input[1] not in targets]
+    assert changed and kept  # the LoRA's conv1 weights, and convs it leaves alone
+    assert _nhwc_convs(rewritten) == kept
+    convs = [n for n in rewritten.graph.node if n.op_type == "Conv"]
+    assert len(convs) == len(changed) and {n.input[1] for n in changed} <= {i.name for i in rewritten.graph.input}
+    weights = {name: t.value(lora_set.scales) for name, t in targets.items()}
+    got = reference_run(rewritten, {**feed, **weights})
+    folded, _ = _patched(path, lora_set, "unet")
+    expected = reference_run(folded, feed)
+    for name, want in expected.items():
+        np.testing.assert_allclose(got[name], want, rtol=0, atol=1e-5 * np.abs(want).max())
+
+
+@pytest.mark.slow
+def test_a_lora_of_no_conv_leaves_every_nhwc_conv_as_it_was(loras, folders):
+    from onnx import load_from_string
+
+    from onnxopt.lora.session import weights_as_inputs
+
+    _, proto, targets, _, _ = _unet_with_lora(folders, loras, ["b"])  # to_k, to_out.0, ff.net.2
+    assert targets and _nhwc_convs(proto)
+    rewritten = load_from_string(weights_as_inputs(proto, set(targets)))
+    assert list(rewritten.graph.node) == list(proto.graph.node)
 
 
 # --- refusals -------------------------------------------------------------------------------------
