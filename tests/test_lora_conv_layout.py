@@ -3,7 +3,8 @@
 The claims, on hand-built graphs: with its weight (or bias) fed as an input, the rewritten node
 computes on ONNX Runtime's CPU EP what onnxopt's reference NhwcConv computes with the weight
 constant, for stride, padding, dilation, group, auto_pad and bias variants; an NhwcConv whose
-weight stays constant is left as it was. The SD 1.5 folder cases are in tests/test_lora.py.
+weight stays constant is left as it was. On a GPU, the CUDA EP runs the rewritten graph with no CPU
+fallback and gives the same output. The SD 1.5 folder cases are in tests/test_lora.py.
 """
 
 from __future__ import annotations
@@ -93,3 +94,23 @@ def test_no_nhwc_conv_changes_when_no_weight_of_it_is_an_input():
     model.graph.initializer.append(extra)
     rewritten = onnx.load_from_string(weights_as_inputs(model, {"unrelated"}))
     assert list(rewritten.graph.node) == list(model.graph.node)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_the_cuda_ep_runs_the_rewritten_graph_with_no_cpu_fallback(variant):
+    """On a GPU (``pytest -m gpu``): ONNX Runtime's CUDA EP takes the rewritten graph whole (it refuses
+    an NhwcConv whose weight is an input) and computes the reference NhwcConv's output (TF32 off)."""
+    from onnxopt.runners import cuda_available
+
+    if not cuda_available():
+        pytest.skip("needs onnxruntime-gpu and a CUDA device")
+    model, x = nhwc_conv_model(**VARIANTS[variant])
+    weights = {"W": numpy_helper.to_array(next(t for t in model.graph.initializer if t.name == "W"))}
+    expected = reference.run(model, {"x": x})["y"]
+    options = ort.SessionOptions()
+    options.add_session_config_entry("session.disable_cpu_ep_fallback", "1")
+    session = ort.InferenceSession(weights_as_inputs(model, set(weights)), options,
+                                   providers=[("CUDAExecutionProvider", {"use_tf32": "0"})])
+    got = session.run(None, {"x": x, **weights})[0]
+    np.testing.assert_allclose(got, expected, rtol=0, atol=1e-4 * np.abs(expected).max())
