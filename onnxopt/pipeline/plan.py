@@ -83,6 +83,7 @@ class GenerationPlan:
     # graphs that take two rows per image, where the guidance then cancels exactly)
     no_cfg_rows: int = 1
     no_cfg: str = ""  # what runs then, for people
+    embedded_guidance: bool = False  # the denoiser takes the guidance itself (Flux): never classifier-free guidance
     step_model: Path | None = field(default=None, repr=False)
     context_model: Path | None = field(default=None, repr=False)
     down_model: Path | None = field(default=None, repr=False)
@@ -102,6 +103,8 @@ class GenerationPlan:
 
     def guidance_text(self) -> str:
         """Whether classifier-free guidance runs, and what runs without it."""
+        if self.embedded_guidance:
+            return "CFG never: the denoiser embeds the guidance, one row per image, no negative prompt"
         on = "CFG on (guidance > 1): [negative; prompt] rows, two per image"
         off = f"CFG off (guidance <= 1): the prompt alone, the negative prompt ignored; {self.no_cfg}"
         if self.classifier_free_guidance is None:
@@ -192,6 +195,7 @@ def _plan_without_guidance(folder, plan, options) -> None:
     from onnxopt.pipeline.runner import classifier_free_guidance
 
     if not folder.family.denoiser.classifier_free_guidance:  # Flux: no guidance rows at all
+        plan.embedded_guidance, plan.classifier_free_guidance = True, False
         return
     if options.guidance is not None:
         plan.classifier_free_guidance = classifier_free_guidance(options.guidance)
