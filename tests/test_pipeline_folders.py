@@ -308,7 +308,7 @@ def test_external_data_names_are_kept(folders, tmp_path, data_name):
     for component in onnx_components(src):
         # the step graph and its context-kv part refer to the UNet's data file: no data file of their own
         step = ["step.onnx", "step.context_kv.onnx"] if component == "unet" else []
-        step += ["model.static.b2.onnx"] if component == "text_encoder" else []  # it refers to the data file too
+        step += ["model.static.b1.onnx", "model.static.b2.onnx"] if component == "text_encoder" else []  # they refer to it too
         graphs = ["model.onnx", *step]  # each with its weight map beside it (onnxopt.weight_provenance)
         maps = [g.removesuffix(".onnx") + ".weights.json" for g in graphs]
         assert sorted(p.name for p in (dst / component).iterdir()) == sorted(["config.json", data_name, *graphs, *maps])

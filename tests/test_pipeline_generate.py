@@ -292,6 +292,14 @@ def test_generate_on_an_optimized_folder(built, tmp_path, kind, context_kv):
     scale = float(np.abs(source.latents).max())
     np.testing.assert_allclose(optimized.latents, source.latents, rtol=0, atol=LATENT_RTOL * scale)
     np.testing.assert_allclose(optimized.pixels, source.pixels, rtol=0, atol=PIXEL_ATOL)
+    if kind != "sd15-controlnet":  # guidance off: step.onnx without its guidance rows, the text encoder at batch 1
+        off = Pipeline.load(out, "cpu", threads=THREADS, guidance=1.0, io_binding=kind == "sdxl")(
+            scheduler="dpm++2m", progress=False, **b.request(guidance=1.0))
+        assert off.timings["without_guidance"] == ("the step graph of unet/step.onnx without its guidance rows, built "
+                                                   "in memory (one row per image)")
+        assert off.timings["text_encoders"]["text_encoder" if kind == "sd15" else "text_encoder_2"] == "model.static.b1.onnx"
+        source = b.onnx()(scheduler="dpm++2m", progress=False, **b.request(guidance=1.0))
+        np.testing.assert_allclose(off.latents, source.latents, rtol=0, atol=LATENT_RTOL * np.abs(source.latents).max())
 
 
 
