@@ -771,7 +771,7 @@ class Pipeline:
             return HostStepLoop(step, controlnet_session, self.sessions["reuse"])
         # diffusers' schedulers take at most num_train_timesteps steps: one table size serves every run
         capacity = max(steps, self.folder.scheduler_config().get("num_train_timesteps", 1000))
-        key = (key, DeviceStepLoop.key(latents, cond, controlnet, capacity))
+        key = (*DeviceStepLoop.key(latents, cond, controlnet, capacity), key)  # and which step graph runs
         loop = self._device_loops.lookup(key)
         self._new_shape = loop is None
         if loop is None:  # graph ids never given before: an evicted shape's ids still replay its capture
