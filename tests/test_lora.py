@@ -67,7 +67,7 @@ def loras(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference(loras):
-    """reference({name: scale}) -> (latents, pixels) of diffusers' pipeline with those adapters."""
+    """reference({name: scale}[, guidance]) -> (latents, pixels) of diffusers' pipeline with those adapters."""
     import torch
 
     from onnxopt.pipeline.schedulers import make_scheduler
@@ -79,8 +79,8 @@ def reference(loras):
         pipe.load_lora_weights(str(loras[name]), adapter_name=name)
     cache = {}
 
-    def run(scales: dict) -> tuple[np.ndarray, np.ndarray]:
-        key = tuple(sorted(scales.items()))
+    def run(scales: dict, guidance: float = REQUEST["guidance"]) -> tuple[np.ndarray, np.ndarray]:
+        key = (tuple(sorted(scales.items())), guidance)
         if key not in cache:
             pipe.set_adapters(list(scales), list(scales.values()))
             final = {}
@@ -92,7 +92,7 @@ def reference(loras):
             r = REQUEST
             with torch.no_grad():
                 image = pipe(r["prompt"], negative_prompt=r["negative_prompt"], num_inference_steps=r["steps"],
-                             guidance_scale=r["guidance"], height=r["height"], width=r["width"], output_type="np",
+                             guidance_scale=guidance, height=r["height"], width=r["width"], output_type="np",
                              generator=torch.Generator("cpu").manual_seed(r["seed"]), callback_on_step_end=keep).images[0]
             cache[key] = (final["latents"].numpy(), image)
         return cache[key]
@@ -131,6 +131,8 @@ def test_lora_gives_the_diffusers_image(loras, reference, folders, target, io_bi
     assert_image(pipe(progress=False, **REQUEST), reference({"a": 0.7}))
     plain = reference({"a": 0.0})  # the LoRA moves the image far beyond the tolerance
     assert np.abs(reference({"a": 0.7})[1] - plain[1]).max() > 100 * PIXEL_ATOL
+    # guidance off: the step graph without guidance (made now, from step.onnx or the UNet) takes the LoRA too
+    assert_image(pipe(progress=False, **{**REQUEST, "guidance": 1.0}), reference({"a": 0.7}, 1.0))
 
 
 @pytest.mark.slow
