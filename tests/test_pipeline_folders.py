@@ -187,9 +187,10 @@ def test_optimize_ort_cuda_folder_matches_source(folders, tmp_path, kind):
     # graph split for two streams (onnxopt.pipeline.two_streams, opt-in at generate)
     hint = {"controlnet/step.onnx", "controlnet/step.hint.onnx", "merged_step.onnx", "unet/step.streams.onnx",
             "unet/step.streams.down.onnx"} if kind == "sd15-controlnet" else set()
-    # and beside each text encoder its graphs at the batches the pipeline feeds (onnxopt.pipeline.static_text)
+    # and beside each text encoder its graphs at the batches the pipeline feeds (onnxopt.pipeline.static_text):
+    # negative and prompt, and the prompt alone (without guidance; SDXL's without a negative prompt too)
     static = {f"{e}/model.static.b{b}.onnx" for e in ("text_encoder", "text_encoder_2") if (src / e).is_dir()
-              for b in ((1, 2) if kind == "sdxl" else (2,))}
+              for b in (1, 2)}
     # and beside each graph the optimizer writes, its weight map (onnxopt.weight_provenance: where each
     # source weight went, for --lora): at least beside every component's model.onnx, the step graphs and
     # the static text graphs, and only beside a graph
