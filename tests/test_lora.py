@@ -15,6 +15,8 @@ for ``tensorrt`` and for ``ort-cuda`` (fp32):
   module lands in -- packed Q/K/V, packed K/V, NHWC and 1x1-as-MatMul conv weights -- make the
   optimized UNet and text encoder compute what the exported ones compute with the same LoRA merged
   (onnxopt's reference kernels against ORT's CPU EP);
+* kohya's SDXL format (UNet modules by SGM's block names, ``lora_te1_``/``lora_te2_``) on the tiny SDXL
+  folder gives the image of diffusers' ``StableDiffusionXLPipeline.load_lora_weights``;
 * a file that is not a LoRA of these formats, or a LoRA for another model, is refused with one line
   and exit code 2.
 
