@@ -300,7 +300,8 @@ def cmd_generate(args) -> int:
         from onnxopt.pipeline.plan import PlanOptions, folder_scheduler_name, plan_generation
 
         options = PlanOptions(fused_step=args.fused_step, cuda_graph=args.cuda_graph,
-                              scheduler=args.scheduler or folder_scheduler_name(folder))
+                              scheduler=args.scheduler or folder_scheduler_name(folder),
+                              guidance=folder.family.default_guidance if args.guidance is None else args.guidance)
         print(plan_generation(folder, args.provider, options).text())
         return EXIT_OK
     if args.prompt is not None and args.prompts is not None:
@@ -337,7 +338,8 @@ def cmd_generate(args) -> int:
         outputs.file(args.json, "--json")
     with contextlib.nullcontext() if args.debug else quiet_sessions():  # ORT's errors come back as one line
         pipe = Pipeline.load(folder, args.provider, fused_step=args.fused_step and fusable(args.scheduler),
-                             cuda_graph=args.cuda_graph, status=False if args.quiet else None, loras=args.lora)
+                             cuda_graph=args.cuda_graph, status=False if args.quiet else None, loras=args.lora,
+                             guidance=args.guidance)
         # an init image, a mask and several images are the UNet families' (onnxopt.pipeline.img2img)
         init = {k: v for k, v in (("image", args.image), ("mask", args.mask), ("strength", args.strength),
                                   ("num_images", args.num_images)) if v not in (None, 1)}

@@ -18,6 +18,8 @@ for ``tensorrt`` and for ``ort-cuda`` (fp32):
 * there, an NhwcConv whose weight a LoRA changes (a graph input, which the CUDA EP refuses for
   NhwcConv) runs as Transpose-Conv-Transpose and computes what the optimized UNet with the LoRA
   folded in computes; a LoRA of no conv leaves every NhwcConv as it was;
+* kohya's SDXL format (UNet modules by SGM's block names, ``lora_te1_``/``lora_te2_``) on the tiny SDXL
+  folder gives the image of diffusers' ``StableDiffusionXLPipeline.load_lora_weights``;
 * a file that is not a LoRA of these formats, or a LoRA for another model, is refused with one line
   and exit code 2.
 
@@ -70,7 +72,7 @@ def loras(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference(loras):
-    """reference({name: scale}) -> (latents, pixels) of diffusers' pipeline with those adapters."""
+    """reference({name: scale}[, guidance]) -> (latents, pixels) of diffusers' pipeline with those adapters."""
     import torch
 
     from onnxopt.pipeline.schedulers import make_scheduler
@@ -82,8 +84,8 @@ def reference(loras):
         pipe.load_lora_weights(str(loras[name]), adapter_name=name)
     cache = {}
 
-    def run(scales: dict) -> tuple[np.ndarray, np.ndarray]:
-        key = tuple(sorted(scales.items()))
+    def run(scales: dict, guidance: float = REQUEST["guidance"]) -> tuple[np.ndarray, np.ndarray]:
+        key = (tuple(sorted(scales.items())), guidance)
         if key not in cache:
             pipe.set_adapters(list(scales), list(scales.values()))
             final = {}
@@ -95,7 +97,7 @@ def reference(loras):
             r = REQUEST
             with torch.no_grad():
                 image = pipe(r["prompt"], negative_prompt=r["negative_prompt"], num_inference_steps=r["steps"],
-                             guidance_scale=r["guidance"], height=r["height"], width=r["width"], output_type="np",
+                             guidance_scale=guidance, height=r["height"], width=r["width"], output_type="np",
                              generator=torch.Generator("cpu").manual_seed(r["seed"]), callback_on_step_end=keep).images[0]
             cache[key] = (final["latents"].numpy(), image)
         return cache[key]
@@ -134,6 +136,8 @@ def test_lora_gives_the_diffusers_image(loras, reference, folders, target, io_bi
     assert_image(pipe(progress=False, **REQUEST), reference({"a": 0.7}))
     plain = reference({"a": 0.0})  # the LoRA moves the image far beyond the tolerance
     assert np.abs(reference({"a": 0.7})[1] - plain[1]).max() > 100 * PIXEL_ATOL
+    # guidance off: the step graph without guidance (made now, from step.onnx or the UNet) takes the LoRA too
+    assert_image(pipe(progress=False, **{**REQUEST, "guidance": 1.0}), reference({"a": 0.7}, 1.0))
 
 
 @pytest.mark.slow
@@ -330,6 +334,71 @@ def test_the_cli_refuses_a_bad_lora_with_exit_2_before_any_image(tmp_path, capsy
         err = capsys.readouterr().err.strip()
         assert code == 2 and len(err.splitlines()) == 1 and expected in err, err
         assert not out.exists() and bad.stat().st_size > 0  # -o may not be the LoRA it reads
+
+
+@pytest.mark.slow
+def test_an_sdxl_kohya_file_with_sgm_block_names_gives_the_diffusers_image(tmp_path):
+    """kohya's SDXL LoRA (lora_unet_input_blocks_4_1_transformer_blocks_0_attn1_to_q..., middle_block_1,
+    output_blocks; lora_te1_ and lora_te2_): on the tiny SDXL folder, the image of diffusers'
+    StableDiffusionXLPipeline.load_lora_weights + set_adapters at scale 0.8."""
+    import torch
+
+    from models.lora import write_kohya_sdxl
+    from models.pipelines import build_torch_pipeline, write_onnx_folder
+
+    torch_pipe = build_torch_pipeline("sdxl", "tiny", 0)
+    torch_pipe.set_progress_bar_config(disable=True)
+    write_onnx_folder("sdxl", tmp_path / "sdxl", "tiny", "torchscript", 0, pipe=torch_pipe)
+    kohya = write_kohya_sdxl(torch_pipe, tmp_path / "sdxl_kohya.safetensors", 3, rank=4, alpha=2)
+    keys = set(__import__("safetensors.numpy", fromlist=["load_file"]).load_file(str(kohya)))
+    for block in ("lora_unet_input_blocks_", "lora_unet_middle_block_1_", "lora_unet_output_blocks_"):
+        assert any(k.startswith(block) for k in keys), block
+    assert any(k.startswith("lora_te1_") for k in keys) and any(k.startswith("lora_te2_") for k in keys)
+    request = dict(REQUEST, height=64, width=64)
+    pipe = Pipeline.load(tmp_path / "sdxl", "cpu", threads=THREADS, loras=[f"{kohya}:0.8"])
+    result = pipe(progress=False, **request)
+    from onnxopt.pipeline.schedulers import make_scheduler
+
+    own = PipelineFolder.open(tmp_path / "sdxl").scheduler_config()
+    torch_pipe.scheduler = make_scheduler("euler", dict(type(torch_pipe.scheduler).from_config(own).config))
+    plain = torch_pipe(request["prompt"], negative_prompt=request["negative_prompt"], num_inference_steps=request["steps"],
+                       guidance_scale=request["guidance"], height=64, width=64, output_type="np",
+                       generator=torch.Generator("cpu").manual_seed(0)).images[0]
+    torch_pipe.load_lora_weights(str(kohya), adapter_name="kohya")
+    torch_pipe.set_adapters(["kohya"], [0.8])
+    final = {}
+
+    def keep(_pipe, i, _t, kwargs):
+        final["latents"] = kwargs["latents"].clone()
+        return kwargs
+
+    with torch.no_grad():
+        image = torch_pipe(request["prompt"], negative_prompt=request["negative_prompt"], num_inference_steps=request["steps"],
+                           guidance_scale=request["guidance"], height=64, width=64, output_type="np",
+                           generator=torch.Generator("cpu").manual_seed(0), callback_on_step_end=keep).images[0]
+    assert_image(result, (final["latents"].numpy(), image))
+    assert np.abs(image - plain).max() > 100 * PIXEL_ATOL  # the LoRA moved the image
+
+
+@pytest.mark.parametrize("module, expected", [
+    # diffusers' converter places block 99 in down block 49, which the UNet lacks
+    ("input_blocks_99_1_transformer_blocks_0_attn1_to_q",
+     "0 of 1 LoRA modules match a weight of this pipeline; no unet weight of the pipeline is "
+     "'down_blocks.49.attentions.0.transformer_blocks.0.attn1.to_q'"),
+    # a middle block SGM's UNet has not (0, 1, 2 only): diffusers' converter refuses it
+    ("middle_block_7_transformer_blocks_0_attn1_to_q", "its SGM block names do not map to diffusers' UNet"),
+])
+def test_a_kohya_sgm_module_that_maps_nowhere_exits_2_in_one_line(tmp_path, capsys, module, expected):
+    from onnxopt.cli import main
+
+    bad = _write_safetensors(tmp_path / "far.safetensors", {
+        f"lora_unet_{module}.lora_{r}.weight": np.ones((2, 8) if r == "down" else (8, 2), np.float32)
+        for r in ("down", "up")})
+    out = tmp_path / "x.png"
+    code = main(["generate", str(COMMITTED_SD15), "--prompt", "a", "-o", str(out), "--steps", "2", "--lora", str(bad)])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and expected in err, err
+    assert not out.exists()
 
 
 @pytest.mark.parametrize("text, expected", [("a.safetensors", ("a.safetensors", 1.0)), ("a.safetensors:0.5", ("a.safetensors", 0.5)),
