@@ -45,7 +45,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from onnxopt.pipeline.plan import GenerationError
+from onnxopt.pipeline.plan import GenerationError, classifier_free_guidance
 from onnxopt.pipeline.runner import (
     Pipeline,
     Result,
@@ -54,7 +54,6 @@ from onnxopt.pipeline.runner import (
     check_numbers,
     check_prompts,
     check_request,
-    classifier_free_guidance,
     clears_status,
     default_size,
 )

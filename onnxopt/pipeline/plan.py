@@ -40,6 +40,12 @@ class GenerationError(OnnxoptError):
     """A bad generation request (size, steps, ControlNet image...): one line, exit code 2."""
 
 
+
+def classifier_free_guidance(guidance: float) -> bool:
+    """diffusers' ``do_classifier_free_guidance``: guidance > 1 (the UNets onnxopt runs have no
+    ``time_cond_proj_dim``: :func:`onnxopt.pipeline.runner.check_model_configs`)."""
+    return guidance > 1
+
 def hint_key(k: int) -> str:
     """The session key of ControlNet k's once-per-image hint graph: hint, hint_1, hint_2..."""
     return "hint" if k == 0 else f"hint_{k}"
@@ -192,8 +198,6 @@ def _plan_without_guidance(folder, plan, options) -> None:
     named by the request); the guided step is then exact: eps_c + g * (eps_c - eps_c) = eps_c.
     With the request's guidance known (``options.guidance``), the step it needs is made at load and
     the other one on first use."""
-    from onnxopt.pipeline.runner import classifier_free_guidance
-
     if not folder.family.denoiser.classifier_free_guidance:  # Flux: no guidance rows at all
         plan.embedded_guidance, plan.classifier_free_guidance = True, False
         return

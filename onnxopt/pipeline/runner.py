@@ -72,6 +72,7 @@ from onnxopt.pipeline.plan import (
     PlanOptions,
     SessionEntry,
     build_step_graph_in_memory,
+    classifier_free_guidance,
     hint_key,
     plan_generation,
 )
@@ -966,12 +967,6 @@ def fusable(scheduler: str) -> bool:
     from onnxopt.pipeline.schedulers import FUSABLE_SCHEDULERS
 
     return scheduler in FUSABLE_SCHEDULERS
-
-
-def classifier_free_guidance(guidance: float) -> bool:
-    """diffusers' ``do_classifier_free_guidance``: guidance > 1 (the UNets onnxopt runs have no
-    ``time_cond_proj_dim``: :func:`check_model_configs`)."""
-    return guidance > 1
 
 
 def check_model_configs(folder: PipelineFolder) -> None:
