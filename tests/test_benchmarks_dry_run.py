@@ -78,3 +78,17 @@ def test_the_lora_swap_benchmark_dry_run_keeps_its_sessions(tmp_path, capsys):
     result = __import__("json").loads(out.read_text())
     assert result["weights_touched"] > 0 and result["swap_ms"]["runs"] == 3
     assert "| swap median ms |" in capsys.readouterr().out
+
+
+def test_the_norm_rows_benchmark_dry_run_checks_every_variant_against_numpy(tmp_path):
+    """benchmarks/norm_rows_gpu.py --dry-run: every QK-norm form and Linear form runs on the CPU EP at
+    small shapes and computes what NumPy computes (exit 0), and the JSON holds every row."""
+    import json
+
+    from benchmarks.norm_rows_gpu import main
+
+    out = tmp_path / "norm_rows.json"
+    assert main(["--dry-run", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert {r["variant"] for r in rows} >= {"simplified-4d", "skip-heads-bias", "rms-23", "gemm2d-bias"}
+    assert all(r.get("ok") for r in rows)
