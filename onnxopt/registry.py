@@ -39,8 +39,8 @@ PRESETS: dict[str, Preset] = {
         "remove Identity and dead nodes, fold constants, drop redundant Casts and neutral arithmetic, infer shapes",
         # Shapes first: graphsurgeon folds Shape ops only where it knows the shapes. Repeated until
         # nothing changes: new shapes let more fold, folding lets shape inference resolve more.
-        ("remove-identity", "infer-shapes", "remove-redundant-casts", "remove-neutral-arithmetic", "fold-constants",
-         "eliminate-dead-nodes"),
+        ("remove-identity", "infer-shapes", "remove-redundant-casts", "remove-neutral-arithmetic", "remove-slice-concat",
+         "fold-constants", "eliminate-dead-nodes"),
         fixpoint=True,
     ),
 }

@@ -61,6 +61,7 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from onnxopt.fusion import Emit, Fusion, FusionRun, Refusal, Rule
+from onnxopt.graph_edit import set_input
 from onnxopt.layer_norm_kernel import SKIP_LAYER_NORM_DTYPES, layer_norm_kernel_refusal, per_channel, write_skip_layer_norm
 from onnxopt.pass_infra import OrtFusion
 from onnxopt.pattern import Const, Match, Pattern, Var, constant_value, is_constant, op
@@ -214,7 +215,7 @@ def emit_rows(make: Emit, site: RowsSite) -> list[gs.Tensor]:
     source = match["u"] if plan.bias is not None else normalized  # what the kernel reads, before the bias
     if plan.bias is not None:  # a Shape of u + bias is a Shape of u: no reason to write the sum
         for reader in [c for c in match.node("bias_add").outputs[0].outputs if c.op == "Shape"]:
-            reader.inputs[0] = source
+            set_input(reader, 0, source)
     period, d = plan.period, plan.d
     n_rows = int(np.prod(plan.shape)) // (period * d) if plan.shape is not None else None
     rows_shape = [n_rows, period, d]
