@@ -121,7 +121,7 @@ def test_every_proj_in_layer_norm_becomes_a_zero_skip_layer_norm_with_proj_ins_b
     result = results(report)[PASS]
     assert (result.sites_matched, result.sites_rewritten, result.refused) == (n, n, [])
     dynamic = n if variant[1] == "dynamic" else 0  # reshaped back by Shape, else by constant shapes
-    assert result.details == {"bias_folded": n, "through_reshape": convs, "dynamic_shape": dynamic}
+    assert result.details == {"bias_folded": n, "through_reshape": convs, "dynamic_shape": dynamic, "per_head_bias": 0}
     ops = op_counts(model)
     assert ops["LayerNormalization"] == 0
     assert ops["SkipLayerNormalization"] == exported.sites["layer_norm"]
