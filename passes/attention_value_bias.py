@@ -12,7 +12,8 @@ past the attention and through the output projection into its bias: one elementw
 Why: each attention output row is a convex combination of V's rows (softmax rows sum to 1), so
 ``P (V + 1 b_v) = P V + 1 b_v``: the bias comes out of the attention unchanged, and
 ``(O + 1 b_v) W_o = O W_o + 1 (b_v W_o)``; in the Concat form only W_o's rows that read o's columns
-see it. The new bias is computed once, in float64, from the constants.
+see it. The new bias is computed in float64 from the constants, when the model is saved (a lazy
+weight: Flux.1-dev's 38 proj_out matrices are not read while the passes run).
 
 Why not MultiHeadAttention's own ``bias`` input (Q, K, V biases, 3 x D): with one present, ORT's CUDA
 MHA adds it to Q, K and V into a workspace before flash / memory-efficient attention
@@ -35,9 +36,10 @@ import onnx_graphsurgeon as gs
 from onnxopt.domains import MS_DOMAIN
 from onnxopt.fusion import Emit, Fusion, FusionRun, Refusal, Rule
 from onnxopt.pass_infra import OrtFusion
-from onnxopt.pattern import Const, Match, Pattern, Var, constant_shape, constant_value, op
+from onnxopt.pattern import Const, Match, Pattern, Var, constant_shape, op
 from onnxopt.pattern.tensor_facts import normalize_axis, rank_of, static_dim
 from onnxopt.registry import register_pass
+from onnxopt.weights import DerivedValues, read_uncached, stored_values
 
 
 def _attention_of_biased_value(p, q, k, b_v):
@@ -64,32 +66,43 @@ VALUE_BIAS_FORMS = (
 @dataclass
 class ValueBiasSite:
     match: Match
-    folded_bias: np.ndarray  # b_o + b_v @ W_o[r:r + D], in b_o's dtype and shape
+    d: int  # V's width: W_o's rows 0 .. d read o's columns
 
 
 def check(match: Match, run: FusionRun) -> ValueBiasSite:
     v = match.node("v_bias").outputs[0]
     d = static_dim(v, -1)
-    b_v, w_o, b_o = (constant_value(match[name]) for name in ("b_v", "w_o", "b_o"))
+    b_v, w_o, b_o = (list(constant_shape(match[name])) for name in ("b_v", "w_o", "b_o"))
     if d is None:
         raise Refusal("V's last dim is not static")
-    if b_v is None or b_v.shape[-1:] != (d,) or any(s != 1 for s in b_v.shape[:-1]) or b_v.ndim > (rank_of(v) or 0):
-        raise Refusal(f"the constant added to V has shape {list(constant_shape(match['b_v']))}; a bias is ({d},)")
-    if w_o is None or w_o.ndim != 2:
-        raise Refusal(f"the output projection's weight has shape {list(constant_shape(match['w_o']))}; a Linear's is 2-D")
-    n = w_o.shape[1]
-    if b_o is None or b_o.shape[-1:] != (n,) or any(s != 1 for s in b_o.shape[:-1]):
-        raise Refusal(f"the output projection's bias has shape {list(constant_shape(match['b_o']))}, not ({n},)")
-    offset = 0  # o's columns start the output projection's input (alone, or first in the Concat)
-    if "m" in match:
+    if b_v[-1:] != [d] or any(s != 1 for s in b_v[:-1]) or len(b_v) > (rank_of(v) or 0):
+        raise Refusal(f"the constant added to V has shape {b_v}; a bias is ({d},)")
+    if len(w_o) != 2:
+        raise Refusal(f"the output projection's weight has shape {w_o}; a Linear's is 2-D")
+    if b_o[-1:] != [w_o[1]] or any(s != 1 for s in b_o[:-1]):
+        raise Refusal(f"the output projection's bias has shape {b_o}, not ({w_o[1]},)")
+    if "m" in match:  # o's columns come first in the Concat (the pattern's order): W_o's first d rows read them
         axis, rank = int(match.attrs["axis"]), rank_of(match.node("join").outputs[0]) or rank_of(match["m"])
         if axis != -1 and (rank is None or normalize_axis(axis, rank) != rank - 1):
             raise Refusal("the Concat does not join the last axis: the bias would not stay per column")
-    if offset + d > w_o.shape[0]:
-        raise Refusal(f"the output projection reads {w_o.shape[0]} columns, fewer than V's {d} at {offset}")
-    folded = b_o.astype(np.float64) + (b_v.reshape(d).astype(np.float64) @ w_o[offset:offset + d].astype(np.float64)).reshape(b_o.shape)
+    if d > w_o[0]:
+        raise Refusal(f"the output projection reads {w_o[0]} columns, fewer than V's {d}")
     run.details["joined"] += "m" in match
-    return ValueBiasSite(match, folded.astype(b_o.dtype))
+    return ValueBiasSite(match, d)
+
+
+def folded_bias(site: ValueBiasSite) -> DerivedValues:
+    """b_o + b_v @ W_o[:d] in float64, in b_o's dtype and shape: computed when saved (or read), from
+    the values the three constants hold now (a later fp16 conversion of W_o does not reach it)."""
+    b_v, w_o, b_o = (stored_values(site.match[name]) for name in ("b_v", "w_o", "b_o"))
+    shape, dtype, d = tuple(constant_shape(site.match["b_o"])), site.match["b_o"].dtype, site.d
+
+    def compute() -> np.ndarray:
+        bias = read_uncached(b_o)
+        folded = bias.astype(np.float64).reshape(-1) + read_uncached(b_v).astype(np.float64).reshape(d) @ read_uncached(w_o)[:d].astype(np.float64)
+        return folded.reshape(shape).astype(bias.dtype)
+
+    return DerivedValues(shape, dtype, compute, name=f"{site.match['b_o'].name}__with_value_bias")
 
 
 def emit(make: Emit, site: ValueBiasSite) -> list[gs.Tensor]:
@@ -103,7 +116,7 @@ def emit(make: Emit, site: ValueBiasSite) -> list[gs.Tensor]:
         projected_input = make.op.Concat(o, match["m"], axis=join.attrs["axis"], _shape=join.outputs[0].shape,
                                          _dtype=join.outputs[0].dtype)
     product = make.op.MatMul(projected_input, match["w_o"], _shape=out_proj.outputs[0].shape, _dtype=out_proj.outputs[0].dtype)
-    bias = make.constant("out_bias_with_value_bias", site.folded_bias)
+    bias = make.constant("out_bias_with_value_bias", folded_bias(site))
     return [make.op.Add(product, bias, _shape=out_bias.outputs[0].shape, _dtype=out_bias.outputs[0].dtype)]
 
 
