@@ -52,7 +52,7 @@ PRESETS["ort-cuda"] = Preset(
         "fuse-rotary-embedding",  # before fuse-attention: MHA then reads Q and K from RotaryEmbedding's (B, S, N*H)
         "fuse-attention",  # first: it reads the exporters' attention as written, before layout changes
         "fold-value-bias",  # a self-attention's V bias into the output projection's bias (reads MultiHeadAttention)
-        "split-concat-projection",  # Linear(Concat(attn, mlp)) as two Linears, after fold-value-bias, before fuse-bias-add
+        "split-concat-projection",  # Linear(Concat(attn, mlp)) as two Linears, after fold-value-bias (it reads the Concat form)
         "fuse-group-norm",
         "fuse-skip-group-norm",
         "fuse-bias-split-gelu",

@@ -1,15 +1,16 @@
-"""split-concat-projection (ort-cuda; before fuse-bias-add): a Linear of a Concat along the features as
-the sum of two Linears, so that the Concat (a copy of both inputs) is never written.
+"""split-concat-projection (ort-cuda): a Linear of a Concat along the features as the sum of two
+Linears, so that the Concat (a copy of both inputs) is never written.
 
     c = Concat(a, m, axis=-1)              a (.., Da), m (.., Dm)
     y = Add(MatMul(c, W), b)               W (Da + Dm, N), b (N,)
                          ==>
-    y = Add(Add(MatMul(m, W[Da:]), b), MatMul(a, W[:Da]))
+    y = Add(Add(MatMul(m, W[Da:]), MatMul(a, W[:Da])), b)
 
-and fuse-bias-add then writes the two Adds as one com.microsoft BiasAdd(MatMul(m, W[Da:]), b,
-MatMul(a, W[:Da])). Flux's single block: ``proj_out(cat([attn_output, mlp_hidden], dim=2))`` with
-Da = D and Dm = 4D: the Concat read and wrote 5 (B, S, D) tensors; the second product and the
-BiasAdd read and write 4.
+Flux's single block: ``proj_out(cat([attn_output, mlp_hidden], dim=2))`` with Da = D and Dm = 4D:
+the Concat read and wrote 5 (B, S, D) tensors each; the second product and the sum of the two
+read and write 4. The sum comes before the bias so that fuse-bias-add does not take it: its
+BiasAdd (input + bias + skip, one kernel fewer) has no bfloat16 CUDA kernel (docs/bf16-kernels.md),
+and Flux is served in bfloat16.
 
 Why it is the same: ``[a, m] W = a W[:Da] + m W[Da:]`` (row blocks of W against column blocks of c).
 The two halves of W are lazy weights (computed when saved, from W's stored values): a big model's W
@@ -84,15 +85,15 @@ def emit(make: Emit, site: SplitSite) -> list[gs.Tensor]:
     w_m = make.constant("w_second", rows_of(w, site.rows_a, rows))
     product_a = make.op.MatMul(match["a"], w_a, _shape=y.shape, _dtype=y.dtype, _label="first")
     product_m = make.op.MatMul(match["m"], w_m, _shape=y.shape, _dtype=y.dtype, _label="second")
-    biased = make.op.Add(product_m, match["b"], _shape=y.shape, _dtype=y.dtype, _label="bias")
-    return [make.op.Add(biased, product_a, _shape=y.shape, _dtype=y.dtype, _label="sum")]
+    total = make.op.Add(product_m, product_a, _shape=y.shape, _dtype=y.dtype, _label="sum")
+    return [make.op.Add(total, match["b"], _shape=y.shape, _dtype=y.dtype, _label="bias")]
 
 
 @register_pass
 class SplitConcatProjection(Fusion, OrtFusion):
     name = "split-concat-projection"
     description = ("Linear(Concat(a, m)) -> Linear(a) + Linear(m) with the weight's row blocks: the Concat is never "
-                   "written (Flux's single-block proj_out); fuse-bias-add then takes the Adds")
+                   "written (Flux's single-block proj_out)")
     rules = (Rule(CONCAT_PROJECTION, check, emit),)
 
 
