@@ -299,8 +299,10 @@ def test_cli_image_on_a_folder_without_vae_encoder(tmp_path, capsys):
 def test_cuda_captured_steps_start_mid_way(tiny, kind, scheduler, tmp_path):
     """On a GPU: img2img and inpainting on the folder optimized for ort-cuda, bound buffers and captured
     steps, give that folder's image without capture (a schedule table that starts mid-way; a second
-    strength replays the graphs on the same buffers with another table), within the 2e-3 of the
-    latents' scale that two CUDA sessions differ by (test_pipeline_generate's CUDA test)."""
+    strength replays the graphs on the same buffers with another table), within 4e-3 of the
+    latents' scale: two CUDA sessions differ by up to 2e-3 of it per image (test_pipeline_generate's
+    CUDA test), and on the H100 SDXL's Euler img2img differed by 2.1e-3 at 2 of 3072 values (a wrong
+    buffer or table differs everywhere, by the latents' own size)."""
     from onnxopt.pipeline import optimize_folder
     from onnxopt.runners.ort_cuda import cuda_available
 
@@ -316,6 +318,6 @@ def test_cuda_captured_steps_start_mid_way(tiny, kind, scheduler, tmp_path):
                        num_images=2, progress=False, **extra)
         got, expected = captured(**request), plain(**request)
         scale = float(np.abs(expected.latents).max())
-        np.testing.assert_allclose(got.latents, expected.latents, rtol=0, atol=2e-3 * scale)
+        np.testing.assert_allclose(got.latents, expected.latents, rtol=0, atol=4e-3 * scale)
         assert got.timings["steps"] == int(STEPS * strength) and "unfused" not in got.timings["step"]
     assert captured.cuda_graph
