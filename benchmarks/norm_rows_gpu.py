@@ -26,8 +26,10 @@ Linear cases (float16, bfloat16), M = 8858 rows (2 x 4429 tokens), K = 1536, N =
 ``gemm2d-bias`` (Gemm with C = the (N,) bias; ORT's CUDA Gemm broadcasts C into Y, then GEMMs with
 beta 1).
 
-Each model holds ``--copies`` independent copies of the op reading one input (so one CUDA-graph
-replay launches them back to back); the time is per copy: IO binding, CUDA graph, torch.cuda.Event,
+Each model holds ``--copies`` independent copies of the op reading one input, each with its own
+weights (identical copies would be merged by ONNX Runtime's common-subexpression elimination), each
+writing its kernel's own output shape (a Reshape to a bound output would add a copy); one CUDA-graph
+replay launches them back to back and the time is per copy: IO binding, CUDA graph, torch.cuda.Event,
 median of ``--runs`` after a warm-up. Every variant's first output is checked against NumPy in
 float32 (from the same rounded inputs). --dry-run runs every variant once on the CPU EP at small
 shapes, float32 and float16, and checks them the same way (bfloat16 has no CPU kernels there).
@@ -79,16 +81,26 @@ def _model(nodes, x_shape, out_shape, inits, dtype: str, copies: int, opset: int
     elem = ELEM[dtype]
     graph = helper.make_graph(nodes, "bench", [helper.make_tensor_value_info("x", elem, list(x_shape))],
                               [helper.make_tensor_value_info(f"y{i}", elem, list(out_shape)) for i in range(copies)], inits)
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset), helper.make_opsetid(MS, 1)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset), helper.make_opsetid(MS, 1)])
+    model.ir_version = 11 if opset >= 23 else 10  # what ONNX Runtime 1.31 loads
+    return model
+
+
+def _ints(name, values):
+    return numpy_helper.from_array(np.array(values, np.int64), name)
 
 
 def norm_variants(shape, dtype: str, copies: int, rng) -> tuple[dict, np.ndarray, callable]:
-    """{label: model}, x, and the NumPy reference of the norm (fp32) for x."""
+    """{label: model}, x, and the NumPy reference (fp32) of copy 0 for x.
+
+    Every copy has its own gamma (and bias): identical copies of a node would be merged by ONNX
+    Runtime's common-subexpression elimination. Each form writes its kernel's own output shape
+    (a Reshape to a bound graph output would add a copy); the check compares the values."""
     b, s, h, d = shape
-    gamma = (1 + 0.1 * rng.standard_normal(d)).astype(np.float32)
-    bias = (0.5 * rng.standard_normal(h * d)).astype(np.float32)
+    gammas = [(1 + 0.1 * rng.standard_normal(d)).astype(np.float32) for _ in range(copies)]
+    biases = [(0.5 * rng.standard_normal(h * d)).astype(np.float32) for _ in range(copies)]
     x = rng.standard_normal(shape).astype(np.float32)
-    g, bi = as_stored(gamma, dtype), as_stored(bias, dtype)
+    g, bi = as_stored(gammas[0], dtype), as_stored(biases[0], dtype)
 
     def rms(v):
         return v / np.sqrt(np.mean(v * v, axis=-1, keepdims=True) + EPS) * g
@@ -96,74 +108,67 @@ def norm_variants(shape, dtype: str, copies: int, rng) -> tuple[dict, np.ndarray
     def reference(label, xs):
         return rms(xs + bi.reshape(h, d)) if "bias" in label else rms(xs)
 
-    def ints(name, values):
-        return numpy_helper.from_array(np.array(values, np.int64), name)
-
+    gamma_inits = [_tensor(f"gamma{i}", gammas[i], dtype) for i in range(copies)]
     variants = {}
-    common = [_tensor("gamma", gamma, dtype)]
-    # SimplifiedLayerNormalization on the 4-D tensor
-    nodes = [helper.make_node("SimplifiedLayerNormalization", ["x", "gamma"], [f"y{i}"], axis=-1, epsilon=EPS, stash_type=1)
+    nodes = [helper.make_node("SimplifiedLayerNormalization", ["x", f"gamma{i}"], [f"y{i}"], axis=-1, epsilon=EPS, stash_type=1)
              for i in range(copies)]
-    variants["simplified-4d"] = _model(nodes, shape, shape, common, dtype, copies, 17)
-    # the projection bias Add in front (over (B, S, H*d)), then the 4-D norm
+    variants["simplified-4d"] = _model(nodes, shape, shape, gamma_inits, dtype, copies, 17)
+    # the projection bias Add in front (over (B, S, H*d)), then the 4-D norm: the graph fuse-rms-norm leaves
     nodes = [helper.make_node("Reshape", ["x", "flat_shape"], ["flat"])]
     for i in range(copies):
-        nodes += [helper.make_node("Add", ["flat", "bias"], [f"biased{i}"]),
+        nodes += [helper.make_node("Add", ["flat", f"bias{i}"], [f"biased{i}"]),
                   helper.make_node("Reshape", [f"biased{i}", "heads_shape"], [f"heads{i}"]),
-                  helper.make_node("SimplifiedLayerNormalization", [f"heads{i}", "gamma"], [f"y{i}"], axis=-1, epsilon=EPS,
-                                   stash_type=1)]
-    variants["bias-add+simplified-4d"] = _model(nodes, shape, shape, common + [
-        _tensor("bias", bias, dtype), ints("flat_shape", [b, s, h * d]), ints("heads_shape", list(shape))], dtype, copies, 17)
+                  helper.make_node("SimplifiedLayerNormalization", [f"heads{i}", f"gamma{i}"], [f"y{i}"], axis=-1,
+                                   epsilon=EPS, stash_type=1)]
+    variants["bias-add+simplified-4d"] = _model(nodes, shape, shape, gamma_inits + [
+        _tensor(f"bias{i}", biases[i], dtype) for i in range(copies)] + [
+        _ints("flat_shape", [b, s, h * d]), _ints("heads_shape", list(shape))], dtype, copies, 17)
     # the 3-D view (B, S*H, d)
     nodes = [helper.make_node("Reshape", ["x", "view"], ["x3"])]
-    nodes += [helper.make_node("SimplifiedLayerNormalization", ["x3", "gamma"], [f"y3_{i}"], axis=-1, epsilon=EPS, stash_type=1)
+    nodes += [helper.make_node("SimplifiedLayerNormalization", ["x3", f"gamma{i}"], [f"y{i}"], axis=-1, epsilon=EPS, stash_type=1)
               for i in range(copies)]
-    nodes += [helper.make_node("Reshape", [f"y3_{i}", "back"], [f"y{i}"]) for i in range(copies)]
-    variants["simplified-3d"] = _model(nodes, shape, shape, common + [ints("view", [b, s * h, d]), ints("back", list(shape))],
-                                       dtype, copies, 17)
+    variants["simplified-3d"] = _model(nodes, shape, (b, s * h, d), gamma_inits + [_ints("view", [b, s * h, d])], dtype, copies, 17)
     # SkipSimplifiedLayerNormalization: rows (N, 1, d) with a zero (1, d) skip; heads (B*S, H, d) with the bias as skip
-    for label, view, skip in (("skip-rows-zero", [-1, 1, d], np.zeros((1, d), np.float32)),
-                              ("skip-heads-bias", [-1, h, d], bias.reshape(h, d))):
+    for label, view in (("skip-rows-zero", [b * s * h, 1, d]), ("skip-heads-bias", [b * s, h, d])):
+        skips = [np.zeros((1, d), np.float32) if label == "skip-rows-zero" else biases[i].reshape(h, d) for i in range(copies)]
         nodes = [helper.make_node("Reshape", ["x", "view"], ["x3"])]
-        nodes += [helper.make_node("SkipSimplifiedLayerNormalization", ["x3", "skip", "gamma"], [f"y3_{i}"], domain=MS, epsilon=EPS)
-                  for i in range(copies)]
-        nodes += [helper.make_node("Reshape", [f"y3_{i}", "back"], [f"y{i}"]) for i in range(copies)]
-        variants[label] = _model(nodes, shape, shape, common + [_tensor("skip", skip, dtype), ints("view", view),
-                                                                ints("back", list(shape))], dtype, copies, 17)
+        nodes += [helper.make_node("SkipSimplifiedLayerNormalization", ["x3", f"skip{i}", f"gamma{i}"], [f"y{i}"], domain=MS,
+                                   epsilon=EPS) for i in range(copies)]
+        variants[label] = _model(nodes, shape, view, gamma_inits + [_tensor(f"skip{i}", skips[i], dtype) for i in range(copies)]
+                                 + [_ints("view", view)], dtype, copies, 17)
     # ONNX RMSNormalization (opset 23)
-    nodes = [helper.make_node("RMSNormalization", ["x", "gamma"], [f"y{i}"], axis=-1, epsilon=EPS, stash_type=1)
+    nodes = [helper.make_node("RMSNormalization", ["x", f"gamma{i}"], [f"y{i}"], axis=-1, epsilon=EPS, stash_type=1)
              for i in range(copies)]
-    variants["rms-23"] = _model(nodes, shape, shape, common, dtype, copies, 23)
+    variants["rms-23"] = _model(nodes, shape, shape, gamma_inits, dtype, copies, 23)
     return variants, x, reference
 
 
 def linear_variants(batch, tokens, k, n, dtype: str, copies: int, rng) -> tuple[dict, np.ndarray, callable]:
-    w = (rng.standard_normal((k, n)) / np.sqrt(k)).astype(np.float32)
-    bias = rng.standard_normal(n).astype(np.float32)
+    """As norm_variants: each copy its own weight and bias; each form its own output shape."""
+    ws = [(rng.standard_normal((k, n)) / np.sqrt(k)).astype(np.float32) for _ in range(copies)]
+    biases = [rng.standard_normal(n).astype(np.float32) for _ in range(copies)]
     x = rng.standard_normal((batch, tokens, k)).astype(np.float32)
-    wq, bq = as_stored(w, dtype), as_stored(bias, dtype)
+    wq, bq = as_stored(ws[0], dtype), as_stored(biases[0], dtype)
 
     def reference(label, xs):
         return xs.reshape(-1, k) @ wq + bq
 
-    inits = [_tensor("w", w, dtype), _tensor("bias", bias, dtype),
-             numpy_helper.from_array(np.array([-1, k], np.int64), "rows"),
-             numpy_helper.from_array(np.array([-1, n], np.int64), "out_rows")]
+    inits = [_tensor(f"w{i}", ws[i], dtype) for i in range(copies)] + [_tensor(f"bias{i}", biases[i], dtype) for i in range(copies)]
     m = batch * tokens
     variants = {}
     nodes = []
     for i in range(copies):
-        nodes += [helper.make_node("MatMul", ["x", "w"], [f"p{i}"]), helper.make_node("Add", [f"p{i}", "bias"], [f"s{i}"]),
-                  helper.make_node("Reshape", [f"s{i}", "out_rows"], [f"y{i}"])]
-    variants["matmul3d+add"] = _model(nodes, (batch, tokens, k), (m, n), inits, dtype, copies, 17)
+        nodes += [helper.make_node("MatMul", ["x", f"w{i}"], [f"p{i}"]), helper.make_node("Add", [f"p{i}", f"bias{i}"], [f"y{i}"])]
+    variants["matmul3d+add"] = _model(nodes, (batch, tokens, k), (batch, tokens, n), inits, dtype, copies, 17)
     for label, op in (("matmul2d+add", "MatMul"), ("gemm2d-bias", "Gemm")):
         nodes = [helper.make_node("Reshape", ["x", "rows"], ["x2"])]
         for i in range(copies):
             if op == "Gemm":
-                nodes.append(helper.make_node("Gemm", ["x2", "w", "bias"], [f"y{i}"]))
+                nodes.append(helper.make_node("Gemm", ["x2", f"w{i}", f"bias{i}"], [f"y{i}"]))
             else:
-                nodes += [helper.make_node("MatMul", ["x2", "w"], [f"p{i}"]), helper.make_node("Add", [f"p{i}", "bias"], [f"y{i}"])]
-        variants[label] = _model(nodes, (batch, tokens, k), (m, n), inits, dtype, copies, 17)
+                nodes += [helper.make_node("MatMul", ["x2", f"w{i}"], [f"p{i}"]),
+                          helper.make_node("Add", [f"p{i}", f"bias{i}"], [f"y{i}"])]
+        variants[label] = _model(nodes, (batch, tokens, k), (m, n), inits + [_ints("rows", [-1, k])], dtype, copies, 17)
     return variants, x, reference
 
 

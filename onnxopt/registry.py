@@ -65,7 +65,7 @@ PRESETS["ort-cuda"] = Preset(
         "fuse-parallel-gemm",  # after fuse-attention: the time-embedding Linears as one Gemm, every cross-attention K/V as one MatMul
         "nhwc-conv",  # last fusion: it wraps Convs (and finds GroupNorms) in Transposes and sinks them
         "fold-conv-bias",  # after nhwc-conv: conv biases move into the SkipGroupNorm / BiasAdd reading them
-        "fuse-bias-layer-norm",  # the LayerNorms left (norm1 after proj_in) onto ORT's faster SkipLayerNorm kernel; QK norms take their projection bias as a per-head skip
+        "fuse-bias-layer-norm",  # the LayerNorms left (norm1 after proj_in) onto ORT's faster SkipLayerNorm kernel
         "eliminate-dead-nodes",
         "infer-shapes",
     ),

@@ -15,22 +15,7 @@ skip, so the tensor is viewed as (-1, 1, D) rows and the skip is a constant zero
     t  = Reshape(t', shape of t)      t4 = Reshape(t', shape of u)      (only those read elsewhere)
 
 and a LayerNorm with no bias Add in front: y = Reshape(SkipLayerNormalization(Reshape(t, [-1, 1, D]),
-zeros(1, D), gamma, beta), shape of t).
-
-Per-head bias (SD3's and Flux's QK norms: ``norm_q(to_q(x).unflatten(-1, (heads, -1)))``): the Reshape
-splits the biased last axis D into R heads of d, and the norm, LayerNormalization or RMSNorm
-(SimplifiedLayerNormalization, written by fuse-rms-norm), normalizes d:
-
-    t = Reshape(Add(u, bias), target)                   u (.., D), bias (D,), t (.., R, d), D = R * d
-    y = SimplifiedLayerNormalization(t, gamma)          (or LayerNormalization(t, gamma, beta))
-                         ==>
-    y' = SkipSimplifiedLayerNormalization(Reshape(u, [-1, R, d]), Reshape(bias, (R, d)), gamma)
-    y  = Reshape(y', shape of t)
-
-The kernel adds skip[i % (R * d)] to the i-th input element (a 2-D skip broadcasts over the rows:
-contrib_ops/cuda/bert/skip_layer_norm.cc), which is bias[i % D], what the Add added. A Shape read
-off u + bias reads u instead (TorchScript reads the heads split's sizes that way), so no sum is
-written for it. A bare RMSNorm (no bias Add) is not a site: it keeps its own kernel. The shapes back are constants when static, else Shape(u),
+zeros(1, D), gamma, beta), shape of t). The shapes back are constants when static, else Shape(u),
 Shape(t) or, through the Reshape, Shape(Reshape(u, target)) (a view: ORT's Reshape copies nothing
 and Shape runs on the host). Output 3 (u + bias) is written only when t or t4 has another reader
 (SD 1.5: the block's residual, which a later SkipLayerNormalization reads).
@@ -40,17 +25,15 @@ consecutive elements together, so the per-last-element bias and the last-axis no
 the same on (-1, 1, D) rows; a zero skip adds nothing.
 
     Conditions: as fuse-skip-layer-norm's (last axis, stash_type 1, mean / inv-std unused, float32,
-    float16 or bfloat16), and gamma (and beta) constant 1-D of d, the norm input's static last dim; the
+    float16 or bfloat16), and gamma (and beta) constant 1-D of D, the LayerNorm input's static last dim; the
     bias a constant of shape (D,) or (1, .., 1, D) no longer in rank than u, and u's static last dim
-    D (then the Add gives u's shape), with a Reshape between keeping the last dim (D = d) or
-    splitting it into rows of d (D a multiple of d). Refused: a bias that
+    D (then the Add gives u's shape, and a Reshape between keeps the last dim). Refused: a bias that
     broadcasts along another axis ((D, 1)), and a LayerNorm reading an Add of two computed tensors,
     directly or through a Reshape (a residual sum, fuse-skip-layer-norm's site; a (B, 1, D) tensor
     added is one of those).
 
     details: bias_folded (sites with a bias Add), through_reshape (with a Reshape between Add and
-    LayerNorm), dynamic_shape (reshaped back through Shape rather than a constant shape),
-    per_head_bias (the bias as an (R, d) skip).
+    LayerNorm), dynamic_shape (reshaped back through Shape rather than a constant shape).
 """
 
 from __future__ import annotations
@@ -61,7 +44,6 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from onnxopt.fusion import Emit, Fusion, FusionRun, Refusal, Rule
-from onnxopt.graph_edit import set_input
 from onnxopt.layer_norm_kernel import SKIP_LAYER_NORM_DTYPES, layer_norm_kernel_refusal, per_channel, write_skip_layer_norm
 from onnxopt.pass_infra import OrtFusion
 from onnxopt.pattern import Const, Match, Pattern, Var, constant_value, is_constant, op
@@ -84,27 +66,12 @@ def layer_norm(x, gamma, beta=Var("beta", optional=True)):
     return op.LayerNormalization(x, gamma, beta, _name="ln", _external_uses=True)
 
 
-def reshaped_bias_rms_norm(u, gamma, bias=Const()):
-    biased = op.Add(u, bias, _name="bias_add")
-    viewed = op.Reshape(biased, Var("target"), _name="view")
-    return op.SimplifiedLayerNormalization(viewed, gamma, _name="ln", _external_uses=True), viewed, biased
-
-
-def bias_rms_norm(u, gamma, bias=Const()):
-    biased = op.Add(u, bias, _name="bias_add")
-    return op.SimplifiedLayerNormalization(biased, gamma, _name="ln", _external_uses=True), biased
-
-
 # Tried in this order on every LayerNormalization: the first that matches is the site's form.
 # (_external_uses on the LayerNorm: its mean / inv-std outputs are checked with a reason, below.)
 BIAS_LAYER_NORM_FORMS = (
     Pattern(reshaped_bias_layer_norm, name="bias-reshape-layer-norm"),
     Pattern(bias_layer_norm, name="bias-layer-norm"),
     Pattern(layer_norm, name="layer-norm"),
-    # RMSNorm only with a bias Add in front: the QK norms of SD3 and Flux (per head, through the Reshape
-    # to (B, S, H, d)); a bare SimplifiedLayerNormalization stays on its own kernel
-    Pattern(reshaped_bias_rms_norm, name="bias-reshape-rms-norm"),
-    Pattern(bias_rms_norm, name="bias-rms-norm"),
 )
 
 
@@ -117,7 +84,6 @@ class _RowsPlan:
     dtype: np.dtype
     bias: gs.Tensor | None  # the constant added in front, (D,) or (1, .., 1, D)
     shape: list[int] | None
-    period: int = 1  # R: rows of d per bias of D = R * d values (> 1: the Reshape splits D into heads)
 
 
 def _bias_layer_norm_plan(match, graph_outputs: set[int]) -> _RowsPlan | str:
@@ -135,37 +101,32 @@ def _bias_layer_norm_plan(match, graph_outputs: set[int]) -> _RowsPlan | str:
         return f"dtype {dtype}; the kernels take float32, float16 and bfloat16"
     if static_dim(normalized, -1) != d:
         return f"the normalized last dim {_last_dim(normalized)} is not static {d}; the rows view needs it"
-    bias, period = None, 1
+    bias = None
     if "bias" in match:
-        period = _bias_period(match, d)
-        if isinstance(period, str):
-            return period
+        reason = _bias_refusal(match, d)
+        if reason is not None:
+            return reason
         bias = match["bias"]
     else:
         reason = _residual_sum_refusal(normalized)
         if reason is not None:
             return reason
-    return _RowsPlan(d, dtype, bias, _static_shape(normalized), period)
+    return _RowsPlan(d, dtype, bias, _static_shape(normalized))
 
 
-def _bias_period(match, d: int) -> int | str:
-    """R, the rows of d that one bias of D = R * d values spans, when Add(u, bias) is u plus one value
-    per last-axis element, shaped as u, with a Reshape after it (if any) ending in d that divides D;
-    else why not."""
+def _bias_refusal(match, d: int) -> str | None:
+    """Why Add(u, bias) is not u plus one value per last-axis element, shaped as u, with a Reshape
+    after it (if any) keeping the last dim (None if it is)."""
     u, bias, biased = match["u"], match["bias"], match.node("bias_add").outputs[0]
-    width = static_dim(u, -1)
-    if "target" in match and static_dim(biased, -1) != d and (width is None or width % d):
-        return (f"the Reshape between the Add and the LayerNorm does not keep the last dim: {_last_dim(biased)} -> {d}, "
-                f"nor split it into rows of {d}")
-    if "target" not in match and width != d:
-        return f"{shape_of(u)} + {shape_of(bias)} broadcasts the Add's other operand; a bias Add keeps its shape"
+    if "target" in match and static_dim(biased, -1) != d:
+        return f"the Reshape between the Add and the LayerNorm does not keep the last dim: {_last_dim(biased)} -> {d}"
     shape = shape_of(bias)
-    if not shape or shape[-1] != width or any(s != 1 for s in shape[:-1]):
-        return f"the constant added in front has shape {shape}; a bias is ({width},) or (1, .., 1, {width})"
+    if not shape or shape[-1] != d or any(s != 1 for s in shape[:-1]):
+        return f"the constant added in front has shape {shape}; a bias is ({d},) or (1, .., 1, {d})"
     rank = rank_of(u)
-    if rank is None or rank < len(shape):
+    if rank is None or rank < len(shape) or static_dim(u, -1) != d:
         return f"{shape_of(u)} + {shape} broadcasts the Add's other operand; a bias Add keeps its shape"
-    return width // d
+    return None
 
 
 def _residual_sum_refusal(normalized: gs.Tensor) -> str | None:
@@ -197,29 +158,22 @@ def check_rows(match: Match, run: FusionRun) -> RowsSite:
     run.details["bias_folded"] += "bias" in match
     run.details["through_reshape"] += "target" in match
     run.details["dynamic_shape"] += plan.shape is None
-    run.details["per_head_bias"] += plan.period > 1
     return RowsSite(match, plan)
 
 
 def emit_rows(make: Emit, site: RowsSite) -> list[gs.Tensor]:
-    """Reshape to (-1, R, D) rows, SkipLayerNormalization with a zero (1, D) skip and the bias (R = 1)
-    or the bias as an (R, d) skip (R > 1: the Reshape split the biased last axis into R heads of d),
-    reshape back.
+    """Reshape to (-1, 1, D) rows, SkipLayerNormalization with a zero (1, D) skip, reshape back.
 
     Output 3 (u + bias) is written only when the Add's (or the Reshape's) output has readers
-    besides the LayerNorm and Shape ops (those read u's shape instead); it is reshaped back into that tensor.
+    besides the LayerNorm; it is reshaped back into that tensor.
     """
     match, plan = site.match, site.plan
     ln = match.node("ln")
     normalized = ln.inputs[0]
     source = match["u"] if plan.bias is not None else normalized  # what the kernel reads, before the bias
-    if plan.bias is not None:  # a Shape of u + bias is a Shape of u: no reason to write the sum
-        for reader in [c for c in match.node("bias_add").outputs[0].outputs if c.op == "Shape"]:
-            set_input(reader, 0, source)
-    period, d = plan.period, plan.d
-    n_rows = int(np.prod(plan.shape)) // (period * d) if plan.shape is not None else None
-    rows_shape = [n_rows, period, d]
-    rows = make.op.Reshape(source, make.constant("rows_shape", np.array([-1, period, d], np.int64)),
+    n_rows = int(np.prod(plan.shape)) // plan.d if plan.shape is not None else None
+    rows_shape = [n_rows, 1, plan.d]
+    rows = make.op.Reshape(source, make.constant("rows_shape", np.array([-1, 1, plan.d], np.int64)),
                            _dtype=plan.dtype, _shape=rows_shape)
 
     def back(rows_tensor: gs.Tensor, shape: gs.Tensor, old: gs.Tensor) -> gs.Tensor:
@@ -240,12 +194,9 @@ def emit_rows(make: Emit, site: RowsSite) -> list[gs.Tensor]:
     read = [any(id(c) not in matched for c in t.outputs) or id(t) in graph_outputs for t in sums]
     y_rows = make.tensor("y_rows", plan.dtype, rows_shape)
     sum_rows = make.tensor("sum_rows", plan.dtype, rows_shape) if any(read) else None
-    if period == 1:
-        bias = per_channel(make, plan.bias, d) if plan.bias is not None else None
-        skip = make.constant("zero_skip", np.zeros((1, d), plan.dtype))
-    else:  # the kernel adds skip[i % (R * d)] to the i-th element: bias[i % D]
-        bias, skip = None, make.constant("bias_skip", constant_value(plan.bias).reshape(period, d))
-    write_skip_layer_norm(make, ln, rows, skip, match["gamma"], match.get("beta"), bias, y_rows, sum_rows)
+    bias = per_channel(make, plan.bias, plan.d) if plan.bias is not None else None
+    zero_skip = make.constant("zero_skip", np.zeros((1, plan.d), plan.dtype))
+    write_skip_layer_norm(make, ln, rows, zero_skip, match["gamma"], match.get("beta"), bias, y_rows, sum_rows)
     view = match.node("view") if "target" in match else None
     normalized_shape = shape_tensor(source, plan.shape, "normalized", view)
     new_outputs = [back(y_rows, normalized_shape, match.outputs[0])]
@@ -263,20 +214,18 @@ def emit_rows(make: Emit, site: RowsSite) -> list[gs.Tensor]:
 class FuseBiasLayerNorm(Fusion, OrtFusion):
     name = "fuse-bias-layer-norm"
     description = ("LayerNormalization with no residual Add (+ the bias Add in front) -> com.microsoft "
-                   "SkipLayerNormalization over (-1, 1, D) rows with a zero skip (ORT's faster CUDA kernel); "
-                   "a per-head norm (QK RMSNorm) with the projection bias in front -> its skip over (-1, H, d) rows")
+                   "SkipLayerNormalization over (-1, 1, D) rows with a zero skip (ORT's faster CUDA kernel)")
     runs_after = {
         "fuse-skip-layer-norm": "a LayerNorm of a residual sum is SkipLayerNormalization's with the sum as its skip; "
                                 "this pass leaves Adds of two computed tensors alone",
         "nhwc-conv": "a 1x1 proj_in conv becomes the MatMul + bias Add whose bias this pass folds",
-        "fuse-rms-norm": "the QK RMSNorms whose projection bias this pass folds are SimplifiedLayerNormalization after it",
     }
 
     # Tried in this order on every LayerNormalization: the first form that matches is the site's.
     rules = tuple(Rule(form, check_rows, emit_rows, site=lambda m: m.node("ln")) for form in BIAS_LAYER_NORM_FORMS)
 
     def finish(self, run: FusionRun) -> None:
-        run.result.details.update({key: run.details[key] for key in ("bias_folded", "through_reshape", "dynamic_shape", "per_head_bias")})
+        run.result.details.update({key: run.details[key] for key in ("bias_folded", "through_reshape", "dynamic_shape")})
 
 
 def _static_shape(t: gs.Tensor) -> list[int] | None:
