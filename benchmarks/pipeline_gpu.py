@@ -7,6 +7,10 @@
     python -m benchmarks.pipeline_gpu --kind sd15 --dry-run --work /tmp/pipe-dry   # CPU, tiny, fp32: every step once
     python -m benchmarks.pipeline_gpu --kind sdxl --fp8 --skip torch-eager --work /tmp/pipe-bench --out ...  # + the fp8 row
     python -m benchmarks.pipeline_gpu --kind sd35-medium --work /tmp/pipe-bench --budget 540 --out benchmarks/results/pipeline-sd35
+    python -m benchmarks.pipeline_gpu --kind sd15-img2img --work /tmp/pipe-bench --budget 530 --out ...
+    python -m benchmarks.pipeline_gpu --kind sd15-inpaint --work /tmp/pipe-bench --budget 530 --out ...
+    python -m benchmarks.pipeline_gpu --kind flux-schnell --work /tmp/pipe-bench --scratch /dev/shm/pipe-bench --budget 530 --out ...
+    python -m benchmarks.pipeline_gpu --kind flux-dev --work /tmp/pipe-bench --scratch /dev/shm/pipe-bench --budget 530 --out ...
 
 Same random weights (``models.pipelines.build_torch_pipeline(kind, "full", seed)``) and seed on
 every side; SD 1.5 at 512x512, DDIM, 50 steps; SDXL at 1024x1024, Euler (its own scheduler; its
@@ -19,12 +23,35 @@ onnxopt's folder optimized with the fp16 pass at bfloat16 (``low_precision="bflo
 overflows T5). diffusers' StableDiffusion3Pipeline defaults are 28 steps and guidance 7.0; Stability's
 model card runs SD3.5-Medium at 40 steps, guidance 4.5. torch.compile compiles the transformer.
 
+img2img (sd15-img2img): the sd15 kind's weights and folder (reused from <work>/sd15 when that kind built
+them), a seeded synthetic init image (benchmarks/pipeline_init_image.py) at 512x512, strength 0.75,
+DDIM 50 steps, so int(50 x 0.75) = 37 steps run; diffusers' StableDiffusionImg2ImgPipeline, onnxopt's
+``image=``/``strength=`` (what ``onnxopt generate --image --strength`` calls). Inpainting
+(sd15-inpaint): SD 1.5 with a 9-channel inpainting UNet (``models.pipelines`` kind sd15-inpaint:
+stable-diffusion-v1-5/stable-diffusion-inpainting's config), the same init image and a white ellipse as
+the mask, 512x512, DDIM 50 steps, strength 1.0; StableDiffusionInpaintPipeline, onnxopt's
+``image=``/``mask=``. diffusers draws the encoder's sample and the noise in float32 there, cast to
+float16 (pipeline_init_image.float32_draws), as its float32 reference and onnxopt draw them.
+
+Flux (flux-schnell: 1024x1024, 4 steps, no guidance, T5 at 256 tokens; flux-dev: 1024x1024, 28 steps,
+embedded guidance 3.5, 512 tokens), bf16: ``models.flux_pipeline`` weights (11.9 B transformer, T5-XXL,
+CLIP-L, the 16-channel VAE); the folder is exported in parts (benchmarks/pipeline_flux.py: the
+transformer streamed, T5 in bfloat16), its source on --scratch when the work disk cannot hold it beside
+the optimized folder, and removed once optimized; diffusers' FluxPipeline in bfloat16 from the same
+seeded construction, the transformer compiled. The float32 reference is that pipeline cast to float32
+(the same weights), with model CPU offload.
+
 Steps (each resumable: its result is recorded in <work>/<kind>/results.json and skipped when
 present; the script stops between steps after --budget seconds, so a run spans several
-10-minute calls of the device machine -- rerun the same command until it prints the table):
+10-minute calls of the device machine -- rerun the same command until it prints the table; a
+full-size Flux step runs only as the first step of a call):
 
-  folder          export the fp32 ONNX folder (TorchScript, dynamic axes) from those weights
-  optimize        ``optimize_folder(--target ort-cuda, --fp16)`` (+ unet/step.onnx)
+  folder: <part>  Flux only: the transformer (streamed) and T5, each exported on its own (a call each)
+  folder          export the fp32 ONNX folder (TorchScript, dynamic axes) from those weights (Flux:
+                  CLIP-L, the VAE and the pipeline files around the parts; sd15-img2img: the sd15
+                  kind's folder when <work>/sd15 holds it)
+  optimize        ``optimize_folder(--target ort-cuda, --fp16)`` (+ unet/step.onnx); Flux: then the
+                  source folder is removed (disk)
   torch-fp32      diffusers fp32 on the GPU: the quality reference (final latents and image saved)
   torch-eager     diffusers fp16 eager: median of 5 end to end after one warm-up, per stage, quality
   torch-compile   diffusers fp16, UNet under torch.compile(mode="reduce-overhead", fullgraph=True),
@@ -49,7 +76,8 @@ seeded edge maps and the scales (1.0, 0.5) on every side; diffusers' MultiContro
 whole, as diffusers' recipe compiles ``pipe.controlnet``); onnxopt sums the residuals in its step
 graph (onnxopt.pipeline.multi_controlnet).
 
-Per stage: text encoder (per prompt, both CFG rows), mean denoising step, VAE decode; for torch
+Per stage: text encoder (per prompt, both CFG rows), mean denoising step, VAE encode (init image
+kinds), VAE decode; for torch
 from one extra run with synchronizing hooks (the timed runs have none), for onnxopt from its own
 timings. Quality: PSNR of the uint8 image and max abs of the final latents against torch fp32,
 for onnxopt and for torch fp16 (the target: onnxopt deviates at most 1.5x torch fp16's deviation).
@@ -67,6 +95,8 @@ from pathlib import Path
 
 import numpy as np
 
+from benchmarks.pipeline_flux import FLUX_KINDS, STREAMED_PARTS
+from benchmarks.pipeline_table import ablation_table, table
 from benchmarks.unet_gpu import Steps
 
 SETTINGS = {
@@ -75,8 +105,24 @@ SETTINGS = {
     "sd15-controlnet": dict(height=512, width=512, steps=50, scheduler="ddim"),
     "sd15-multi-controlnet": dict(height=512, width=512, steps=50, scheduler="ddim"),
     "sd35-medium": dict(height=1024, width=1024, steps=28, scheduler="flow-match", guidance=4.5, precision="bf16"),
+    # model: the models.pipelines kind whose weights (and folder) it runs
+    "sd15-img2img": dict(height=512, width=512, steps=50, scheduler="ddim", strength=0.75, model="sd15",
+                         defaults="diffusers' StableDiffusionImg2ImgPipeline defaults: strength 0.8, the folder's "
+                                  "scheduler (PNDM for SD 1.5), 50 steps, guidance 7.5"),
+    "sd15-inpaint": dict(height=512, width=512, steps=50, scheduler="ddim", strength=1.0, mask=True,
+                         defaults="diffusers' StableDiffusionInpaintPipeline defaults: strength 1.0, the folder's "
+                                  "scheduler (PNDM), 50 steps, guidance 7.5"),
+    "flux-schnell": dict(height=1024, width=1024, steps=4, scheduler="flow-match", guidance=0.0, precision="bf16",
+                         max_sequence_length=256,
+                         defaults="diffusers' FluxPipeline defaults: 28 steps, guidance 3.5, 512 T5 tokens; "
+                                  "FLUX.1-schnell's model card: 4 steps, guidance 0, 256 tokens (used here)"),
+    "flux-dev": dict(height=1024, width=1024, steps=28, scheduler="flow-match", guidance=3.5, precision="bf16",
+                     max_sequence_length=512,
+                     defaults="diffusers' FluxPipeline defaults: the same (28 steps, guidance 3.5, 512 T5 tokens, "
+                              "1024x1024)"),
 }
 SD3_KINDS = ("sd35-medium",)
+INIT_IMAGE_SEED = 7  # the synthetic init picture's (not the generation's seed)
 MULTI_CONTROLNET_SCALES = [1.0, 0.5]  # sd15-multi-controlnet: one conditioning scale per ControlNet
 # The ablation (--ablation): the onnxopt pipeline as each rewrite is added, from one optimized folder.
 # name -> (Pipeline.load keyword arguments, call keyword arguments, ControlNet kinds only).
@@ -134,12 +180,31 @@ class Bench:
         self.bf16 = self.settings.get("precision") == "bf16"
         self.dtype = torch.float32 if self.dry else (torch.bfloat16 if self.bf16 else torch.float16)
         self.sd3 = self.kind in SD3_KINDS
+        self.flux = self.kind in FLUX_KINDS
+        self.dit = self.sd3 or self.flux  # a transformer, not a UNet
+        self.model = self.settings.get("model", self.kind)  # the weights' kind (models.pipelines)
+        self.init = "strength" in self.settings  # img2img or inpainting
         self.guidance = self.settings.get("guidance", GUIDANCE)
         self.runs = 1 if self.dry else args.runs
         self.work = args.work / self.kind
         self.work.mkdir(parents=True, exist_ok=True)
-        self.src, self.opt = self.work / "folder", self.work / "optimized"
+        scratch = getattr(args, "scratch", None)  # Flux: the source folder's file system (other scripts make a Bench)
+        scratch = scratch / self.kind if scratch else self.work
+        self.src, self.opt = scratch / "folder", self.work / "optimized"
+        self.shared = self.shared_folders(args.work / self.model) if self.model != self.kind else {}
+        self.src, self.opt = self.shared.get("folder", self.src), self.shared.get("optimize", self.opt)
         self.multi = self.kind == "sd15-multi-controlnet"
+        self.prompt = {"prompt": PROMPT}  # the pipeline call's prompt arguments (torch_pipe sets them)
+
+    def shared_folders(self, other: Path) -> dict:
+        """The folders another kind of the same weights built in --work (recorded done, still there)."""
+        import json
+
+        results = other / "results.json"
+        done = json.loads(results.read_text()) if results.is_file() else {}
+        return {step: Path(done[step]["path"]) for step in ("folder", "optimize")
+                if isinstance(done.get(step), dict) and "path" in done[step] and "skipped" not in done[step]
+                and Path(done[step]["path"]).is_dir()}
 
     # --- steps ------------------------------------------------------------------------------
 
@@ -147,6 +212,12 @@ class Bench:
         from models.pipelines import folder_bytes, write_onnx_folder
 
         t0 = time.perf_counter()
+        if "folder" in self.shared:
+            return {"path": str(self.src), "reused": f"the {self.model} kind's"}
+        if self.flux:
+            from benchmarks.pipeline_flux import assemble_folder
+
+            return assemble_folder(self.kind, self.src, self.size, SEED)
         if self.sd3:
             from models.sd3 import build_torch_sd3_pipeline, write_sd3_onnx_folder
 
@@ -154,36 +225,74 @@ class Bench:
             write_sd3_onnx_folder(build_torch_sd3_pipeline(SEED, tokenizers, size=self.size), self.src, tokenizers)
             return {"path": str(self.src), "seconds": time.perf_counter() - t0, "bytes": folder_bytes(self.src)}
         data = None if self.dry else "model.onnx_data"
-        write_onnx_folder(self.kind, self.src, self.size, "torchscript", SEED, data_name=data)
+        write_onnx_folder(self.model, self.src, self.size, "torchscript", SEED, data_name=data)
         return {"path": str(self.src), "seconds": time.perf_counter() - t0, "bytes": folder_bytes(self.src)}
+
+    def folder_part(self, name: str) -> dict:
+        """Flux: one component exported on its own (benchmarks/pipeline_flux.py)."""
+        from benchmarks.pipeline_flux import export_part
+
+        return export_part(self.kind, name, self.src, self.size, "bfloat16" if self.bf16 and not self.dry else "float32",
+                           SEED)
 
     def optimize(self) -> dict:
         if self.dry:  # the ort-cuda preset writes CUDA-only ops: the dry run uses the source folder
             return {"path": str(self.src), "skipped": "dry run (ort-cuda graphs need the CUDA EP)"}
+        if "optimize" in self.shared:
+            return {"path": str(self.opt), "reused": f"the {self.model} kind's"}
         from onnxopt.pipeline import optimize_folder
 
         low = {"low_precision": "bfloat16"} if self.bf16 else None
-        report = optimize_folder(self.src, self.opt, target="ort-cuda", fp16=True, fp16_options=low)
-        return {"path": str(self.opt), "seconds": report.seconds, "table": report.table()}
+        if self.flux:  # the optimized folder is about the source's size
+            from benchmarks.pipeline_flux import check_room
+            from models.pipelines import folder_bytes
 
-    def torch_pipe(self, dtype, compiled: bool):
+            check_room(self.opt.parent, 1.02 * folder_bytes(self.src), "the optimized folder")
+        for stale in self.opt.parent.glob(f".{self.opt.name}.tmp-*"):  # what a killed call left
+            shutil.rmtree(stale, ignore_errors=True)
+        report = optimize_folder(self.src, self.opt, target="ort-cuda", fp16=True, fp16_options=low)
+        out = {"path": str(self.opt), "seconds": report.seconds, "table": report.table()}
+        if self.flux:  # the torch rows build their weights from the seed: the source is not read again
+            shutil.rmtree(self.src)
+            out["source_removed"] = str(self.src)
+        return out
+
+    def torch_pipe(self, dtype, compiled: bool, reference: bool = False):
         import torch
 
         from models.pipelines import build_torch_pipeline
         from onnxopt.pipeline.schedulers import make_scheduler
 
+        offload = False
+        self.prompt = {"prompt": PROMPT}  # the call's prompt arguments
         if self.sd3:
             from models.sd3 import build_torch_sd3_pipeline
 
             pipe = build_torch_sd3_pipeline(SEED, self.work / "tokenizers", size=self.size)
+        elif self.flux:
+            from benchmarks.pipeline_flux import torch_pipeline
+
+            pipe = torch_pipeline(self.kind, self.size, SEED, self.work / "tokenizers", self.src.parent / "torch-weights")
+            # the float32 reference: 68 GB of weights; the text encoders run and go before the transformer
+            # comes (also in the dry run, on the CPU, where the eager row checks it gives the same image)
+            offload = reference
         else:
-            pipe = build_torch_pipeline(self.kind, self.size, SEED)
+            pipe = build_torch_pipeline(self.model, self.size, SEED)
             # The config the folder's scheduler_config.json is written from: the torch steps need no ONNX
             # folder, so they can run in a call of their own (--skip folder,optimize,onnxopt).
             pipe.scheduler = make_scheduler(self.settings["scheduler"], dict(pipe.scheduler.config))
-        pipe = pipe.to(self.device, dtype)
+            if self.init and "mask" not in self.settings:  # img2img: the same components
+                from diffusers import StableDiffusionImg2ImgPipeline
+
+                pipe = StableDiffusionImg2ImgPipeline(**pipe.components)
+        if offload:
+            from benchmarks.pipeline_flux import float32_text_first
+
+            self.prompt = float32_text_first(pipe, PROMPT, self.settings["max_sequence_length"], self.device)
+        else:
+            pipe = pipe.to(self.device, dtype)
         pipe.set_progress_bar_config(disable=True)
-        if compiled and self.sd3:  # diffusers' recipe for SD3: the transformer compiled whole
+        if compiled and self.dit:  # diffusers' recipe for SD3 and Flux: the transformer compiled whole
             pipe.transformer = torch.compile(pipe.transformer, mode="reduce-overhead", fullgraph=True)
         elif compiled:
             torch._inductor.config.conv_1x1_as_mm = True
@@ -203,24 +312,56 @@ class Bench:
             final["latents"] = kwargs["latents"]
             return kwargs
 
+        from benchmarks.pipeline_init_image import float32_draws
+
         s = self.settings
         # The initial noise is drawn in float32, as the fp32 pipeline and onnxopt draw it, then cast: an fp16
         # pipeline left to draw its own would sample float16 noise, another image altogether.
         factor = pipe.vae_scale_factor
-        denoiser = pipe.transformer if self.sd3 else pipe.unet
-        noise = torch.randn((1, denoiser.config.in_channels, s["height"] // factor, s["width"] // factor),
-                            generator=torch.Generator("cpu").manual_seed(SEED), dtype=torch.float32)
-        extra = {}
+        denoiser = pipe.transformer if self.dit else pipe.unet
+        generator = torch.Generator("cpu").manual_seed(SEED)
+        if self.flux:
+            from benchmarks.pipeline_flux import packed_noise
+
+            noise = packed_noise(pipe, s["height"], s["width"], SEED)
+        else:
+            channels = pipe.vae.config.latent_channels  # an inpainting UNet takes 9, its latents have 4
+            noise = torch.randn((1, channels, s["height"] // factor, s["width"] // factor), generator=generator,
+                                dtype=torch.float32)
+        extra = dict(negative_prompt=NEGATIVE, height=s["height"], width=s["width"],
+                     latents=noise.to(self.device, denoiser.dtype))
         if self.kind.endswith("controlnet"):
             extra["image"] = self.control_image()
             if self.multi:
                 extra["controlnet_conditioning_scale"] = MULTI_CONTROLNET_SCALES
-        with torch.no_grad():
-            image = pipe(PROMPT, negative_prompt=NEGATIVE, num_inference_steps=s["steps"], guidance_scale=self.guidance,
-                         height=s["height"], width=s["width"], latents=noise.to(self.device, denoiser.dtype),
+        if self.flux:  # no classifier-free guidance: no negative prompt
+            del extra["negative_prompt"]
+            extra["max_sequence_length"] = s["max_sequence_length"]
+        if self.init:  # the generator draws the encoder's sample and the noise, in diffusers' order
+            image, mask = self.init_images()
+            extra.update(image=image, strength=s["strength"], generator=torch.Generator("cpu").manual_seed(SEED))
+            del extra["latents"]
+            if mask is None:  # img2img: the init image's size
+                del extra["height"], extra["width"]
+            else:
+                extra["mask_image"] = mask
+        with torch.no_grad(), float32_draws():
+            image = pipe(**self.prompt, num_inference_steps=s["steps"], guidance_scale=self.guidance,
                          output_type=output_type, callback_on_step_end=keep, **extra).images[0]
         self.sync()
         return final["latents"].float().cpu().numpy(), np.asarray(image, np.float32)
+
+    def init_images(self):
+        """The init image and (inpainting) mask every side takes; also saved to <work>/init.png, mask.png."""
+        from benchmarks.pipeline_init_image import init_image, inpaint_mask
+
+        s = self.settings
+        image = init_image(s["height"], s["width"], INIT_IMAGE_SEED)
+        mask = inpaint_mask(s["height"], s["width"]) if s.get("mask") else None
+        image.save(self.work / "init.png")
+        if mask is not None:
+            mask.save(self.work / "mask.png")
+        return image, mask
 
     def sync(self):
         import torch
@@ -244,7 +385,7 @@ class Bench:
         """One run with synchronizing timers around the text encoder(s), the UNet and the VAE decode.
 
         A step is the UNet call plus, in a ControlNet pipeline, the ControlNet call before it."""
-        times = {"text_encoder": [], "vae_decode": [], "unet": [], "controlnet": []}
+        times = {"text_encoder": [], "vae_encode": [], "vae_decode": [], "unet": [], "controlnet": []}
         patched = []  # (object, attribute, its own value before, or None when it had none)
 
         def patch(obj, attr, key):
@@ -256,10 +397,12 @@ class Bench:
             if getattr(pipe, encoder, None) is not None:
                 patch(getattr(pipe, encoder), "forward", "text_encoder")
         patch(pipe.vae, "decode", "vae_decode")
+        if self.init:
+            patch(pipe.vae, "encode", "vae_encode")
         # The ControlNet is timed by its forward: diffusers checks that pipe.controlnet is a ControlNetModel.
         if getattr(pipe, "controlnet", None) is not None:
             patch(pipe.controlnet, "forward", "controlnet")
-        attribute = "transformer" if self.sd3 else "unet"  # the denoiser's
+        attribute = "transformer" if self.dit else "unet"  # the denoiser's
         original_unet = getattr(pipe, attribute)
         timed_unet = self.timed(original_unet, times["unet"].append)
 
@@ -281,13 +424,16 @@ class Bench:
                 else:
                     setattr(obj, attr, own)
         step = sum(statistics.mean(c[1:] or c) for c in (times["unet"], times["controlnet"]) if c)
-        return {"text_encoder_s": sum(times["text_encoder"]), "step_mean_s": step,
-                "vae_decode_s": sum(times["vae_decode"])}
+        out = {"text_encoder_s": sum(times["text_encoder"]), "step_mean_s": step,
+               "vae_decode_s": sum(times["vae_decode"])}
+        if times["vae_encode"]:
+            out["vae_encode_s"] = sum(times["vae_encode"])
+        return out
 
     def torch_fp32(self) -> dict:
         import torch
 
-        pipe = self.torch_pipe(torch.float32, compiled=False)
+        pipe = self.torch_pipe(torch.float32, compiled=False, reference=True)
         latents, image = self.torch_call(pipe)
         np.save(self.work / "fp32_latents.npy", latents)
         np.save(self.work / "fp32_image.npy", image)
@@ -341,6 +487,15 @@ class Bench:
             return {"skipped": f"this Pipeline.load has no {', '.join(sorted(unknown))}"}
         request = dict(negative_prompt=NEGATIVE, steps=s["steps"], guidance=self.guidance, scheduler=s["scheduler"],
                        seed=SEED, height=s["height"], width=s["width"], progress=False, **call)
+        if self.flux:  # no classifier-free guidance: no negative prompt
+            request.update(negative_prompt=None, max_sequence_length=s["max_sequence_length"])
+        if self.init:  # what `onnxopt generate --image --strength [--mask]` passes
+            image, mask = self.init_images()
+            request.update(image=image, strength=s["strength"])
+            if mask is None:  # img2img: the init image's size
+                del request["height"], request["width"]
+            else:
+                request["mask"] = mask
         if self.kind.endswith("controlnet"):
             request["controlnet_image"] = self.control_image()
             if self.multi:
@@ -356,7 +511,7 @@ class Bench:
         last = results[-1][0]
         totals = [t for _, t in results]
         stages = {k: statistics.median(r.timings[k] for r, _ in results)
-                  for k in ("text_encoder_s", "step_mean_s", "vae_decode_s", "vae_run_s", "vae_postprocess_s",
+                  for k in ("text_encoder_s", "step_mean_s", "vae_encode_s", "vae_decode_s", "vae_run_s", "vae_postprocess_s",
                             "controlnet_hint_s", "reused_step_mean_s", "step_launch_mean_s", "rest_s")
                   if k in last.timings}
         sessions, creation_s = sorted(pipe.sessions), pipe.creation_s
@@ -430,6 +585,7 @@ class Bench:
         b = (np.clip(ref_image, 0, 1) * 255).round()
         mse = float(np.mean((a - b) ** 2))
         psnr = float("inf") if mse == 0 else 10 * np.log10(255.0 ** 2 / mse)
+        latents = np.asarray(latents, np.float32).reshape(ref_latents.shape)  # both sides' final latents (Flux: packed)
         return {"psnr_db": psnr, "latents_max_abs": float(np.abs(latents - ref_latents).max()),
                 "image_max_abs": float(np.abs(image - ref_image).max())}
 
@@ -451,80 +607,55 @@ class StepFeedRecorder:
         return getattr(self.session, name)
 
 
-def table(kind: str, results: dict, dry: bool = False) -> str:
-    s = dict(SETTINGS[kind], **(DRY if dry else {}))
-    precision = "DRY RUN: tiny weights, fp32, CPU" if dry else s.get("precision", "fp16")
-    lines = [f"### {kind}: {s['height']}x{s['width']}, {s['scheduler']} {s['steps']} steps, guidance "
-             f"{s.get('guidance', GUIDANCE)}, {precision}",
-             "", "| pipeline | end to end | cold start | text encoder | mean step | VAE decode | rest | PSNR vs fp32 | latents max abs vs fp32 |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    rows = (("diffusers eager", "torch-eager"), ("diffusers + torch.compile", "torch-compile"),
-            (f"onnxopt ort-cuda {s.get('precision', 'fp16')}", "onnxopt"))
-    for label, key in rows:
-        r = results.get(key)
-        if not r or "skipped" in r:
-            lines.append(f"| {label} | {(r or {}).get('skipped', 'not run')} | | | | | | | |")
-            continue
-        st = r["stages"]
-        rest = f"{st['rest_s'] * 1e3:.1f} ms" if "rest_s" in st else ""  # onnxopt's: outside every stage above
-        lines.append(f"| {label} | {r['end_to_end_s']:.3f} s | {r['cold_start_s']:.1f} s | {st['text_encoder_s'] * 1e3:.1f} ms | "
-                     f"{st['step_mean_s'] * 1e3:.2f} ms | {st['vae_decode_s'] * 1e3:.1f} ms | {rest} | {r['psnr_db']:.1f} dB | "
-                     f"{r['latents_max_abs']:.3g} |")
-    eager, compiled, ours = (results.get(k) or {} for k in ("torch-eager", "torch-compile", "onnxopt"))
-    if "end_to_end_s" in compiled and "end_to_end_s" in ours:
-        lines += ["", f"onnxopt / torch.compile end to end: {ours['end_to_end_s'] / compiled['end_to_end_s']:.2f}x"]
-    if "latents_max_abs" in eager and "latents_max_abs" in ours:
-        ratio = ours["latents_max_abs"] / max(eager["latents_max_abs"], 1e-12)
-        lines += [f"onnxopt / torch {s.get('precision', 'fp16')} deviation from fp32 (final latents max abs): {ratio:.2f}x"]
-    if "step" in ours:
-        lines += [f"onnxopt step: {ours['step']}, CUDA graph {ours['cuda_graph']}, first step {ours['first_step_s'] * 1e3:.0f} ms, "
-                  f"sessions {ours['session_creation_s']:.1f} s"]
-    return "\n".join(lines)
+REFERENCE_FILES = ("fp32_latents.npy", "fp32_image.npy")
 
 
-def ablation_table(kind: str, results: dict, fp8_only: bool = False) -> str:
-    """End to end and per stage as each rewrite is added (the --ablation rows; ``fp8_only``: --fp8 alone)."""
-    lines = [f"### {kind}: ablation (onnxopt ort-cuda fp16, one optimized folder)", "",
-             "| pipeline | end to end | text side | mean step | host part of a step | runs per step | hint | VAE decode | UNet steps | PSNR vs fp32 | latents max abs |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
-    compiled = (results.get("torch-compile") or {}).get("end_to_end_s")
-    for label in [FP8_ROW] if fp8_only else [*ABLATION, FP8_ROW]:
-        r = results.get(f"onnxopt: {label}")
-        if label == FP8_ROW and r is None:
-            continue  # --fp8 not asked for
-        if r is None and (ABLATION[label][2] and not kind.endswith("controlnet")
-                          or kind == "sdxl" and "step_file" in ABLATION[label][0]):
-            continue  # a ControlNet row; cfg-late on SDXL (not measured: 0.5 % of its FLOPs move)
-        if not r or "skipped" in r:
-            lines.append(f"| {label} | {(r or {}).get('skipped', 'not run')} | | | | | | | | | |")
-            continue
-        st = r["stages"]
-        ms = lambda k: f"{st[k] * 1e3:.2f} ms" if k in st else ""  # noqa: E731
-        ratio = f" ({r['end_to_end_s'] / compiled:.2f}x)" if compiled else ""
-        label = f"{label} [{r['note']}]" if r.get("note") else label
-        lines.append(f"| {label} | {r['end_to_end_s']:.3f} s{ratio} | {ms('text_encoder_s')} | {ms('step_mean_s')} | "
-                     f"{ms('step_launch_mean_s')} | {r.get('session_runs_per_step', '')} | {ms('controlnet_hint_s')} | {ms('vae_decode_s')} | {r.get('unet_steps')} | {r['psnr_db']:.1f} dB | "
-                     f"{r['latents_max_abs']:.3g} |")
-    if compiled:
-        lines += ["", f"(x: end to end / diffusers + torch.compile's {compiled:.3f} s from the same run)"]
-    return "\n".join(lines)
+def resume_torch_rows(previous: Path, work: Path) -> list[str]:
+    """The torch rows (which need no ONNX folder) and the float32 reference of an earlier run's --out,
+    into ``work``, where not there already: a kind too long for one machine's hold runs its torch rows
+    on one machine and its ONNX steps on another."""
+    import json
+
+    taken = []
+    for name in REFERENCE_FILES:
+        if (previous / name).is_file() and not (work / name).is_file():
+            shutil.copyfile(previous / name, work / name)
+            taken.append(name)
+    earlier = json.loads((previous / "results.json").read_text())
+    path = work / "results.json"
+    results = json.loads(path.read_text()) if path.is_file() else {}
+    for key, value in earlier.items():
+        if key.startswith("torch-") and key not in results:
+            results[key] = value
+            taken.append(key)
+    path.write_text(json.dumps(results, indent=2, default=str))
+    print(f"taken from {previous}: {', '.join(taken) or 'nothing new'}", flush=True)
+    return taken
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--kind", choices=list(SETTINGS), default="sd15")
     ap.add_argument("--work", type=Path, default=Path("/tmp/pipe-bench"))
+    ap.add_argument("--scratch", type=Path, help="Flux: where the source ONNX folder goes (default: --work), e.g. "
+                                                 "/dev/shm/pipe-bench when --work cannot hold it beside the optimized one")
     ap.add_argument("--budget", type=float, default=540, help="seconds; stop between steps after this")
     ap.add_argument("--runs", type=int, default=5, help="timed images after the warm-up (median reported)")
     ap.add_argument("--out", type=Path, help="copy results.json and table.md here (e.g. benchmarks/results/pipeline-sd15)")
     ap.add_argument("--dry-run", action="store_true", help="CPU, tiny weights, fp32, one run of each step (no compile)")
+    ap.add_argument("--resume-from", type=Path, metavar="OUT",
+                    help="an --out of an earlier run (another machine): its torch rows and float32 reference are "
+                         "taken, the ONNX steps run here")
     ap.add_argument("--skip", default="", help="comma-separated steps not to run (e.g. torch-compile)")
     ap.add_argument("--ablation", action="store_true", help="also the onnxopt pipeline as each rewrite is added")
     ap.add_argument("--fp8", action="store_true", help=f"also the row '{FP8_ROW}': unet/{FP8_STEP_FILE} (fp8-linear)")
     args = ap.parse_args(argv)
     bench = Bench(args)
+    if args.resume_from:
+        resume_torch_rows(args.resume_from, bench.work)
     steps = Steps(bench.work, args.budget)
-    plan = [("folder", bench.build_folder), ("optimize", bench.optimize), ("torch-fp32", bench.torch_fp32),
+    plan = [(f"folder: {part}", lambda part=part: bench.folder_part(part)) for part in STREAMED_PARTS if bench.flux]
+    plan += [("folder", bench.build_folder), ("optimize", bench.optimize), ("torch-fp32", bench.torch_fp32),
             ("torch-eager", lambda: bench.torch_timed(False)), ("torch-compile", lambda: bench.torch_timed(True)),
             ("onnxopt", bench.onnxopt)]
     if args.ablation:
@@ -540,8 +671,8 @@ def main(argv=None) -> int:
     skip = set(filter(None, args.skip.split(",")))
     try:
         for key, fn in plan:
-            if key not in skip:
-                steps.run(key, fn)
+            if key not in skip:  # full-size Flux: every step takes minutes, each gets a call of its own
+                steps.run(key, fn, alone=bench.flux and not args.dry_run)
     except TimeoutError as exc:
         print(f"budget spent before step '{exc}': rerun the same command to continue", flush=True)
     text = table(args.kind, steps.results, args.dry_run)
@@ -549,6 +680,10 @@ def main(argv=None) -> int:
         text += "\n\n" + ablation_table(args.kind, steps.results, fp8_only=not args.ablation)
     print(text)
     steps.save(args.out, text)
+    if args.out is not None:  # the quality reference travels with the results (--resume-from)
+        for name in REFERENCE_FILES:
+            if (bench.work / name).is_file():
+                shutil.copyfile(bench.work / name, args.out / name)
     return 0
 
 

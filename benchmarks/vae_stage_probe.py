@@ -13,8 +13,8 @@ stage so the swinging part shows::
     per load: free GPU memory before the load (cuDNN's exhaustive algorithm search, run at the
               VAE's first run, skips algorithms whose workspace does not fit in it), whether the
               VAE graph was captured, then over --runs decodes of one latent:
-                copy_in    latents host -> the bound input buffer (update_inplace)
-                graph      run_with_iobinding (a captured replay; returns when the device is done)
+                copy_in    latents host -> the bound input buffer (BoundRun.write: update_inplace)
+                graph      BoundRun.run (a captured replay; returns when the device is done)
                 copy_out   the image buffer -> host (.numpy())
                 post       diffusers' postprocessing on the host (torch CPU)
               and the pipeline's own vae_decode_s / vae_run_s / vae_postprocess_s over --images images.
@@ -63,13 +63,13 @@ def split_stage(pipe, latents: np.ndarray, runs: int) -> dict:
     feed = pipe._unscale(latents).astype(input_types(session)["latent_sample"])
     session.run(None, {"latent_sample": feed})  # bound (and captured) already by the pipeline's images
     key = tuple(sorted((n, v.shape, v.dtype.str) for n, v in {"latent_sample": feed}.items()))
-    bound = session._bound[key]
+    bound = session.cache[key]
     parts = {"copy_in": [], "graph": [], "copy_out": [], "post": []}
     for _ in range(runs):
         t0 = time.perf_counter()
-        bound.inputs["latent_sample"].update_inplace(np.ascontiguousarray(feed))
+        bound.write({"latent_sample": feed})
         t1 = time.perf_counter()
-        session.session.run_with_iobinding(bound.binding, bound.options)
+        bound.run()
         t2 = time.perf_counter()
         decoded = bound.outputs["sample"].numpy()
         t3 = time.perf_counter()
@@ -85,20 +85,19 @@ def bare_vae_graph_ms(model: Path, latents: np.ndarray, search: str, runs: int) 
     no capture: the median graph time (ms)."""
     import onnxruntime as ort
 
+    from onnxopt.runners.captured_session import CapturedSession
+
     options = ort.SessionOptions()
     options.log_severity_level = 3
     session = ort.InferenceSession(str(model), options, providers=[
         ("CUDAExecutionProvider", {"cudnn_conv_algo_search": search})])
     spec = session.get_inputs()[0]
     dtype = np.float16 if "float16" in spec.type else np.float32
-    binding = session.io_binding()
-    binding.bind_ortvalue_input(spec.name, ort.OrtValue.ortvalue_from_numpy(latents.astype(dtype), "cuda", 0))
-    binding.bind_output(session.get_outputs()[0].name, "cuda", 0)
-    session.run_with_iobinding(binding)  # the algorithm search
+    bound = CapturedSession(ort, session).bind({spec.name: latents.astype(dtype)})  # its output probe: the algorithm search
     times = []
     for _ in range(runs):
         t0 = time.perf_counter()
-        session.run_with_iobinding(binding)
+        bound.run()
         times.append(time.perf_counter() - t0)
     return round(statistics.median(times) * 1e3, 3)
 

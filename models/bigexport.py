@@ -79,6 +79,52 @@ def peak_rss_gb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # kB on Linux
 
 
+def float32_io(path: Path) -> list[str]:
+    """Make the bfloat16/float16 graph inputs and outputs of the model at ``path`` float32, a ``Cast`` at
+    each boundary (rewrites ``model.onnx`` only; external weights are untouched). A model built in
+    bfloat16 exports bfloat16 I/O, which numpy cannot hold: a pipeline feeds float32, as it feeds a
+    graph whose fp16 pass kept its I/O types. Returns the names changed."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    model = onnx.load(str(path), load_external_data=False)
+    graph = model.graph
+    low = {TensorProto.BFLOAT16, TensorProto.FLOAT16}
+    front, back, changed = [], [], []
+
+    def rename(old: str, new: str, outputs: bool) -> None:
+        for node in graph.node:
+            node.input[:] = [new if x == old else x for x in node.input]
+            if outputs:
+                node.output[:] = [new if x == old else x for x in node.output]
+        for info in graph.value_info:
+            if info.name == old:
+                info.name = new
+
+    for value in graph.input:
+        t = value.type.tensor_type
+        if t.elem_type in low:
+            inside = f"{value.name}__{TensorProto.DataType.Name(t.elem_type).lower()}"
+            rename(value.name, inside, outputs=False)
+            front.append(helper.make_node("Cast", [value.name], [inside], to=t.elem_type, name=f"{inside}__cast"))
+            t.elem_type = TensorProto.FLOAT
+            changed.append(value.name)
+    for value in graph.output:
+        t = value.type.tensor_type
+        if t.elem_type in low:
+            inside = f"{value.name}__{TensorProto.DataType.Name(t.elem_type).lower()}"
+            rename(value.name, inside, outputs=True)
+            back.append(helper.make_node("Cast", [inside], [value.name], to=TensorProto.FLOAT, name=f"{inside}__cast"))
+            t.elem_type = TensorProto.FLOAT
+            changed.append(value.name)
+    if changed:
+        nodes = [*front, *graph.node, *back]
+        del graph.node[:]
+        graph.node.extend(nodes)
+        onnx.save(model, str(path))
+    return changed
+
+
 def merge_external_data(path: Path, data_name: str = DATA_NAME) -> int:
     """Rewrite ``path`` so that every external tensor lives in one ``data_name`` file next to it,
     copied file to file in 64 MB chunks (never a whole tensor in memory); the old files go.
@@ -140,8 +186,9 @@ def relative_l2(got, want) -> float:
 def export_folder(family: str, out_dir, *, size: str = "full", exporter: str = "dynamo", shapes: str = "dynamic",
                   dtype: str = "float32", opset: int | None = None, seed: int = 0, layers: int | None = None,
                   export_dims: dict | None = None, check: bool = False, check_dims: dict | None = None,
-                  tolerance: float = 1e-3, streamed: bool = False, log=print) -> dict:
-    """Build ``family`` and export it to ``out_dir/model.onnx`` (+ ``model.onnx.data``); see the module doc."""
+                  tolerance: float = 1e-3, streamed: bool = False, overrides: dict | None = None, log=print) -> dict:
+    """Build ``family`` and export it to ``out_dir/model.onnx`` (+ ``model.onnx.data``); see the module doc.
+    ``overrides``: config entries of the builder (e.g. a pipeline's text widths), beside ``layers``'."""
     import torch
 
     from . import build
@@ -169,7 +216,7 @@ def export_folder(family: str, out_dir, *, size: str = "full", exporter: str = "
         kwargs = {} if dtype == "float32" else {"dtype": getattr(torch, dtype)}
         if kwargs and family not in DTYPE_FAMILIES:
             raise ValueError(f"{family} is built in float32 only (--dtype applies to {', '.join(DTYPE_FAMILIES)})")
-        overrides = layer_overrides(family, layers)
+        overrides = dict(overrides or {}, **layer_overrides(family, layers))
         if overrides:
             kwargs["overrides"] = overrides
         if streamed:

@@ -50,6 +50,7 @@ FLUX_SCHEDULER_CONFIGS = {
 }
 FLUX_VAE_FACTORS = (0.3611, 0.1159)  # black-forest-labs/FLUX.1-dev vae/config.json: scaling_factor, shift_factor
 T5_TINY_OVERRIDES = dict(d_model=24)
+T5_SEED_OFFSET = 1  # T5's seed is the pipeline's + 1 (CLIP's is the pipeline's)
 CLIP_TINY_WIDTH = 32
 
 
@@ -108,27 +109,59 @@ def name_fast_t5_tokenizer(out_dir) -> None:
         _readable_by_transformers_4(tokenizer_config)
 
 
-def _components(kind: str, size: str, seed: int) -> dict:
-    """The torch modules of the pipeline (fp32, eval mode), deterministic in (kind, size, seed)."""
+# model_index.json's entries, as black-forest-labs/FLUX.1-dev's names them
+COMPONENT_CLASSES = {"transformer": ["diffusers", "FluxTransformer2DModel"], "text_encoder": ["transformers", "CLIPTextModel"],
+                     "text_encoder_2": ["transformers", "T5EncoderModel"], "vae": ["diffusers", "AutoencoderKL"]}
+
+
+def name_unbuilt_components(out_dir) -> None:
+    """model_index.json names the class of a component the pipeline was built without (saved as null: one
+    exported on its own)."""
+    path = Path(out_dir) / "model_index.json"
+    index = json.loads(path.read_text())
+    for name, entry in COMPONENT_CLASSES.items():
+        if index.get(name) in (None, [None, None]):
+            index[name] = entry
+    path.write_text(json.dumps(index, indent=2) + "\n")
+
+
+def _components(kind: str, size: str, seed: int, dtype=None, skip=()) -> dict:
+    """The torch modules of the pipeline (eval mode), deterministic in (kind, size, seed).
+
+    ``dtype``: the transformer and T5 are built in it (``torch.bfloat16``: the weights the streamed
+    bfloat16 export writes, never 48 GB of float32 first); CLIP and the VAE are float32.
+    ``skip``: components not built (None in the result), e.g. those exported on their own."""
     from . import dit
     from .pipelines import _text_encoder
     from .clip import CONFIGS as CLIP_CONFIGS
     from .t5 import make_t5
     from .vae import make_vae
 
-    family = kind
-    transformer = dit.make_transformer(family, size, seed, overrides=transformer_overrides(size))
-    vae = make_vae(size, seed, "vae16-decoder")
-    scaling, shift = FLUX_VAE_FACTORS
-    vae.register_to_config(scaling_factor=scaling, shift_factor=shift)
-    clip = _text_encoder(CLIP_CONFIGS[("clip-text", size)], False, seed)
-    t5 = make_t5(size, seed=seed + 1, overrides=T5_TINY_OVERRIDES if size == "tiny" else None)
-    return dict(transformer=transformer.eval(), vae=vae.eval(), text_encoder=clip.eval(), text_encoder_2=t5.eval())
+    parts = dict.fromkeys(skip)
+    if "transformer" not in skip:
+        parts["transformer"] = dit.make_transformer(kind, size, seed, dtype=dtype,
+                                                    overrides=transformer_overrides(size)).eval()
+    if "vae" not in skip:
+        vae = make_vae(size, seed, "vae16-decoder")
+        scaling, shift = FLUX_VAE_FACTORS
+        vae.register_to_config(scaling_factor=scaling, shift_factor=shift)
+        parts["vae"] = vae.eval()
+    if "text_encoder" not in skip:
+        parts["text_encoder"] = _text_encoder(CLIP_CONFIGS[("clip-text", size)], False, seed).eval()
+    if "text_encoder_2" not in skip:
+        parts["text_encoder_2"] = make_t5(size, seed=T5_SEED_OFFSET + seed, dtype=dtype,
+                                          overrides=t5_overrides(size)).eval()
+    return parts
 
 
-def build_flux_pipeline(kind: str, size: str = "tiny", seed: int = 0, tokenizer_dir=None):
+def t5_overrides(size: str) -> dict | None:
+    return T5_TINY_OVERRIDES if size == "tiny" else None
+
+
+def build_flux_pipeline(kind: str, size: str = "tiny", seed: int = 0, tokenizer_dir=None, dtype=None, skip=()):
     """diffusers' ``FluxPipeline`` of ``kind`` with seeded random weights (fp32, CPU); the tokenizers
-    are written to ``tokenizer_dir/tokenizer{,_2}`` (a temporary folder when None)."""
+    are written to ``tokenizer_dir/tokenizer{,_2}`` (a temporary folder when None). ``dtype`` and
+    ``skip``: as :func:`_components` (a skipped component is None in the pipeline)."""
     from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline
 
     from .pipelines import write_tokenizer
@@ -140,11 +173,13 @@ def build_flux_pipeline(kind: str, size: str = "tiny", seed: int = 0, tokenizer_
         tokenizer = write_tokenizer(root / "tokenizer", "<|endoftext|>", size)
         tokenizer_2 = write_t5_tokenizer(root / "tokenizer_2")
     scheduler = FlowMatchEulerDiscreteScheduler.from_config(FLUX_SCHEDULER_CONFIGS[kind])
-    return FluxPipeline(scheduler=scheduler, tokenizer=tokenizer, tokenizer_2=tokenizer_2, **_components(kind, size, seed))
+    return FluxPipeline(scheduler=scheduler, tokenizer=tokenizer, tokenizer_2=tokenizer_2,
+                        **_components(kind, size, seed, dtype, skip))
 
 
-def component_models(pipe, kind: str, size: str = "tiny", seed: int = 0) -> dict[str, BuiltModel]:
-    """The exportable components of ``pipe``: folder name -> BuiltModel (wrapper + I/O specs)."""
+def component_models(pipe, kind: str, size: str = "tiny", seed: int = 0, names=None) -> dict[str, BuiltModel]:
+    """The exportable components of ``pipe``: folder name -> BuiltModel (wrapper + I/O specs);
+    ``names``: only these (the others' modules may be None in ``pipe``)."""
     from . import dit
     from .pipelines import _Wrappers
     from .t5 import T5EncoderWrapper
@@ -152,8 +187,6 @@ def component_models(pipe, kind: str, size: str = "tiny", seed: int = 0) -> dict
 
     wrappers = _Wrappers.get()
     latent = dict(batch=1, height=8, width=12)
-    vae_factor = 2 ** (len(pipe.vae.config.block_out_channels) - 1)
-    image = dict(latent, image_height=vae_factor * 8, image_width=vae_factor * 12)
     seq = {0: "batch", 1: "sequence"}
 
     def built(name, module, specs, outputs, dyn, dims, feed_options=None):
@@ -163,38 +196,50 @@ def component_models(pipe, kind: str, size: str = "tiny", seed: int = 0) -> dict
                           feed_options=feed_options or {})
 
     ids = lambda dtype: [dict(name="input_ids", shape=["batch", "sequence"], dtype=dtype, kind="input_ids")]  # noqa: E731
-    transformer = dit.build(kind, size, seed=seed, overrides=transformer_overrides(size))
-    transformer.module.transformer = pipe.transformer  # the pipeline's own weights (the same seeded ones)
-    transformer.export_patches = {"torchscript": lambda: dit.flux_torchscript_patches(pipe.transformer)}
-    transformer.example_dims = dict(batch=1, height=8, width=12, sequence=20)
-    channels = pipe.vae.config.latent_channels
-    return {
-        "text_encoder": built("text_encoder", wrappers["TextEncoder"](pipe.text_encoder, False), ids("int32"),
-                              ["last_hidden_state", "pooler_output"],
-                              {"input_ids": seq, "last_hidden_state": seq, "pooler_output": {0: "batch"}},
-                              dict(batch=1, sequence=77),
-                              {"vocab": len(pipe.tokenizer), "pad_id": pipe.tokenizer.pad_token_id}),
-        "text_encoder_2": built("text_encoder_2", T5EncoderWrapper(pipe.text_encoder_2), ids("int64"),
-                                ["last_hidden_state"], {"input_ids": seq, "last_hidden_state": seq},
-                                dict(batch=1, sequence=20), {"vocab": len(pipe.tokenizer_2), "pad_id": 0}),
+
+    def transformer():
+        model = dit.build(kind, size, seed=seed, overrides=transformer_overrides(size))
+        model.module.transformer = pipe.transformer  # the pipeline's own weights (the same seeded ones)
+        model.export_patches = {"torchscript": lambda: dit.flux_torchscript_patches(pipe.transformer)}
+        model.example_dims = dict(batch=1, height=8, width=12, sequence=20)
+        return model
+
+    def image_dims():
+        vae_factor = 2 ** (len(pipe.vae.config.block_out_channels) - 1)
+        return dict(latent, image_height=vae_factor * 8, image_width=vae_factor * 12)
+
+    makers = {
+        "text_encoder": lambda: built(
+            "text_encoder", wrappers["TextEncoder"](pipe.text_encoder, False), ids("int32"),
+            ["last_hidden_state", "pooler_output"],
+            {"input_ids": seq, "last_hidden_state": seq, "pooler_output": {0: "batch"}},
+            dict(batch=1, sequence=77), {"vocab": len(pipe.tokenizer), "pad_id": pipe.tokenizer.pad_token_id}),
+        "text_encoder_2": lambda: built(
+            "text_encoder_2", T5EncoderWrapper(pipe.text_encoder_2), ids("int64"), ["last_hidden_state"],
+            {"input_ids": seq, "last_hidden_state": seq}, dict(batch=1, sequence=20),
+            {"vocab": len(pipe.tokenizer_2), "pad_id": 0}),
         "transformer": transformer,
-        "vae_decoder": built("vae_decoder", VAEDecoderWrapper(pipe.vae),
-                             [dict(name="latent_sample", shape=["batch", channels, "height", "width"],
-                                   dtype="float32", kind="latent")], ["sample"],
-                             {"latent_sample": {0: "batch", 2: "height", 3: "width"},
-                              "sample": {0: "batch", 2: "image_height", 3: "image_width"}}, image),
-        "vae_encoder": built("vae_encoder", VAEEncoderWrapper(pipe.vae),
-                             [dict(name="sample", shape=["batch", 3, "image_height", "image_width"], dtype="float32",
-                                   kind="image")], ["latent_sample"],
-                             {"sample": {0: "batch", 2: "image_height", 3: "image_width"},
-                              "latent_sample": {0: "batch", 2: "height", 3: "width"}}, image),
+        "vae_decoder": lambda: built(
+            "vae_decoder", VAEDecoderWrapper(pipe.vae),
+            [dict(name="latent_sample", shape=["batch", pipe.vae.config.latent_channels, "height", "width"],
+                  dtype="float32", kind="latent")], ["sample"],
+            {"latent_sample": {0: "batch", 2: "height", 3: "width"},
+             "sample": {0: "batch", 2: "image_height", 3: "image_width"}}, image_dims()),
+        "vae_encoder": lambda: built(
+            "vae_encoder", VAEEncoderWrapper(pipe.vae),
+            [dict(name="sample", shape=["batch", 3, "image_height", "image_width"], dtype="float32", kind="image")],
+            ["latent_sample"], {"sample": {0: "batch", 2: "image_height", 3: "image_width"},
+                                "latent_sample": {0: "batch", 2: "height", 3: "width"}}, image_dims()),
     }
+    return {name: make() for name, make in makers.items() if names is None or name in names}
 
 
 def write_flux_onnx_folder(kind: str, out_dir, size: str = "tiny", exporter: str = "torchscript", seed: int = 0,
-                           pipe=None) -> dict[str, BuiltModel]:
+                           pipe=None, names=None) -> dict[str, BuiltModel]:
     """Export the Flux pipeline ``kind`` to ``out_dir`` in diffusers' ONNX layout (module docstring);
-    ``pipe``: one from :func:`build_flux_pipeline` with the same kind/size/seed, to skip building it.
+    ``pipe``: one from :func:`build_flux_pipeline` with the same kind/size/seed, to skip building it;
+    ``names``: only these component folders (with the pipeline's files: model_index.json, scheduler/,
+    tokenizers; a full-size transformer and T5 are exported on their own, streamed: models.bigexport).
     Returns folder name -> BuiltModel (its ``module`` is the torch reference of that ONNX file)."""
     from .export import export, inline_external_data
     from .pipelines import EXPORTERS, _write_component_config
@@ -209,9 +254,10 @@ def write_flux_onnx_folder(kind: str, out_dir, size: str = "tiny", exporter: str
         pipe.tokenizer.save_pretrained(str(out_dir / "tokenizer"))
         pipe.tokenizer_2.save_pretrained(str(out_dir / "tokenizer_2"))
     pipe.save_config(str(out_dir))
+    name_unbuilt_components(out_dir)
     name_fast_t5_tokenizer(out_dir)
     pipe.scheduler.save_pretrained(str(out_dir / "scheduler"))
-    models = component_models(pipe, kind, size, seed)
+    models = component_models(pipe, kind, size, seed, names)
     sources = dict(text_encoder=pipe.text_encoder, text_encoder_2=pipe.text_encoder_2, transformer=pipe.transformer,
                    vae_decoder=pipe.vae, vae_encoder=pipe.vae)
     for name, bm in models.items():

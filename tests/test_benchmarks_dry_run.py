@@ -78,3 +78,63 @@ def test_the_lora_swap_benchmark_dry_run_keeps_its_sessions(tmp_path, capsys):
     result = __import__("json").loads(out.read_text())
     assert result["weights_touched"] > 0 and result["swap_ms"]["runs"] == 3
     assert "| swap median ms |" in capsys.readouterr().out
+
+
+def test_the_img2img_table_says_the_strength_the_steps_run_and_diffusers_defaults():
+    """benchmarks/pipeline_gpu.py's sd15-img2img kind (its --dry-run, by hand: ``python -m
+    benchmarks.pipeline_gpu --kind sd15-img2img --dry-run``): 37 of 50 DDIM steps at strength 0.75, where
+    diffusers' defaults differ, and the VAE encode stage."""
+    from benchmarks.pipeline_gpu import table
+
+    row = {"end_to_end_s": 0.4, "cold_start_s": 10.0, "psnr_db": 40.0, "latents_max_abs": 0.05,
+           "stages": {"text_encoder_s": 0.008, "step_mean_s": 0.006, "vae_encode_s": 0.012, "vae_decode_s": 0.03}}
+    text = table("sd15-img2img", {"torch-eager": row, "torch-compile": row, "onnxopt": row})
+    assert text.startswith("### sd15-img2img: 512x512, ddim 50 steps, guidance 7.5, img2img strength 0.75 (37 steps run), fp16")
+    assert "StableDiffusionImg2ImgPipeline defaults: strength 0.8" in text
+    assert "| VAE encode | VAE decode |" in text and "| 6.00 ms | 12.0 ms | 30.0 ms |" in text
+
+
+def test_diffusers_img2img_draws_float32_numbers_cast_to_the_pipeline_dtype():
+    """A float16 img2img/inpainting pipeline draws the encoder's sample and the noise as float32 numbers,
+    cast, under pipeline_init_image.float32_draws: the stream of the float32 reference, not another one
+    (1000 numbers: off torch's vectorised normal kernel, where float16 draws its own)."""
+    pytest.importorskip("diffusers")
+    from diffusers.models.autoencoders import vae
+    from diffusers.pipelines.stable_diffusion import pipeline_stable_diffusion_img2img as img2img
+
+    from benchmarks.pipeline_init_image import float32_draws
+
+    def draw(module):
+        return module.randn_tensor((1000,), generator=torch.Generator().manual_seed(0), dtype=torch.float16)
+
+    want = torch.randn((1000,), generator=torch.Generator().manual_seed(0), dtype=torch.float32).half()
+    with float32_draws():
+        for module in (img2img, vae):
+            assert torch.equal(draw(module), want)
+    assert not torch.equal(draw(img2img), want)  # restored: float16's own stream
+
+
+def test_float32_io_casts_at_the_boundary_of_a_bfloat16_graph(tmp_path):
+    """models.bigexport.float32_io: a graph exported in bfloat16 takes and gives float32 (numpy has no
+    bfloat16; onnxopt's pipeline feeds float32), Casts at the boundary, its int inputs untouched, the
+    values those of the bfloat16 graph."""
+    import onnxruntime as ort
+
+    from models.bigexport import float32_io
+
+    graph = helper.make_graph(
+        [helper.make_node("Identity", ["x"], ["h"]), helper.make_node("Identity", ["h"], ["y"]),
+         helper.make_node("Identity", ["ids"], ["ids_out"])], "g",
+        [helper.make_tensor_value_info("x", TensorProto.BFLOAT16, [3]),
+         helper.make_tensor_value_info("ids", TensorProto.INT64, [2])],
+        [helper.make_tensor_value_info("y", TensorProto.BFLOAT16, [3]),
+         helper.make_tensor_value_info("ids_out", TensorProto.INT64, [2])])
+    path = tmp_path / "model.onnx"
+    path.write_bytes(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString())
+    assert float32_io(path) == ["x", "y"]
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    assert [i.type for i in session.get_inputs()] == ["tensor(float)", "tensor(int64)"]
+    y, ids = session.run(None, {"x": np.array([1.0, 1.00390625, 3.0], np.float32), "ids": np.array([4, 5])})
+    np.testing.assert_array_equal(y, [1.0, 1.0, 3.0])  # through bfloat16: 1 + 2^-8 rounds to 1
+    np.testing.assert_array_equal(ids, [4, 5])
+    assert float32_io(path) == []  # nothing left to change

@@ -3,7 +3,10 @@
 * no import cycle: the modules of ``onnxopt`` (with ``onnxopt.passes``, the repo's ``passes/``)
   import each other as a directed acyclic graph, counting imports inside functions too (a cycle
   deferred to call time is still two modules that each need the other);
-* no function of 80 lines or more: a longer one does several things, each of which wants a name.
+* no function of 80 lines or more: a longer one does several things, each of which wants a name;
+* one module binds IO and names CUDA graph ids: only ``onnxopt.runners.captured_session`` calls
+  ``io_binding()``, ``run_with_iobinding()`` or ``RunOptions()``, or writes the ``gpu_graph_id``
+  run-config entry; every other session runs through its CapturedSession.
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = {"onnxopt": ROOT / "onnxopt", "onnxopt.passes": ROOT / "passes"}
 MAX_FUNCTION_LINES = 80
+CAPTURED_SESSION = "onnxopt/runners/captured_session.py"
+BINDING_CALLS = {"io_binding", "run_with_iobinding", "RunOptions"}
 
 
 def package_modules() -> dict[str, Path]:
@@ -121,3 +126,41 @@ def test_a_long_function_is_found(tmp_path):
     body = "\n".join(f"    x{i} = {i}" for i in range(MAX_FUNCTION_LINES))
     (tmp_path / "m.py").write_text(f"def short():\n    return 1\n\n\ndef long():\n{body}\n")
     assert long_functions(tmp_path) == [f"m.py:5 long ({MAX_FUNCTION_LINES + 1} lines)"]
+
+
+def binding_outside_the_captured_session(root: Path) -> list[str]:
+    """``file:line what`` for each call of :data:`BINDING_CALLS` (as ``x.name(...)`` or ``name(...)``)
+    and each ``"gpu_graph_id"`` string in the package's modules other than the captured session's."""
+    found = []
+    for path in sorted(p for folder in ("onnxopt", "passes") for p in (root / folder).rglob("*.py")):
+        where = path.relative_to(root).as_posix()
+        if where == CAPTURED_SESSION:
+            continue
+        hits = []
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Call):
+                name = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", None)
+                if name in BINDING_CALLS:
+                    hits.append((node.lineno, f"{name}()"))
+            elif isinstance(node, ast.Constant) and node.value == "gpu_graph_id":
+                hits.append((node.lineno, "gpu_graph_id"))
+        found += [f"{where}:{line} {what}" for line, what in sorted(hits)]
+    return found
+
+
+def test_only_the_captured_session_binds_io_and_names_graph_ids():
+    assert (ROOT / CAPTURED_SESSION).is_file()
+    assert binding_outside_the_captured_session(ROOT) == []
+
+
+def test_a_binding_outside_the_captured_session_is_found(tmp_path):
+    (tmp_path / "onnxopt" / "runners").mkdir(parents=True)
+    (tmp_path / "passes").mkdir()
+    (tmp_path / CAPTURED_SESSION).write_text("binding = session.io_binding()\n")
+    (tmp_path / "onnxopt" / "loop.py").write_text(
+        "binding = session.io_binding()\noptions = ort.RunOptions()\n"
+        "options.add_run_config_entry('gpu_graph_id', '0')\nsession.run_with_iobinding(binding, options)\n"
+        "text = 'io_binding() in a string is no call'\n")
+    assert binding_outside_the_captured_session(tmp_path) == [
+        "onnxopt/loop.py:1 io_binding()", "onnxopt/loop.py:2 RunOptions()", "onnxopt/loop.py:3 gpu_graph_id",
+        "onnxopt/loop.py:4 run_with_iobinding()"]

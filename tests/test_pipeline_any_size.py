@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 
-from onnxopt.pipeline.capture_cache import CaptureCache
+from onnxopt.runners.capture_cache import CaptureCache
 
 
 def test_the_cache_evicts_the_least_recently_used_and_never_reuses_an_id():
@@ -88,4 +88,4 @@ def test_three_sizes_from_one_optimized_folder(tmp_path_factory):
     assert back["new_shape"] and captures["B"] == [6, 7]  # evicted, so captured again on new ids
     assert back == dict(back, cached=2, captures=4, evictions=2, size=2)
     # the VAE decoder's bound buffers: one set per size, the same bound of two
-    assert len(pipe.sessions["vae_decoder"]._bound) == 2 and pipe.sessions["vae_decoder"]._bound.evictions == 2
+    assert len(pipe.sessions["vae_decoder"].cache) == 2 and pipe.sessions["vae_decoder"].cache.evictions == 2

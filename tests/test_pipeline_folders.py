@@ -437,3 +437,14 @@ def test_hint_split_needs_a_controlnet_cond_input(folders, tmp_path):
     before = sorted(p.name for p in unet.iterdir())
     assert write_hint_graph(unet) is None
     assert sorted(p.name for p in unet.iterdir()) == before
+
+
+def test_the_report_names_bfloat16_when_the_fp16_pass_writes_it(tmp_path):
+    """optimize_folder(fp16=True, fp16_options={"low_precision": "bfloat16"}): the report's precision column
+    says bfloat16 (it said float16 whatever the pass wrote)."""
+    src = _vae_only_folder(COMMITTED_SD15, tmp_path / "src")
+    report = optimize_folder(src, tmp_path / "out", fp16=True, fp16_options={"low_precision": "bfloat16"})
+    vae = report.component("vae_decoder")
+    assert vae.precision == "bfloat16" and "bfloat16" in report.table()
+    model = onnx.load(str(tmp_path / "out" / "vae_decoder" / "model.onnx"))
+    assert any(t.data_type == onnx.TensorProto.BFLOAT16 for t in model.graph.initializer)

@@ -36,7 +36,7 @@ pytest.importorskip("transformers", reason="generating needs transformers")
 pytest.importorskip("onnxruntime", reason="generating needs onnxruntime")
 
 from onnxopt.pipeline import Pipeline, PipelineFolder  # noqa: E402
-from onnxopt.pipeline.bound_session import BoundSession  # noqa: E402
+from onnxopt.runners.captured_session import CapturedSession  # noqa: E402
 from onnxopt.pipeline.schedulers import make_scheduler  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -200,15 +200,15 @@ def test_bound_buffer_loop_equals_the_host_loop(built, kind):
     solver (state). Later images reuse the same buffers (a captured CUDA graph replays the addresses
     it was captured with): another scheduler, another step count, another prompt and seed each give
     the numpy loop's latents; another size gets its own buffers. The text encoders and the VAE
-    decoder run on buffers bound once per shape (BoundSession): the same images."""
+    decoder run on buffers bound once per shape (CapturedSession): the same images."""
     b = built(kind)
     bound = Pipeline.load(b.folder, "cpu", io_binding=True, threads=THREADS)
     result = bound(scheduler="dpm++2m", progress=False, **b.request())
     host = b.onnx()(scheduler="dpm++2m", progress=False, **b.request())
     np.testing.assert_allclose(result.latents, host.latents, rtol=0, atol=1e-6 * np.abs(host.latents).max())
-    # The text encoders and the VAE decoder ran on bound buffers too (BoundSession), with the same image.
+    # The text encoders and the VAE decoder ran on bound buffers too (CapturedSession), with the same image.
     np.testing.assert_allclose(result.pixels, host.pixels, rtol=0, atol=1e-6)
-    once = {name: s for name, s in bound.sessions.items() if isinstance(s, BoundSession)}
+    once = {name: s for name, s in bound.sessions.items() if isinstance(s, CapturedSession)}
     assert {"text_encoder", "vae_decoder"} <= set(once)
     loops = dict(bound._device_loops)
     assert len(loops) == 1
@@ -222,14 +222,14 @@ def test_bound_buffer_loop_equals_the_host_loop(built, kind):
         assert not np.allclose(again.latents, result.latents)  # the request really changed the image
         np.testing.assert_allclose(again.pixels, expected.pixels, rtol=0, atol=1e-6)
     assert bound._device_loops == loops and [id(v) for v in next(iter(loops.values()))._keep] == buffers
-    assert all(len(s._bound) == 1 for s in once.values())  # one set of buffers per shape, reused
+    assert all(len(s.cache) == 1 for s in once.values())  # one set of buffers per shape, reused
     if kind == "sdxl":  # another size: its own buffers (and, on a GPU, its own captured graphs)
         request = dict(b.request(), height=b.request()["height"] + 64, scheduler="dpm++2m")
         again, expected = bound(progress=False, **request), b.onnx()(progress=False, **request)
         np.testing.assert_allclose(again.latents, expected.latents, rtol=0, atol=1e-6 * np.abs(expected.latents).max())
         assert len(bound._device_loops) == 2
         np.testing.assert_allclose(again.pixels, expected.pixels, rtol=0, atol=1e-6)
-        assert len(once["vae_decoder"]._bound) == 2 and len(once["text_encoder"]._bound) == 1
+        assert len(once["vae_decoder"].cache) == 2 and len(once["text_encoder"].cache) == 1
 
 
 def test_generate_writes_the_pipeline_image(tmp_path):
@@ -316,7 +316,7 @@ def test_bound_loop_reads_the_kv_where_the_companion_wrote_them(built, tmp_path,
         latents.append(got.latents)
     assert not np.allclose(*latents)
     (loop,) = bound._device_loops.values()
-    (companion,) = bound.sessions["context"]._bound.values()
+    (companion,) = bound.sessions["context"].cache.values()
     written = {name: value.data_ptr() for name, value in companion.outputs.items()}
     assert len(written) > 1 and set(written) <= set(loop.static)
     assert {name: loop.static[name].data_ptr() for name in written} == written
@@ -348,7 +348,7 @@ def test_captured_step_reads_each_prompts_kv_on_the_device(tmp_path):
     assert np.abs(latents[0] - latents[1]).max() > 0.1 * np.abs(latents[0]).max()
     assert captured.cuda_graph and captured.sessions["context"].cuda_graph
     (loop,) = captured._device_loops.values()
-    (companion,) = captured.sessions["context"]._bound.values()
+    (companion,) = captured.sessions["context"].cache.values()
     assert all(loop.static[name].data_ptr() == value.data_ptr() for name, value in companion.outputs.items())
 
 # --- the CLI on the committed tiny folder ---------------------------------------------------------

@@ -292,7 +292,7 @@ def test_captured_text_encoder_replays_a_second_prompt(exported, tmp_path, kind)
     replay the captured graph on the same buffers and give what an uncaptured session of the same
     graph gives (fp32: within 1e-3 of the scale, cuBLAS' algorithms may differ between sessions)."""
     from onnxopt.pipeline import Pipeline, optimize_folder
-    from onnxopt.pipeline.bound_session import BoundSession
+    from onnxopt.runners.captured_session import CapturedSession
 
     source = COMMITTED_SD15 if kind == "sd15" else exported("sdxl", "torchscript")
     folder = tmp_path / "ort-cuda"
@@ -308,7 +308,7 @@ def test_captured_text_encoder_replays_a_second_prompt(exported, tmp_path, kind)
     assert np.abs(first["encoder_hidden_states"] - got["encoder_hidden_states"]).max() > 1e-2  # prompts differ
     for encoder in ENCODERS[kind]:
         session = captured.sessions[f"{encoder}/b2"]
-        assert isinstance(session, BoundSession) and session.cuda_graph, f"{encoder}: not captured"
-        assert len(session._bound) == 1  # every prompt replayed the same buffers
+        assert isinstance(session, CapturedSession) and session.cuda_graph, f"{encoder}: not captured"
+        assert len(session.cache) == 1  # every prompt replayed the same buffers
     result = captured("a photo of a red cat", negative_prompt="blurry", **REQUEST)
     assert result.timings["text_encoders"] == {e: static_file_name(2) for e in ENCODERS[kind]}

@@ -20,9 +20,10 @@ the device addresses it was captured with, and a bound input keeps its address w
 into it: the same mechanism the step loop's latents use (:mod:`onnxopt.pipeline.sessions`). So a
 scale or LoRA change rewrites the buffers in place; the captured graphs replay with the new weights.
 
-The wrapper binds its weights into every IO binding it hands out (``io_binding``), adds them to the
-feeds of a plain ``run``, and hides them from ``get_inputs``: the runner's sessions, bound-buffer
-sessions and step loops use it as the session it wraps.
+The wrapper names its weights in ``bound_inputs``, which every binding of
+:class:`~onnxopt.runners.captured_session.CapturedSession` binds, adds them to the feeds of a plain
+``run``, and hides them from ``get_inputs``: the runner's sessions, bound-buffer sessions and step
+loops use it as the session it wraps.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import numpy as np
 import onnx
 
 from onnxopt.lora.targets import LoraSet, Target
+from onnxopt.runners.captured_session import CapturedSession, write
 from onnxopt.weight_provenance import map_path
 
 
@@ -94,25 +96,22 @@ class WeightInputs:
     def __init__(self, ort, session, targets: dict[str, Target], scales: list[float], device: str, device_id: int,
                  make_update):
         self.session, self.targets = session, targets
-
-        def on_device(value):
-            return ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(value), device, device_id)
-
-        self.buffers = {name: ort.OrtValue.ortvalue_from_shape_and_type(list(t.base.shape), t.base.dtype, device, device_id)
-                        for name, t in targets.items()}
-        self.scales = on_device(np.asarray(scales, np.float32))
-        self.update = make_update(update_graph(targets, len(scales)))
-        self.binding = self.update.io_binding()
-        self.binding.bind_ortvalue_input("lora_scales", self.scales)
-        self._keep = []  # the update graph's inputs: they must live as long as the binding
-        for k, (name, target) in enumerate(targets.items()):
-            values = [(f"base_{k}", target.base)] + [(f"delta_{lora}_{k}", delta.astype(target.base.dtype))
-                                                     for lora, delta in enumerate(target.deltas) if delta is not None]
-            for input_name, value in values:
-                self._keep.append(on_device(value))
-                self.binding.bind_ortvalue_input(input_name, self._keep[-1])
-            self.binding.bind_ortvalue_output(name, self.buffers[name])
+        update = CapturedSession(ort, make_update(update_graph(targets, len(scales))), device=device, device_id=device_id)
+        self.buffers = {name: update.empty(t.base.shape, t.base.dtype) for name, t in targets.items()}
+        self.scales = update.buffer(np.asarray(scales, np.float32))
+        inputs = {"lora_scales": self.scales}  # the base weights and deltas: uploaded once, held by the binding
+        for k, target in enumerate(targets.values()):
+            inputs[f"base_{k}"] = target.base
+            inputs.update((f"delta_{lora}_{k}", delta.astype(target.base.dtype))
+                          for lora, delta in enumerate(target.deltas) if delta is not None)
+        self.update = update.bind(inputs, self.buffers)
         self.set_scales(scales)
+
+    @property
+    def bound_inputs(self) -> dict:
+        """The weights every binding of this session reads (bound by
+        :class:`~onnxopt.runners.captured_session.CapturedSession`)."""
+        return self.buffers
 
     def __getattr__(self, name):  # run_with_iobinding, get_outputs, ... of the session
         return getattr(self.session, name)
@@ -120,20 +119,14 @@ class WeightInputs:
     def get_inputs(self):
         return [i for i in self.session.get_inputs() if i.name not in self.targets]
 
-    def io_binding(self):
-        binding = self.session.io_binding()
-        for name, value in self.buffers.items():
-            binding.bind_ortvalue_input(name, value)
-        return binding
-
     def run(self, output_names, feeds, run_options=None):
         """A plain run (host feeds): the weights as host arrays (copied from their buffers)."""
         weights = {name: value.numpy() for name, value in self.buffers.items()}
         return self.session.run(output_names, {**feeds, **weights}, run_options)
 
     def set_scales(self, scales: list[float]) -> None:
-        self.scales.update_inplace(np.asarray(scales, np.float32))
-        self.update.run_with_iobinding(self.binding)
+        write(self.scales, np.asarray(scales, np.float32))
+        self.update.run()
 
 
 class LoraWeights:

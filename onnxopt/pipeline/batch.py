@@ -30,7 +30,7 @@ cuDNN/cuBLAS may pick other algorithms per batch size, is in its ``gpu`` test).
 On bound buffers (cuda, or ``io_binding`` on the CPU) the step loop is keyed by the shapes it binds,
 the latents' included (:meth:`~onnxopt.pipeline.sessions.DeviceStepLoop.key`), so each batch size
 gets its own buffers and captured CUDA graphs, as the K/V companion and the text encoders get theirs
-per input shape (:class:`~onnxopt.pipeline.bound_session.BoundSession`). The VAE decoder runs at
+per input shape (:class:`~onnxopt.runners.captured_session.CapturedSession`). The VAE decoder runs at
 batch 1: its batch-B activations at 512x512 would cost gigabytes of device memory for little speed
 (the decoder is compute-bound at that size).
 

@@ -93,7 +93,7 @@ GENERATED_NAMES = {MODEL_FILE, DEFAULT_DATA_NAME, "model.onnx.data", "weights.pb
 class ComponentReport:
     name: str
     passes: list[str]
-    precision: str                      # "float32" | "float16"
+    precision: str                      # "float32" | "float16" | "bfloat16"
     report: OptimizationReport | None   # None: copied unchanged
     weights_bytes: int = 0
     seconds: float = 0.0
@@ -361,7 +361,7 @@ def _optimize_component(component: PipelineComponent, out_dir: Path, src: Path, 
     model, report = optimize(source, passes, verify=verify, tolerance=tolerance, options=options)
     if report.first_broken_pass:
         raise VerificationError(f"{name}: verification failed at pass '{report.first_broken_pass}'; nothing written")
-    precision = "float16" if fp16 else "float32"
+    precision = fp16_options.get("low_precision", "float16") if fp16 else "float32"  # what the fp16 pass wrote
     if feed is not None:
         error, finite = fp16_vae_error(source, model, feed)
         if not finite or error > vae_max_rel_l2:

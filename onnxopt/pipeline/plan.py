@@ -28,7 +28,7 @@ from onnxopt.pipeline.folder import MERGED_STEP_FILE, PipelineFolder
 INMEMORY_STEP_GRAPH_MAX_BYTES = 1_800_000_000  # serialized bytes with the weights inline stay under protobuf's 2 GB
 
 # How a session is run (SessionEntry.binds): the runner's one switch.
-BOUND = "bound buffers"  # once per prompt or image, on buffers bound per input shape (BoundSession), captured when asked
+BOUND = "bound buffers"  # once per prompt or image, on buffers bound per input shape (CapturedSession), captured when asked
 STEP_LOOP = "step loop"  # every step, bound by the step loop (captured when asked and ORT can)
 HOST = "host feeds"  # numpy in, numpy out
 BUILT = "built graph"  # a small graph onnxopt builds (the reuse step, the ControlNet's input prep)

@@ -59,8 +59,6 @@ import numpy as np
 
 from onnxopt.errors import MissingDependencyError, OnnxoptError
 from onnxopt.pipeline import images
-from onnxopt.pipeline.bound_session import BoundSession
-from onnxopt.pipeline.capture_cache import DEFAULT_SIZE, CaptureCache
 from onnxopt.pipeline.families import TOKENIZER_OF
 from onnxopt.pipeline.folder import PipelineFolder
 from onnxopt.pipeline.sizes import _check_size, _written_before_0_9, default_size  # noqa: F401 (importers read them here too)
@@ -79,6 +77,8 @@ from onnxopt.pipeline.plan import (
 from onnxopt.pipeline.text_outputs import penultimate_name as _penultimate_name
 from onnxopt.pipeline.text_outputs import run_outputs as _run_outputs
 from onnxopt.pipeline.two_streams import TwoStreamStepLoop
+from onnxopt.runners.capture_cache import DEFAULT_SIZE, CaptureCache
+from onnxopt.runners.captured_session import CapturedSession
 from onnxopt.pipeline.sessions import (
     DeviceStepLoop,
     HostStepLoop,
@@ -182,7 +182,7 @@ class Pipeline:
         self._open_unet = lambda: create_session(  # noqa: E731 (from_plan gives its session maker's)
             folder.component(folder.denoiser).model, provider, name=str(folder.root / folder.denoiser), device_id=device_id,
             threads=threads)
-        self._open_once = lambda name, model=None: create_session(  # noqa: E731 (load gives BoundSessions)
+        self._open_once = lambda name, model=None: create_session(  # noqa: E731 (load gives CapturedSessions)
             model or folder.component(name).model, provider, name=str(folder.root / name), device_id=device_id,
             threads=threads)
 
@@ -202,7 +202,7 @@ class Pipeline:
         ``cuda_graph`` (cuda/tensorrt): capture the step graph as CUDA graphs. ``fused_step=False``
         runs the UNet and diffusers' ``scheduler.step`` separately (the reference loop).
         ``io_binding``: the fused step, and the graphs run once per prompt or image (text encoders,
-        K/V, hint, VAE decoder: :class:`BoundSession`), on buffers bound once and captured with
+        K/V, hint, VAE decoder: :class:`CapturedSession`), on buffers bound once and captured with
         ``cuda_graph`` (default: on for cuda/tensorrt; on the CPU EP it runs the same bindings on
         CPU buffers). ``step_file``: another step graph in ``unet/`` than ``step.onnx`` (with its
         ``<stem>.context_kv.onnx`` when present), e.g. the ``step.cfg_late.onnx`` that
@@ -237,7 +237,7 @@ class Pipeline:
 
         ``capture_cache``: how many input shapes (image sizes, prompt batches) keep their bound
         buffers and captured CUDA graphs, per session; the least recently used is dropped past it
-        (:mod:`onnxopt.pipeline.capture_cache`). ``timings["capture"]`` says what an image cost.
+        (:mod:`onnxopt.runners.capture_cache`). ``timings["capture"]`` says what an image cost.
 
         ``status``: say what start-up is doing (importing, loading each component, building the step
         graph) on one line of stderr, cleared when done; None: only when stderr is a terminal.
@@ -635,7 +635,7 @@ class Pipeline:
         """What the step loop's cache did for this image: ``new_shape`` (its buffers were made and, with
         CUDA graphs, its two graphs captured on its first two steps), ``capture_s`` (those two steps
         over two later ones: the capture's cost; None without a third computed step) and the cache's
-        counts (:meth:`~onnxopt.pipeline.capture_cache.CaptureCache.stats`)."""
+        counts (:meth:`~onnxopt.runners.capture_cache.CaptureCache.stats`)."""
         capture_s = None
         if self._new_shape and not second_reused and len(computed) >= 2:
             capture_s = first + computed[0] - 2 * float(np.median(computed[1:]))
@@ -1128,8 +1128,8 @@ class _SessionMaker:
             return self.open(component, model)
         session, capturing = self.captured(component, model, capture=capture)
         provider = self.plan.provider
-        return BoundSession(require_provider(provider), session, device="cpu" if provider == "cpu" else "cuda",
-                            device_id=self.device_id, cuda_graph=capturing, capture_cache=self.capture_cache)
+        return CapturedSession(require_provider(provider), session, device="cpu" if provider == "cpu" else "cuda",
+                               device_id=self.device_id, cuda_graph=capturing, capture_cache=self.capture_cache)
 
     def text_encoder(self, name: str, model=None):
         """A text encoder, made on first use, asking for capture as the plan does."""

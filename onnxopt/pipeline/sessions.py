@@ -4,14 +4,15 @@ Providers:
 
 * ``cpu``: the ORT CPU EP, plain ``InferenceSession.run`` with numpy in and out (``io_binding=True``
   runs the device loop below on CPU buffers instead: how the tests check that loop without a GPU).
-* ``cuda``: the ORT CUDA EP. The text encoders and the VAE run once per image, on buffers bound
-  once per shape and captured (:mod:`onnxopt.pipeline.bound_session`); the step graph (and the ControlNet) run with IO binding on device buffers allocated once per
-  pipeline and shape, and reused by every later image: a captured CUDA graph replays the
-  addresses it was captured with, so they must stay put. The schedule (timesteps and
-  coefficients of every step) is written once per image; the step graph reads its row by a step
-  counter that it increments itself. With ``cuda_graph=True`` the step is captured as CUDA graphs
-  (the ``enable_cuda_graph`` provider option). The latents, the solver state and the step
-  counter ping-pong between two buffers A and B::
+* ``cuda``: the ORT CUDA EP. Every session runs on bound buffers through a
+  :class:`~onnxopt.runners.captured_session.CapturedSession`: the text encoders and the VAE once per
+  image, on buffers bound once per shape and captured; the step graph (and the ControlNet) on
+  device buffers allocated once per pipeline and shape, and reused by every later image: a
+  captured CUDA graph replays the addresses it was captured with, so they must stay put. The
+  schedule (timesteps and coefficients of every step) is written once per image; the step graph
+  reads its row by a step counter that it increments itself. With ``cuda_graph=True`` the step
+  is captured as CUDA graphs (the ``enable_cuda_graph`` provider option). The latents, the
+  solver state and the step counter ping-pong between two buffers A and B::
 
         even steps:  latents=A, state=SA, index=IA  ->  latents_out=B, state_out=SB, index_out=IB   graph 2k
         odd steps:   latents=B, state=SB, index=IB  ->  latents_out=A, state_out=SA, index_out=IA   graph 2k+1
@@ -43,6 +44,7 @@ from pathlib import Path
 import numpy as np
 
 from onnxopt.errors import MissingDependencyError, OnnxoptError
+from onnxopt.runners.captured_session import CapturedSession, write
 from onnxopt.runtime import ORT_TYPES, import_onnxruntime, inference_session, ort_logging, session_options
 
 PROVIDERS = ("cpu", "cuda", "tensorrt")
@@ -101,29 +103,6 @@ def create_session(model: Path | bytes, provider: str, *, name: str, cuda_graph:
         raise OnnxoptError(f"{name}: ONNX Runtime cannot load the model: {first}{hint}") from exc
 
 
-def fixed_outputs(ort, session, binding, device: str, device_id: int = 0, *, probe_uncaptured: bool = True) -> dict:
-    """Bind every output of ``session`` in ``binding`` to a buffer of its own, allocated once and
-    returned by output name. The shapes (they may be symbolic) come from one run with outputs ORT
-    allocates, under graph id -1 (``probe_uncaptured``): on a graph id, ORT's first run also
-    captures, and the captured graph would then write into those temporary outputs forever after.
-    The one place the bound-buffer sessions (BoundSession, the step loops' ControlNets and two
-    streams' cut) learn their output buffers."""
-    names = [o.name for o in session.get_outputs()]
-    for name in names:
-        binding.bind_output(name, device, device_id)
-    probe = ort.RunOptions()
-    if probe_uncaptured:
-        probe.add_run_config_entry("gpu_graph_id", "-1")
-    session.run_with_iobinding(binding, probe)
-    outputs = {name: ort.OrtValue.ortvalue_from_shape_and_type(list(value.shape()), ORT_TYPES.get(value.data_type(), np.float32),
-                                                              device, device_id)
-               for name, value in zip(names, binding.get_outputs())}
-    binding.clear_binding_outputs()
-    for name, value in outputs.items():
-        binding.bind_ortvalue_output(name, value)
-    return outputs
-
-
 def input_types(session) -> dict[str, np.dtype]:
     return {i.name: np.dtype(ORT_TYPES.get(i.type, np.float32)) for i in session.get_inputs()}
 
@@ -142,7 +121,7 @@ def run_host(session, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
 
 
 def run_on_device(session, feeds: dict[str, np.ndarray]) -> dict:
-    """Like :func:`run_host`, but the outputs stay where a :class:`~onnxopt.pipeline.bound_session.BoundSession`
+    """Like :func:`run_host`, but the outputs stay where a :class:`~onnxopt.runners.captured_session.CapturedSession`
     wrote them: its fixed device buffers (OrtValues), which a step loop then binds as inputs with no
     copy. A plain session has no such buffers: its outputs come back as numpy arrays."""
     if not hasattr(session, "run_bound"):
@@ -250,12 +229,15 @@ class DeviceStepLoop:
     """The fused step on device buffers that stay put across steps and across images (CUDA / TensorRT EP).
 
     ``bind`` allocates every buffer once and binds them (the ping-pong pairs of the module
-    docstring, the schedule tables, the conditioning); ``start`` writes an image's values into
-    those same buffers, so a captured CUDA graph stays valid for every later image of the same
-    shapes. Each step is one ``run_with_iobinding``: the latents, the state and the step index go
-    from one step to the next on the device, and nothing is written from the host. The ControlNet, when present, reads its ``sample`` and
-    ``timestep`` from a small graph run on the same buffers (:func:`controlnet_prepare_model`) and
-    writes its residuals into fixed buffers that the step graph reads.
+    docstring, the schedule tables, the conditioning), each session through a
+    :class:`~onnxopt.runners.captured_session.CapturedSession`; ``start`` writes an image's values
+    into those same buffers, so a captured CUDA graph stays valid for every later image of the same
+    shapes. Each step is one bound run: the latents, the state and the step index go from one step
+    to the next on the device, and nothing is written from the host. The ControlNet, when present,
+    reads its ``sample`` and ``timestep`` from a small graph run on the same buffers
+    (:func:`controlnet_prepare_model`) and writes its residuals into fixed buffers that the step
+    graph reads. The loop is one entry of the pipeline's capture cache (keyed by :meth:`key`); its
+    ``graph_ids`` name the two parities' graphs in each of its sessions.
     """
 
     def __init__(self, ort, step_session, controlnet_session=None, prepare_session=None, reuse_session=None, *,
@@ -263,7 +245,7 @@ class DeviceStepLoop:
                  launch_timing: bool = False):
         self.ort, self.step_session, self.cuda_graph, self.device_id = ort, step_session, cuda_graph, device_id
         # The step's host side (its CPU-side overhead): the step graph's run returns
-        # once its work is queued, and the loop then waits for it (synchronize_outputs), so a step
+        # once its work is queued, and the loop then waits for it (synchronize), so a step
         # still ends when the device is done; ``launches`` holds each step's time to that return.
         self.launch_timing = launch_timing
         self.launches: list[float] = []
@@ -272,22 +254,19 @@ class DeviceStepLoop:
         self.reuse_session = reuse_session
         self.graph_ids = graph_ids
         self.types = input_types(step_session)
+        self.step_captured = self._captured_session(step_session)
         self._keep: list = []
         self.bound = False
 
-    def _device(self, array: np.ndarray, dtype=None):
-        value = self.ort.OrtValue.ortvalue_from_numpy(
-            np.ascontiguousarray(array.astype(dtype or array.dtype, copy=False)), self.device, self.device_id)
-        self._keep.append(value)
-        return value
-
-    def _empty(self, shape, dtype):
-        value = self.ort.OrtValue.ortvalue_from_shape_and_type(list(shape), np.dtype(dtype).type, self.device, self.device_id)
-        self._keep.append(value)
-        return value
+    def _captured_session(self, session) -> CapturedSession:
+        """``session`` on this loop's device, its graph ids as the loop captures."""
+        return CapturedSession(self.ort, session, device=self.device, device_id=self.device_id,
+                               cuda_graph=self.cuda_graph)
 
     def _zeros(self, shape, dtype):
-        return self._device(np.zeros(shape, dtype))
+        value = self.step_captured.buffer(np.zeros(shape, dtype))
+        self._keep.append(value)
+        return value
 
     @staticmethod
     def key(latents: np.ndarray, static: dict, controlnet, capacity: int) -> tuple:
@@ -311,8 +290,6 @@ class DeviceStepLoop:
                        for name, value in static.items() if name in types}
         self.guided = self._zeros(shape, np.float32)  # the last computed step's guided output (step reuse)
         self.residuals = self._bind_controlnets(latents, as_list(controlnet), capacity) if self.controlnet_sessions else {}
-        self.options = [self._run_options(parity) for parity in (0, 1)]
-        self.step_options = [self._step_options(parity) for parity in (0, 1)]
         self._bind_steps()
         self._bind_reuse()
         self.bound = True
@@ -326,8 +303,12 @@ class DeviceStepLoop:
         return value
 
     def _bind_steps(self) -> None:
-        self.bindings = [self._binding(self.step_session, self.step_inputs(parity), self.step_outputs(parity))
-                         for parity in (0, 1)]
+        """The step graph's two parities: two bindings of its session, two graphs (the launch-timed
+        run returns once queued: only this run, a separate ControlNet session on its own stream must
+        finish before the step reads it)."""
+        self.step_runs = [self.step_captured.bind(self.step_inputs(parity), self.step_outputs(parity),
+                                                  graph_id=self.graph_ids[parity], queue_only=self.launch_timing)
+                          for parity in (0, 1)]
 
     def step_inputs(self, parity: int) -> dict:
         """Every buffer a step graph of this parity may read, by input name."""
@@ -339,28 +320,18 @@ class DeviceStepLoop:
         return {"latents_out": self.buffers[1 - parity], "state_out": self.states[1 - parity],
                 "step_index_out": self.indices[1 - parity], "guided_output": self.guided}
 
-    @staticmethod
-    def _binding(session, inputs: dict, outputs: dict):
-        """An IOBinding of ``session``: each of its inputs and outputs to the buffer of that name."""
-        binding = session.io_binding()
-        for spec in session.get_inputs():
-            binding.bind_ortvalue_input(spec.name, inputs[spec.name])
-        for spec in session.get_outputs():
-            binding.bind_ortvalue_output(spec.name, outputs[spec.name])
-        return binding
-
     def _bind_reuse(self) -> None:
-        self.reuse_bindings = []
-        for parity in (0, 1) if self.reuse_session is not None else ():
-            binding = self.reuse_session.io_binding()
-            for name, value in (("latents", self.buffers[parity]), ("state", self.states[parity]),
-                                ("step_index", self.indices[parity]), ("schedule_coefficients", self.coefficients),
-                                ("guided_output", self.guided)):
-                binding.bind_ortvalue_input(name, value)
-            for name, value in (("latents_out", self.buffers[1 - parity]), ("state_out", self.states[1 - parity]),
-                                ("step_index_out", self.indices[1 - parity])):
-                binding.bind_ortvalue_output(name, value)
-            self.reuse_bindings.append(binding)
+        """The update alone (step reuse), on the same ping-pong buffers; never captured."""
+        self.reuse_runs = []
+        if self.reuse_session is None:
+            return
+        reuse = self._captured_session(self.reuse_session)
+        for parity in (0, 1):
+            inputs = {"latents": self.buffers[parity], "state": self.states[parity], "step_index": self.indices[parity],
+                      "schedule_coefficients": self.coefficients, "guided_output": self.guided}
+            outputs = {"latents_out": self.buffers[1 - parity], "state_out": self.states[1 - parity],
+                       "step_index_out": self.indices[1 - parity]}
+            self.reuse_runs.append(reuse.bind(inputs, outputs))
 
     def start(self, plan, latents: np.ndarray, static: dict[str, np.ndarray], guidance: float, controlnet=None) -> None:
         """Write one image's values into the bound buffers (same shapes as ``bind`` got); ``controlnet``:
@@ -383,7 +354,7 @@ class DeviceStepLoop:
             for buffers, types, values in zip(self.cn_static, self.cn_types, as_list(controlnet)):
                 writes += [(buffers[name], value, types[name]) for name, value in values.items()]
         for target, value, dtype in writes:
-            target.update_inplace(np.ascontiguousarray(np.asarray(value).astype(dtype or value.dtype, copy=False)))
+            write(target, value, dtype)
         self.index = 0
         self.launches = []
 
@@ -404,83 +375,55 @@ class DeviceStepLoop:
             raise OnnxoptError("the ControlNets take timesteps of different shapes: export them alike")
         timestep = self._zeros(timestep_shapes.pop(), timestep_dtype)
         self.cn_timesteps = self._zeros([capacity], self.cn_timestep_dtype)
-        self.prepare_bindings = []
-        for parity in (0, 1):
-            binding = self.prepare_session.io_binding()
-            binding.bind_ortvalue_input("latents", self.buffers[parity])
-            binding.bind_ortvalue_input("step_index", self.indices[parity])
-            binding.bind_ortvalue_input("schedule_timesteps", self.cn_timesteps)
-            binding.bind_ortvalue_input("schedule_coefficients", self.coefficients)
-            binding.bind_ortvalue_output("sample", sample)
-            binding.bind_ortvalue_output("timestep", timestep)
-            self.prepare_bindings.append(binding)
-        # Under graph id -1: on a graph id, ORT's first run also captures, into temporary outputs.
-        self.prepare_session.run_with_iobinding(self.prepare_bindings[0], self._probe_options())
-        residuals, self.cn_static, self.controlnet_bindings = {}, [], []
+        prepare = self._captured_session(self.prepare_session)
+        self.prepare_runs = [prepare.bind({"latents": self.buffers[parity], "step_index": self.indices[parity],
+                                           "schedule_timesteps": self.cn_timesteps,
+                                           "schedule_coefficients": self.coefficients},
+                                          {"sample": sample, "timestep": timestep}, graph_id=self.graph_ids[parity])
+                             for parity in (0, 1)]
+        self.prepare_runs[0].run_uncaptured()  # the ControlNets' shape probes below read sample and timestep
+        residuals, self.cn_static, self.controlnet_runs = {}, [], []
         for k, (session, types, values) in enumerate(zip(sessions, self.cn_types, controlnets)):
-            binding = session.io_binding()
             static = {name: self._zeros(np.shape(value), types[name]) for name, value in values.items()}
-            for name, value in static.items():
-                binding.bind_ortvalue_input(name, value)
-            binding.bind_ortvalue_input("sample", sample)
-            binding.bind_ortvalue_input("timestep", timestep)
-            # The residual shapes: from one run on zeros (they may be symbolic), not captured.
-            outputs = fixed_outputs(self.ort, session, binding, self.device, self.device_id)
-            self._keep += outputs.values()
-            for name, value in outputs.items():
+            # one binding for both parities (it reads sample and timestep): one graph id;
+            # the residual shapes from one uncaptured run on zeros (they may be symbolic)
+            run = self._captured_session(session).bind({**static, "sample": sample, "timestep": timestep},
+                                              graph_id=self.graph_ids[0])
+            self._keep += run.outputs.values()
+            for name, value in run.outputs.items():
                 residuals[interface_name(name, k)] = value
             self.cn_static.append(static)
-            self.controlnet_bindings.append(binding)
+            self.controlnet_runs.append(run)
         return residuals
-
-    def _run_options(self, parity: int):
-        options = self.ort.RunOptions()
-        if self.cuda_graph:
-            options.add_run_config_entry("gpu_graph_id", str(self.graph_ids[parity]))
-        return options
-
-    def _probe_options(self):
-        """A run that must not be captured (its outputs are temporary)."""
-        options = self.ort.RunOptions()
-        options.add_run_config_entry("gpu_graph_id", "-1")
-        return options
-
-    def _step_options(self, parity: int):
-        """The step graph's run: with ``launch_timing`` it returns once queued (only this run: a
-        separate ControlNet session, on its own stream, must finish before the step reads it)."""
-        options = self._run_options(parity)
-        if self.launch_timing:
-            options.add_run_config_entry("disable_synchronize_execution_providers", "1")
-        return options
 
     def step(self, reuse: bool = False) -> None:
         """Run step ``index`` (returns when the device has finished it); ``reuse``: the update alone,
         on the last computed step's guided output (no UNet, no ControlNet)."""
         parity = self.index % 2
         if reuse:
-            self.reuse_session.run_with_iobinding(self.reuse_bindings[parity])
+            self.reuse_runs[parity].run()
             self.index += 1
             return
         start = time.perf_counter()
         if self.controlnet_sessions:  # separate sessions (own streams): each run waits
             self.controlnet_step(parity)
-        self.step_session.run_with_iobinding(self.bindings[parity], self.step_options[parity])
+        self.step_runs[parity].run()
         if self.launch_timing:
             self.launches.append(time.perf_counter() - start)
-            self.bindings[parity].synchronize_outputs()
+            self.step_runs[parity].synchronize()
         self.index += 1
 
     def controlnet_step(self, parity: int) -> None:
         """The ControlNets' input graph, then each ControlNet, into the residual buffers (each captured
         when its session was created with CUDA graphs: the graph ids are ignored otherwise)."""
-        self.prepare_session.run_with_iobinding(self.prepare_bindings[parity], self.options[parity])
-        for session, binding in zip(self.controlnet_sessions, self.controlnet_bindings):
-            session.run_with_iobinding(binding, self.options[0])
+        self.prepare_runs[parity].run()
+        for run in self.controlnet_runs:
+            run.run()
 
     def write_state(self, value: np.ndarray) -> None:
         """The next step's ``state`` buffer (a stochastic scheduler's noise for that step): a write
         into the bound buffer, which the captured graph reads where it was captured."""
-        self.states[self.index % 2].update_inplace(np.ascontiguousarray(value.astype(self.types["state"], copy=False)))
+        write(self.states[self.index % 2], value, self.types["state"])
 
     def latents(self) -> np.ndarray:
         """The latents after the last step."""

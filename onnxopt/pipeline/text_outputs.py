@@ -24,6 +24,6 @@ def penultimate_name(session) -> str:
 def run_outputs(session, input_ids: np.ndarray, names: list[str]) -> list[np.ndarray]:
     """A text encoder's ``names`` outputs only: SDXL's encoders have 14 and 34 outputs (every
     hidden state) of which the pipeline reads one or two, and each output fetched is a copy from
-    the device (BoundSession copies only the ones asked for)."""
+    the device (CapturedSession copies only the ones asked for)."""
     dtype = input_types(session)["input_ids"]
     return session.run(names, {"input_ids": np.ascontiguousarray(input_ids.astype(dtype, copy=False))})

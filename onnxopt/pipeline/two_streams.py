@@ -46,7 +46,7 @@ import onnx_graphsurgeon as gs
 from onnxopt.errors import UnsupportedModelError
 from onnxopt.model import Model
 from onnxopt.pipeline.folder import STREAMS_COMPANION, STREAMS_FILE
-from onnxopt.pipeline.sessions import DeviceStepLoop, fixed_outputs, input_types
+from onnxopt.pipeline.sessions import DeviceStepLoop, input_types
 
 FILE, COMPANION = STREAMS_FILE, STREAMS_COMPANION  # the folder's names (onnxopt.pipeline.folder)
 
@@ -133,7 +133,7 @@ class TwoStreamStepLoop(DeviceStepLoop):
         thread 2 (the ControlNets' sessions, each on its own stream): input graph ─ ControlNet(s) ─┐
         thread 1 (down's session, its own CUDA stream):                down ─────────────────────────┴─ rest
 
-    Each ORT session runs on a stream of its own and ``run_with_iobinding`` releases the GIL, so the
+    Each ORT session runs on a stream of its own and a bound run releases the GIL, so the
     two threads' GPU work can overlap; ``rest`` starts when both have returned (each run waits for
     its stream). The cut tensors (down's outputs, rest's inputs) are fixed buffers like every other,
     so each graph (three and one per ControlNet) can be captured; the two steps that capture run one
@@ -152,15 +152,14 @@ class TwoStreamStepLoop(DeviceStepLoop):
         return {**super().step_inputs(parity), **getattr(self, "cut", {})}
 
     def _bind_steps(self) -> None:
-        # The cut buffers: their shapes from one uncaptured run of down on the bound inputs.
-        probe = self.down_session.io_binding()
-        for spec in self.down_session.get_inputs():
-            probe.bind_ortvalue_input(spec.name, self.step_inputs(0)[spec.name])
-        self.cut = fixed_outputs(self.ort, self.down_session, probe, self.device, self.device_id)
+        # The cut buffers: their shapes from one uncaptured run of down on parity 0's inputs.
+        down = self._captured_session(self.down_session)
+        first = down.bind(self.step_inputs(0), graph_id=self.graph_ids[0])
+        self.cut = first.outputs
         self._keep += self.cut.values()
-        self.down_bindings = [self._binding(self.down_session, self.step_inputs(parity), self.cut) for parity in (0, 1)]
-        self.bindings = [self._binding(self.step_session, self.step_inputs(parity), self.step_outputs(parity))
-                         for parity in (0, 1)]
+        self.down_runs = [first, down.bind(self.step_inputs(1), self.cut, graph_id=self.graph_ids[1])]
+        self.step_runs = [self.step_captured.bind(self.step_inputs(parity), self.step_outputs(parity),
+                                                  graph_id=self.graph_ids[parity]) for parity in (0, 1)]
 
     def step(self, reuse: bool = False) -> None:
         if reuse:
@@ -168,13 +167,13 @@ class TwoStreamStepLoop(DeviceStepLoop):
         parity = self.index % 2
         if parity in self._captured:
             controlnet = self._worker.submit(self.controlnet_step, parity)
-            self.down_session.run_with_iobinding(self.down_bindings[parity], self.options[parity])
+            self.down_runs[parity].run()
             controlnet.result()
         else:  # the runs that capture: one at a time (ORT captures in CUDA's global mode, which fails
             # when another thread launches meanwhile; measured on the H100: "operation failed due to a
             # previous error during capture")
             self.controlnet_step(parity)
-            self.down_session.run_with_iobinding(self.down_bindings[parity], self.options[parity])
+            self.down_runs[parity].run()
             self._captured.add(parity)
-        self.step_session.run_with_iobinding(self.bindings[parity], self.options[parity])
+        self.step_runs[parity].run()
         self.index += 1

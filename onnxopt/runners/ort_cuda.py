@@ -3,7 +3,7 @@
 * IO binding on device buffers: inputs are copied to the GPU once, outputs are preallocated there,
   so a timed run moves no data across PCIe.
 * CUDA graphs (``cuda_graph=True``): ORT captures the first run and replays it; this needs the
-  fixed buffers of IO binding.
+  fixed buffers of IO binding (both: :class:`~onnxopt.runners.captured_session.CapturedSession`).
 * ``prefer_nhwc``: the CUDA EP's own channels-last layout for standard Convs.
 * When torch with CUDA is importable, ORT runs on torch's current stream (``user_compute_stream``)
   so that CUDA events recorded on that stream time exactly ORT's work; without torch, runs are
@@ -18,7 +18,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from onnxopt.errors import MissingDependencyError, OnnxoptError
-from onnxopt.runtime import import_onnxruntime, inference_session, session_options
+from onnxopt.runners.captured_session import CapturedSession
+from onnxopt.runtime import ORT_TYPES, import_onnxruntime, inference_session, session_options
 
 
 def gpu_memory_used_mb(device_id: int = 0) -> float | None:
@@ -102,57 +103,25 @@ class OrtCudaSession:
         if self.session.get_providers()[0] != "CUDAExecutionProvider":
             raise MissingDependencyError("ONNX Runtime fell back from the CUDA EP: check the CUDA/cuDNN installation")
         self.path = str(path)
-        self.binding = None
-        self._outputs: dict[str, object] = {}
-        self._keep: list = []
+        self.captured = CapturedSession(ort, self.session, device="cuda", device_id=device_id, cuda_graph=cuda_graph)
+        self.bound = None
 
     def input_types(self) -> dict[str, np.dtype]:
-        mapping = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(int64)": np.int64,
-                   "tensor(int32)": np.int32, "tensor(double)": np.float64, "tensor(bool)": np.bool_}
-        return {i.name: np.dtype(mapping.get(i.type, np.float32)) for i in self.session.get_inputs()}
+        return {i.name: np.dtype(ORT_TYPES.get(i.type, np.float32)) for i in self.session.get_inputs()}
 
     def bind(self, feeds: dict[str, np.ndarray]) -> None:
-        """Copy ``feeds`` to the GPU (cast to the model's input types) and preallocate the outputs."""
+        """Copy ``feeds`` to the GPU (cast to the model's input types) and preallocate the outputs:
+        fixed device buffers of the shapes one uncaptured run gives (a CUDA graph replays the
+        addresses it captured), on a graph id never used before (a new binding captures anew)."""
         types = self.input_types()
-        binding = self.session.io_binding()
-        self._keep = []
-        for name, dtype in types.items():
-            value = self.ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(feeds[name].astype(dtype)), "cuda", self.device_id)
-            self._keep.append(value)
-            binding.bind_ortvalue_input(name, value)
-        # One run with ORT-allocated outputs tells their shapes; then bind fixed device buffers
-        # (CUDA graph replay needs stable addresses).
-        probe = self.session.io_binding()
-        for name in types:
-            probe.bind_ortvalue_input(name, self._keep[list(types).index(name)])
-        for out in self.session.get_outputs():
-            probe.bind_output(out.name, "cuda", self.device_id)
-        if not self.cuda_graph:
-            self.session.run_with_iobinding(probe)
-            shapes = {o.name: v.shape() for o, v in zip(self.session.get_outputs(), probe.get_outputs())}
-            dtypes = {o.name: v.data_type() for o, v in zip(self.session.get_outputs(), probe.get_outputs())}
-        else:
-            # Capture must not see a probe run with different buffers: ask a plain session for shapes.
-            shapes, dtypes = self._output_shapes_without_graph(feeds)
-        for name, shape in shapes.items():
-            dtype = np.float16 if "float16" in dtypes[name] else np.float32
-            value = self.ort.OrtValue.ortvalue_from_shape_and_type(list(shape), dtype, "cuda", self.device_id)
-            self._outputs[name] = value
-            binding.bind_ortvalue_output(name, value)
-        self.binding = binding
-
-    def _output_shapes_without_graph(self, feeds):
-        sess = inference_session(self.path, [("CUDAExecutionProvider", {"device_id": str(self.device_id)})])
-        types = self.input_types()
-        outs = sess.run(None, {n: feeds[n].astype(t) for n, t in types.items()})
-        names = [o.name for o in sess.get_outputs()]
-        return ({n: v.shape for n, v in zip(names, outs)}, {n: str(v.dtype) for n, v in zip(names, outs)})
+        inputs = {name: np.ascontiguousarray(feeds[name].astype(dtype)) for name, dtype in types.items()}
+        self.bound = self.captured.bind(inputs, graph_id=self.captured.graph_ids(1)[0])
 
     def run(self) -> None:
-        self.session.run_with_iobinding(self.binding)
+        self.bound.run()
 
     def outputs(self) -> dict[str, np.ndarray]:
-        return {name: value.numpy() for name, value in self._outputs.items()}
+        return {name: value.numpy() for name, value in self.bound.outputs.items()}
 
     def time(self, warmup: int = 10, runs: int = 40) -> Timing:
         for _ in range(warmup):
