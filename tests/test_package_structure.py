@@ -14,8 +14,6 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = {"onnxopt": ROOT / "onnxopt", "onnxopt.passes": ROOT / "passes"}
 MAX_FUNCTION_LINES = 80
@@ -167,26 +165,3 @@ def test_a_binding_outside_the_captured_session_is_found(tmp_path):
         "onnxopt/loop.py:1 io_binding()", "onnxopt/loop.py:2 RunOptions()", "onnxopt/loop.py:3 gpu_graph_id",
         "onnxopt/loop.py:4 run_with_iobinding()"]
 
-
-def declared_packages() -> set[str]:
-    import tomllib
-
-    return set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
-
-
-def test_every_subpackage_is_declared_for_the_wheel():
-    """A non-editable install holds only the packages pyproject.toml lists: a subpackage missing from
-    ``[tool.setuptools] packages`` is missing from the wheel (``onnxopt.lora`` once was)."""
-    found = {package + "".join(f".{part}" for part in init.parent.relative_to(folder).parts)
-             for package, folder in PACKAGES.items() for init in folder.rglob("__init__.py")}
-    assert found - declared_packages() == set()
-
-
-def test_a_missing_subpackage_is_found(tmp_path, monkeypatch):
-    (tmp_path / "onnxopt" / "extra").mkdir(parents=True)
-    (tmp_path / "onnxopt" / "__init__.py").write_text("")
-    (tmp_path / "onnxopt" / "extra" / "__init__.py").write_text("")
-    monkeypatch.setitem(PACKAGES, "onnxopt", tmp_path / "onnxopt")
-    monkeypatch.setitem(PACKAGES, "onnxopt.passes", tmp_path / "onnxopt")
-    with pytest.raises(AssertionError):
-        test_every_subpackage_is_declared_for_the_wheel()
