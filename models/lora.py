@@ -60,3 +60,45 @@ def write_kohya(peft_file, out) -> Path:
         kohya[f"{name}.alpha"] = np.asarray(float(config[f"{component}.lora_alpha"]), np.float32)
     save_file(kohya, str(out))
     return Path(out)
+
+
+def write_kohya_sdxl(pipe, out, seed: int, rank: int, alpha: float) -> Path:
+    """A seeded LoRA of an SDXL pipeline's UNet attention projections and both text encoders, in kohya's
+    SDXL format: ``lora_unet_`` with SGM's block names (``input_blocks_4_1_transformer_blocks_0_attn1_to_q``,
+    ``middle_block_1_...``, ``output_blocks_3_1_...``: kohya trains SDXL on SGM's UNet), ``lora_te1_`` and
+    ``lora_te2_`` with ``text_model_`` as files in the wild have it, and each module's alpha as a tensor."""
+    import torch
+    from peft import LoraConfig, inject_adapter_in_model
+    from peft.utils import get_peft_model_state_dict
+    from safetensors.numpy import save_file
+
+    torch.manual_seed(seed)
+    layers = pipe.unet.config.layers_per_block
+    kohya = {}
+    # out_proj in both text encoders: diffusers' load_lora_weights infers a kohya text encoder LoRA's
+    # key format from its out_proj keys (it refuses one without any)
+    for name, targets, prefix in (("unet", ["to_q", "to_k", "to_v", "to_out.0"], "lora_unet_"),
+                                  ("text_encoder", ["q_proj", "out_proj"], "lora_te1_text_model_"),
+                                  ("text_encoder_2", ["k_proj", "out_proj"], "lora_te2_text_model_")):
+        config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, init_lora_weights=False)
+        model = inject_adapter_in_model(config, copy.deepcopy(getattr(pipe, name)))
+        for key, value in get_peft_model_state_dict(model).items():
+            module, role = key.rsplit(".lora_", 1)
+            module = _sgm_name(module, layers) if name == "unet" else module.removeprefix("text_model.")
+            kohya_name = prefix + module.replace(".", "_")
+            kohya[f"{kohya_name}.{'lora_down' if role.startswith('A') else 'lora_up'}.weight"] = value.detach().numpy()
+            kohya[f"{kohya_name}.alpha"] = np.asarray(float(alpha), np.float32)
+    save_file(kohya, str(out))
+    return Path(out)
+
+
+def _sgm_name(module: str, layers_per_block: int) -> str:
+    """A diffusers UNet attention module's name as SGM's UNet names it (the inverse of diffusers'
+    ``_maybe_map_sgm_blocks_to_diffusers`` for attentions)."""
+    parts = module.split(".")
+    if parts[0] == "mid_block":  # mid_block.attentions.0 -> middle_block.1
+        return ".".join(["middle_block", "1", *parts[3:]])
+    block, index = int(parts[1]), int(parts[3])
+    if parts[0] == "down_blocks":
+        return ".".join(["input_blocks", str(1 + block * (layers_per_block + 1) + index), "1", *parts[4:]])
+    return ".".join(["output_blocks", str(block * (layers_per_block + 1) + index), "1", *parts[4:]])

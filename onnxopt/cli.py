@@ -297,12 +297,7 @@ def cmd_generate(args) -> int:
 
     folder = PipelineFolder.open(args.folder)
     if args.plan:
-        from onnxopt.pipeline.plan import PlanOptions, folder_scheduler_name, plan_generation
-
-        options = PlanOptions(fused_step=args.fused_step, cuda_graph=args.cuda_graph,
-                              scheduler=args.scheduler or folder_scheduler_name(folder))
-        print(plan_generation(folder, args.provider, options).text())
-        return EXIT_OK
+        return print_generation_plan(folder, args)
     if args.prompt is not None and args.prompts is not None:
         raise OnnxoptError("give --prompt or --prompts, not both")
     missing = [flag for flag, value in (("--prompt", args.prompt if args.prompts is None else ""),
@@ -337,7 +332,8 @@ def cmd_generate(args) -> int:
         outputs.file(args.json, "--json")
     with contextlib.nullcontext() if args.debug else quiet_sessions():  # ORT's errors come back as one line
         pipe = Pipeline.load(folder, args.provider, fused_step=args.fused_step and fusable(args.scheduler),
-                             cuda_graph=args.cuda_graph, status=False if args.quiet else None, loras=args.lora)
+                             cuda_graph=args.cuda_graph, status=False if args.quiet else None, loras=args.lora,
+                             guidance=args.guidance)
         # an init image, a mask and several images are the UNet families' (onnxopt.pipeline.img2img)
         init = {k: v for k, v in (("image", args.image), ("mask", args.mask), ("strength", args.strength),
                                   ("num_images", args.num_images)) if v not in (None, 1)}
@@ -356,13 +352,29 @@ def cmd_generate(args) -> int:
             report.update({"plan": plan.as_dict()} if plan is not None else {})
             stage.text(args.json, json.dumps(report, indent=2) + "\n")
     if not args.quiet:
-        t = result.timings
-        wrote = f"{args.output}" + (f" and {len(names) - 1} more ({names[-1].name})" if len(names) > 1 else "")
-        print(f"wrote {wrote} ({result.image.width}x{result.image.height}, {t['steps']} steps, {t['step']})")
-        print(f"  text encoder {t['text_encoder_s'] * 1e3:.1f} ms | step {t['step_mean_s'] * 1e3:.2f} ms mean, "
-              f"first {t['first_step_s'] * 1e3:.1f} ms | VAE decode {t['vae_decode_s'] * 1e3:.1f} ms | "
-              f"total {t['total_s']:.2f} s | sessions {t['session_creation_s']:.2f} s | cold start {t['cold_start_s']:.2f} s")
+        print_generation_summary(args.output, names, result)
     return EXIT_OK
+
+
+def print_generation_plan(folder, args) -> int:
+    """``generate --plan``: what a run of these options would load and run, generating nothing."""
+    from onnxopt.pipeline.plan import PlanOptions, folder_scheduler_name, plan_generation
+
+    options = PlanOptions(fused_step=args.fused_step, cuda_graph=args.cuda_graph,
+                          scheduler=args.scheduler or folder_scheduler_name(folder),
+                          guidance=folder.family.default_guidance if args.guidance is None else args.guidance)
+    print(plan_generation(folder, args.provider, options).text())
+    return EXIT_OK
+
+
+def print_generation_summary(output, names: list, result) -> None:
+    """The files written and the last run's stage timings, two lines."""
+    t = result.timings
+    wrote = f"{output}" + (f" and {len(names) - 1} more ({names[-1].name})" if len(names) > 1 else "")
+    print(f"wrote {wrote} ({result.image.width}x{result.image.height}, {t['steps']} steps, {t['step']})")
+    print(f"  text encoder {t['text_encoder_s'] * 1e3:.1f} ms | step {t['step_mean_s'] * 1e3:.2f} ms mean, "
+          f"first {t['first_step_s'] * 1e3:.1f} ms | VAE decode {t['vae_decode_s'] * 1e3:.1f} ms | "
+          f"total {t['total_s']:.2f} s | sessions {t['session_creation_s']:.2f} s | cold start {t['cold_start_s']:.2f} s")
 
 
 def model_inputs(*paths) -> "Inputs":

@@ -39,8 +39,8 @@ PRESETS: dict[str, Preset] = {
         "remove Identity and dead nodes, fold constants, drop redundant Casts and neutral arithmetic, infer shapes",
         # Shapes first: graphsurgeon folds Shape ops only where it knows the shapes. Repeated until
         # nothing changes: new shapes let more fold, folding lets shape inference resolve more.
-        ("remove-identity", "infer-shapes", "remove-redundant-casts", "remove-neutral-arithmetic", "fold-constants",
-         "eliminate-dead-nodes"),
+        ("remove-identity", "infer-shapes", "remove-redundant-casts", "remove-neutral-arithmetic", "remove-slice-concat",
+         "fold-constants", "eliminate-dead-nodes"),
         fixpoint=True,
     ),
 }
@@ -51,6 +51,8 @@ PRESETS["ort-cuda"] = Preset(
     + (
         "fuse-rotary-embedding",  # before fuse-attention: MHA then reads Q and K from RotaryEmbedding's (B, S, N*H)
         "fuse-attention",  # first: it reads the exporters' attention as written, before layout changes
+        "fold-value-bias",  # a self-attention's V bias into the output projection's bias (reads MultiHeadAttention)
+        "split-concat-projection",  # Linear(Concat(attn, mlp)) as two Linears, after fold-value-bias (it reads the Concat form)
         "fuse-group-norm",
         "fuse-skip-group-norm",
         "fuse-bias-split-gelu",

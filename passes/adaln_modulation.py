@@ -17,7 +17,8 @@ LayerNorm, as its scale and bias, at any batch.
     the residual Add in front stays its own kernel there: an Add and a LayerNorm (three reads, two
     writes of (B, S, D)) in place of SkipLayerNorm, Mul and Add (four and four, one more launch).
 
-Conditions: the LayerNorm normalizes the last axis, its scale is all ones and its bias absent or all
+Conditions: the LayerNorm normalizes the last axis (D: x's static last dim, or the size of its constant
+1-D scale where shape inference left x's last dim symbolic), its scale is all ones and its bias absent or all
 zeros (a norm with its own affine is left as it is); scale and shift are (B, D) with D x's static last
 dim, unsqueezed at axis 1; at a batch other than a static 1, x is rank 3. A norm that others read too
 stays for them.
@@ -55,9 +56,20 @@ PER_SAMPLE = ("per-sample modulation stays elementwise (a Mul and an Add): ONNX 
               "takes a per-sample scale and shift only as (B, 1, D) against an x of (B, S, D)")
 
 
+def _width(match: Match) -> int | None:
+    """D: x's static last dim, or, where shape inference lost it (TorchScript's Flux single block
+    normalizes a Concat of Slices), the size of the LayerNorm's constant 1-D gamma, which ONNX
+    requires to be x's normalized shape."""
+    d = static_dim(match["x"], -1)
+    gamma = match["gamma"]
+    if d is None and is_constant(gamma) and rank_of(gamma) == 1:
+        d = static_dim(gamma, 0)
+    return d
+
+
 def check(match: Match, run: FusionRun) -> Match:
     ln, x = match.node("ln"), match["x"]
-    rank, d = rank_of(x), static_dim(x, -1)
+    rank, d = rank_of(x), _width(match)
     axis = int(ln.attrs.get("axis", -1))
     if rank is None or d is None or normalize_axis(axis, rank) != rank - 1:
         raise Refusal("the LayerNorm does not normalize a static last axis", not_a_site=True)
@@ -88,7 +100,7 @@ def _per_sample(match: Match) -> bool:
 
 def emit(make: Emit, match: Match) -> list[gs.Tensor]:
     ln, x, scale, shift = match.node("ln"), match["x"], match["scale"], match["shift"]
-    d = static_dim(x, -1)
+    d = _width(match)
     one = make.constant("one", np.ones((), dtype=numpy_dtype(scale.dtype)))
     attrs = {k: ln.attrs[k] for k in ("epsilon", "stash_type") if k in ln.attrs}
     if _per_sample(match):  # (B, 1, D) against x (B, S, D), axis 2

@@ -33,6 +33,7 @@ from onnxopt.model import Model
 from onnxopt.pass_infra import CONSTANTS_FOLDED, Pass, PassResult
 from onnxopt.properties import FOLD_SIZE_THRESHOLD, needs_bfloat16_kernel
 from onnxopt.registry import register_pass
+from onnxopt.runtime import import_onnxruntime
 from onnxopt.weights import constant_nbytes, is_external, read_uncached, store_values
 
 INT64_MAX = np.iinfo(np.int64).max
@@ -53,6 +54,8 @@ class FoldConstants(Pass):
         self.size_threshold = size_threshold
 
     def run(self, model: Model) -> PassResult:
+        # graphsurgeon folds on ONNX Runtime sessions; without ORT its "basic" partitioning recurses without bound
+        import_onnxruntime()
         graph = model.graph
         split = split_ranged_shapes(graph)
         load_small_external_constants(model)

@@ -8,9 +8,7 @@ replaced by a tripwire where the claim is that it never starts (a refusal must c
 
 from __future__ import annotations
 
-import ast
 import contextlib
-import functools
 import io
 import json
 import os
@@ -531,90 +529,7 @@ def test_ctrl_c_during_generate_writes_nothing(tmp_path, capsys, monkeypatch):
 
 # ----------------------------------------------------------------------------------- 7. dependencies
 
-def _declared() -> dict[str, set[str]]:
-    """Requirement names by extra ("" for the base dependencies), lower-case, '-' for '_'."""
-    import tomllib
-
-    from packaging.requirements import Requirement
-
-    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    norm = lambda text: Requirement(text).name.lower().replace("_", "-")  # noqa: E731
-    declared = {"": {norm(r) for r in project["dependencies"]}}
-    declared.update({extra: {norm(r) for r in reqs} for extra, reqs in project["optional-dependencies"].items()})
-    return declared
-
-
-@functools.cache
-def _imports(path: Path, skip_guarded: bool = True) -> frozenset[str]:
-    """Modules a file imports, except (``skip_guarded``) under a try whose handler catches ImportError."""
-    tree = ast.parse(path.read_text())
-    guarded = set()
-    for node in ast.walk(tree):
-        if skip_guarded and isinstance(node, ast.Try) and any("ImportError" in ast.unparse(h.type or ast.Name("BaseException"))
-                                             or "ModuleNotFoundError" in ast.unparse(h.type or ast.Name("x"))
-                                             for h in node.handlers):
-            guarded |= {id(n) for stmt in node.body for n in ast.walk(stmt)}
-    names = set()
-    for node in ast.walk(tree):
-        if id(node) in guarded:
-            continue
-        if isinstance(node, ast.Import):
-            names |= {a.name for a in node.names}
-        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
-            names.add(node.module)
-    return frozenset(names)
-
-
-# Where a module's name is not its distribution's (importlib.metadata.packages_distributions() says
-# the same, in 20 s on this machine); any other module is its distribution's name.
-DISTRIBUTION_OF = {"PIL": "pillow", "google": "protobuf", "onnx_graphsurgeon": "onnx-graphsurgeon", "olive": "olive-ai",
-                   "onnxruntime": "onnxruntime", "ml_dtypes": "ml-dtypes", "pynvml": "nvidia-ml-py"}
-
-
-def _distribution(module: str) -> str:
-    return DISTRIBUTION_OF.get(module, module.lower().replace("_", "-"))
-
-
-def test_every_import_of_the_package_is_declared_by_an_extra():
-    declared = set().union(*_declared().values())
-    sources = list((ROOT / "onnxopt").rglob("*.py")) + list((ROOT / "passes").rglob("*.py"))
-    missing = {}
-    for path in sources:
-        for module in _imports(path):
-            top = module.split(".")[0]
-            if top in sys.stdlib_module_names or top in ("onnxopt", "__future__"):
-                continue
-            if _distribution(top) not in declared:
-                missing.setdefault(top, str(path.relative_to(ROOT)))
-    assert not missing, f"imported but declared by no extra: {missing}"
-
-
-def test_what_onnx_runtimes_tools_import_is_declared_beside_onnxruntime():
-    """onnxopt imports onnxruntime.tools.symbolic_shape_infer; what that imports and neither onnxruntime
-    nor onnxopt's base requires (sympy, since onnxruntime 1.32) must come with every extra that
-    installs onnxruntime."""
-    import importlib.util
-    from importlib.metadata import requires
-
-    used = {m for p in (ROOT / "onnxopt").rglob("*.py") for m in _imports(p) if m.startswith("onnxruntime.tools.")}
-    assert used, "onnxopt no longer imports onnxruntime's tools: drop this test"
-    declared = _declared()
-    from packaging.requirements import Requirement
-
-    always = [Requirement(r) for r in requires("onnxruntime") or []]  # not those of its own extras ("symbolic": sympy)
-    provided = {r.name.lower() for r in always if r.marker is None or r.marker.evaluate({"extra": ""})} | declared[""]
-    needed = set()
-    for module in used:
-        package = Path(importlib.util.find_spec("onnxruntime").submodule_search_locations[0])  # not imported
-        source = package.joinpath(*module.split(".")[1:]).with_suffix(".py")
-        # its "try: import sympy / except ImportError: raise ImportError(...)" is a requirement, not a fallback
-        for top in {m.split(".")[0] for m in _imports(source, skip_guarded=False)}:
-            if top not in sys.stdlib_module_names and top != "onnxruntime" and _distribution(top) not in provided:
-                needed.add(_distribution(top))
-    assert needed, "onnxruntime's tools import nothing it lacks: drop this test"
-    for extra, reqs in declared.items():
-        if reqs & {"onnxruntime", "onnxruntime-gpu"}:
-            assert needed <= reqs, f"extra '{extra}' installs onnxruntime without {needed - reqs}"
+# What each extra installs, and what its code imports: tests/test_extras.py.
 
 
 def test_ci_installs_exactly_cpu_in_a_clean_venv_and_fails_when_that_fails(tmp_path):

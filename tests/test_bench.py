@@ -14,7 +14,7 @@ from onnxopt.runners.ort_cuda import Timing
 from tests.conftest import FIXTURES
 
 UNET = FIXTURES / "unet-sd15.tiny.torchscript.dynamic.sdpa.onnx"
-FUSIONS = ["fuse-rotary-embedding", "fuse-attention", "fuse-group-norm", "fuse-skip-group-norm", "fuse-bias-split-gelu",
+FUSIONS = ["fuse-rotary-embedding", "fuse-attention", "fold-value-bias", "split-concat-projection", "fuse-group-norm", "fuse-skip-group-norm", "fuse-bias-split-gelu",
            "fuse-layer-norm", "fuse-adaln-modulation", "fuse-rms-norm", "fuse-fast-gelu", "fuse-bias-add", "fuse-skip-layer-norm",
            "fuse-parallel-gemm", "nhwc-conv", "fold-conv-bias", "fuse-bias-layer-norm"]
 # The file each ablation step writes: 00 source, 01 cleanup, then one per fusion in FUSIONS' order.
@@ -72,7 +72,8 @@ def test_ablation_builds_every_model_on_the_tiny_unet_and_reuses_them(tmp_path, 
     assert ops[AT["fuse-attention"]] == Counter({"MultiHeadAttention": 8})
     assert ops[AT["fuse-group-norm"]]["GroupNorm"] == 21
     assert ops[AT["fuse-skip-group-norm"]]["SkipGroupNorm"] == 15 and ops[AT["fuse-skip-group-norm"]]["GroupNorm"] == 6
-    for nothing_in_a_unet in ("fuse-adaln-modulation", "fuse-rms-norm", "fuse-fast-gelu"):
+    for nothing_in_a_unet in ("fold-value-bias", "split-concat-projection", "fuse-adaln-modulation", "fuse-rms-norm",
+                              "fuse-fast-gelu"):
         assert ops[AT[nothing_in_a_unet]] == ops[AT[nothing_in_a_unet] - 1]
     assert ops[AT["fuse-bias-add"]]["BiasAdd"] == 4 and ops[AT["fuse-skip-layer-norm"]]["SkipLayerNormalization"] == 8
     assert ops[AT["fuse-parallel-gemm"]] == ops[AT["fuse-skip-layer-norm"]]  # standard ops (one Gemm + Split)

@@ -138,3 +138,17 @@ def test_float32_io_casts_at_the_boundary_of_a_bfloat16_graph(tmp_path):
     np.testing.assert_array_equal(y, [1.0, 1.0, 3.0])  # through bfloat16: 1 + 2^-8 rounds to 1
     np.testing.assert_array_equal(ids, [4, 5])
     assert float32_io(path) == []  # nothing left to change
+
+
+def test_the_norm_rows_benchmark_dry_run_checks_every_variant_against_numpy(tmp_path):
+    """benchmarks/norm_rows_gpu.py --dry-run: every QK-norm form and Linear form runs on the CPU EP at
+    small shapes and computes what NumPy computes (exit 0), and the JSON holds every row."""
+    import json
+
+    from benchmarks.norm_rows_gpu import main
+
+    out = tmp_path / "norm_rows.json"
+    assert main(["--dry-run", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert {r["variant"] for r in rows} >= {"simplified-4d", "skip-heads-bias", "rms-23", "gemm2d-bias"}
+    assert all(r.get("ok") for r in rows)

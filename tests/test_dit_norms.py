@@ -387,3 +387,19 @@ def test_every_rms_norm_and_tanh_gelu_of_the_dit_fixtures_is_fused(entry):
     if sites["modulation"]:  # every block's AdaLN Linears read one SiLU(temb): one Gemm
         assert result_of(report, "fuse-parallel-gemm").details["groups"] == 1
     assert_same_computation(str(DIT_FIXTURES / entry["file"]), model, inputs=inputs, atol=1e-4, rtol=1e-3)
+
+
+@pytest.mark.slow
+def test_the_torchscript_flux_single_block_modulation_folds_though_shape_inference_lost_its_width():
+    """TorchScript's Flux single block normalizes a Concat of Slices whose last dim shape inference
+    leaves symbolic: fuse-adaln-modulation takes D from the LayerNorm's constant (D,) scale, so every
+    AdaLN modulation folds (as many sites as the dynamo export: 11), no Mul reads a LayerNorm, and
+    the graph computes what the export computes."""
+    name = "flux-dev.tiny.torchscript.dynamic.sdpa.onnx"
+    entry = next(e for e in json.loads((DIT_FIXTURES / "manifest.json").read_text())["fixtures"] if e["file"] == name)
+    inputs = InputSpec(shapes={i["name"]: tuple(i["example_shape"]) for i in entry["inputs"]})
+    model, report = optimize(str(DIT_FIXTURES / name), ["ort-cuda"], inputs=inputs)
+    assert result_of(report, "fuse-adaln-modulation").sites_rewritten == entry["sites"]["modulation"] == 11
+    assert not [n for n in model.graph.nodes if n.op == "Mul" and any(
+        t.inputs and t.inputs[0].op == "LayerNormalization" for t in n.inputs)]
+    assert_same_computation(str(DIT_FIXTURES / name), model, inputs=inputs, atol=1e-4, rtol=1e-3)

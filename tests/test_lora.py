@@ -15,6 +15,11 @@ for ``tensorrt`` and for ``ort-cuda`` (fp32):
   module lands in -- packed Q/K/V, packed K/V, NHWC and 1x1-as-MatMul conv weights -- make the
   optimized UNet and text encoder compute what the exported ones compute with the same LoRA merged
   (onnxopt's reference kernels against ORT's CPU EP);
+* there, an NhwcConv whose weight a LoRA changes (a graph input, which the CUDA EP refuses for
+  NhwcConv) runs as Transpose-Conv-Transpose and computes what the optimized UNet with the LoRA
+  folded in computes; a LoRA of no conv leaves every NhwcConv as it was;
+* kohya's SDXL format (UNet modules by SGM's block names, ``lora_te1_``/``lora_te2_``) on the tiny SDXL
+  folder gives the image of diffusers' ``StableDiffusionXLPipeline.load_lora_weights``;
 * a file that is not a LoRA of these formats, or a LoRA for another model, is refused with one line
   and exit code 2.
 
@@ -67,7 +72,7 @@ def loras(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference(loras):
-    """reference({name: scale}) -> (latents, pixels) of diffusers' pipeline with those adapters."""
+    """reference({name: scale}[, guidance]) -> (latents, pixels) of diffusers' pipeline with those adapters."""
     import torch
 
     from onnxopt.pipeline.schedulers import make_scheduler
@@ -79,8 +84,8 @@ def reference(loras):
         pipe.load_lora_weights(str(loras[name]), adapter_name=name)
     cache = {}
 
-    def run(scales: dict) -> tuple[np.ndarray, np.ndarray]:
-        key = tuple(sorted(scales.items()))
+    def run(scales: dict, guidance: float = REQUEST["guidance"]) -> tuple[np.ndarray, np.ndarray]:
+        key = (tuple(sorted(scales.items())), guidance)
         if key not in cache:
             pipe.set_adapters(list(scales), list(scales.values()))
             final = {}
@@ -92,7 +97,7 @@ def reference(loras):
             r = REQUEST
             with torch.no_grad():
                 image = pipe(r["prompt"], negative_prompt=r["negative_prompt"], num_inference_steps=r["steps"],
-                             guidance_scale=r["guidance"], height=r["height"], width=r["width"], output_type="np",
+                             guidance_scale=guidance, height=r["height"], width=r["width"], output_type="np",
                              generator=torch.Generator("cpu").manual_seed(r["seed"]), callback_on_step_end=keep).images[0]
             cache[key] = (final["latents"].numpy(), image)
         return cache[key]
@@ -131,6 +136,8 @@ def test_lora_gives_the_diffusers_image(loras, reference, folders, target, io_bi
     assert_image(pipe(progress=False, **REQUEST), reference({"a": 0.7}))
     plain = reference({"a": 0.0})  # the LoRA moves the image far beyond the tolerance
     assert np.abs(reference({"a": 0.7})[1] - plain[1]).max() > 100 * PIXEL_ATOL
+    # guidance off: the step graph without guidance (made now, from step.onnx or the UNet) takes the LoRA too
+    assert_image(pipe(progress=False, **{**REQUEST, "guidance": 1.0}), reference({"a": 0.7}, 1.0))
 
 
 @pytest.mark.slow
@@ -206,6 +213,68 @@ def test_the_ort_cuda_weight_map_puts_each_delta_in_its_slice(loras, folders):
         assert np.abs(plain.run(None, feed)[0] - expected).max() > 1e-2 * np.abs(expected).max()
 
 
+def _unet_with_lora(folders, loras, names):
+    """The ort-cuda UNet (with its weights), its LoRA targets for ``names`` at 0.8, and a seeded feed."""
+    import onnx
+
+    from onnxopt.lora import pipeline_loras
+    from onnxopt.pipeline.plan import plan_generation
+
+    folder = PipelineFolder.open(folders("ort-cuda"))
+    lora_set = pipeline_loras(folder, plan_generation(folder, "cpu"), [f"{loras[n]}:0.8" for n in names], "cpu").loras
+    path = folder.root / "unet" / "model.onnx"
+    proto = onnx.load(str(path))
+    targets = lora_set.targets("unet", proto, path, path.parent)
+    rng = np.random.default_rng(0)
+    values = {"sample": rng.standard_normal((2, 4, 8, 8)), "timestep": np.array([500]),
+              "encoder_hidden_states": rng.standard_normal((2, 77, 32))}
+    feed = {i.name: values[i.name].astype(onnx.helper.tensor_dtype_to_np_dtype(i.type.tensor_type.elem_type))
+            for i in proto.graph.input}
+    return path, proto, targets, lora_set, feed
+
+
+def _nhwc_convs(proto) -> list:
+    return [n for n in proto.graph.node if n.op_type == "NhwcConv"]
+
+
+@pytest.mark.slow
+def test_an_nhwc_conv_the_lora_changes_runs_as_conv_with_the_weight_an_input(loras, folders):
+    """The LoRA session's graph of the ort-cuda UNet (conv1 LoRAs: NhwcConv weights as inputs, which
+    the CUDA EP refuses) computes, with the weights fed, what the optimized UNet with the LoRA folded
+    in computes (reference kernels); only the NhwcConvs whose weight the LoRA changes were rewritten."""
+    import onnx
+
+    from onnxopt.lora.session import weights_as_inputs
+    from onnxopt.reference import run as reference_run
+
+    path, proto, targets, lora_set, feed = _unet_with_lora(folders, loras, ["a"])
+    rewritten = onnx.load_from_string(weights_as_inputs(proto, set(targets)))
+    changed = [n for n in _nhwc_convs(proto) if n.input[1] in targets]
+    kept = [n for n in _nhwc_convs(proto) if n.input[1] not in targets]
+    assert changed and kept  # the LoRA's conv1 weights, and convs it leaves alone
+    assert _nhwc_convs(rewritten) == kept
+    convs = [n for n in rewritten.graph.node if n.op_type == "Conv"]
+    assert len(convs) == len(changed) and {n.input[1] for n in changed} <= {i.name for i in rewritten.graph.input}
+    weights = {name: t.value(lora_set.scales) for name, t in targets.items()}
+    got = reference_run(rewritten, {**feed, **weights})
+    folded, _ = _patched(path, lora_set, "unet")
+    expected = reference_run(folded, feed)
+    for name, want in expected.items():
+        np.testing.assert_allclose(got[name], want, rtol=0, atol=1e-5 * np.abs(want).max())
+
+
+@pytest.mark.slow
+def test_a_lora_of_no_conv_leaves_every_nhwc_conv_as_it_was(loras, folders):
+    from onnx import load_from_string
+
+    from onnxopt.lora.session import weights_as_inputs
+
+    _, proto, targets, _, _ = _unet_with_lora(folders, loras, ["b"])  # to_k, to_out.0, ff.net.2
+    assert targets and _nhwc_convs(proto)
+    rewritten = load_from_string(weights_as_inputs(proto, set(targets)))
+    assert list(rewritten.graph.node) == list(proto.graph.node)
+
+
 # --- refusals -------------------------------------------------------------------------------------
 
 def _write_safetensors(path: Path, tensors: dict, metadata: dict | None = None) -> Path:
@@ -265,6 +334,71 @@ def test_the_cli_refuses_a_bad_lora_with_exit_2_before_any_image(tmp_path, capsy
         err = capsys.readouterr().err.strip()
         assert code == 2 and len(err.splitlines()) == 1 and expected in err, err
         assert not out.exists() and bad.stat().st_size > 0  # -o may not be the LoRA it reads
+
+
+@pytest.mark.slow
+def test_an_sdxl_kohya_file_with_sgm_block_names_gives_the_diffusers_image(tmp_path):
+    """kohya's SDXL LoRA (lora_unet_input_blocks_4_1_transformer_blocks_0_attn1_to_q..., middle_block_1,
+    output_blocks; lora_te1_ and lora_te2_): on the tiny SDXL folder, the image of diffusers'
+    StableDiffusionXLPipeline.load_lora_weights + set_adapters at scale 0.8."""
+    import torch
+
+    from models.lora import write_kohya_sdxl
+    from models.pipelines import build_torch_pipeline, write_onnx_folder
+
+    torch_pipe = build_torch_pipeline("sdxl", "tiny", 0)
+    torch_pipe.set_progress_bar_config(disable=True)
+    write_onnx_folder("sdxl", tmp_path / "sdxl", "tiny", "torchscript", 0, pipe=torch_pipe)
+    kohya = write_kohya_sdxl(torch_pipe, tmp_path / "sdxl_kohya.safetensors", 3, rank=4, alpha=2)
+    keys = set(__import__("safetensors.numpy", fromlist=["load_file"]).load_file(str(kohya)))
+    for block in ("lora_unet_input_blocks_", "lora_unet_middle_block_1_", "lora_unet_output_blocks_"):
+        assert any(k.startswith(block) for k in keys), block
+    assert any(k.startswith("lora_te1_") for k in keys) and any(k.startswith("lora_te2_") for k in keys)
+    request = dict(REQUEST, height=64, width=64)
+    pipe = Pipeline.load(tmp_path / "sdxl", "cpu", threads=THREADS, loras=[f"{kohya}:0.8"])
+    result = pipe(progress=False, **request)
+    from onnxopt.pipeline.schedulers import make_scheduler
+
+    own = PipelineFolder.open(tmp_path / "sdxl").scheduler_config()
+    torch_pipe.scheduler = make_scheduler("euler", dict(type(torch_pipe.scheduler).from_config(own).config))
+    plain = torch_pipe(request["prompt"], negative_prompt=request["negative_prompt"], num_inference_steps=request["steps"],
+                       guidance_scale=request["guidance"], height=64, width=64, output_type="np",
+                       generator=torch.Generator("cpu").manual_seed(0)).images[0]
+    torch_pipe.load_lora_weights(str(kohya), adapter_name="kohya")
+    torch_pipe.set_adapters(["kohya"], [0.8])
+    final = {}
+
+    def keep(_pipe, i, _t, kwargs):
+        final["latents"] = kwargs["latents"].clone()
+        return kwargs
+
+    with torch.no_grad():
+        image = torch_pipe(request["prompt"], negative_prompt=request["negative_prompt"], num_inference_steps=request["steps"],
+                           guidance_scale=request["guidance"], height=64, width=64, output_type="np",
+                           generator=torch.Generator("cpu").manual_seed(0), callback_on_step_end=keep).images[0]
+    assert_image(result, (final["latents"].numpy(), image))
+    assert np.abs(image - plain).max() > 100 * PIXEL_ATOL  # the LoRA moved the image
+
+
+@pytest.mark.parametrize("module, expected", [
+    # diffusers' converter places block 99 in down block 49, which the UNet lacks
+    ("input_blocks_99_1_transformer_blocks_0_attn1_to_q",
+     "0 of 1 LoRA modules match a weight of this pipeline; no unet weight of the pipeline is "
+     "'down_blocks.49.attentions.0.transformer_blocks.0.attn1.to_q'"),
+    # a middle block SGM's UNet has not (0, 1, 2 only): diffusers' converter refuses it
+    ("middle_block_7_transformer_blocks_0_attn1_to_q", "its SGM block names do not map to diffusers' UNet"),
+])
+def test_a_kohya_sgm_module_that_maps_nowhere_exits_2_in_one_line(tmp_path, capsys, module, expected):
+    from onnxopt.cli import main
+
+    bad = _write_safetensors(tmp_path / "far.safetensors", {
+        f"lora_unet_{module}.lora_{r}.weight": np.ones((2, 8) if r == "down" else (8, 2), np.float32)
+        for r in ("down", "up")})
+    out = tmp_path / "x.png"
+    code = main(["generate", str(COMMITTED_SD15), "--prompt", "a", "-o", str(out), "--steps", "2", "--lora", str(bad)])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and expected in err, err
+    assert not out.exists()
 
 
 @pytest.mark.parametrize("text, expected", [("a.safetensors", ("a.safetensors", 1.0)), ("a.safetensors:0.5", ("a.safetensors", 0.5)),

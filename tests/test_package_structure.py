@@ -164,3 +164,4 @@ def test_a_binding_outside_the_captured_session_is_found(tmp_path):
     assert binding_outside_the_captured_session(tmp_path) == [
         "onnxopt/loop.py:1 io_binding()", "onnxopt/loop.py:2 RunOptions()", "onnxopt/loop.py:3 gpu_graph_id",
         "onnxopt/loop.py:4 run_with_iobinding()"]
+

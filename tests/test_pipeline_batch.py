@@ -30,7 +30,8 @@ SD15 = ROOT / "models" / "pipelines" / "sd15-tiny"
 SETTINGS = dict(steps=2, height=32, width=48)  # latents 4x6: not square, so H/W mix-ups show
 IMAGES = [BatchImage("a red cube", seed=7), BatchImage("a blue sphere", seed=11, negative_prompt="blurry"),
           BatchImage("a red cube", seed=8), BatchImage("a green cone", seed=3, guidance=1.0),
-          BatchImage("a blue sphere", seed=5, negative_prompt="blurry", guidance=3.0)]
+          BatchImage("a blue sphere", seed=5, negative_prompt="blurry", guidance=3.0),
+          BatchImage("a blue sphere", seed=9, negative_prompt="blurry", guidance=0.5)]  # guidance off: no negative
 
 
 def alone(pipe, image: BatchImage, scheduler: str):
@@ -77,15 +78,17 @@ def kv_folder(tmp_path_factory):
                                              ("bound", "euler-a"), ("unfused", "lcm")])
 def test_each_image_of_a_batch_is_its_image_alone(pipes, kv_folder, loop, scheduler):
     """Fused step on host feeds and on bound buffers (batch 3, then batch 1 alone, on one pipeline:
-    each batch size its own bound loop), the K/V companion run once on all rows, diffusers' loop."""
+    each batch size its own bound loop), the K/V companion run once on all rows, diffusers' loop; the
+    images without guidance (guidance <= 1) one run of their own, the prompts' rows alone."""
     folder = kv_folder if loop.startswith("kv") else SD15
     pipe = pipes(folder, fused_step=loop != "unfused", io_binding=loop.endswith("bound"))
     batched = assert_each_image_alone(pipe, IMAGES, scheduler)
-    assert [r.timings["batch_images"] for r in batched] == [3, 3, 3, 1, 1]
+    assert [r.timings["batch_images"] for r in batched] == [3, 3, 3, 2, 1, 2]
+    assert [r.timings["classifier_free_guidance"] for r in batched] == [True] * 3 + [False, True, False]
     if loop.startswith("kv"):
         assert "context" in pipe.sessions and batched[0].timings["step"] == "unet/step.onnx + step.context_kv.onnx"
     if loop.endswith("bound"):
-        assert {key[0][0] for key in pipe._device_loops} == {1, 3}  # the latents' batch is part of the loop's key
+        assert {key[0][0] for key in pipe._device_loops} == {1, 2, 3}  # the latents' batch is part of the loop's key
 
 
 def test_one_denoising_loop_per_run_and_the_text_encoder_once_per_prompt(pipes, monkeypatch):
@@ -96,9 +99,10 @@ def test_one_denoising_loop_per_run_and_the_text_encoder_once_per_prompt(pipes, 
     monkeypatch.setattr(pipe, "_denoise", lambda *a, **k: loops.append(a[3].shape[0]) or denoise(*a, **k))
     assert_each_image_alone(pipe, IMAGES, "ddim", max_batch=2)
     # the batch: each distinct (prompt, negative) pair once; then each image alone encodes its own
-    assert encoded[:3] == [("a red cube", None), ("a blue sphere", "blurry"), ("a green cone", None)]
-    assert len(encoded) == 3 + len(IMAGES)
-    assert loops[:4] == [2, 1, 1, 1]  # [cube 7, sphere 11], [cube 8] (max_batch), [cone: off], [sphere at 3]
+    # (the negative prompt is not encoded without guidance)
+    assert encoded[:4] == [("a red cube", None), ("a blue sphere", "blurry"), ("a green cone", None), ("a blue sphere", None)]
+    assert len(encoded) == 4 + len(IMAGES)
+    assert loops[:4] == [2, 1, 2, 1]  # [cube 7, sphere 11], [cube 8] (max_batch), [cone, sphere 9: off], [sphere at 3]
 
 
 def test_runs_share_the_guidance_the_step_applies_up_to_max_batch():

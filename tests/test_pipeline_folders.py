@@ -187,9 +187,10 @@ def test_optimize_ort_cuda_folder_matches_source(folders, tmp_path, kind):
     # graph split for two streams (onnxopt.pipeline.two_streams, opt-in at generate)
     hint = {"controlnet/step.onnx", "controlnet/step.hint.onnx", "merged_step.onnx", "unet/step.streams.onnx",
             "unet/step.streams.down.onnx"} if kind == "sd15-controlnet" else set()
-    # and beside each text encoder its graphs at the batches the pipeline feeds (onnxopt.pipeline.static_text)
+    # and beside each text encoder its graphs at the batches the pipeline feeds (onnxopt.pipeline.static_text):
+    # negative and prompt, and the prompt alone (without guidance; SDXL's without a negative prompt too)
     static = {f"{e}/model.static.b{b}.onnx" for e in ("text_encoder", "text_encoder_2") if (src / e).is_dir()
-              for b in ((1, 2) if kind == "sdxl" else (2,))}
+              for b in (1, 2)}
     # and beside each graph the optimizer writes, its weight map (onnxopt.weight_provenance: where each
     # source weight went, for --lora): at least beside every component's model.onnx, the step graphs and
     # the static text graphs, and only beside a graph
@@ -308,7 +309,7 @@ def test_external_data_names_are_kept(folders, tmp_path, data_name):
     for component in onnx_components(src):
         # the step graph and its context-kv part refer to the UNet's data file: no data file of their own
         step = ["step.onnx", "step.context_kv.onnx"] if component == "unet" else []
-        step += ["model.static.b2.onnx"] if component == "text_encoder" else []  # it refers to the data file too
+        step += ["model.static.b1.onnx", "model.static.b2.onnx"] if component == "text_encoder" else []  # they refer to it too
         graphs = ["model.onnx", *step]  # each with its weight map beside it (onnxopt.weight_provenance)
         maps = [g.removesuffix(".onnx") + ".weights.json" for g in graphs]
         assert sorted(p.name for p in (dst / component).iterdir()) == sorted(["config.json", data_name, *graphs, *maps])

@@ -292,6 +292,14 @@ def test_generate_on_an_optimized_folder(built, tmp_path, kind, context_kv):
     scale = float(np.abs(source.latents).max())
     np.testing.assert_allclose(optimized.latents, source.latents, rtol=0, atol=LATENT_RTOL * scale)
     np.testing.assert_allclose(optimized.pixels, source.pixels, rtol=0, atol=PIXEL_ATOL)
+    if kind != "sd15-controlnet":  # guidance off: step.onnx without its guidance rows, the text encoder at batch 1
+        off = Pipeline.load(out, "cpu", threads=THREADS, guidance=1.0, io_binding=kind == "sdxl")(
+            scheduler="dpm++2m", progress=False, **b.request(guidance=1.0))
+        assert off.timings["without_guidance"] == ("the step graph of unet/step.onnx without its guidance rows, built "
+                                                   "in memory (one row per image)")
+        assert off.timings["text_encoders"]["text_encoder" if kind == "sd15" else "text_encoder_2"] == "model.static.b1.onnx"
+        source = b.onnx()(scheduler="dpm++2m", progress=False, **b.request(guidance=1.0))
+        np.testing.assert_allclose(off.latents, source.latents, rtol=0, atol=LATENT_RTOL * np.abs(source.latents).max())
 
 
 
@@ -582,16 +590,33 @@ def copy_folder(source: Path, dest: Path, **edits) -> Path:
     return dest
 
 
+class RowsFed:
+    """A session that records how many rows of ``name`` each run is fed (the denoiser's batch)."""
+
+    def __init__(self, session, name: str):
+        self.session, self.name, self.rows = session, name, []
+
+    def run(self, outputs, feeds, *args, **kwargs):
+        self.rows.append(len(feeds[self.name]))
+        return self.session.run(outputs, feeds, *args, **kwargs)
+
+    def __getattr__(self, attribute):
+        return getattr(self.session, attribute)
+
+
 @pytest.mark.parametrize("kind, guidance, fused", [
-    ("sd15", 0.0, True), ("sd15", 1.0, False), ("sd15", -3.0, True), ("sd15", 0.5, False),
-    ("sd15-controlnet", 0.0, True), ("sdxl", 1.0, True),
+    ("sd15", 1.0, True), ("sd15", 0.7, False), ("sd15", 0.0, True), ("sd15", -3.0, False),
+    ("sd15-controlnet", 1.0, True), ("sdxl", 1.0, True), ("sdxl", 0.7, False),
 ])
 def test_guidance_at_most_one_turns_guidance_off_as_diffusers_does(built, kind, guidance, fused):
-    """diffusers' do_classifier_free_guidance is guidance > 1: at 1, 0 or below, one UNet row of the
-    prompt alone, the negative prompt unused. onnxopt computed eps_u + g * (eps_c - eps_u), so
-    guidance 0 gave the negative prompt's image. Now: diffusers' image, in the fused step graph
-    (guidance fed as 1, the negative row cancelling) and in the host loop (the prompt's row), and
-    another negative prompt changes nothing."""
+    """diffusers' do_classifier_free_guidance is guidance > 1: at 1 or below, the UNet runs the prompt's
+    row alone and the negative prompt is never encoded. So does onnxopt: diffusers' image, the denoiser
+    fed one row per image (the step graph without its guidance rows, or the unfused UNet), and another
+    negative prompt changes not one bit (onnxopt used to run the negative row and cancel it with
+    guidance 1: equal within rounding only). A ControlNet folder's graphs take two rows per image: there
+    the prompt's row runs twice, and the guidance cancels exactly."""
+    from onnxopt.pipeline.plan import NO_CFG_STEP
+
     b = built(kind)
     pipe = b.onnx(fused)
     result = pipe(scheduler="euler", progress=False, **b.request(guidance=guidance))
@@ -599,8 +624,16 @@ def test_guidance_at_most_one_turns_guidance_off_as_diffusers_does(built, kind, 
     assert result.timings["step"].startswith("unfused") != fused
     ref_latents, ref_pixels = b.reference("euler", guidance=guidance)
     assert_same_image(result.latents, result.pixels, ref_latents, ref_pixels)
-    other = pipe(scheduler="euler", progress=False, **b.request(guidance=guidance, negative_prompt="a dog, oil paint"))
-    np.testing.assert_allclose(other.latents, result.latents, rtol=0, atol=1e-5 * np.abs(ref_latents).max())
+    rows_per_image = 2 if kind == "sd15-controlnet" else 1
+    key = (NO_CFG_STEP if rows_per_image == 1 else "step") if fused else "unet"
+    spy = pipe.sessions[key] = RowsFed(pipe.sessions[key], "encoder_hidden_states")
+    try:
+        other = pipe(scheduler="euler", progress=False, **b.request(guidance=guidance, negative_prompt="a dog, oil paint"))
+    finally:
+        pipe.sessions[key] = spy.session
+    np.testing.assert_array_equal(other.latents, result.latents)
+    assert spy.rows == [rows_per_image] * STEPS
+    assert ("twice" in result.timings["without_guidance"]) == (rows_per_image == 2)
 
 
 def test_guidance_off_in_the_cfg_late_step_graph(built, tmp_path):

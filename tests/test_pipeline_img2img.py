@@ -85,7 +85,7 @@ class Folder:
         pipe.set_progress_bar_config(disable=True)
         return pipe
 
-    def reference(self, cls_name: str, scheduler: str | None, **kwargs):
+    def reference(self, cls_name: str, scheduler: str | None, guidance: float = GUIDANCE, **kwargs):
         """diffusers' (final latents, images [N, H, W, 3])."""
         import torch
 
@@ -97,7 +97,7 @@ class Folder:
 
         with torch.no_grad():
             out = self.diffusers(cls_name, scheduler)(
-                PROMPT, negative_prompt=NEGATIVE, num_inference_steps=STEPS, guidance_scale=GUIDANCE,
+                PROMPT, negative_prompt=NEGATIVE, num_inference_steps=STEPS, guidance_scale=guidance,
                 generator=torch.Generator("cpu").manual_seed(SEED), output_type="np", callback_on_step_end=keep,
                 **kwargs).images
         return final["latents"].numpy(), out
@@ -194,6 +194,23 @@ def test_inpainting_gives_the_diffusers_images(tiny, strength, mask_size, fused)
                                           strength=strength, height=32, width=48, num_images_per_prompt=2)
     assert_same(result, ref_latents, ref_images)
     assert ("unfused" in result.timings["step"]) is not fused
+
+
+@pytest.mark.parametrize("kind, guidance, fused", [("sd15", 1.0, True), ("sdxl", 0.7, False), ("sd15-inpaint", 1.0, True),
+                                                   ("sd15-inpaint", 0.5, False)])
+def test_img2img_and_inpainting_without_guidance_are_diffusers(tiny, kind, guidance, fused):
+    """At guidance <= 1 the img2img and inpainting pipelines run the prompt's row alone (the inpainting
+    channels one row per image, not both guidance rows); two images of one generator."""
+    t = tiny(kind)
+    inpaint = {"mask": mask_picture(), "height": 32, "width": 48} if kind == "sd15-inpaint" else {}
+    result = t.onnx(fused)(PROMPT, negative_prompt=NEGATIVE, steps=STEPS, guidance=guidance, seed=SEED,
+                           scheduler="ddim", image=picture(), strength=0.6, num_images=2, progress=False, **inpaint)
+    assert result.timings["classifier_free_guidance"] is False and ("unfused" in result.timings["step"]) is not fused
+    if inpaint:
+        inpaint["mask_image"] = inpaint.pop("mask")
+    cls_name = "StableDiffusionInpaintPipeline" if inpaint else IMG2IMG[kind]
+    assert_same(result, *t.reference(cls_name, "ddim", guidance, image=picture(), strength=0.6, num_images_per_prompt=2,
+                                     **inpaint))
 
 
 def test_refusals(tiny):
@@ -299,8 +316,10 @@ def test_cli_image_on_a_folder_without_vae_encoder(tmp_path, capsys):
 def test_cuda_captured_steps_start_mid_way(tiny, kind, scheduler, tmp_path):
     """On a GPU: img2img and inpainting on the folder optimized for ort-cuda, bound buffers and captured
     steps, give that folder's image without capture (a schedule table that starts mid-way; a second
-    strength replays the graphs on the same buffers with another table), within the 2e-3 of the
-    latents' scale that two CUDA sessions differ by (test_pipeline_generate's CUDA test)."""
+    strength replays the graphs on the same buffers with another table), within 4e-3 of the
+    latents' scale: two CUDA sessions differ by up to 2e-3 of it per image (test_pipeline_generate's
+    CUDA test), and on the H100 SDXL's Euler img2img differed by 2.1e-3 at 2 of 3072 values (a wrong
+    buffer or table differs everywhere, by the latents' own size)."""
     from onnxopt.pipeline import optimize_folder
     from onnxopt.runners.ort_cuda import cuda_available
 
@@ -316,6 +335,6 @@ def test_cuda_captured_steps_start_mid_way(tiny, kind, scheduler, tmp_path):
                        num_images=2, progress=False, **extra)
         got, expected = captured(**request), plain(**request)
         scale = float(np.abs(expected.latents).max())
-        np.testing.assert_allclose(got.latents, expected.latents, rtol=0, atol=2e-3 * scale)
+        np.testing.assert_allclose(got.latents, expected.latents, rtol=0, atol=4e-3 * scale)
         assert got.timings["steps"] == int(STEPS * strength) and "unfused" not in got.timings["step"]
     assert captured.cuda_graph

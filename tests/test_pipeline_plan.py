@@ -8,6 +8,9 @@ session exists, that says what a generation runs; the runner makes exactly its s
 * ``Pipeline.load`` makes the plan's sessions, no others.
 * ``onnxopt generate FOLDER --plan`` prints it and writes nothing (a scheduler the fused step cannot
   run plans diffusers' loop); ``--json`` of a run carries it.
+* Guidance <= 1 (diffusers' do_classifier_free_guidance False): the plan says CFG is off, the prompt
+  alone, and which step runs (the step graph without its guidance rows, made at load instead of the
+  guided one; or the UNet at one row per image).
 """
 
 from __future__ import annotations
@@ -30,7 +33,8 @@ def test_the_tiny_folders_plan_lists_its_components_and_step_graph():
     assert plan.step == "built in memory from unet/model.onnx" and plan.build_step_graph
     assert plan.step_loop == "host feeds" and not plan.capture
     entries = {e.key: e for e in plan.sessions}
-    assert list(entries) == ["vae_decoder", "vae_encoder", "text_encoder", "step", "reuse"]
+    assert list(entries) == ["vae_decoder", "vae_encoder", "text_encoder", "step", "step_no_cfg", "reuse"]
+    assert entries["step_no_cfg"].lazy and not entries["step"].lazy  # guidance per request: the guided one at load
     assert entries["vae_decoder"].graph == "vae_decoder/model.onnx" and entries["vae_decoder"].binds == HOST
     assert entries["text_encoder"].lazy and entries["step"].binds == STEP_LOOP
     assert json.loads(json.dumps(plan.as_dict()))["sessions"][3]["graph"] == "unet/model.onnx, built in memory"
@@ -72,6 +76,36 @@ def test_generate_plan_prints_it_and_writes_nothing(tmp_path, capsys):
     assert main(["generate", str(SD15), "--plan"]) == 0
     text = capsys.readouterr().out
     assert "scheduler:  pndm" in text and "step graph: unfused" in text and "unet/model.onnx: every step" in text
+
+
+@pytest.mark.parametrize("scheduler, guidance, says", [
+    ("ddim", "1", "CFG off (guidance <= 1): the prompt alone, the negative prompt ignored; the step graph of "
+                  "unet/model.onnx without its guidance rows, built in memory (one row per image)"),
+    ("ddim", "0.7", "CFG off"),
+    ("pndm", "1", "CFG off (guidance <= 1): the prompt alone, the negative prompt ignored; unet on the prompt's "
+                  "row alone (one row per image)"),
+    ("ddim", "7.5", "CFG on (guidance > 1): [negative; prompt] rows, two per image"),
+    ("ddim", None, "CFG on (guidance > 1)"),  # the family's default guidance, 7.5
+])
+def test_generate_plan_says_whether_cfg_runs(capsys, scheduler, guidance, says):
+    assert main(["generate", str(SD15), "--plan", "--scheduler", scheduler, *(["--guidance", guidance] if guidance else [])]) == 0
+    text = capsys.readouterr().out
+    assert f"guidance:   {says}" in text
+    no_cfg = "step_no_cfg          the step graph of unet/model.onnx without its guidance rows, built in memory: every step"
+    assert (no_cfg in text) == (scheduler == "ddim")
+    if guidance in ("1", "0.7") and scheduler == "ddim":  # made at load; the guided one only on first use
+        assert "made on first use" not in text.split("step_no_cfg")[1].splitlines()[0]
+        assert "every step with guidance > 1, step loop, made on first use" in text
+
+
+def test_load_for_guidance_off_makes_the_step_without_guidance_alone():
+    pytest.importorskip("diffusers")
+    from onnxopt.pipeline.plan import NO_CFG_STEP
+    from onnxopt.pipeline.runner import Pipeline
+
+    pipe = Pipeline.load(SD15, "cpu", threads=1, guidance=1.0)
+    assert NO_CFG_STEP in pipe.sessions and "step" not in pipe.sessions and pipe.fused_step
+    assert pipe.plan.as_dict()["classifier_free_guidance"] is False
 
 
 def test_generate_without_a_prompt_or_output_is_a_usage_error(tmp_path, capsys):

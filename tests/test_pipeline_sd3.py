@@ -33,6 +33,7 @@ pytest.importorskip("onnxruntime", reason="generating needs onnxruntime")
 
 from onnxopt.cli import main as onnxopt_main  # noqa: E402
 from onnxopt.pipeline import Pipeline, PipelineFolder  # noqa: E402
+from tests.test_pipeline_generate import RowsFed  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 COMMITTED = ROOT / "models" / "pipelines" / "sd35-tiny-optimum"
@@ -148,6 +149,29 @@ def test_optimize_then_generate(sd3, tmp_path):
     result = run(out, max_sequence_length=20)
     assert result.timings["step"] == "transformer/step.onnx"
     np.testing.assert_allclose(result.pixels, reference.image(20), rtol=0, atol=PIXEL_ATOL)
+    off = run(out, max_sequence_length=20, guidance=1.0)  # transformer/step.onnx without its guidance rows
+    assert off.timings["without_guidance"].startswith("the step graph of transformer/step.onnx without")
+    np.testing.assert_allclose(off.pixels, reference.image(20, guidance=1.0), rtol=0, atol=PIXEL_ATOL)
+
+
+@pytest.mark.parametrize("guidance, fused", [(1.0, True), (0.7, False), (0.0, True)])
+def test_guidance_at_most_one_is_diffusers_without_guidance(sd3, guidance, fused):
+    """StableDiffusion3Pipeline's do_classifier_free_guidance is guidance > 1: at 1 or below the transformer
+    runs the prompt's row alone and the negative prompt is never encoded. onnxopt gives that image, with the
+    text encoders and the transformer at batch 1, and another negative prompt changes not one bit."""
+    reference, folders = sd3
+    result = run(folders["optimum"], fused, max_sequence_length=20, guidance=guidance)
+    assert result.timings["classifier_free_guidance"] is False
+    np.testing.assert_allclose(result.pixels, reference.image(20, guidance=guidance), rtol=0, atol=PIXEL_ATOL)
+    assert result.timings["text_encoders"]["text_encoder_3"] == "model.onnx: no static graph for batch 1"
+    pipe = Pipeline.load(folders["optimum"], "cpu", fused_step=fused, threads=1, guidance=guidance)
+    key = "step_no_cfg" if fused else "transformer"
+    assert "step" not in pipe.sessions  # the guided step graph is not made for a pipeline loaded for guidance <= 1
+    spy = pipe.sessions[key] = RowsFed(pipe.sessions[key], "encoder_hidden_states")
+    other = pipe(PROMPT, "a dog, oil paint", steps=STEPS, guidance=guidance, seed=SEED, height=HEIGHT, width=WIDTH,
+                 progress=False, max_sequence_length=20)
+    np.testing.assert_array_equal(other.pixels, result.pixels)
+    assert spy.rows == [1] * STEPS
 
 
 def test_plan_prints_the_sd3_plan(sd3, capsys):

@@ -14,4 +14,6 @@ def require(module: str, install: str):
     try:
         return importlib.import_module(module)
     except ImportError as exc:
+        if exc.name and exc.name.split(".")[0] != module.split(".")[0]:  # installed, but a package it imports is not
+            raise MissingDependencyError(f"{module} does not import ({exc}): pip install {install}") from exc
         raise MissingDependencyError(f"{module} is not installed: pip install {install}") from exc

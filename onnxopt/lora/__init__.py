@@ -47,7 +47,7 @@ def pipeline_loras(folder, plan, specs: list, provider: str, device_id: int = 0)
     if provider == "tensorrt":
         raise LoraError("--lora runs on --provider cpu or cuda: a TensorRT engine holds its weights as built")
     parsed = [parse_lora_argument(s) if isinstance(s, str) else (Path(s[0]), float(s[1])) for s in specs]
-    loras = [read_lora(path, scale) for path, scale in parsed]
+    loras = [read_lora(path, scale, folder.config("unet")) for path, scale in parsed]
     return LoraWeights(LoraSet(loras, pipeline_graphs(folder, plan)), provider, device_id)
 
 

@@ -12,6 +12,9 @@ Keys understood (``COMPONENTS``: unet, text_encoder, text_encoder_2)::
                        key, else the rank (peft's and diffusers' default)
     kohya              lora_unet_<module_with_underscores>.lora_down.weight / .lora_up.weight / .alpha
                        lora_te_ (text_encoder), lora_te1_ / lora_te2_ (SDXL's two encoders)
+                       SDXL's UNet blocks by SGM's names (lora_unet_input_blocks_4_1_transformer_blocks_0_
+                       attn1_to_q): renamed to diffusers' blocks by diffusers' own converter, with the
+                       UNet's layers_per_block, as load_lora_weights does
 
 Each module's delta is what peft's LoRA layer adds to the weight: ``(alpha / rank) * B @ A`` (a
 conv LoRA's factors flattened to matrices and the product given the conv weight's shape);
@@ -84,12 +87,14 @@ def parse_lora_argument(text: str) -> tuple[Path, float]:
     return Path(text), 1.0
 
 
-def read_lora(path: str | Path, scale: float = 1.0) -> LoraFile:
-    """The low-rank modules of the LoRA file at ``path``; :class:`LoraError` when it is none."""
+def read_lora(path: str | Path, scale: float = 1.0, unet_config: dict | None = None) -> LoraFile:
+    """The low-rank modules of the LoRA file at ``path``; :class:`LoraError` when it is none.
+    ``unet_config``: the folder's UNet config (its ``layers_per_block`` places SGM's block numbers)."""
     path = Path(path)
     if not math.isfinite(scale):
         raise LoraError(f"{path}: the LoRA scale must be a finite number, not {scale}")
     tensors, metadata = _read_safetensors(path)
+    tensors = _sgm_blocks_as_diffusers(path, tensors, unet_config)
     pairs, alphas, unknown = _sort_keys(tensors)
     if unknown:
         raise LoraError(f"{path}: {len(unknown)} of {len(tensors)} keys are not LoRA weights of the diffusers/peft or "
@@ -129,6 +134,43 @@ def _read_safetensors(path: Path) -> tuple[dict[str, np.ndarray], dict]:
         if not np.isfinite(value).all():
             raise LoraError(f"{path}: {key} holds NaN or infinite values")
     return tensors, metadata
+
+
+SGM_BLOCKS = ("input_blocks", "middle_block", "output_blocks")
+
+
+def _sgm_blocks_as_diffusers(path: Path, tensors: dict, unet_config: dict | None) -> dict:
+    """A kohya file that names the UNet's modules as SGM's UNet does (kohya trains SDXL on it), with
+    its UNet modules renamed to diffusers' (``unet.<module>.lora_down.weight``...) by diffusers' own
+    converters, as ``load_lora_weights`` renames them: ``_maybe_map_sgm_blocks_to_diffusers`` (block
+    numbers, from the UNet's layers_per_block), ``_convert_unet_lora_key`` (SGM's module names) and
+    ``convert_unet_state_dict_to_peft``. The text encoders' kohya names are read as they are."""
+    kohya = all(key.startswith(tuple(KOHYA_PREFIXES)) for key in tensors)
+    if not kohya or not any(key.startswith("lora_unet_") and any(b in key for b in SGM_BLOCKS) for key in tensors):
+        return tensors
+    layers = (unet_config or {}).get("layers_per_block")
+    if not isinstance(layers, int) or isinstance(layers, bool) or layers < 1:
+        raise LoraError(f"{path}: its UNet modules are named by SGM's blocks (input_blocks...): placing them needs "
+                        "the UNet's layers_per_block (unet/config.json)")
+    from types import SimpleNamespace
+
+    from diffusers.loaders.lora_conversion_utils import _convert_unet_lora_key, _maybe_map_sgm_blocks_to_diffusers
+    from diffusers.utils.state_dict_utils import convert_unet_state_dict_to_peft
+
+    try:
+        renamed = _maybe_map_sgm_blocks_to_diffusers(dict(tensors), SimpleNamespace(layers_per_block=layers))
+    except (ValueError, IndexError) as exc:  # diffusers refuses a block it cannot place
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise LoraError(f"{path}: its SGM block names do not map to diffusers' UNet ({first})") from None
+    converted = {}
+    for key, value in renamed.items():
+        name, _, suffix = key.partition(".")  # kohya's module names hold no dot
+        if not name.startswith("lora_unet_"):
+            converted[key] = value
+            continue
+        (peft,) = convert_unet_state_dict_to_peft({_convert_unet_lora_key(f"{name}.lora_down.weight"): None})
+        converted[f"unet.{peft.removesuffix('.lora_A.weight')}.{suffix}"] = value
+    return converted
 
 
 def _sort_keys(tensors: dict) -> tuple[dict, dict, list]:

@@ -33,15 +33,19 @@ from pathlib import Path
 import numpy as np
 import onnx
 
+from onnxopt.lora.conv_layout import nhwc_convs_as_conv
 from onnxopt.lora.targets import LoraSet, Target
 from onnxopt.runners.captured_session import CapturedSession, write
 from onnxopt.weight_provenance import map_path
 
 
 def weights_as_inputs(proto: onnx.ModelProto, names: set[str]) -> bytes:
-    """``proto`` serialized with the initializers ``names`` turned into graph inputs of their type and shape."""
+    """``proto`` serialized with the initializers ``names`` turned into graph inputs of their type and
+    shape, and each NhwcConv that reads one of them as a Conv between Transposes
+    (:mod:`onnxopt.lora.conv_layout`: the CUDA EP needs an NhwcConv's weight constant)."""
     model = onnx.ModelProto()
     model.CopyFrom(proto)
+    nhwc_convs_as_conv(model.graph, names, {t.name: len(t.dims) for t in model.graph.initializer})
     kept, moved = [], []
     for tensor in model.graph.initializer:
         (moved if tensor.name in names else kept).append(tensor)

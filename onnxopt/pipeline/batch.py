@@ -9,8 +9,9 @@ What the B images of one run share and what each keeps as its own::
     image i: prompt_i, negative_i ─ text encoder(s), once per distinct pair, as alone ─ rows [neg_i; prompt_i]
     conditioning  [neg_1 ... neg_B; prompt_1 ... prompt_B]        2B rows, the uncond half first:
                   the step graph's and diffusers' loop's layout  ─ K/V companion once, on all 2B rows
+                  (guidance <= 1: [prompt_1 ... prompt_B], B rows, the negative prompts unused)
     latents       concat(randn_tensor([1, C, h, w], Generator("cpu").manual_seed(seed_i)) for each i) * sigma
-    denoise       one loop at batch B: the step graph (UNet at 2B, guidance, update), or diffusers' loop
+    denoise       one loop at batch B: the step graph (UNet at 2B, guidance, update; at B without guidance), or diffusers' loop
     decode        each image alone through the VAE decoder (its batch-1 graph, bound and captured as alone)
 
 A run shares the size, the steps, the scheduler and the guidance its step applies. The step graph
@@ -44,7 +45,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from onnxopt.pipeline.plan import GenerationError
+from onnxopt.pipeline.plan import GenerationError, classifier_free_guidance
 from onnxopt.pipeline.runner import (
     Pipeline,
     Result,
@@ -53,7 +54,6 @@ from onnxopt.pipeline.runner import (
     check_numbers,
     check_prompts,
     check_request,
-    classifier_free_guidance,
     clears_status,
     default_size,
 )
@@ -114,20 +114,21 @@ def generate_batch(pipe: Pipeline, images: list[BatchImage], *, steps: int = 50,
     channels = folder.config("unet").get("in_channels", 4)
     sched = pipe._scheduler(scheduler)
 
-    prompts: dict[tuple, dict] = {}  # (prompt, negative) -> its two conditioning rows: each pair encoded once
+    prompts: dict[tuple, dict] = {}  # (prompt, negative, cfg) -> its conditioning rows: each encoded once
     results: list[Result | None] = [None] * len(images)
     for run in runs(images, max_batch):
         start = time.perf_counter()
         timings: dict = {"provider": pipe.provider, "step": pipe.step_source, "cuda_graph": pipe.cuda_graph,
                          "session_runs_per_step": pipe.session_runs_per_step(), "batch_images": len(run)}
         t0 = time.perf_counter()
+        cfg = classifier_free_guidance(images[run[0]].guidance)  # one run_key: one answer for the whole run
         rows = []
         for i in run:
-            pair = (images[i].prompt, images[i].negative_prompt)
-            if pair not in prompts:
-                prompts[pair] = pipe._prompt_conditioning(*pair, height, width)
-            rows.append(prompts[pair])
-        cond = pipe._step_conditioning(batch_conditioning(rows))
+            pair = (images[i].prompt, images[i].negative_prompt if cfg else None)
+            if (*pair, cfg) not in prompts:
+                prompts[(*pair, cfg)] = pipe._prompt_conditioning(*pair, height, width, cfg=cfg)
+            rows.append(prompts[(*pair, cfg)])
+        cond = pipe._step_conditioning(batch_conditioning(rows), cfg)
         timings["text_encoder_s"] = time.perf_counter() - t0
         timings["text_encoders"] = dict(pipe.text_sources)
         # each image's own generator: its initial noise, then (Euler ancestral, LCM) its row of each step's noise
@@ -156,7 +157,8 @@ def generate_batch(pipe: Pipeline, images: list[BatchImage], *, steps: int = 50,
 
 
 def batch_conditioning(rows: list[dict]) -> dict[str, np.ndarray]:
-    """Each image's two rows [negative; prompt] -> one batch [negatives...; prompts...] per input."""
+    """Each image's two rows [negative; prompt] -> one batch [negatives...; prompts...] per input
+    (one row each, the prompt's, without guidance -> [prompts...])."""
     return {name: np.concatenate([r[name][:1] for r in rows] + [r[name][1:] for r in rows]) for name in rows[0]}
 
 

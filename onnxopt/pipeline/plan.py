@@ -33,10 +33,18 @@ STEP_LOOP = "step loop"  # every step, bound by the step loop (captured when ask
 HOST = "host feeds"  # numpy in, numpy out
 BUILT = "built graph"  # a small graph onnxopt builds (the reuse step, the ControlNet's input prep)
 
+NO_CFG_STEP = "step_no_cfg"  # the session key of the step without classifier-free guidance (one row per image)
+
 
 class GenerationError(OnnxoptError):
     """A bad generation request (size, steps, ControlNet image...): one line, exit code 2."""
 
+
+
+def classifier_free_guidance(guidance: float) -> bool:
+    """diffusers' ``do_classifier_free_guidance``: guidance > 1 (the UNets onnxopt runs have no
+    ``time_cond_proj_dim``: :func:`onnxopt.pipeline.runner.check_model_configs`)."""
+    return guidance > 1
 
 def hint_key(k: int) -> str:
     """The session key of ControlNet k's once-per-image hint graph: hint, hint_1, hint_2..."""
@@ -75,6 +83,13 @@ class GenerationPlan:
     io_binding: bool = False  # once-per-prompt/image graphs and the fused step on bound buffers
     static_text: bool = True  # text encoders: their static graph for the prompt batch, when the folder has one
     build_step_graph: bool = False  # the step graph is built in memory from unet/model.onnx
+    # diffusers' do_classifier_free_guidance (guidance > 1) of the request the plan is for; None: each call's
+    classifier_free_guidance: bool | None = None
+    # guidance <= 1: how the denoiser runs the prompt's row: 1 row per image, or 2 (the prompt's row twice:
+    # graphs that take two rows per image, where the guidance then cancels exactly)
+    no_cfg_rows: int = 1
+    no_cfg: str = ""  # what runs then, for people
+    embedded_guidance: bool = False  # the denoiser takes the guidance itself (Flux): never classifier-free guidance
     step_model: Path | None = field(default=None, repr=False)
     context_model: Path | None = field(default=None, repr=False)
     down_model: Path | None = field(default=None, repr=False)
@@ -88,8 +103,19 @@ class GenerationPlan:
         return {"folder": str(self.folder), "kind": self.kind, "provider": self.provider,
                 "components": list(self.components), "step": self.step, "step_loop": self.step_loop,
                 "capture": self.capture, "controlnets": list(self.controlnets), "merged_step": self.merged_step,
-                "scheduler": self.scheduler,
+                "scheduler": self.scheduler, "classifier_free_guidance": self.classifier_free_guidance,
+                "without_guidance": {"rows_per_image": self.no_cfg_rows, "runs": self.no_cfg},
                 "sessions": [{k: v for k, v in asdict(e).items() if k != "model"} for e in self.sessions]}
+
+    def guidance_text(self) -> str:
+        """Whether classifier-free guidance runs, and what runs without it."""
+        if self.embedded_guidance:
+            return "CFG never: the denoiser embeds the guidance, one row per image, no negative prompt"
+        on = "CFG on (guidance > 1): [negative; prompt] rows, two per image"
+        off = f"CFG off (guidance <= 1): the prompt alone, the negative prompt ignored; {self.no_cfg}"
+        if self.classifier_free_guidance is None:
+            return f"per request: {on}; {off}"
+        return on if self.classifier_free_guidance else off
 
     def text(self) -> str:
         """The plan for people: one line a fact, one line a session."""
@@ -97,7 +123,8 @@ class GenerationPlan:
                  f"  components: {', '.join(self.components)}",
                  f"  step graph: {self.step}",
                  f"  step loop:  {self.step_loop}" + (", CUDA graphs asked" if self.capture else ""),
-                 f"  scheduler:  {self.scheduler}"]
+                 f"  scheduler:  {self.scheduler}",
+                 f"  guidance:   {self.guidance_text()}"]
         if self.controlnets:
             lines.append(f"  ControlNets: {', '.join(self.controlnets)}" + (" (inside the merged step graph)"
                                                                            if self.merged_step else ""))
@@ -123,6 +150,7 @@ class PlanOptions:
     two_streams: bool | None = None
     static_text: bool = True
     scheduler: str | None = None  # the request's: one the fused step cannot run (pndm, unipc) plans diffusers' loop
+    guidance: float | None = None  # the request's, when known: the step of its guidance is made at load, the other on use
 
 
 def plan_generation(folder: PipelineFolder, provider: str, options: PlanOptions = PlanOptions()) -> GenerationPlan:
@@ -157,7 +185,44 @@ def plan_generation(folder: PipelineFolder, provider: str, options: PlanOptions 
     if options.fused_step:
         _plan_step(folder, plan, options, io_binding, two_streams, hints)
     _plan_per_step_sessions(folder, plan, io_binding)
+    _plan_without_guidance(folder, plan, options)
     return plan
+
+
+def _plan_without_guidance(folder, plan, options) -> None:
+    """What a request with guidance <= 1 runs (diffusers' do_classifier_free_guidance False: the
+    prompt's row alone): the step graph without its guidance rows (built in memory from the plan's
+    step graph, :func:`onnxopt.pipeline.step_graph.without_guidance`) or the unfused UNet, at one row
+    per image; the prompt's row twice where the graphs take two rows per image (the ControlNets'
+    and the merged or two-stream step graphs, TensorRT's engines built at batch 2, a step file
+    named by the request); the guided step is then exact: eps_c + g * (eps_c - eps_c) = eps_c.
+    With the request's guidance known (``options.guidance``), the step it needs is made at load and
+    the other one on first use."""
+    if not folder.family.denoiser.classifier_free_guidance:  # Flux: no guidance rows at all
+        plan.embedded_guidance, plan.classifier_free_guidance = True, False
+        return
+    if options.guidance is not None:
+        plan.classifier_free_guidance = classifier_free_guidance(options.guidance)
+    step = plan.entry("step")
+    why_twice = ("its ControlNet graphs take two rows per image" if folder.controlnets else
+                 "its TensorRT engines are built for two rows per image" if plan.provider == "tensorrt" else
+                 f"the step file {options.step_file} is run as written" if step is not None and options.step_file
+                 else None)
+    if why_twice:
+        plan.no_cfg_rows = 2
+        plan.no_cfg = f"the prompt's row twice ({why_twice}; the guidance cancels exactly)"
+        return
+    if step is None:
+        plan.no_cfg = f"{folder.denoiser} on the prompt's row alone (one row per image)"
+        return
+    source = step.graph if step.model is not None else f"{folder.denoiser}/model.onnx"
+    graph = f"the step graph of {source} without its guidance rows, built in memory"
+    plan.no_cfg = f"{graph} (one row per image)"
+    plan.sessions.insert(plan.sessions.index(step) + 1, SessionEntry(
+        NO_CFG_STEP, step.component, graph, "every step with guidance <= 1", STEP_LOOP, step.capture,
+        lazy=plan.classifier_free_guidance is not False, model=step.model))
+    if plan.classifier_free_guidance is False:  # made when a request with guidance > 1 needs it
+        plan.sessions[plan.sessions.index(step)] = replace(step, runs="every step with guidance > 1", lazy=True)
 
 
 def inpainting_unet(folder: PipelineFolder) -> bool:
@@ -289,21 +354,29 @@ def step_graph_source(folder: PipelineFolder, context_kv: bool = True, step_file
     return None, f"built in memory from {where}/model.onnx", True
 
 
-def build_step_graph_in_memory(folder: PipelineFolder) -> bytes:
-    """The step graph of ``unet/model.onnx``, serialized with its weights referring to the UNet's
-    own data files (ORT reads them from the UNet's folder: create_session's external_data_folder),
-    so a UNet of any size fits in memory once; inline weights are written inline, as they were."""
+def build_step_graph_in_memory(folder: PipelineFolder, step_model: Path | None = None,
+                               classifier_free_guidance: bool = True) -> bytes:
+    """The step graph of ``unet/model.onnx`` (or ``step_model``, a step graph in the UNet's folder;
+    without ``classifier_free_guidance``: :func:`~onnxopt.pipeline.step_graph.without_guidance` of
+    it), serialized with its weights referring to the UNet's own data files (ORT reads them from the
+    UNet's folder: create_session's external_data_folder), so a UNet of any size fits in memory
+    once; inline weights are written inline, as they were."""
     import io
 
     from onnxopt.loading import load_model
     from onnxopt.pipeline.multi_controlnet import sum_controlnet_residuals
-    from onnxopt.pipeline.step_graph import build_step_graph
+    from onnxopt.pipeline.step_graph import build_step_graph, without_guidance
     from onnxopt.saving import _write
 
     unet = folder.component(folder.denoiser)
     serialized = io.BytesIO()
-    step = build_step_graph(load_model(unet.model), denoiser=folder.family.denoiser)
-    step = sum_controlnet_residuals(step, max(1, len(folder.controlnets)))
+    if step_model is not None:
+        step = load_model(step_model)
+    else:
+        step = build_step_graph(load_model(unet.model), denoiser=folder.family.denoiser)
+        step = sum_controlnet_residuals(step, max(1, len(folder.controlnets)))
+    if not classifier_free_guidance:
+        step = without_guidance(step)
     _write(step, serialized, None, "", unet.folder.resolve())
     return serialized.getvalue()
 

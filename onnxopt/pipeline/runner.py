@@ -65,12 +65,14 @@ from onnxopt.pipeline.sizes import _check_size, _written_before_0_9, default_siz
 from onnxopt.pipeline.plan import (
     BOUND,
     HOST,
+    NO_CFG_STEP,
     STEP_LOOP,
     GenerationError,
     GenerationPlan,
     PlanOptions,
     SessionEntry,
     build_step_graph_in_memory,
+    classifier_free_guidance,
     hint_key,
     plan_generation,
 )
@@ -188,7 +190,7 @@ class Pipeline:
 
     @property
     def fused_step(self) -> bool:
-        return "step" in self.sessions
+        return "step" in self.sessions or NO_CFG_STEP in self.sessions
 
     @classmethod
     @clears_status
@@ -196,7 +198,8 @@ class Pipeline:
              threads: int | None = None, io_binding: bool | None = None, context_kv: bool = True,
              controlnet_hint: bool = True, merged_step: bool = True, launch_timing: bool = False,
              step_file: str | None = None, two_streams: bool | None = None, static_text: bool = True,
-             status: bool | None = None, capture_cache: int = DEFAULT_SIZE, loras: list | None = None) -> "Pipeline":
+             status: bool | None = None, capture_cache: int = DEFAULT_SIZE, loras: list | None = None,
+             guidance: float | None = None) -> "Pipeline":
         """Open ``folder`` and create its sessions on ``provider`` (cpu | cuda | tensorrt).
 
         ``cuda_graph`` (cuda/tensorrt): capture the step graph as CUDA graphs. ``fused_step=False``
@@ -244,6 +247,10 @@ class Pipeline:
 
         ``loras``: LoRA files, ``"FILE[:SCALE]"`` or (path, scale), applied to the UNet and the text
         encoders as bound inputs (:mod:`onnxopt.lora`); :meth:`set_lora_scales` changes them later.
+
+        ``guidance``: the guidance the calls will ask, when known: the step graph it needs (with
+        classifier-free guidance above 1, without it at 1 or below) is made now, the other on first
+        use (None: the guided one now).
         """
         start = time.perf_counter()
         say = StartupStatus(status)
@@ -253,7 +260,7 @@ class Pipeline:
         _torch()
         options = PlanOptions(fused_step=fused_step, cuda_graph=cuda_graph, io_binding=io_binding, context_kv=context_kv,
                               controlnet_hint=controlnet_hint, merged_step=merged_step, step_file=step_file,
-                              two_streams=two_streams, static_text=static_text)
+                              two_streams=two_streams, static_text=static_text, guidance=guidance)
         plan = plan_generation(folder, provider, options)
         from onnxopt.lora import pipeline_loras
 
@@ -281,7 +288,8 @@ class Pipeline:
         if folder.family.runner and cls is Pipeline:  # the family's own runner (Flux: its prompt, packed latents)
             module, name = folder.family.runner.split(":")
             cls = getattr(importlib.import_module(module), name)
-        pipe = cls(folder, plan.provider, made, step_source=plan.step, cuda_graph=sessions.capture and "step" in made,
+        fused = "step" in made or NO_CFG_STEP in made
+        pipe = cls(folder, plan.provider, made, step_source=plan.step, cuda_graph=sessions.capture and fused,
                    io_binding=plan.io_binding, device_id=device_id,
                    threads=threads, creation_s=time.perf_counter() - start)
         pipe.plan = plan
@@ -291,6 +299,7 @@ class Pipeline:
         pipe.launch_timing = launch_timing
         pipe.static_text, pipe._open_once = plan.static_text, sessions.text_encoder
         pipe.status, pipe.lora, pipe._open_unet = say, loras, lambda: sessions.open(pipe.folder.denoiser)
+        pipe._make_session = sessions.make  # a step graph the plan made lazy, on first use
         pipe._device_loops = CaptureCache(capture_cache)
         say.done()
         return pipe
@@ -318,7 +327,7 @@ class Pipeline:
         """How many sessions one computed denoising step runs (1 with the merged step graph; the
         fused step, the ControlNet and its input graph otherwise; the unfused loop: UNet [+ ControlNet])."""
         n = len(self.controlnet_models)
-        if "step" not in self.sessions:
+        if not self.fused_step:
             return 1 + n
         if self.merged_step or not n:
             return 1
@@ -372,21 +381,22 @@ class Pipeline:
                                           + (f" (it has {present})" if present else ""))
         return self.sessions[key]
 
-    def encode_prompt(self, prompt: str, negative_prompt: str | None, max_sequence_length: int = 256
-                      ) -> dict[str, np.ndarray]:
+    def encode_prompt(self, prompt: str, negative_prompt: str | None, max_sequence_length: int = 256,
+                      classifier_free_guidance: bool = True) -> dict[str, np.ndarray]:
         """The step's conditioning inputs, negative first (batch 2): encoder_hidden_states
         [+ text_embeds, time_ids are added by the caller for SDXL; SD3: pooled_projections, T5's
-        tokens ``max_sequence_length``: :mod:`onnxopt.pipeline.sd3_text`]."""
+        tokens ``max_sequence_length``: :mod:`onnxopt.pipeline.sd3_text`]. Without
+        ``classifier_free_guidance``: the prompt's row alone (batch 1), as diffusers' encode_prompt."""
         if self.folder.kind == "sd3":
             from onnxopt.pipeline.sd3_text import encode_sd3_prompt
 
-            return encode_sd3_prompt(self, prompt, negative_prompt, max_sequence_length)
+            return encode_sd3_prompt(self, prompt, negative_prompt, max_sequence_length, classifier_free_guidance)
         if self.folder.kind != "sdxl":
-            ids = self._token_ids("tokenizer", [negative_prompt or "", prompt])
+            ids = self._token_ids("tokenizer", [negative_prompt or "", prompt][not classifier_free_guidance:])
             (hidden,) = _run_outputs(self.text_session("text_encoder", len(ids)), ids, ["last_hidden_state"])
             return {"encoder_hidden_states": hidden.astype(np.float32)}
-        zeros = negative_prompt is None and self.folder.force_zeros_for_empty_prompt
-        texts = [prompt] if zeros else [negative_prompt or "", prompt]
+        zeros = classifier_free_guidance and negative_prompt is None and self.folder.force_zeros_for_empty_prompt
+        texts = [prompt] if zeros or not classifier_free_guidance else [negative_prompt or "", prompt]
         parts, pooled = [], None
         for encoder, tokenizer in zip(self.folder.text_encoders, _tokenizers_of(self.folder)):  # refiner: the 2nd alone
             session = self.text_session(encoder, len(texts))
@@ -447,7 +457,8 @@ class Pipeline:
         timings: dict = {"provider": self.provider, "step": self.step_source, "cuda_graph": self.cuda_graph,
                          "session_runs_per_step": self.session_runs_per_step()}
         start = time.perf_counter()
-        cond = self._conditioning(prompt, negative_prompt, height, width, timings, num_images, max_sequence_length)
+        cond = self._conditioning(prompt, negative_prompt, height, width, timings, num_images, max_sequence_length,
+                                  classifier_free_guidance(guidance))
         sched = self._scheduler(scheduler)
         self._latent_size = (height // factor, width // factor)  # flow matching's dynamic shifting reads it
         generator = torch.Generator("cpu").manual_seed(seed)
@@ -475,36 +486,66 @@ class Pipeline:
         return Result(latents=latents, pixels=every[0], timings=timings, all_pixels=every)
 
     def _conditioning(self, prompt, negative_prompt, height: int, width: int, timings: dict, images: int = 1,
-                      max_sequence_length: int = 256) -> dict:
+                      max_sequence_length: int = 256, cfg: bool = True) -> dict:
         """The step's conditioning: the text encoders' outputs (SDXL: with its time ids), each row
-        repeated ``images`` times ([negative] * N + [prompt] * N, diffusers' num_images_per_prompt),
-        and the cross-attention K/V when the step graph reads them instead of the text."""
+        repeated ``images`` times ([negative] * N + [prompt] * N, diffusers' num_images_per_prompt;
+        without classifier-free guidance, ``cfg`` False: [prompt] * N), and the cross-attention K/V
+        when the step graph reads them instead of the text."""
         t0 = time.perf_counter()
-        cond = self._prompt_conditioning(prompt, negative_prompt, height, width, max_sequence_length)
+        cond = self._prompt_conditioning(prompt, negative_prompt, height, width, max_sequence_length, cfg)
         if images > 1:
             cond = {name: np.repeat(value, images, axis=0) for name, value in cond.items()}
-        cond = self._step_conditioning(cond)
+        cond = self._step_conditioning(cond, cfg)
         timings["text_encoder_s"] = time.perf_counter() - t0
         timings["text_encoders"] = dict(self.text_sources)
         return cond
 
     def _prompt_conditioning(self, prompt, negative_prompt, height: int, width: int,
-                             max_sequence_length: int = 256) -> dict[str, np.ndarray]:
-        """One prompt's conditioning on the host, two rows [negative, prompt]: the text encoders'
-        outputs (SDXL: with its time ids). A batch concatenates these (onnxopt.pipeline.batch)."""
-        cond = self.encode_prompt(prompt, negative_prompt, max_sequence_length)
+                             max_sequence_length: int = 256, cfg: bool = True) -> dict[str, np.ndarray]:
+        """One prompt's conditioning on the host, two rows [negative, prompt] (``cfg`` False: the
+        prompt's row alone): the text encoders' outputs (SDXL: with its time ids). A batch
+        concatenates these (onnxopt.pipeline.batch)."""
+        cond = self.encode_prompt(prompt, negative_prompt, max_sequence_length, cfg)
         if self.folder.kind == "sdxl":
-            cond["time_ids"] = sdxl_time_ids(self.folder, height, width)
+            cond["time_ids"] = sdxl_time_ids(self.folder, height, width)[0 if cfg else 1:]
         return cond
 
-    def _step_conditioning(self, cond: dict) -> dict:
-        """``cond`` as the step graph reads it: with the cross-attention K/V when the step graph
-        reads them instead of the text (one run for all of cond's rows)."""
+    def _step_conditioning(self, cond: dict, cfg: bool = True) -> dict:
+        """``cond`` as the step graph reads it: without classifier-free guidance (``cfg`` False),
+        the prompt's rows twice where the denoiser takes two rows per image
+        (:meth:`_rows_without_guidance`); with the cross-attention K/V when the step graph reads them
+        instead of the text (one run for all of cond's rows)."""
+        if not cfg and self._rows_without_guidance() == 2:
+            cond = {name: np.concatenate([value, value]) for name, value in cond.items()}
         if "context" in self.sessions:  # the step graph reads the cross-attention K/V, not the text
             # on bound buffers the K/V stay on the device, where the step loop binds them (SDXL's
             # 140 K/V tensors, 50 MB, cost ~20 ms a prompt through the host)
             cond.update(run_on_device(self.sessions["context"], cond))
         return cond
+
+    def _rows_without_guidance(self) -> int:
+        """The denoiser's rows per image without classifier-free guidance (the plan's
+        ``no_cfg_rows``). The step graph without guidance is made here when first needed; where
+        :func:`~onnxopt.pipeline.step_graph.without_guidance` refuses the step graph (a static batch),
+        the guided one runs on the prompt's row twice instead, and the plan says so."""
+        plan = self.plan
+        if plan.no_cfg_rows == 1 and plan.entry(NO_CFG_STEP) is not None and NO_CFG_STEP not in self.sessions:
+            from onnxopt.errors import UnsupportedModelError
+
+            try:
+                self._step_session(NO_CFG_STEP)
+            except UnsupportedModelError as exc:
+                print(f"onnxopt: {exc}: the prompt's row runs twice instead", file=sys.stderr)
+                plan.no_cfg_rows, plan.no_cfg = 2, f"the prompt's row twice ({exc})"
+        return plan.no_cfg_rows
+
+    def _step_session(self, key: str):
+        """The step session ``key`` ("step", or :data:`~onnxopt.pipeline.plan.NO_CFG_STEP`), made on first use."""
+        if key not in self.sessions:
+            self.status("preparing the step graph" + (" without guidance" if key == NO_CFG_STEP else ""))
+            self._make_session(self.plan.entry(key))
+            self.status.done()
+        return self.sessions[key]
 
     def _latent_channels(self) -> int:
         """The latents' channels: the denoiser config's in_channels (diffusers reads it there), which
@@ -512,8 +553,8 @@ class Pipeline:
         4-channel one beside SD3's 16-channel transformer, was ORT's shape error mid-run)."""
         name = self.folder.denoiser
         channels = self.folder.config(name).get("in_channels", 4)
-        session, latent = (self.sessions["step"], "latents") if "step" in self.sessions else (
-            self._unet_session(), self.folder.family.denoiser.sample)
+        made = [self.sessions[key] for key in ("step", NO_CFG_STEP) if key in self.sessions]
+        session, latent = (made[0], "latents") if made else (self._unet_session(), self.folder.family.denoiser.sample)
         shape = next((i.shape for i in session.get_inputs() if i.name == latent), None)
         if shape and len(shape) == 4 and isinstance(shape[1], int) and shape[1] != channels:
             raise GenerationError(f"{self.folder.root / name / 'config.json'}: in_channels {channels}, but "
@@ -554,11 +595,15 @@ class Pipeline:
         LCM) draws from after the initial latents, as diffusers' does."""
         from onnxopt.pipeline.schedulers import SchedulerError, _set_timesteps
 
-        # diffusers' do_classifier_free_guidance is guidance > 1: below, one UNet row of the prompt alone.
-        # The step graphs run both rows; at guidance 1 their eps_u + 1 * (eps_c - eps_u) is eps_c
-        # within fp32 rounding, the negative prompt's row cancelling out.
+        # diffusers' do_classifier_free_guidance is guidance > 1: at 1 or below, the prompt's row alone (cond
+        # holds it alone, or twice where the denoiser takes two rows per image: there eps_u == eps_c exactly)
         cfg = classifier_free_guidance(guidance)
+        rows = 2 if cfg else self._rows_without_guidance()
         timings["classifier_free_guidance"] = cfg
+        if not cfg:
+            timings["without_guidance"] = self.plan.no_cfg
+        if extra is not None and rows == 1:  # the inpainting channels: one row per image, not both guidance rows
+            extra = extra[len(extra) // 2:]
         plan = None
         if self.fused_step:
             try:
@@ -577,11 +622,11 @@ class Pipeline:
 
                 cond = dict(cond, **{INPAINT_INPUT: extra})
             latents = self._fused_loop(plan, initial, cond, controlnet, guidance if cfg else 1.0, reused, bar, timings,
-                                       generator)
+                                       generator, "step" if rows == 2 else NO_CFG_STEP)
         else:
             step_times: list = []
             latents = self._unfused_loop(sched, steps, initial, cond, controlnet, guidance if cfg else None, step_times,
-                                         bar, self.folder.kind, reused, start, extra, generator)
+                                         bar, self.folder.kind, reused, start, extra, generator, rows)
             timings["first_step_s"] = step_times[0]
             computed = [t for k, t in enumerate(step_times) if k and k not in reused]
             timings["step_mean_s"] = float(np.mean(computed)) if computed else step_times[0]
@@ -592,10 +637,11 @@ class Pipeline:
         return latents
 
     def _fused_loop(self, plan, initial, cond, controlnet, step_guidance: float, reused, bar, timings: dict,
-                    generator=None) -> np.ndarray:
+                    generator=None, step: str = "step") -> np.ndarray:
         """The step graph's loop from the ``initial`` latents on the step plan's coefficient table
         (from the run's first timestep: img2img's starts mid-way); the first step (with its graph
-        capture) timed apart. A step that draws noise gets it in its ``state`` input."""
+        capture) timed apart. A step that draws noise gets it in its ``state`` input. ``step``: the
+        step session's key (:meth:`_step_session`)."""
         latents = initial.numpy()
         static, step_controlnet = cond, controlnet
         if self.merged_step and controlnet is not None:  # the ControlNets' inputs are the step graph's
@@ -604,7 +650,7 @@ class Pipeline:
             static, step_controlnet = dict(cond), None
             for k, feeds in enumerate(controlnet):
                 static.update(interface_feeds(feeds, k))
-        loop = self._step_loop(latents, static, step_controlnet, len(plan))
+        loop = self._step_loop(latents, static, step_controlnet, len(plan), step)
         loop.start(plan, latents, static, step_guidance, step_controlnet)
         step_noise = functools.partial(_step_noise, plan, latents.shape, generator)
         step_noise(0, loop)
@@ -717,15 +763,15 @@ class Pipeline:
             return latents * std / np.float32(scaling) + mean
         return latents / np.float32(scaling)
 
-    def _step_loop(self, latents, cond, controlnet, steps: int):
-        step = self.sessions["step"]
+    def _step_loop(self, latents, cond, controlnet, steps: int, key: str = "step"):
+        step = self._step_session(key)
         controlnet_session = None if self.merged_step or not self.controlnet_models else self._controlnet_sessions()
         down = self.sessions.get("down")
         if not self.io_binding:
             return HostStepLoop(step, controlnet_session, self.sessions["reuse"])
         # diffusers' schedulers take at most num_train_timesteps steps: one table size serves every run
         capacity = max(steps, self.folder.scheduler_config().get("num_train_timesteps", 1000))
-        key = DeviceStepLoop.key(latents, cond, controlnet, capacity)
+        key = (*DeviceStepLoop.key(latents, cond, controlnet, capacity), key)  # and which step graph runs
         loop = self._device_loops.lookup(key)
         self._new_shape = loop is None
         if loop is None:  # graph ids never given before: an evicted shape's ids still replay its capture
@@ -752,12 +798,13 @@ class Pipeline:
         return self.sessions[name]
 
     def _unfused_loop(self, sched, steps, initial, cond, controlnet, guidance, step_times, bar, kind, reused=frozenset(),
-                      start: int | None = None, extra=None, generator=None):
+                      start: int | None = None, extra=None, generator=None, rows: int = 2):
         """diffusers' loop from the ``initial`` latents and the timestep at ``start`` (None: text to
-        image): UNet session, guidance in numpy (``guidance`` None: no guidance, the prompt's own
-        output), diffusers' scale_model_input and step (at a ``reused`` step: diffusers' step on the
-        last computed guided output, no UNet); ``extra``: the inpainting channels the UNet reads
-        after the latents. ``generator``: the image's, for a step that draws noise.
+        image): UNet session on ``rows`` rows per image, guidance in numpy (``guidance`` None: no
+        guidance, the prompt's own output: the last row's), diffusers' scale_model_input and step (at a
+        ``reused`` step: diffusers' step on the last computed guided output, no UNet); ``extra``: the
+        inpainting channels the UNet reads after the latents. ``generator``: the image's, for a step
+        that draws noise.
         """
         from onnxopt.pipeline.schedulers import _scale_model_input, _set_timesteps, step_extra_kwargs
 
@@ -777,7 +824,7 @@ class Pipeline:
                 step_times.append(time.perf_counter() - t1)
                 bar.update()
                 continue
-            model_in = _scale_model_input(sched, torch.cat([latents] * 2), t).numpy()
+            model_in = _scale_model_input(sched, torch.cat([latents] * rows), t).numpy()
             sample = model_in if extra is None else np.concatenate([model_in, extra], axis=1)
             feeds = dict(cond, **{denoiser.sample: sample, denoiser.timestep: timestep_feed(
                 unet, t.item() * denoiser.timestep_scale, model_in.shape[0], denoiser.timestep)})
@@ -788,7 +835,7 @@ class Pipeline:
                 residuals = {n: residuals[n] + v for n, v in out.items()} if residuals else out
             feeds.update(residuals)
             eps2 = run_host(unet, feeds)[denoiser.output].astype(np.float32)
-            eps_u, eps_c = eps2[: len(eps2) // 2], eps2[len(eps2) // 2:]
+            eps_u, eps_c = eps2[: len(eps2) - len(latents)], eps2[len(eps2) - len(latents):]
             eps = eps_c if guidance is None else eps_u + np.float32(guidance) * (eps_c - eps_u)
             latents = sched.step(torch.from_numpy(eps), t, latents, return_dict=False, **step_kwargs)[0]
             step_times.append(time.perf_counter() - t1)
@@ -919,12 +966,6 @@ def fusable(scheduler: str) -> bool:
     from onnxopt.pipeline.schedulers import FUSABLE_SCHEDULERS
 
     return scheduler in FUSABLE_SCHEDULERS
-
-
-def classifier_free_guidance(guidance: float) -> bool:
-    """diffusers' ``do_classifier_free_guidance``: guidance > 1 (the UNets onnxopt runs have no
-    ``time_cond_proj_dim``: :func:`check_model_configs`)."""
-    return guidance > 1
 
 
 def check_model_configs(folder: PipelineFolder) -> None:
@@ -1095,7 +1136,7 @@ class _SessionMaker:
         self.capture = plan.capture  # the step session's outcome, once it is made
         self.sessions: dict = {}
 
-    def open(self, component: str, model=None, **kw):
+    def open(self, component: str, model=None, map_model=None, **kw):
         self.say(f"loading {component}" + (f" ({Path(model).name})" if isinstance(model, (str, Path)) else ""))
         model = model or self.folder.component(component).model
 
@@ -1105,7 +1146,7 @@ class _SessionMaker:
 
         if self.loras is None:
             return make(model)
-        return self.loras.session(component, model, make, map_model=self.folder.component(component).model)
+        return self.loras.session(component, model, make, map_model=map_model or self.folder.component(component).model)
 
     def captured(self, component: str, model, say: bool = False, capture: bool | None = None, **kw):
         """(session, whether it captures): CUDA graphs when asked (``capture``, default: as the
@@ -1139,12 +1180,15 @@ class _SessionMaker:
             session = self.once(entry.component, entry.model)
         elif entry.binds == HOST:
             session = self.open(entry.component, entry.model)
-        elif entry.key == "step":
+        elif entry.key in ("step", NO_CFG_STEP):
             if self.plan.build_step_graph:
                 self.say("preparing the step graph")
-            model = build_step_graph_in_memory(self.folder) if self.plan.build_step_graph else entry.model
+            model = entry.model
+            if self.plan.build_step_graph or entry.key == NO_CFG_STEP:  # from unet/model.onnx, or without guidance
+                model = build_step_graph_in_memory(self.folder, entry.model, entry.key != NO_CFG_STEP)
             denoiser = self.folder.denoiser
-            beside = {"external_data_folder": self.folder.component(denoiser).folder} if isinstance(model, bytes) else {}
+            beside = {"external_data_folder": self.folder.component(denoiser).folder,
+                      "map_model": entry.model} if isinstance(model, bytes) else {}
             session, self.capture = self.captured(denoiser, model, say=True, **beside)
         elif entry.binds == STEP_LOOP:
             session, _ = self.captured(entry.component, entry.model)

@@ -10,7 +10,8 @@
 
 Each tokenizer pads with its own pad token (SD3's CLIP-G tokenizer pads with "!"), and both CLIP
 prompts are cut at the first tokenizer's model_max_length, as diffusers does. Rows are [negative,
-prompt] (classifier-free guidance as batch 2); the negative prompt defaults to "".
+prompt] (classifier-free guidance as batch 2); the negative prompt defaults to "". Without
+classifier-free guidance (guidance <= 1), the prompt's row alone, the negative prompt unused.
 """
 
 from __future__ import annotations
@@ -22,10 +23,12 @@ from onnxopt.pipeline.text_outputs import penultimate_name, run_outputs
 CLIP_ENCODERS = (("text_encoder", "tokenizer"), ("text_encoder_2", "tokenizer_2"))
 
 
-def encode_sd3_prompt(pipe, prompt: str, negative_prompt: str | None, max_sequence_length: int) -> dict:
-    """The transformer's conditioning for [negative, prompt] (see the module docstring); ``pipe``:
-    the :class:`~onnxopt.pipeline.runner.Pipeline` whose sessions and tokenizers run it."""
-    texts = [negative_prompt or "", prompt]
+def encode_sd3_prompt(pipe, prompt: str, negative_prompt: str | None, max_sequence_length: int,
+                      classifier_free_guidance: bool = True) -> dict:
+    """The transformer's conditioning for [negative, prompt] ([prompt] without
+    ``classifier_free_guidance``; see the module docstring); ``pipe``: the
+    :class:`~onnxopt.pipeline.runner.Pipeline` whose sessions and tokenizers run it."""
+    texts = [negative_prompt or "", prompt] if classifier_free_guidance else [prompt]
     clip_length = pipe.tokenizers["tokenizer"].model_max_length
     hidden, pooled = [], []
     for encoder, tokenizer in CLIP_ENCODERS:

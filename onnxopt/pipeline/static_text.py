@@ -1,11 +1,12 @@
 """Text encoders at the pipeline's one input shape, every node on the CUDA EP: capturable as CUDA graphs.
 
 The pipeline feeds a text encoder ``input_ids`` of one shape per call site, [batch, 77]
-(:meth:`onnxopt.pipeline.runner.Pipeline.encode_prompt`: batch 2, negative and prompt; SDXL
-without a negative prompt: batch 1). An exported CLIP text encoder takes [batch, sequence] and
-computes with those dims at run time, and it pools at the EOS token with an integer ArgMax:
-ONNX Runtime's CUDA EP runs neither (the shape arithmetic goes to the CPU EP, and ArgMax has CUDA
-kernels for float, double and float16 only: ``reduction_ops.cc``), and ORT refuses CUDA graph
+(:meth:`onnxopt.pipeline.runner.Pipeline.encode_prompt`: batch 2, negative and prompt; batch 1, the
+prompt alone, without classifier-free guidance or, for SDXL, without a negative prompt). An
+exported CLIP text encoder takes [batch, sequence] and computes with those dims at run time, and it
+pools at the EOS token with an integer ArgMax: ONNX Runtime's CUDA EP runs neither (the shape
+arithmetic goes to the CPU EP, and ArgMax has CUDA kernels for float, double and float16 only:
+``reduction_ops.cc``), and ORT refuses CUDA graph
 capture when a node on the CPU EP needs a copy between host and device (here: the ArgMax reads
 the ids from the device, the position ids and the causal mask go back to it); each such copy
 also costs a round trip when not captured. :func:`make_static` rewrites the graph for one shape::
@@ -88,9 +89,10 @@ TYPED_INPUT = {"Where": 1}
 HOST_SHAPE_OPS = frozenset({"Shape", "Size", "Range"})
 
 
-# The batches Pipeline.encode_prompt feeds each kind's text encoders: negative and prompt; SDXL
-# without a negative prompt encodes the prompt alone (force_zeros_for_empty_prompt).
-TEXT_BATCHES = {"sd": (2,), "controlnet": (2,), "sdxl": (1, 2)}
+# The batches Pipeline.encode_prompt feeds each kind's text encoders: negative and prompt; the prompt
+# alone without classifier-free guidance (guidance <= 1) and, for SDXL, without a negative prompt
+# (force_zeros_for_empty_prompt).
+TEXT_BATCHES = {"sd": (1, 2), "controlnet": (1, 2), "sdxl": (1, 2), "sd3": (1, 2)}
 
 
 def text_batches(kind: str) -> tuple[int, ...]:

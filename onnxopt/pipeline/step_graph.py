@@ -50,6 +50,12 @@ consumer list then names the step graph's nodes too.) Every new node and tensor 
 :func:`write_step_graph` writes ``step.onnx`` beside a UNet folder's ``model.onnx``, its
 initializers pointing into the UNet's own external data file (no weight is written twice).
 
+Guidance off (diffusers' ``do_classifier_free_guidance``: guidance <= 1): :func:`without_guidance`
+turns a written step graph into the step of one row per image, the prompt's, whose output is the
+guided output as it is (``Concat([x, x])`` becomes ``Identity(x)``; the Split, Sub, Mul and Add of the
+guidance go). The runner builds it in memory from ``step.onnx``, its weights referring to the
+UNet's data files, when a request turns guidance off.
+
 ``cfg_late`` (:mod:`onnxopt.passes.cfg_late`): the part of the UNet that reads
 only the latents and the timestep runs once at batch b, and ``Concat([h, h], axis 0)`` broadcasts
 it where the text side comes in (the first cross-attention's query; SDXL: the time embedding,
@@ -132,6 +138,50 @@ def build_step_graph(unet: Model, *, cfg_late: bool = False, denoiser: Denoiser 
         model.metadata_props[CFG_LATE_METADATA] = (
             f"{details.get('nodes_moved', 0)} nodes at batch b, {len(details.get('broadcasts', ()))} broadcasts")
     return model
+
+
+def without_guidance(step: Model) -> Model:
+    """``step`` (a guided step graph :func:`build_step_graph` wrote) without classifier-free guidance::
+
+        before:  latents * c_in ─ Concat([x, x], axis 0) ─ ... ─ UNet ─ [Cast] ─ Split ─ eps_u, eps_c
+                 eps_u + guidance_scale * (eps_c - eps_u) ─ guided_output
+        after:   latents * c_in ─ Identity(x) ─ ... ─ UNet ─ [Cast] ─ guided_output
+
+    Conditions: one ``Concat([x, x], axis 0)`` of the scaled latents and the guidance nodes as this
+    module names them; the latents' batch is symbolic (the UNet then runs one row per image:
+    a static batch fixes its shapes at two rows); no cfg-late broadcast (it doubles the rows
+    inside the UNet). The conditioning inputs then take one row per image, the prompt's; the
+    interface is otherwise the same (``guidance_scale`` read by nothing, as without guidance at
+    build time). ``step`` is changed in place and returned; raises :class:`UnsupportedModelError`
+    naming the condition that failed."""
+    from onnxopt.passes.cfg_late import CFG_LATE_METADATA
+
+    graph, where = step.graph, str(step.source) if step.source else "step graph"
+    nodes = {node.name: node for node in graph.nodes}
+    doubled = [node for node in graph.nodes if node.name.startswith(PREFIX) and node.op == "Concat"
+               and node.attrs.get("axis") == 0 and len(node.inputs) == 2 and node.inputs[0] is node.inputs[1]]
+    split, combine = nodes.get(f"{PREFIX}model_output"), nodes.get(f"{PREFIX}guided_output")
+    latents = next((t for t in graph.inputs if t.name == "latents"), None)
+    refusal = None
+    if len(doubled) != 1 or split is None or split.op != "Split" or combine is None or combine.op != "Add":
+        refusal = "not a guided step graph of onnxopt.pipeline.step_graph"
+    elif CFG_LATE_METADATA in step.metadata_props:
+        refusal = "a cfg-late step graph doubles the rows inside the UNet"
+    elif latents is None or not latents.shape or isinstance(latents.shape[0], int):
+        refusal = "the latents' batch is static: the UNet's shapes are fixed at two rows per image"
+    if refusal:
+        raise UnsupportedModelError(f"{where}: no step without guidance: {refusal}")
+    concat, eps = doubled[0], split.inputs[0]
+    concat.op, concat.attrs = "Identity", {}
+    del concat.inputs[1]
+    combine.op, combine.attrs = "Identity", {}
+    combine.inputs.clear()
+    combine.inputs.append(eps)
+    for tensor in (*concat.outputs, *split.inputs):  # their declared batch was two rows per image
+        if tensor not in graph.outputs and tensor.shape:
+            tensor.shape = [None, *tensor.shape[1:]]
+    graph.cleanup().toposort()
+    return step
 
 
 def _unet_interface(unet: Model, graph: gs.Graph, denoiser: Denoiser = UNET) -> tuple[gs.Tensor, gs.Tensor, gs.Tensor]:

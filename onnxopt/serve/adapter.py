@@ -3,7 +3,7 @@ requests into PNGs.
 
 Batching contract. A compatible group (:meth:`ImageRequest.compatible_key`: one size, steps,
 scheduler and step guidance, :func:`onnxopt.pipeline.batch.run_key`) is one call of
-:func:`onnxopt.pipeline.batch.generate_batch`: one denoising loop with the UNet at 2B rows, each
+:func:`onnxopt.pipeline.batch.generate_batch`: one denoising loop with the UNet at 2B rows (B without guidance), each
 image's noise drawn from its own seed, and each image equal to the one ``onnxopt generate`` makes
 alone with its settings (``tests/test_pipeline_batch.py``; the PNG is written as generate writes it).
 Re-point this module when the pipeline's entry points change.

@@ -67,6 +67,10 @@ def cmd_serve(args) -> int:
     config = ServiceConfig(folder=str(folder.root.resolve()), provider=args.provider, replicas=args.replicas,
                            max_batch=args.max_batch, max_queued=args.max_queue, limits=limits)
     own_ray = args.address is None
+    if own_ray:  # the local replicas run in this environment: a missing runtime is this line, not a failed deployment
+        from onnxopt.runtime import import_onnxruntime
+
+        import_onnxruntime()
     # workers inherit this process's environment (PYTHONPATH included) from the local raylet
     metrics = {"_metrics_export_port": args.metrics_port} if args.metrics_port is not None else {}
     ray.init(address=args.address, include_dashboard=False, log_to_driver=False, **metrics)
