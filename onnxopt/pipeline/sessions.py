@@ -110,7 +110,7 @@ def input_types(session) -> dict[str, np.dtype]:
 def _cast_feeds(session, feeds: dict) -> dict[str, np.ndarray]:
     """The feeds ``session`` reads, as contiguous numpy arrays of its input types."""
     types = input_types(session)
-    return {name: np.ascontiguousarray(np.asarray(value).astype(types[name], copy=False))
+    return {name: np.asarray(np.asarray(value).astype(types[name], copy=False), order="C")
             for name, value in feeds.items() if name in types}
 
 

@@ -57,7 +57,7 @@ UNCAPTURED = -1  # ORT's graph id for a run that is never captured
 def write(buffer, value, dtype=None) -> None:
     """``value`` (cast to ``dtype``) into ``buffer`` in place: the address a captured graph reads stays."""
     array = np.asarray(value)
-    buffer.update_inplace(np.ascontiguousarray(array.astype(dtype or array.dtype, copy=False)))
+    buffer.update_inplace(np.asarray(array.astype(dtype or array.dtype, copy=False), order="C"))
 
 
 class BoundRun:
@@ -110,7 +110,7 @@ class CapturedSession:
         """A fresh buffer holding ``value`` (cast to ``dtype``): on a GPU a copy; on the CPU, ORT's
         ``ortvalue_from_numpy`` uses the (contiguous, cast) array's own memory."""
         array = np.asarray(value)
-        array = np.ascontiguousarray(array.astype(dtype or array.dtype, copy=False))
+        array = np.asarray(array.astype(dtype or array.dtype, copy=False), order="C")
         return self.ort.OrtValue.ortvalue_from_numpy(array, self.device, self.device_id)
 
     def run_options(self, graph_id: int | None, *, queue_only: bool = False):
@@ -167,7 +167,7 @@ class CapturedSession:
         """Run on ``feeds``; the outputs by name, left in their fixed buffers (OrtValues on the
         device): the same buffers for every later run of the same input shapes, so a graph that
         reads them (the step loop reading the K/V companion's output) can bind them once."""
-        feeds = {name: np.ascontiguousarray(value) for name, value in feeds.items()}
+        feeds = {name: np.asarray(value, order="C") for name, value in feeds.items()}  # 0-d stays 0-d
         key = tuple(sorted((name, value.shape, value.dtype.str) for name, value in feeds.items()))
         run = self.cache.lookup(key)
         if run is None:  # captured on the first run with these buffers, replayed after

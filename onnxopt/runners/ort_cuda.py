@@ -114,7 +114,7 @@ class OrtCudaSession:
         fixed device buffers of the shapes one uncaptured run gives (a CUDA graph replays the
         addresses it captured), on a graph id never used before (a new binding captures anew)."""
         types = self.input_types()
-        inputs = {name: np.ascontiguousarray(feeds[name].astype(dtype)) for name, dtype in types.items()}
+        inputs = {name: np.asarray(feeds[name].astype(dtype), order="C") for name, dtype in types.items()}
         self.bound = self.captured.bind(inputs, graph_id=self.captured.graph_ids(1)[0])
 
     def run(self) -> None:
