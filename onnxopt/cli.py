@@ -26,6 +26,7 @@ from onnxopt.errors import OnnxoptError
 # Nothing heavy is imported at module level: Ctrl-C while onnx, ONNX Runtime or torch import (the
 # first seconds of any command) reaches main()'s handler, one line and exit 130.
 EXIT_OK, EXIT_VERIFY_FAILED, EXIT_BAD_INPUT, EXIT_INTERNAL, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
+EXIT_BROKEN_PIPE = 141  # stdout's reader went away (128 + SIGPIPE), as `git log | head` exits
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -766,6 +767,8 @@ def main(argv: list[str] | None = None) -> int:
         return exc.exit_code
     except KeyboardInterrupt:
         return _interrupted()
+    except BrokenPipeError:  # `onnxopt ... | head`: the reader stopped; say nothing, as a SIGPIPE'd tool does
+        return _reader_gone()
     except Exception as exc:  # a bug in onnxopt: still one line, the traceback on request
         if debug:
             raise
@@ -775,6 +778,14 @@ def main(argv: list[str] | None = None) -> int:
         first = next((line for line in str(exc).splitlines() if line.strip()), "")  # one line, as the contract says
         print(f"onnxopt: internal error: {type(exc).__name__}: {first} (rerun with --debug for the traceback)", file=sys.stderr)
         return EXIT_INTERNAL
+
+
+def _reader_gone() -> int:
+    """stdout's reader closed it: later writes (Python's own flush at exit included) go nowhere, and
+    the exit status is the shell's for a process ended by SIGPIPE (128 + 13)."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    return EXIT_BROKEN_PIPE
 
 
 def _interrupted() -> int:

@@ -124,12 +124,13 @@ def input_dtype(spec, where: str = "") -> np.dtype:
 def as_type(value, dtype) -> np.ndarray:
     """``value`` as a contiguous array of ``dtype``. bfloat16 is rounded to nearest even from float32,
     as torch's ``.to(torch.bfloat16)`` rounds (a float64 goes to float32 first, as torch's float32
-    timesteps do); a value already bfloat16, or exactly representable, is unchanged."""
+    timesteps do); a value already bfloat16, or exactly representable, is unchanged. A 0-d value
+    stays 0-d (``np.ascontiguousarray`` would make it 1-d: a scalar input fed as [1])."""
     array = np.asarray(value)
     dtype = np.dtype(dtype)
     if dtype in BITS_ONLY and array.dtype == np.float64:
         array = array.astype(np.float32)
-    return np.ascontiguousarray(array.astype(dtype, copy=False))
+    return np.asarray(array.astype(dtype, copy=False), order="C")
 
 
 def ortvalue(ort, value, dtype=None, device: str = "cpu", device_id: int = 0):

@@ -144,3 +144,19 @@ def test_readme_first_command_runs(tmp_path, capsys):
     with Image.open(generate[generate.index("-o") + 1]) as image:
         assert image.size[0] > 0
     assert "step graph written" in capsys.readouterr().out
+
+
+def test_a_reader_that_stops_early_gets_no_traceback():
+    """`onnxopt info FOLDER | head -0`: the reader closes the pipe (here before onnxopt writes, so the
+    write surely fails); onnxopt stops silently with the shell's SIGPIPE status (141), not
+    "internal error: BrokenPipeError" (exit 3)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    folder = Path(__file__).resolve().parents[1] / "models" / "pipelines" / "sd15-tiny"
+    proc = subprocess.Popen([sys.executable, "-m", "onnxopt", "info", str(folder)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    proc.stdout.close()
+    assert proc.wait(timeout=120) == 141
+    assert b"error" not in proc.stderr.read()

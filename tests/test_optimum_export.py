@@ -112,3 +112,21 @@ def test_dims_prove_a_mask_sliced_to_the_key_length_from_what_the_graph_computes
     assert same(dims.shape(kept)[3], seq)                    # [..., :seq] of seq keys: seq
     assert not same(dims.shape(short)[3], seq)               # [..., :3]: min(seq, 3), not the keys
     assert same(dims.shape(summed)[1], seq)                  # seq + min(77, seq) broadcast: seq
+
+
+def test_the_host_loop_feeds_optimums_scalar_timestep_as_a_scalar(tmp_path):
+    """optimum exports the UNet's ``timestep`` as a 0-d tensor. The host loop (the folder's own PNDM,
+    or ``fused_step=False``) once fed it as shape (1,) (np.ascontiguousarray makes a 0-d array 1-d) and
+    ONNX Runtime failed inside the time projection; now the unfused DDIM loop gives the fused step
+    graph's latents, and ``generate`` with the folder's own scheduler writes its image."""
+    import numpy as np
+
+    from onnxopt.cli import main
+    from onnxopt.pipeline import Pipeline
+
+    request = dict(prompt="a red cube", steps=3, scheduler="ddim", seed=0, progress=False)
+    unfused = Pipeline.load(FOLDER, "cpu", fused_step=False)(**request)
+    fused = Pipeline.load(FOLDER, "cpu")(**request)
+    np.testing.assert_allclose(unfused.latents, fused.latents, rtol=0, atol=1e-4 * float(np.abs(fused.latents).max()))
+    assert main(["generate", str(FOLDER), "--prompt", "a red cube", "--steps", "2", "-q", "-o", str(tmp_path / "a.png")]) == 0
+    assert (tmp_path / "a.png").stat().st_size > 0

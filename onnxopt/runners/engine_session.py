@@ -105,7 +105,7 @@ class EngineSession:
 
     def run(self, names, feeds: dict) -> list[np.ndarray]:
         try:
-            out = self.runner.infer({k: np.ascontiguousarray(v) for k, v in feeds.items()})
+            out = self.runner.infer({k: np.asarray(v, order="C") for k, v in feeds.items()})
         except Exception as exc:  # a shape outside the engine's profile, mostly
             shapes = ", ".join(f"{k}={tuple(np.shape(v))}" for k, v in feeds.items())
             raise OnnxoptError(f"{self.name}: the engine {self.engine_path} cannot run {shapes}: {_first_line(exc)} "
