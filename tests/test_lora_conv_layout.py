@@ -50,7 +50,7 @@ def nhwc_conv_model(kernel, strides=None, pads=None, dilations=None, group=1, ou
                               kernel_shape=[1, 1])]
     graph = helper.make_graph(nodes, "nhwc", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 9, 11, C_IN])],
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], inits)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)], ir_version=8)
     return model, rng.standard_normal((2, 9, 11, C_IN), np.float32)
 
 
