@@ -1,5 +1,6 @@
 """One diffusion-transformer call on one GPU: torch eager / torch.compile against ONNX Runtime's CUDA EP
-(the raw export, ONNX Runtime's own transformers optimizer, onnxopt's ort-cuda in fp16 and bf16).
+(the raw export, ONNX Runtime's own transformers optimizer, onnxopt's ort-cuda in fp16 and bf16, and in
+fp16 with the opt-in flatten-matmul pass: every Linear as one 2-D GEMM).
 
     python -m benchmarks.dit_gpu --family sd35-medium --work /tmp/dit-bench --budget 540 --out OUT
     python -m benchmarks.dit_gpu --family flux-dev --work /tmp/dit-bench --budget 540 --out OUT
@@ -31,6 +32,9 @@ table). Estimates for one H100 host (16 cores, 128 GB), SD3.5-Medium / Flux-dev:
                   --ort-pythonpath first (numpy 1.26). ~4 min, 30 GB RSS / ~6 min, 60 GB RSS
   build:onnxopt-fp16, build:onnxopt-bf16
                   ``onnxopt optimize --passes ort-cuda,fp16 --low-precision float16|bfloat16 --external-data``.
+  build:onnxopt-fp16-flat
+                  the same in fp16 with ``--passes ort-cuda,fp16,flatten-matmul`` (each MatMul of a 3-D input
+                  by a constant weight as Reshape, 2-D MatMul, Reshape), timed next to onnxopt-fp16.
                   ~3 min, < 10 GB RSS each / ~8 min each (run with --budget that leaves it a call of its own)
   row:<label>     one ORT session (IO binding, CUDA graph; without when capture fails, said in the row),
                   warm-up, median of --runs with CUDA events, accuracy against the reference, GPU kernels
@@ -46,7 +50,7 @@ export, build:ort and the onnxopt builds run as detached processes (:func:`detac
 ends while one runs stops there, and the next call waits for the same process where the machine kept it
 (or starts it over). --results-from OUT/results.json carries the rows of an earlier machine to a fresh one.
 Every row frees its GPU and host memory before the next. --skip drops rows (raw, ort, onnxopt-fp16,
-onnxopt-bf16, eager-bf16, eager-fp16, compile-bf16). --dry-run: the tiny configs, float32, CPU, ORT's
+onnxopt-fp16-flat, onnxopt-bf16, eager-bf16, eager-fp16, compile-bf16). --dry-run: the tiny configs, float32, CPU, ORT's
 CPU provider with host timing, no torch.compile and no ORT fp16 conversion: every step once, to test
 the script (a few minutes).
 """
@@ -72,7 +76,7 @@ from benchmarks.pipeline_gpu import free_device_memory
 from benchmarks.unet_gpu import Steps, ort_cuda_chain
 
 SOURCE_DTYPE = {"sd35-medium": "float32", "flux-dev": "bfloat16"}
-ORT_ROWS = ("raw", "ort", "onnxopt-fp16", "onnxopt-bf16")
+ORT_ROWS = ("raw", "ort", "onnxopt-fp16", "onnxopt-fp16-flat", "onnxopt-bf16")
 TORCH_ROWS = {"eager-bf16": ("bfloat16", False), "eager-fp16": ("float16", False), "compile-bf16": ("bfloat16", True)}
 # ONNX element types (TensorProto) of the inputs/outputs the sessions bind, by ORT's type string.
 ONNX_TYPES = {"tensor(float)": 1, "tensor(float16)": 10, "tensor(bfloat16)": 16, "tensor(double)": 11,
@@ -181,11 +185,13 @@ class Bench:
             raise RuntimeError(f"ONNX Runtime's optimizer exited {rc}: {last_line(self.work / 'ort.log', 'rror')}")
         return {"path": str(dst), "fused": last_line(self.work / "ort.log"), "seconds": time.time() - t0}
 
-    def build_onnxopt(self, low: str) -> dict:
+    def build_onnxopt(self, low: str, flat: bool = False) -> dict:
+        """ort-cuda then ``low``; ``flat``: then flatten-matmul (the onnxopt-fp16-flat row)."""
         # dry run: fp32 (ORT's CPU provider lacks float16/bfloat16 kernels for most of these ops) and no
         # NhwcConv (a CUDA-only op): every other pass of the preset runs on ORT's CPU provider
         passes = ort_cuda_chain(leave_out=("nhwc-conv",)) if self.dry else ["ort-cuda", "fp16"]
-        return self.onnxopt_cli(f"onnxopt-{'bf16' if low == 'bfloat16' else 'fp16'}", passes, None if self.dry else low)
+        label = f"onnxopt-{'bf16' if low == 'bfloat16' else 'fp16'}" + ("-flat" if flat else "")
+        return self.onnxopt_cli(label, passes + ["flatten-matmul"] * flat, None if self.dry else low)
 
     def onnxopt_cli(self, label: str, passes: list[str], low: str | None) -> dict:
         """``onnxopt optimize`` (the CLI) in a detached process; the fused sites from its JSON report."""
@@ -201,7 +207,7 @@ class Bench:
             raise RuntimeError(f"onnxopt exited {rc}: {last_line(self.work / f'{label}.log')}")
         r = json.loads(report.read_text())
         fused = {p["pass"]: f"{p['sites_rewritten']}/{p['sites_matched']}" for p in r["passes"]
-                 if p["pass"].startswith(("fuse", "nhwc")) and not p.get("companion")}
+                 if p["pass"].startswith(("fuse", "nhwc", "flatten")) and not p.get("companion")}
         return {"path": str(dst), "fused": fused, "seconds": r["seconds"],
                 "peak_rss_gb": (r.get("peak_rss_mb_after_save") or 0) / 1e3}
 
@@ -411,7 +417,8 @@ def kernels_by_family(fn, runs: int) -> dict:
 
 
 ROW_TITLES = {"raw": "raw ONNX (as exported, no fusion)", "ort": "ONNX Runtime transformers optimizer (mmdit)",
-              "onnxopt-fp16": "onnxopt ort-cuda fp16", "onnxopt-bf16": "onnxopt ort-cuda bf16",
+              "onnxopt-fp16": "onnxopt ort-cuda fp16",
+              "onnxopt-fp16-flat": "onnxopt ort-cuda fp16 + flatten-matmul", "onnxopt-bf16": "onnxopt ort-cuda bf16",
               "eager-bf16": "torch eager bf16", "eager-fp16": "torch eager fp16",
               "compile-bf16": "torch.compile(reduce-overhead, fullgraph) bf16"}
 FAMILY_COLUMNS = ("gemm", "attention", "normalization", "elementwise", "fused elementwise", "transpose/copy", "convolution", "other")
@@ -486,7 +493,8 @@ def main(argv=None) -> int:
         steps.results = {**earlier, **steps.results}
     forget_missing_files(steps, bench)
     builds = {"raw": bench.build_raw, "ort": bench.build_ort,
-              "onnxopt-fp16": lambda: bench.build_onnxopt("float16"), "onnxopt-bf16": lambda: bench.build_onnxopt("bfloat16")}
+              "onnxopt-fp16": lambda: bench.build_onnxopt("float16"),
+              "onnxopt-fp16-flat": lambda: bench.build_onnxopt("float16", flat=True), "onnxopt-bf16": lambda: bench.build_onnxopt("bfloat16")}
     done = True
     try:
         steps.run("export", bench.export)
@@ -513,7 +521,7 @@ def forget_missing_files(steps, bench) -> None:
     """Steps whose files are gone (a fresh machine) run again where something still needs them: the
     export and the reference for any row not done, a build for its row not done."""
     results = steps.results
-    pending = [k for k in ("raw", "ort", "onnxopt-fp16", "onnxopt-bf16") if f"row:{k}" not in results] + \
+    pending = [k for k in ORT_ROWS if f"row:{k}" not in results] + \
               [k for k in TORCH_ROWS if f"torch:{k}" not in results]
     if not pending:
         return
