@@ -21,8 +21,9 @@ MultiHeadAttention / BiasAdd the ``ort-cuda`` fusions wrote around the MatMul ke
 The Reshapes are free: both read contiguous tensors, which ONNX Runtime reshapes as views
 (onnxopt.row_view says how the shape back is written).
 
-Conditions (each refusal says which): W a constant of rank 2; x of known rank >= 3 (rank 2 is
-already one GEMM and is not a site); x's last dim K known and equal to W's first; where the shape
+Conditions (each refusal says which): W a constant of rank 2, so K (its first dim) is known; x of
+known rank >= 3 (rank 2 is already one GEMM and is not a site); x's last dim K, or unknown (shape
+inference loses some in TorchScript exports; MatMul itself requires it to be K); where the shape
 back needs x's run-time shape (two or more unknown leading dims), the model at opset 15 or later.
 """
 
@@ -70,7 +71,7 @@ def check(match: Match, run: FusionRun) -> FlatSite:
     if rank is None:
         raise Refusal("x's rank is unknown (run shape inference first)")
     k, n = (int(d) for d in w_shape)
-    if static_dim(x, -1) != k:
+    if static_dim(x, -1) not in (None, k):  # unknown is fine: a valid MatMul has x's last dim = K
         raise Refusal(f"x's last dim is {shape_of(x)[-1]!r}, not the weight's K={k}")
     leading = leading_dims(x)
     if needs_runtime_shape(leading, n) and run.model.opset < SHAPE_SLICE_OPSET:
