@@ -60,6 +60,7 @@ from onnxopt.pass_infra import CONSTANTS_FOLDED, SHAPES_INFERRED, OrtFusion
 from onnxopt.pattern import Match, Pattern, constant_shape, constant_value, is_constant, op
 from onnxopt.pattern.tensor_facts import shape_of, static_dims
 from onnxopt.registry import register_pass
+from onnxopt.row_view import from_rows, rows_of, to_rows
 from onnxopt.weights import DerivedValues, numpy_dtype
 
 try:  # float8 arrays: ml_dtypes (onnx >= 1.18 depends on it)
@@ -129,11 +130,8 @@ def check(match: Match, run: FusionRun) -> Fp8Site:
 
 def emit(make: Emit, site: Fp8Site) -> list[gs.Tensor]:
     x, k, n = site.x, site.k, site.n
-    static_leading = all(isinstance(d, (int, np.integer)) for d in site.leading)
-    rows = int(np.prod(site.leading)) if static_leading else None
-    x2 = x
-    if len(site.leading) != 1:
-        x2 = make.op.Reshape(x, make.constant("rows_by_k", np.array([-1, k], np.int64)), _shape=[rows, k], _label="to_2d")
+    rows = rows_of(site.leading)
+    x2 = x if len(site.leading) == 1 else to_rows(make, x, k, site.leading)
     x_scale = np.float16(site.x_scale)
     xq = make.op.QuantizeLinear(x2, make.constant("x_scale", np.array(x_scale, np.float16)),
                                 make.constant("zero_fp8", np.zeros((), FLOAT8E4M3FN)), _dtype=FLOAT8E4M3FN, _label="quantize_x")
@@ -146,12 +144,7 @@ def emit(make: Emit, site: Fp8Site) -> list[gs.Tensor]:
     make.nodes[-1].attrs["dtype"] = onnx.TensorProto.FLOAT16  # the builder's own ``dtype`` parameter shadows the attribute
     if len(site.leading) == 1:
         return [y2]
-    if static_leading:
-        out_shape = make.constant("out_shape", np.array([*site.leading, n], np.int64))
-    else:
-        leading = make.op.Shape(x, end=-1, _dtype=np.int64, _shape=[len(site.leading)], _label="leading_dims")
-        out_shape = make.op.Concat(leading, make.constant("n", np.array([n], np.int64)), axis=0, _shape=[len(site.leading) + 1])
-    return [make.op.Reshape(y2, out_shape, _dtype=FLOAT16, _shape=site.output.shape, _label="from_2d")]
+    return [from_rows(make, y2, x, site.leading, n, shape=site.output.shape, dtype=FLOAT16)]
 
 
 def _quantized_weight(w: gs.Tensor, n: int, k: int) -> tuple[float, DerivedValues]:
