@@ -12,10 +12,33 @@ which needs opset 15 (Shape's ``end`` attribute).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import onnx_graphsurgeon as gs
 
+from onnxopt.pattern import Pattern, op
+
 SHAPE_SLICE_OPSET = 15  # Shape(start, end)
+
+
+def linear(x, w):
+    return op.MatMul(x, w, _name="matmul")
+
+
+LINEAR = Pattern(linear, name="linear")  # y = x @ W: the site of the passes that run a Linear on rows
+
+
+@dataclass
+class LinearRows:
+    """A Linear y = x @ W to run on rows: W (K, N), x (..., K)."""
+
+    x: gs.Tensor
+    w: gs.Tensor
+    k: int
+    n: int
+    leading: list  # x's dims but the last (static ints, or symbols)
+    output: gs.Tensor
 
 
 def leading_dims(x: gs.Tensor) -> list:
@@ -63,4 +86,4 @@ def from_rows(make, y2: gs.Tensor, x: gs.Tensor, leading: list, n: int, *, shape
     return make.op.Reshape(y2, out_shape, _shape=shape if shape is not None else [*leading, n], _label="from_rows", **extra)
 
 
-__all__ = ["SHAPE_SLICE_OPSET", "constant_shape_back", "from_rows", "leading_dims", "needs_runtime_shape", "rows_of", "to_rows"]
+__all__ = ["LINEAR", "SHAPE_SLICE_OPSET", "LinearRows", "constant_shape_back", "from_rows", "leading_dims", "needs_runtime_shape", "rows_of", "to_rows"]

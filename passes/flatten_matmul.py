@@ -29,36 +29,17 @@ back needs x's run-time shape (two or more unknown leading dims), the model at o
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import onnx_graphsurgeon as gs
 
 from onnxopt.fusion import Emit, Fusion, FusionRun, Refusal, Rule
 from onnxopt.pass_infra import OrtFusion
-from onnxopt.pattern import Match, Pattern, constant_shape, is_constant, op
+from onnxopt.pattern import Match, constant_shape, is_constant
 from onnxopt.pattern.tensor_facts import rank_of, shape_of, static_dim
 from onnxopt.registry import register_pass
-from onnxopt.row_view import SHAPE_SLICE_OPSET, from_rows, leading_dims, needs_runtime_shape, to_rows
+from onnxopt.row_view import LINEAR, SHAPE_SLICE_OPSET, LinearRows, from_rows, leading_dims, needs_runtime_shape, to_rows
 
 
-def linear(x, w):
-    return op.MatMul(x, w, _name="matmul")
-
-
-LINEAR = Pattern(linear, name="linear")
-
-
-@dataclass
-class FlatSite:
-    x: gs.Tensor
-    w: gs.Tensor
-    k: int
-    n: int
-    leading: list  # x's dims but the last (static ints, or symbols)
-    output: gs.Tensor
-
-
-def check(match: Match, run: FusionRun) -> FlatSite:
+def check(match: Match, run: FusionRun) -> LinearRows:
     x, w = match["x"], match["w"]
     rank = rank_of(x)
     if rank is not None and rank <= 2:
@@ -77,10 +58,10 @@ def check(match: Match, run: FusionRun) -> FlatSite:
     if needs_runtime_shape(leading, n) and run.model.opset < SHAPE_SLICE_OPSET:
         raise Refusal(f"x's leading dims {leading} need Shape(x, end=-1), which opset {run.model.opset} lacks "
                       f"(opset {SHAPE_SLICE_OPSET}+)")
-    return FlatSite(x, w, k, n, leading, match.output)
+    return LinearRows(x, w, k, n, leading, match.output)
 
 
-def emit(make: Emit, site: FlatSite) -> list[gs.Tensor]:
+def emit(make: Emit, site: LinearRows) -> list[gs.Tensor]:
     rows = to_rows(make, site.x, site.k, site.leading)
     y2 = make.op.MatMul(rows, site.w, _shape=[rows.shape[0], site.n], _label="gemm")
     return [from_rows(make, y2, site.x, site.leading, site.n, shape=site.output.shape)]

@@ -57,10 +57,10 @@ import onnx_graphsurgeon as gs
 from onnxopt.fusion import Emit, Fusion, FusionRun, Refusal, Rule, Site
 from onnxopt.opset_upgrade import opset_upgrade_refusal, upgrade_to_opset_21
 from onnxopt.pass_infra import CONSTANTS_FOLDED, SHAPES_INFERRED, OrtFusion
-from onnxopt.pattern import Match, Pattern, constant_shape, constant_value, is_constant, op
+from onnxopt.pattern import Match, constant_shape, constant_value, is_constant
 from onnxopt.pattern.tensor_facts import shape_of, static_dims
 from onnxopt.registry import register_pass
-from onnxopt.row_view import from_rows, rows_of, to_rows
+from onnxopt.row_view import LINEAR, LinearRows, from_rows, rows_of, to_rows
 from onnxopt.weights import DerivedValues, numpy_dtype
 
 try:  # float8 arrays: ml_dtypes (onnx >= 1.18 depends on it)
@@ -75,21 +75,8 @@ DEFAULT_MIN_MACS = 1 << 27  # 134M multiply-adds, e.g. 4096 tokens x 320 x 102
 FLOAT16 = np.dtype(np.float16)
 
 
-def linear(x, w):
-    return op.MatMul(x, w, _name="matmul")
-
-
-LINEAR = Pattern(linear, name="linear")
-
-
 @dataclass
-class Fp8Site:
-    x: gs.Tensor
-    w: gs.Tensor
-    k: int
-    n: int
-    leading: list  # x's dims but the last (static ints, or symbols)
-    output: gs.Tensor
+class Fp8Site(LinearRows):
     x_scale: float = 0.0
 
 
