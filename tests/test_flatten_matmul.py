@@ -157,3 +157,38 @@ def test_an_unknown_last_dim_of_x_is_the_weights_k():
 def test_a_static_last_dim_other_than_k_is_refused():
     model, result = flatten(linear_model([2, 5, K + 1]), None)
     assert result.sites_rewritten == 0 and "not the weight's K" in result.refused[0][1], result.refused
+
+
+# ================================================================ on a GPU (-m gpu)
+
+
+def _gpu_only(test):
+    from onnxopt.runners import cuda_available
+
+    skip = pytest.mark.skipif(not cuda_available(), reason="needs onnxruntime-gpu and a CUDA device")
+    return pytest.mark.gpu(skip(test))
+
+
+@pytest.mark.parametrize("entry", [e for e in _dit_fixtures() if "dynamo" in e.id])
+@_gpu_only
+def test_gpu_the_flattened_dit_fixtures_run_under_a_cuda_graph_and_match_the_fused_graph(entry, tmp_path):
+    """The Shape/Concat of the dynamic shape back do not stop the capture; the 2-D GEMMs give the
+    3-D MatMuls' outputs up to fp16 accumulation order."""
+    from onnxopt.runners.ort_cuda import OrtCudaSession
+    from onnxopt.saving import save_model
+    from onnxopt.verify import random_feeds
+
+    entry = entry.values[0]
+    inputs = InputSpec(shapes={i["name"]: tuple(i["example_shape"]) for i in entry["inputs"]})
+    fused, _ = optimize(str(DIT_FIXTURES / entry["file"]), ["ort-cuda", "fp16"], inputs=inputs)
+    flat, _ = optimize(fused, ["flatten-matmul"], inputs=inputs)
+    feeds = random_feeds(fused, inputs)[0]
+    outputs = []
+    for name, model in (("fused", fused), ("flat", flat)):
+        save_model(model, tmp_path / f"{name}.onnx")
+        session = OrtCudaSession(str(tmp_path / f"{name}.onnx"), cuda_graph=True)
+        session.bind(feeds)
+        session.run()  # the capture
+        session.run()
+        outputs.append(next(iter(session.outputs().values())).astype(np.float32))
+    np.testing.assert_allclose(outputs[1], outputs[0], atol=1e-2, rtol=1e-2)
