@@ -116,78 +116,77 @@ def relative_change(before: onnx.ModelProto, after: onnx.ModelProto, entry: dict
     return float(np.max(np.abs(a - b)) / np.max(np.abs(a)))
 
 
+def change_of_split(fixture: str, *sites: tuple[str, str, str], prepare=None, fold_sign: bool = True) -> float:
+    """How much the fixture's output changes when ``sites`` ((prefix, q, k) each) get one gamma for Q
+    and K; ``prepare`` edits the fixture first (both sides of the comparison)."""
+    entry = _entry(fixture)
+    before = onnx.load(DIT_FIXTURES / fixture)
+    if prepare:
+        prepare(before)
+    after = onnx.ModelProto()
+    after.CopyFrom(before)
+    for prefix, q, k in sites:
+        split_gammas(after, prefix, q, k, fold_sign=fold_sign)
+    return relative_change(before, after, entry)
+
+
 SD35 = ["sd35-medium.tiny.torchscript.dynamic.sdpa.onnx", "sd35-medium.tiny.dynamo.dynamic.sdpa.onnx"]
 FLUX = ["flux-dev.tiny.dynamo.dynamic.sdpa.onnx",
         pytest.param("flux-dev.tiny.torchscript.dynamic.sdpa.onnx", marks=pytest.mark.slow)]
-ATTN2 = "transformer.transformer_blocks.0.attn2"  # SD3.5-Medium's dual attention: self-attention, no rotary
+ATTN2 = ("transformer.transformer_blocks.0.attn2", "to_q", "to_k")  # SD3.5-Medium's dual attention: no rotary
 JOINT = "transformer.transformer_blocks.0.attn"  # joint attention: the image stream's to_q/to_k, the text's add_*_proj
-SINGLE = "transformer.single_transformer_blocks.0.attn"  # Flux: one stream, rotary after the norm
+IMAGE, TEXT = (JOINT, "to_q", "to_k"), (JOINT, "add_q_proj", "add_k_proj")
+SINGLE = ("transformer.single_transformer_blocks.0.attn", "to_q", "to_k")  # Flux: one stream, rotary after the norm
+EXACT, CHANGED = 1e-5, 1e-4  # the exact rewrites change the output by about 1e-7, the others by about 1e-3
+
+
+def set_gamma_ratio(side: tuple[str, str, str], ratio, of: tuple[str, str, str] | None = None):
+    """An edit: g_k of ``side`` := g_q of ``side`` * ratio (ratio: an array, or g_k / g_q of ``of``)."""
+    def edit(model):
+        q, k = (Projection(model, f"{side[0]}.{name}.bias") for name in side[1:])
+        r = ratio
+        if of is not None:
+            oq, ok = (Projection(model, f"{of[0]}.{name}.bias") for name in of[1:])
+            r = ok.get(ok.gamma) / oq.get(oq.gamma)
+        k.set(k.gamma, q.get(q.gamma) * r)
+    return edit
 
 
 @pytest.mark.parametrize("fixture", SD35)
 @pytest.mark.parametrize("zero", [False, True], ids=["signed-gamma", "signed-gamma-with-a-zero"])
 def test_on_sd35_attn2_one_gamma_for_q_and_k_gives_the_same_outputs(fixture, zero):
-    entry = _entry(fixture)
-    before = onnx.load(DIT_FIXTURES / fixture)
-    sign_gamma(before, ATTN2, zero=zero)
-    after = onnx.ModelProto()
-    after.CopyFrom(before)
-    split_gammas(after, ATTN2)
-    assert relative_change(before, after, entry) < 1e-5
-    wrong = onnx.ModelProto()  # without the sign in to_q: must not match (the check can fail)
-    wrong.CopyFrom(before)
-    split_gammas(wrong, ATTN2, fold_sign=False)
-    assert relative_change(before, wrong, entry) > 1e-3
+    def signed(model):
+        sign_gamma(model, ATTN2[0], zero=zero)
+
+    assert change_of_split(fixture, ATTN2, prepare=signed) < EXACT
+    # without the sign in to_q: must not match (the check can fail)
+    assert change_of_split(fixture, ATTN2, prepare=signed, fold_sign=False) > CHANGED
 
 
 @pytest.mark.parametrize("fixture", SD35)
 def test_in_sd35_joint_attention_one_gamma_per_stream_changes_the_outputs(fixture):
     """The image stream's Q and K under one gamma: its keys now meet the text queries with another product."""
-    entry = _entry(fixture)
-    before = onnx.load(DIT_FIXTURES / fixture)
-    after = onnx.ModelProto()
-    after.CopyFrom(before)
-    split_gammas(after, JOINT)
-    assert relative_change(before, after, entry) > 1e-4  # the exact rewrites change it by about 1e-7
+    assert change_of_split(fixture, IMAGE) > CHANGED
+    assert change_of_split(fixture, IMAGE, TEXT) > CHANGED
 
 
 @pytest.mark.parametrize("fixture", SD35)
 def test_in_sd35_joint_attention_one_gamma_per_stream_is_exact_when_both_streams_have_one_gamma_ratio(fixture):
     """g_added_k / g_added_q = g_k / g_q: both streams' rewrites scale every q by one factor and every k by
     its inverse, so every product (within and across the streams) is kept."""
-    entry = _entry(fixture)
-    before = onnx.load(DIT_FIXTURES / fixture)
-    image_q, image_k = (Projection(before, f"{JOINT}.{s}.bias") for s in ("to_q", "to_k"))
-    text_q, text_k = (Projection(before, f"{JOINT}.{s}.bias") for s in ("add_q_proj", "add_k_proj"))
-    text_k.set(text_k.gamma, text_q.get(text_q.gamma) * image_k.get(image_k.gamma) / image_q.get(image_q.gamma))
-    after = onnx.ModelProto()
-    after.CopyFrom(before)
-    split_gammas(after, JOINT)
-    split_gammas(after, JOINT, "add_q_proj", "add_k_proj")
-    assert relative_change(before, after, entry) < 1e-5
+    assert change_of_split(fixture, IMAGE, TEXT, prepare=set_gamma_ratio(TEXT, None, of=IMAGE)) < EXACT
 
 
 @pytest.mark.parametrize("fixture", FLUX)
 def test_across_flux_rotary_one_gamma_for_q_and_k_changes_the_outputs(fixture):
     """Flux's single-stream attention (no second stream): the rotary between the norm and q.k breaks it."""
-    entry = _entry(fixture)
-    before = onnx.load(DIT_FIXTURES / fixture)
-    after = onnx.ModelProto()
-    after.CopyFrom(before)
-    split_gammas(after, SINGLE)
-    assert relative_change(before, after, entry) > 1e-4  # the exact rewrites change it by about 1e-7
+    assert change_of_split(fixture, SINGLE) > CHANGED
 
 
 @pytest.mark.parametrize("fixture", FLUX)
 def test_across_flux_rotary_one_gamma_is_exact_when_g_k_over_g_q_is_equal_within_each_rotary_pair(fixture):
     """The rewrite scales q by sqrt(g_k / g_q) and k by its inverse: a rotation of the pair (2i, 2i+1)
-    commutes with a scale equal on both of its values."""
-    entry = _entry(fixture)
-    before = onnx.load(DIT_FIXTURES / fixture)
-    q, k = (Projection(before, f"{SINGLE}.{s}.bias") for s in ("to_q", "to_k"))
-    ratio = np.repeat(np.linspace(0.5, 1.5, q.gamma.dims[0] // 2), 2).astype(np.float32)
-    k.set(k.gamma, q.get(q.gamma) * ratio)
-    after = onnx.ModelProto()
-    after.CopyFrom(before)
-    split_gammas(after, SINGLE)
-    assert relative_change(before, after, entry) < 1e-5
+    commutes with a scale equal on both of its values (and not otherwise)."""
+    pairs = np.repeat(np.linspace(0.5, 1.5, 6), 2).astype(np.float32)  # the tiny Flux's heads of 12
+    assert change_of_split(fixture, SINGLE, prepare=set_gamma_ratio(SINGLE, pairs)) < EXACT
+    assert change_of_split(fixture, SINGLE, prepare=set_gamma_ratio(SINGLE, np.roll(pairs, 1))) > CHANGED
