@@ -256,10 +256,11 @@ def _add_generate_parser(sub) -> None:
     gen.add_argument("--image", type=Path, metavar="PNG",
                      help="init image: img2img (StableDiffusion(XL)Img2ImgPipeline), the output at its size; with --mask, "
                           "inpainting on a folder whose UNet is an inpainting one")
-    gen.add_argument("--mask", type=Path, metavar="PNG", help="inpainting mask (white: repaint), as StableDiffusionInpaintPipeline")
+    gen.add_argument("--mask", type=Path, metavar="PNG", help="inpainting mask (white: repaint), as StableDiffusion(XL)InpaintPipeline")
     gen.add_argument("--strength", type=float, default=None,
                      help="how much of --image is repainted, in (0, 1]: int(steps x strength) steps run (default: "
-                          "diffusers' pipeline's: 0.8 SD img2img, 0.3 SDXL img2img, 1.0 inpainting)")
+                          "diffusers' pipeline's: 0.8 SD img2img, 0.3 SDXL img2img, 1.0 SD inpainting, "
+                          "0.9999 SDXL inpainting)")
     gen.add_argument("--num-images", type=_int_arg(1, 64), default=1, metavar="N",
                      help="images per prompt (diffusers' num_images_per_prompt: one batch from one generator); "
                           "-o img.png writes img.png, img-1.png, ... img-(N-1).png")
