@@ -40,6 +40,7 @@ from onnxopt.pipeline import Pipeline  # noqa: E402
 from onnxopt.pipeline.plan import GenerationError  # noqa: E402
 from tests.test_pipeline_img2img import (GUIDANCE, LATENT_RTOL, NEGATIVE, PIXEL_ATOL, PROMPT, SEED, STEPS,  # noqa: E402
                                          THREADS, Folder, assert_same, mask_picture, picture)
+from tests.test_pipeline_img2img import tiny  # noqa: E402,F401  (the fixture: each tiny folder exported once per module)
 
 KIND = "sdxl-inpaint"
 INPAINT_CLASSES = {"sd15-inpaint": "StableDiffusionInpaintPipeline", KIND: "StableDiffusionXLInpaintPipeline"}
@@ -47,27 +48,8 @@ SIZE = dict(height=32, width=48)
 
 
 @pytest.fixture(scope="module")
-def folders(tmp_path_factory):
-    """folders(kind) -> Folder: the tiny inpainting folders, each exported once per module."""
-    import torch
-
-    root = tmp_path_factory.mktemp("inpaint")
-    cache: dict = {}
-    threads = torch.get_num_threads()
-    torch.set_num_threads(THREADS)
-
-    def get(kind: str) -> Folder:
-        if kind not in cache:
-            cache[kind] = Folder(kind, root)
-        return cache[kind]
-
-    yield get
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def inpaint(folders) -> Folder:
-    return folders(KIND)
+def inpaint(tiny) -> Folder:
+    return tiny(KIND)
 
 
 def request(strength, guidance=GUIDANCE, mask=None):
@@ -175,7 +157,7 @@ def hostile_masks(tmp_path):
 
 
 @pytest.mark.parametrize("kind", ["sd15-inpaint", KIND])
-def test_hostile_masks_behave_as_diffusers(folders, kind, tmp_path):
+def test_hostile_masks_behave_as_diffusers(tiny, kind, tmp_path):
     """Each mask file, as onnxopt reads it (``--mask PATH``), gives diffusers' image for the mask as
     diffusers.utils.load_image reads that file (RGB: alpha dropped, 16-bit values clipped to 255);
     another size is resized to the image's. The SD 1.5 and SDXL inpainting folders alike.
@@ -187,7 +169,7 @@ def test_hostile_masks_behave_as_diffusers(folders, kind, tmp_path):
     moves them by the latents' own size."""
     from diffusers.utils import load_image
 
-    t = folders(kind)
+    t = tiny(kind)
     pipe = t.onnx()
     scheduler = "ddim" if kind == "sd15-inpaint" else None  # SD 1.5's PNDM: ddim, as test_pipeline_img2img
     for name, path in hostile_masks(tmp_path).items():
