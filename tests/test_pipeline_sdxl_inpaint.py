@@ -18,6 +18,9 @@ and seed (tolerances of test_pipeline_img2img: kernel rounding only):
 * hostile masks (another size, RGBA, 16-bit, all black, all white), read from files, give what
   diffusers gives for the mask as ``diffusers.utils.load_image`` reads it, on the SD 1.5 and SDXL
   inpainting folders alike;
+* ``denoising_end`` stops the loop where diffusers' SDXL pipelines stop it (from any strength),
+  fused and on the host loop; a value outside (0, 1), one that leaves no step, or one on an SD
+  folder (its pipelines have none) is refused in one line;
 * a StableDiffusionXLInpaintPipeline folder whose UNet has 4 input channels (diffusers then blends
   the image back after every step) is refused in one line.
 
@@ -38,7 +41,7 @@ pytest.importorskip("onnxruntime", reason="generating needs onnxruntime")
 
 from onnxopt.pipeline import Pipeline  # noqa: E402
 from onnxopt.pipeline.plan import GenerationError  # noqa: E402
-from tests.test_pipeline_img2img import (GUIDANCE, LATENT_RTOL, NEGATIVE, PIXEL_ATOL, PROMPT, SEED, STEPS,  # noqa: E402
+from tests.test_pipeline_img2img import (COMMITTED, GUIDANCE, LATENT_RTOL, NEGATIVE, PIXEL_ATOL, PROMPT, SEED, STEPS,  # noqa: E402
                                          THREADS, Folder, assert_same, mask_picture, picture)
 from tests.test_pipeline_img2img import tiny  # noqa: E402,F401  (the fixture: each tiny folder exported once per module)
 
@@ -72,6 +75,17 @@ def test_sdxl_inpainting_gives_the_diffusers_images(inpaint, strength, fused, gu
     assert result.timings["steps"] == steps and ("unfused" in result.timings["step"]) is not fused
     assert result.timings["classifier_free_guidance"] is (guidance > 1)
     assert result.all_pixels.shape == (2, 32, 48, 3)
+
+
+@pytest.mark.parametrize("strength, fused, denoising_end, steps", [
+    (1.0, True, 0.6, 3), (1.0, False, 0.6, 3), (0.75, True, 0.85, 2), (None, False, 0.5, 1)])
+def test_denoising_end_stops_where_diffusers_stops(inpaint, strength, fused, denoising_end, steps):
+    """``denoising_end``: the steps whose timestep is at or above round(1000 - end x 1000) run, from
+    wherever the strength starts; the image is the decoded noisier latents, as diffusers' (output_type np)."""
+    ours, theirs = request(strength)
+    result = inpaint.onnx(fused)(**ours, denoising_end=denoising_end)
+    assert_same(result, *inpaint.reference(INPAINT_CLASSES[KIND], None, denoising_end=denoising_end, **theirs))
+    assert result.timings["steps"] == steps
 
 
 def test_encoded_latents_are_not_normalized_by_latents_mean_and_std(inpaint, tmp_path):
@@ -196,10 +210,16 @@ def test_refusals(inpaint, tmp_path):
         (dict(image=picture(), mask=mask_picture(), strength=0.1), "= 0 of the 5 steps"),
         (dict(image=picture(), mask=mask_picture(), strength=0.0), "strength must be"),
         (dict(image=picture(), mask=mask_picture(), height=30, width=48), "multiple of 8"),
+        (dict(image=picture(), mask=mask_picture(), denoising_end=1.0), "denoising_end must be"),
+        (dict(image=picture(), mask=mask_picture(), denoising_end=float("nan")), "denoising_end must be"),
+        (dict(image=picture(), mask=mask_picture(), denoising_end=0.01), "stops before the first"),
+        (dict(image=picture(), mask=mask_picture(), strength=0.5, denoising_end=0.3), "stops before the first"),
     ]
     for kwargs, message in cases:
         with pytest.raises(GenerationError, match=message):
             pipe(**run, **kwargs)
+    with pytest.raises(GenerationError, match="the SDXL pipelines'"):  # diffusers' SD pipelines have no denoising_end
+        check_request(PipelineFolder.open(COMMITTED), steps=STEPS, denoising_end=0.5)
     four = tmp_path / "four-channels"  # the class of an inpainting folder, the UNet of a base one
     copy_folder(inpaint.folder, four)
     config = four / "unet" / "config.json"
@@ -210,8 +230,10 @@ def test_refusals(inpaint, tmp_path):
     assert "StableDiffusionXLInpaintPipeline" in message and "blends" in message and "\n" not in message
 
 
-def test_cli_writes_the_inpainted_image(inpaint, tmp_path, capsys):
-    """``onnxopt generate FOLDER --image --mask`` (default strength 0.9999) writes the API's image."""
+@pytest.mark.parametrize("options", [{}, {"denoising_end": 0.6}])
+def test_cli_writes_the_inpainted_image(inpaint, tmp_path, capsys, options):
+    """``onnxopt generate FOLDER --image --mask`` (default strength 0.9999; ``--denoising-end``) writes
+    the API's image."""
     from PIL import Image
 
     from onnxopt.cli import main
@@ -221,11 +243,12 @@ def test_cli_writes_the_inpainted_image(inpaint, tmp_path, capsys):
     out = tmp_path / "out.png"
     code = main(["generate", str(inpaint.folder), "--prompt", PROMPT, "--negative-prompt", NEGATIVE, "--steps",
                  str(STEPS), "--image", str(tmp_path / "init.png"), "--mask", str(tmp_path / "mask.png"),
-                 "--height", "32", "--width", "48", "-q", "-o", str(out)])
+                 "--height", "32", "--width", "48", "-q", "-o", str(out),
+                 *(arg for k, v in options.items() for arg in (f"--{k.replace('_', '-')}", str(v)))])
     assert code == 0, capsys.readouterr().err
     ours, _ = request(None)
     expected = inpaint.onnx()(**dict(ours, num_images=1, image=str(tmp_path / "init.png"),
-                                     mask=str(tmp_path / "mask.png")))
+                                     mask=str(tmp_path / "mask.png"), **options))
     written = np.asarray(Image.open(out), np.int16)
     assert np.abs(written - np.asarray(expected.images[0], np.int16)).max() <= 1
 

@@ -5,7 +5,8 @@
     pipe("a cat", num_images=4)                                      # num_images_per_prompt=4: one batch
 
 What differs from text to image is only where the loop starts and what it starts from; the step graph
-and the step loop are the text-to-image ones (a shorter schedule table: :func:`first_step`)::
+and the step loop are the text-to-image ones (a shorter schedule table: :func:`first_step`). The SDXL
+pipelines' ``denoising_end`` stops it early (:func:`steps_before_end`), from text or an image::
 
     scheduler.set_timesteps(steps); t_start = steps - min(int(steps * strength), steps)
     timesteps = scheduler.timesteps[t_start * order:]; scheduler.set_begin_index(t_start * order)
@@ -123,6 +124,33 @@ def first_step(steps: int, strength: float, order: int = 1) -> int:
     """diffusers' ``get_timesteps``: the index of the first timestep run; ``int(steps * strength)`` steps run."""
     run = min(int(steps * strength), steps)
     return max(steps - run, 0) * order
+
+
+def check_denoising_end(folder, denoising_end) -> None:
+    """``denoising_end`` is diffusers' SDXL pipelines' (text to image, img2img, inpainting); where diffusers
+    ignores a value outside (0, 1) without a word, a one-line GenerationError here."""
+    if denoising_end is None:
+        return
+    if folder.kind != "sdxl":
+        raise GenerationError(f"{folder.root}: --denoising-end is the SDXL pipelines' (diffusers' {folder.kind} "
+                              "pipeline has none)")
+    if not (isinstance(denoising_end, (int, float)) and not isinstance(denoising_end, bool)
+            and math.isfinite(denoising_end) and 0 < denoising_end < 1):
+        raise GenerationError(f"denoising_end must be a number in (0, 1), got {denoising_end}")
+
+
+def steps_before_end(timesteps, denoising_end: float | None, train_steps: int) -> int:
+    """How many of the run's ``timesteps`` run before ``denoising_end`` (diffusers' SDXL pipelines:
+    those at or above ``round(train_steps - denoising_end * train_steps)``; the latents are left that
+    noisy, for a refiner); all of them without one. None left is a one-line GenerationError."""
+    if denoising_end is None:
+        return len(timesteps)
+    cutoff = int(round(train_steps - denoising_end * train_steps))
+    run = sum(1 for t in timesteps if float(t) >= cutoff)
+    if run < 1:
+        raise GenerationError(f"denoising_end {denoising_end:g} stops before the first of the {len(timesteps)} "
+                              f"steps (timestep {float(timesteps[0]):g} is under {cutoff}): give a larger one")
+    return run
 
 
 def check_steps_run(steps: int, strength: float) -> None:
