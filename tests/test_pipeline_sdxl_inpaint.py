@@ -262,7 +262,8 @@ def test_cuda_captured_sdxl_inpainting_is_the_cpu_image(inpaint, tmp_path):
     test_pipeline_img2img's captured img2img/inpainting test), and the CPU EP's image of the source
     folder, which is diffusers' (within 1e-2 of the scale: the fused CUDA kernels against the CPU's).
     Strength 1.0, 0.75 and the default; a second strength replays the graphs on the same buffers with
-    another schedule table; guidance 1 runs the step graph without its guidance rows."""
+    another schedule table (denoising_end: a shorter one); guidance 1 runs the step graph without its
+    guidance rows."""
     from onnxopt.pipeline import optimize_folder
     from onnxopt.runners.ort_cuda import cuda_available
 
@@ -273,8 +274,10 @@ def test_cuda_captured_sdxl_inpainting_is_the_cpu_image(inpaint, tmp_path):
     captured = Pipeline.load(folder, "cuda", cuda_graph=True)
     plain = Pipeline.load(folder, "cuda", cuda_graph=False, io_binding=False)
     cpu = inpaint.onnx()
-    for strength, guidance in ((1.0, GUIDANCE), (0.75, GUIDANCE), (None, GUIDANCE), (0.75, 1.0)):
+    for strength, guidance, end in ((1.0, GUIDANCE, None), (0.75, GUIDANCE, None), (None, GUIDANCE, None),
+                                    (0.75, 1.0, None), (1.0, GUIDANCE, 0.6)):
         ours, _ = request(strength, guidance)
+        ours["denoising_end"] = end
         got, expected, host = captured(**ours), plain(**ours), cpu(**ours)
         scale = float(np.abs(host.latents).max())
         np.testing.assert_allclose(got.latents, expected.latents, rtol=0, atol=4e-3 * scale)
