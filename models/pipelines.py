@@ -38,6 +38,9 @@ Kinds and what differs from the component builders' configs (tiny size):
   ``sd15-inpaint``    SD 1.5 inpainting (StableDiffusionInpaintPipeline): the sd15 pipeline with a UNet of
                       9 input channels (latents, mask, masked-image latents), as
                       stable-diffusion-v1-5/stable-diffusion-inpainting's.
+  ``sdxl-inpaint``    SDXL inpainting (StableDiffusionXLInpaintPipeline): the sdxl pipeline with a UNet of 9
+                      input channels, as diffusers/stable-diffusion-xl-1.0-inpainting-0.1's (its
+                      model_index.json: requires_aesthetics_score false, force_zeros_for_empty_prompt true).
   ``sd15-multi-controlnet`` SD 1.5 + two ControlNets (diffusers' MultiControlNetModel: each its own
                       image and scale, residuals summed): ``controlnet/`` (seed) and ``controlnet_1/``
                       (seed + 1), the same architecture as ``sd15-controlnet``'s.
@@ -54,8 +57,9 @@ from pathlib import Path
 
 from .base import BuiltModel, SIZES, check_choice
 
-PIPELINE_KINDS = ("sd15", "sd21", "sdxl", "sd15-controlnet", "sd15-multi-controlnet", "sd15-inpaint", "sdxl-refiner")
-XL_KINDS = ("sdxl", "sdxl-refiner")
+PIPELINE_KINDS = ("sd15", "sd21", "sdxl", "sd15-controlnet", "sd15-multi-controlnet", "sd15-inpaint", "sdxl-refiner",
+                  "sdxl-inpaint")
+XL_KINDS = ("sdxl", "sdxl-refiner", "sdxl-inpaint")
 INPAINT_CHANNELS = 9  # latents (4) + mask (1) + masked-image latents (4)
 CONTROLNET_COUNTS = {"sd15-controlnet": 1, "sd15-multi-controlnet": 2}
 EXPORTERS = ("torchscript", "dynamo")
@@ -83,6 +87,8 @@ SCHEDULER_CONFIGS["sd15-controlnet"] = SCHEDULER_CONFIGS["sd15-multi-controlnet"
 SCHEDULER_CONFIGS["sd15-inpaint"] = SCHEDULER_CONFIGS["sd15"]
 # stabilityai/stable-diffusion-xl-refiner-1.0 ships the base's Euler config
 SCHEDULER_CONFIGS["sdxl-refiner"] = SCHEDULER_CONFIGS["sdxl"]
+# diffusers/stable-diffusion-xl-1.0-inpainting-0.1 ships EulerDiscreteScheduler with the base's betas
+SCHEDULER_CONFIGS["sdxl-inpaint"] = SCHEDULER_CONFIGS["sdxl"]
 
 # SD 2.x text encoder (OpenCLIP ViT-H/14 text tower as stabilityai/stable-diffusion-2-1 text_encoder/config.json).
 SD21_TEXT_CONFIGS = {
@@ -281,16 +287,19 @@ def build_torch_pipeline(kind: str, size: str = "tiny", seed: int = 0, tokenizer
                 text_encoder=None, tokenizer=None, text_encoder_2=_text_encoder(text_config, True, seed + 1),
                 tokenizer_2=write_tokenizer(tokenizer_dir / "tokenizer_2", "!", size), unet=unet,
                 requires_aesthetics_score=True, force_zeros_for_empty_prompt=False, add_watermarker=False, **common)
-        if kind == "sdxl":
-            from diffusers import StableDiffusionXLPipeline
+        if kind in ("sdxl", "sdxl-inpaint"):
+            import diffusers
 
-            return StableDiffusionXLPipeline(
+            inpaint = kind == "sdxl-inpaint"
+            cls = diffusers.StableDiffusionXLInpaintPipeline if inpaint else diffusers.StableDiffusionXLPipeline
+            switches = {"requires_aesthetics_score": False} if inpaint else {}
+            return cls(
                 text_encoder=_text_encoder(CLIP_CONFIGS[("clip-text", size)], False, seed),
                 text_encoder_2=_text_encoder(CLIP_CONFIGS[("openclip-text", size)], True, seed + 1),
                 tokenizer=write_tokenizer(tokenizer_dir / "tokenizer", "<|endoftext|>", size),
                 tokenizer_2=write_tokenizer(tokenizer_dir / "tokenizer_2", "!", size),
-                unet=make_unet("unet-sdxl", size, seed),
-                force_zeros_for_empty_prompt=True, add_watermarker=False, **common)
+                unet=make_unet("unet-sdxl", size, seed, **({"in_channels": INPAINT_CHANNELS} if inpaint else {})),
+                force_zeros_for_empty_prompt=True, add_watermarker=False, **switches, **common)
         if kind == "sd21":
             text_encoder = _text_encoder(SD21_TEXT_CONFIGS[size], False, seed)
             tokenizer = write_tokenizer(tokenizer_dir / "tokenizer", "!", size)

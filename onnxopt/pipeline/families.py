@@ -87,7 +87,8 @@ FAMILIES = {
     "sd": Family("sd", ("StableDiffusionPipeline", "OnnxStableDiffusionPipeline",  # diffusers' own ONNX export too
                         "StableDiffusionImg2ImgPipeline", "StableDiffusionInpaintPipeline"),
                  ("text_encoder", "unet", "vae_decoder"), ("vae_encoder",), ("tokenizer",), UNET),
-    "sdxl": Family("sdxl", ("StableDiffusionXLPipeline", "StableDiffusionXLImg2ImgPipeline"), ("text_encoder", "text_encoder_2", "unet", "vae_decoder"),
+    "sdxl": Family("sdxl", ("StableDiffusionXLPipeline", "StableDiffusionXLImg2ImgPipeline",
+                            "StableDiffusionXLInpaintPipeline"), ("text_encoder", "text_encoder_2", "unet", "vae_decoder"),
                    ("vae_encoder",), ("tokenizer", "tokenizer_2"), UNET),
     "controlnet": Family("controlnet", ("StableDiffusionControlNetPipeline",),
                          ("text_encoder", "unet", "vae_decoder", "controlnet"), ("vae_encoder",), ("tokenizer",), UNET),

@@ -468,8 +468,8 @@ class PipelineFolder:
 
     @property
     def requires_aesthetics_score(self) -> bool:
-        """StableDiffusionXLImg2ImgPipeline's switch (model_index.json): the time ids end with an
-        aesthetic score (6.0, the negative row's 2.5) instead of the target size."""
+        """StableDiffusionXLImg2ImgPipeline's and StableDiffusionXLInpaintPipeline's switch (model_index.json):
+        the time ids end with an aesthetic score (6.0, the negative row's 2.5) instead of the target size."""
         return self.kind == "sdxl" and self.index.get("requires_aesthetics_score", False) is True
 
     @property

@@ -227,7 +227,7 @@ def _plan_without_guidance(folder, plan, options) -> None:
 
 def inpainting_unet(folder: PipelineFolder) -> bool:
     """Whether the UNet reads more channels than the latents (an inpainting UNet: latents, mask and
-    masked-image latents, StableDiffusionInpaintPipeline's). A transformer family's denoiser is none."""
+    masked-image latents, StableDiffusion(XL)InpaintPipeline's). A transformer family's denoiser is none."""
     if folder.denoiser != "unet":
         return False
     return folder.config("unet").get("in_channels", 4) != folder.config("vae_decoder").get("latent_channels", 4)

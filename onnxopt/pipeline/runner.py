@@ -418,7 +418,8 @@ class Pipeline:
     def __call__(self, prompt: str, negative_prompt: str | None = None, steps: int = 50, guidance: float = 7.5,
                  scheduler: str | None = None, seed: int = 0, height: int | None = None, width: int | None = None,
                  controlnet_image=None, controlnet_scale=1.0, progress: bool = True, reuse=None, image=None,
-                 mask=None, strength: float | None = None, num_images: int = 1, max_sequence_length: int = 256) -> Result:
+                 mask=None, strength: float | None = None, num_images: int = 1, max_sequence_length: int = 256,
+                 denoising_end: float | None = None) -> Result:
         """One image (``num_images``: diffusers' num_images_per_prompt, one batch from one generator).
         ``scheduler``: one of :data:`~onnxopt.pipeline.schedulers.SCHEDULERS`, made from
         the folder's config; None: the folder's own scheduler, as diffusers' pipeline uses it.
@@ -428,14 +429,15 @@ class Pipeline:
         scale for every ControlNet, or a list of one per ControlNet (diffusers' semantics).
         ``image`` (a path or PIL image) with ``strength``: img2img; with ``mask`` too, on a folder
         whose UNet is an inpainting one: inpainting (:mod:`onnxopt.pipeline.img2img`).
-        ``max_sequence_length``: SD3's T5 prompt length in tokens (diffusers' default 256)."""
+        ``max_sequence_length``: SD3's T5 prompt length in tokens (diffusers' default 256).
+        ``denoising_end``: SDXL's, the fraction of the schedule after which the loop stops."""
         from onnxopt.pipeline.img2img import LatentSource, check_steps_run, prepare
 
         torch = _torch()
         folder = self.folder
         scheduler = check_request(folder, steps=steps, scheduler=scheduler, height=height, width=width,
                                   controlnet_image=controlnet_image, controlnet_scale=controlnet_scale, image=image,
-                                  mask=mask, strength=strength, num_images=num_images)
+                                  mask=mask, strength=strength, num_images=num_images, denoising_end=denoising_end)
         check_numbers(guidance=guidance, seed=seed, controlnet_scale=controlnet_scale)
         check_prompts(prompt, negative_prompt)
         check_sequence_length(folder, max_sequence_length)
@@ -473,7 +475,7 @@ class Pipeline:
             timings["vae_encode_s"] = time.perf_counter() - t0
         controlnet = self._controlnet_inputs(cond, controls, controlnet_scale, timings, num_images) if controls else None
         latents = self._denoise(scheduler, sched, steps, initial, cond, controlnet, guidance, reused, progress, timings,
-                                first, extra, generator)
+                                first, extra, generator, denoising_end)
         every = self._decode(latents, guidance, timings)
         timings["total_s"] = time.perf_counter() - start
         # what no stage holds: the scheduler's set-up, the initial noise, the writes into bound buffers
@@ -587,12 +589,14 @@ class Pipeline:
         return controlnet
 
     def _denoise(self, name: str, sched, steps: int, initial, cond, controlnet, guidance: float, reused, progress: bool,
-                 timings: dict, start: int | None = None, extra=None, generator=None) -> np.ndarray:
+                 timings: dict, start: int | None = None, extra=None, generator=None, end: float | None = None) -> np.ndarray:
         """The denoising loop from the ``initial`` latents: the fused step when the pipeline has one and
         the scheduler is affine, else diffusers' loop. ``start``: the index of the first timestep
         (img2img; None: text to image); ``extra``: the inpainting UNet's mask and masked-image channels.
         ``generator``: the image's, which a scheduler that adds noise at each step (Euler ancestral,
-        LCM) draws from after the initial latents, as diffusers' does."""
+        LCM) draws from after the initial latents, as diffusers' does. ``end``: SDXL's denoising_end
+        (:func:`~onnxopt.pipeline.img2img.steps_before_end`: the loop stops early)."""
+        from onnxopt.pipeline.img2img import steps_before_end
         from onnxopt.pipeline.schedulers import SchedulerError, _set_timesteps
 
         # diffusers' do_classifier_free_guidance is guidance > 1: at 1 or below, the prompt's row alone (cond
@@ -610,12 +614,16 @@ class Pipeline:
                 plan = self._plan(name, sched, steps, start or 0)
             except SchedulerError as exc:  # e.g. DDIM with clip_sample: not affine, diffusers' own step then
                 timings["step"] = f"unfused: {exc}"
-        if plan is None:
+        train_steps = sched.config.num_train_timesteps
+        if plan is not None:
+            plan = plan.first(steps_before_end(plan.timesteps, end, train_steps))
+        else:
             self._unet_session()
             # PNDM runs steps + 1 (its second timestep twice): the bar counts them
             _set_timesteps(sched, steps, self._timestep_kwargs(sched, steps))
+        run = len(plan) if plan is not None else steps_before_end(sched.timesteps[start or 0:], end, train_steps)
         self.status.done()
-        bar = _progress(len(plan) if plan is not None else len(sched.timesteps) - (start or 0), progress)
+        bar = _progress(run, progress)
         if plan is not None:
             if extra is not None:  # the step graph of an inpainting UNet reads them beside the latents
                 from onnxopt.pipeline.step_graph import INPAINT_INPUT
@@ -626,7 +634,7 @@ class Pipeline:
         else:
             step_times: list = []
             latents = self._unfused_loop(sched, steps, initial, cond, controlnet, guidance if cfg else None, step_times,
-                                         bar, self.folder.kind, reused, start, extra, generator, rows)
+                                         bar, self.folder.kind, reused, start, extra, generator, rows, run)
             timings["first_step_s"] = step_times[0]
             computed = [t for k, t in enumerate(step_times) if k and k not in reused]
             timings["step_mean_s"] = float(np.mean(computed)) if computed else step_times[0]
@@ -798,13 +806,14 @@ class Pipeline:
         return self.sessions[name]
 
     def _unfused_loop(self, sched, steps, initial, cond, controlnet, guidance, step_times, bar, kind, reused=frozenset(),
-                      start: int | None = None, extra=None, generator=None, rows: int = 2):
+                      start: int | None = None, extra=None, generator=None, rows: int = 2, run: int | None = None):
         """diffusers' loop from the ``initial`` latents and the timestep at ``start`` (None: text to
         image): UNet session on ``rows`` rows per image, guidance in numpy (``guidance`` None: no
         guidance, the prompt's own output: the last row's), diffusers' scale_model_input and step (at a
         ``reused`` step: diffusers' step on the last computed guided output, no UNet); ``extra``: the
         inpainting channels the UNet reads after the latents. ``generator``: the image's, for a step
-        that draws noise.
+        that draws noise. ``run``: how many of the timesteps from ``start`` run (None: all; SDXL's
+        denoising_end stops earlier).
         """
         from onnxopt.pipeline.schedulers import _scale_model_input, _set_timesteps, step_extra_kwargs
 
@@ -817,7 +826,7 @@ class Pipeline:
         unet = self._unet_session()
         denoiser = self.folder.family.denoiser
         eps = None
-        for k, t in enumerate(sched.timesteps[start or 0:]):
+        for k, t in enumerate(sched.timesteps[start or 0:][:run]):
             t1 = time.perf_counter()
             if k in reused:
                 latents = sched.step(torch.from_numpy(eps), t, latents, return_dict=False, **step_kwargs)[0]
@@ -858,13 +867,14 @@ def _step_noise(plan, shape, generator, k: int, loop) -> None:
 @clears_status
 def check_request(folder: PipelineFolder, *, steps: int = 50, scheduler: str | None = None, height=None, width=None,
                   controlnet_image=None, controlnet_scale=1.0, status: bool | None = False, image=None, mask=None,
-                  strength=None, num_images: int = 1) -> str:
+                  strength=None, num_images: int = 1, denoising_end=None) -> str:
     """Refuse a bad request before any session exists (one-line :class:`GenerationError`); returns
     the scheduler's name (``scheduler``, or the folder's own when None). ``status``: as
     :meth:`Pipeline.load`'s (the scheduler's check imports torch and diffusers: seconds)."""
     say = StartupStatus(status)
     say("importing torch and diffusers")
-    from onnxopt.pipeline.img2img import check_init_request, check_num_images, check_steps_run, strength_of
+    from onnxopt.pipeline.img2img import (check_denoising_end, check_init_request, check_num_images, check_steps_run,
+                                          strength_of)
     from onnxopt.pipeline.schedulers import ALL_SCHEDULERS, schedulers_for
 
     if scheduler is not None and scheduler not in ALL_SCHEDULERS:
@@ -902,6 +912,7 @@ def check_request(folder: PipelineFolder, *, steps: int = 50, scheduler: str | N
                               "are run for the UNet families only")
     check_num_images(num_images)
     check_init_request(folder, image, mask, strength, height, width)
+    check_denoising_end(folder, denoising_end)
     if image is not None:
         check_steps_run(steps, strength_of(folder, strength))
     scheduler = _checked_schedule(json.dumps(folder.scheduler_config(), sort_keys=True, default=str), folder.kind,

@@ -52,7 +52,7 @@ spacing and ``steps_offset`` 1, a ``trained_betas`` list of the wrong length, an
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -112,6 +112,12 @@ class StepPlan:
 
     def __len__(self) -> int:
         return len(self.timesteps)
+
+    def first(self, steps: int) -> "StepPlan":
+        """The plan's first ``steps`` steps (a run stopped early: each step's coefficients depend on
+        the steps before it only, so a prefix is that run's plan)."""
+        return replace(self, timesteps=self.timesteps[:steps], coefficients=self.coefficients[:steps],
+                       noise=self.noise[:steps])
 
 
 def schedulers_for(flow_matching: bool) -> tuple[str, ...]:
