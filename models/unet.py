@@ -1,8 +1,10 @@
-"""UNet2DConditionModel builders: SD 1.5, SD 2.1 and SDXL, full size and tiny.
+"""UNet2DConditionModel builders: SD 1.5, SD 2.1, SDXL and LCM (guidance-distilled SD 1.5), full size and tiny.
 
 Full-size configs are written by hand after the public ``unet/config.json`` of
-runwayml/stable-diffusion-v1-5, stabilityai/stable-diffusion-2-1 and
-stabilityai/stable-diffusion-xl-base-1.0.  The tiny configs keep each variant's
+runwayml/stable-diffusion-v1-5, stabilityai/stable-diffusion-2-1,
+stabilityai/stable-diffusion-xl-base-1.0; the LCM one is SD 1.5's with the
+``time_cond_proj_dim`` of SimianLuo/LCM_Dreamshaper_v7 (256: the guidance embedding, an input
+``timestep_cond`` [batch, dim] as optimum exports it).  The tiny configs keep each variant's
 structure (block types, linear vs conv projection, constant-heads vs
 constant-head-dim, text_time conditioning, several transformer layers per
 block, GEGLU feed-forward) with very small channels.
@@ -77,6 +79,19 @@ CONFIGS = {
         transformer_layers_per_block=(1, 2, 10),
         use_linear_projection=True,
     ),
+    # SD 1.5's, with the guidance embedding's width of SimianLuo/LCM_Dreamshaper_v7
+    ("unet-lcm", "full"): dict(
+        _SD_COMMON,
+        attention_head_dim=8,
+        block_out_channels=(320, 640, 1280, 1280),
+        cross_attention_dim=768,
+        down_block_types=("CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "DownBlock2D"),
+        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D"),
+        layers_per_block=2,
+        norm_num_groups=32,
+        sample_size=64,
+        time_cond_proj_dim=256,
+    ),
     # Tiny SD 1.5: conv proj_in/out, constant heads (2) with varying head dim (4, 8), GroupNorm
     # with 2 and 4 channels per group, cross_attention_dim unlike any channel count.
     # (8, 16) channels keep the ONNX file near 0.5 MB (fixtures); (16, 32) would be 1.1 MB.
@@ -90,6 +105,19 @@ CONFIGS = {
         layers_per_block=1,
         norm_num_groups=4,
         sample_size=16,
+    ),
+    # Tiny LCM: the tiny SD 1.5 with a guidance embedding of a width unlike any channel count
+    ("unet-lcm", "tiny"): dict(
+        _SD_COMMON,
+        attention_head_dim=2,
+        block_out_channels=(8, 16),
+        cross_attention_dim=32,
+        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+        layers_per_block=1,
+        norm_num_groups=4,
+        sample_size=16,
+        time_cond_proj_dim=10,
     ),
     # Tiny SD 2.1: linear proj_in/out, constant head dim 8 (2 and 4 heads), upcast attention.
     ("unet-sd21", "tiny"): dict(
@@ -127,7 +155,7 @@ CONFIGS = {
     ),
 }
 
-FAMILIES = ("unet-sd15", "unet-sd21", "unet-sdxl")
+FAMILIES = ("unet-sd15", "unet-sd21", "unet-sdxl", "unet-lcm")
 
 # Example dims: all dynamic dims >= 2 (the dynamo exporter specialises 0/1 sizes);
 # tiny latents are not square so that H/W mix-ups show.
@@ -135,9 +163,11 @@ EXAMPLE_DIMS = {
     ("unet-sd15", "full"): dict(batch=2, height=64, width=64, sequence=77),
     ("unet-sd21", "full"): dict(batch=2, height=96, width=96, sequence=77),
     ("unet-sdxl", "full"): dict(batch=2, height=128, width=128, sequence=77),
+    ("unet-lcm", "full"): dict(batch=2, height=64, width=64, sequence=77),
     ("unet-sd15", "tiny"): dict(batch=2, height=16, width=12, sequence=77),
     ("unet-sd21", "tiny"): dict(batch=2, height=16, width=12, sequence=77),
     ("unet-sdxl", "tiny"): dict(batch=2, height=16, width=12, sequence=77),
+    ("unet-lcm", "tiny"): dict(batch=2, height=16, width=12, sequence=77),
 }
 ALT_DIMS = {
     "full": dict(batch=1, height=32, width=48, sequence=77),
@@ -146,14 +176,14 @@ ALT_DIMS = {
 
 
 class UNetWrapper(torch.nn.Module):
-    """(sample, timestep, encoder_hidden_states) -> (out_sample,)"""
+    """(sample, timestep, encoder_hidden_states[, timestep_cond]) -> (out_sample,)"""
 
     def __init__(self, unet):
         super().__init__()
         self.unet = unet
 
-    def forward(self, sample, timestep, encoder_hidden_states):
-        return (self.unet(sample, timestep, encoder_hidden_states, return_dict=False)[0],)
+    def forward(self, sample, timestep, encoder_hidden_states, timestep_cond=None):
+        return (self.unet(sample, timestep, encoder_hidden_states, timestep_cond=timestep_cond, return_dict=False)[0],)
 
 
 class UNetXLWrapper(torch.nn.Module):
@@ -199,6 +229,9 @@ def build(family: str, size: str = "tiny", attention: str = "sdpa", seed: int = 
         dict(name="timestep", shape=["batch"], dtype="float32", kind="timestep"),
         dict(name="encoder_hidden_states", shape=["batch", "sequence", cross], dtype="float32", kind="hidden"),
     ]
+    guidance_embedding = cfg.get("time_cond_proj_dim")
+    if guidance_embedding:  # LCM: optimum's name and place for it
+        specs.append(dict(name="timestep_cond", shape=["batch", guidance_embedding], dtype="float32", kind="hidden"))
     if xl:
         specs += [
             dict(name="text_embeds", shape=["batch", text_dim], dtype="float32", kind="hidden"),
@@ -211,6 +244,8 @@ def build(family: str, size: str = "tiny", attention: str = "sdpa", seed: int = 
         "encoder_hidden_states": {0: "batch", 1: "sequence"},
         "out_sample": {0: "batch", 2: "height", 3: "width"},
     }
+    if guidance_embedding:
+        dyn["timestep_cond"] = {0: "batch"}
     if xl:
         dyn["text_embeds"] = {0: "batch"}
         dyn["time_ids"] = {0: "batch"}
