@@ -57,4 +57,4 @@ def check_embedding_input(session, where, name: str | None, width) -> None:
     shape = inputs[name]
     if not shape or len(shape) != 2 or (isinstance(shape[1], int) and shape[1] != width):
         raise GenerationError(f"{where}: unet/config.json sets time_cond_proj_dim {width}, but the graph's {name} is "
-                              f"{list(shape) if shape else 'of no declared shape'} (expected [batch, {width}])")
+                              f"{'[' + ', '.join(map(str, shape)) + ']' if shape else 'a scalar'} (expected [batch, {width}])")
