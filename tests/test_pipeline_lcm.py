@@ -287,7 +287,7 @@ def test_requests_lcm_does_not_run_exit_2(built, tmp_path, capsys, args, expecte
     assert code == 2 and len(err.splitlines()) == 1 and expected in err, err
 
 
-def test_a_unet_config_with_the_embedding_in_an_sdxl_folder_is_refused(tmp_path):
+def test_a_unet_config_with_the_embedding_in_a_controlnet_folder_is_refused():
     """Only the families whose diffusers pipeline feeds the embedding run such a UNet (SD 1.5, LCM)."""
     from onnxopt.pipeline.plan import GenerationError
     from onnxopt.pipeline.runner import check_guidance_embedding_config
@@ -297,3 +297,37 @@ def test_a_unet_config_with_the_embedding_in_an_sdxl_folder_is_refused(tmp_path)
     folder.kind = "controlnet"
     with pytest.raises(GenerationError, match="runs in SD 1.5 and LatentConsistencyModelPipeline folders"):
         check_guidance_embedding_config(folder)
+
+
+def _cuda() -> bool:
+    from onnxopt.runners import cuda_available
+
+    return cuda_available()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _cuda(), reason="needs onnxruntime-gpu and a CUDA device")
+def test_cuda_captured_step_gives_the_cpu_image(built, tmp_path):
+    """On a GPU (``pytest -m gpu``): the folder optimized for ort-cuda, its step graph captured as CUDA
+    graphs with timestep_cond bound once per image: the CPU EP's image of the exported folder, and its
+    replays (another guidance: the bound embedding rewritten in place, no new capture) that of the same
+    folder without capture. Tolerances as tests/test_pipeline_generate.py's CUDA test: the fused fp32
+    kernels are not bit-deterministic (2e-3 of the latents' scale between two uncaptured sessions on an
+    H100); against the CPU's unfused graphs, 1e-2."""
+    from onnxopt.pipeline import optimize_folder
+
+    folder = tmp_path / "ort-cuda"
+    optimize_folder(built.folder, folder, target="ort-cuda")
+    captured = Pipeline.load(folder, "cuda", cuda_graph=True)
+    uncaptured = Pipeline.load(folder, "cuda", cuda_graph=False)
+    for guidance, seed in ((8.5, 0), (2.0, 5), (8.5, 0)):
+        cpu = ask(built.onnx(), guidance=guidance, seed=seed)
+        got, expected = ask(captured, guidance=guidance, seed=seed), ask(uncaptured, guidance=guidance, seed=seed)
+        assert got.timings["cuda_graph"] and got.timings["classifier_free_guidance"] is False
+        scale = float(np.abs(cpu.latents).max())
+        np.testing.assert_allclose(got.latents, expected.latents, rtol=0, atol=2e-3 * scale)
+        np.testing.assert_allclose(got.latents, cpu.latents, rtol=0, atol=1e-2 * scale)
+        np.testing.assert_allclose(got.pixels, cpu.pixels, rtol=0, atol=2e-2)
+    (loop,) = captured._device_loops.values()  # one shape: one set of buffers, captured once
+    assert "timestep_cond" in loop.static
+    assert captured.step_source == "unet/step.onnx + step.context_kv.onnx"
