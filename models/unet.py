@@ -79,19 +79,6 @@ CONFIGS = {
         transformer_layers_per_block=(1, 2, 10),
         use_linear_projection=True,
     ),
-    # SD 1.5's, with the guidance embedding's width of SimianLuo/LCM_Dreamshaper_v7
-    ("unet-lcm", "full"): dict(
-        _SD_COMMON,
-        attention_head_dim=8,
-        block_out_channels=(320, 640, 1280, 1280),
-        cross_attention_dim=768,
-        down_block_types=("CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "DownBlock2D"),
-        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D"),
-        layers_per_block=2,
-        norm_num_groups=32,
-        sample_size=64,
-        time_cond_proj_dim=256,
-    ),
     # Tiny SD 1.5: conv proj_in/out, constant heads (2) with varying head dim (4, 8), GroupNorm
     # with 2 and 4 channels per group, cross_attention_dim unlike any channel count.
     # (8, 16) channels keep the ONNX file near 0.5 MB (fixtures); (16, 32) would be 1.1 MB.
@@ -105,19 +92,6 @@ CONFIGS = {
         layers_per_block=1,
         norm_num_groups=4,
         sample_size=16,
-    ),
-    # Tiny LCM: the tiny SD 1.5 with a guidance embedding of a width unlike any channel count
-    ("unet-lcm", "tiny"): dict(
-        _SD_COMMON,
-        attention_head_dim=2,
-        block_out_channels=(8, 16),
-        cross_attention_dim=32,
-        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
-        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
-        layers_per_block=1,
-        norm_num_groups=4,
-        sample_size=16,
-        time_cond_proj_dim=10,
     ),
     # Tiny SD 2.1: linear proj_in/out, constant head dim 8 (2 and 4 heads), upcast attention.
     ("unet-sd21", "tiny"): dict(
@@ -154,6 +128,11 @@ CONFIGS = {
         use_linear_projection=True,
     ),
 }
+
+# LCM: SD 1.5's UNet with the guidance embedding's width of SimianLuo/LCM_Dreamshaper_v7 (tiny: a width
+# unlike any channel count)
+CONFIGS[("unet-lcm", "full")] = dict(CONFIGS[("unet-sd15", "full")], time_cond_proj_dim=256)
+CONFIGS[("unet-lcm", "tiny")] = dict(CONFIGS[("unet-sd15", "tiny")], time_cond_proj_dim=10)
 
 FAMILIES = ("unet-sd15", "unet-sd21", "unet-sdxl", "unet-lcm")
 
