@@ -1303,7 +1303,8 @@ def generate(folder, prompt: str, *, output=None, provider: str = "cpu", fused_s
         images.check_writable(output)
         images.image_format(output)
     folder = folder if isinstance(folder, PipelineFolder) else PipelineFolder.open(folder)
-    options["scheduler"] = check_request(folder, steps=options.get("steps", 50), scheduler=options.get("scheduler"))
+    steps = folder.family.default_steps if options.get("steps") is None else options["steps"]
+    options["scheduler"] = check_request(folder, steps=steps, scheduler=options.get("scheduler"))
     pipe = Pipeline.load(folder, provider, fused_step=fused_step and fusable(options["scheduler"]), cuda_graph=cuda_graph,
                          status=None if options.get("progress", True) else False, loras=loras)
     result = pipe(prompt, **options)
