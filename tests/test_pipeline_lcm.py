@@ -116,6 +116,7 @@ def test_lcm_folder_gives_the_diffusers_image(built, fused):
     ref_latents, ref_images = built.reference()
     assert_same_image(result.latents, result.pixels, ref_latents, ref_images[0])
     assert result.timings["steps"] == 4 and result.timings["classifier_free_guidance"] is False
+    assert pipe.plan.guidance_text().startswith("CFG never") and "timestep_cond" in pipe.plan.text()
     assert (result.timings["step"] == "built in memory from unet/model.onnx") == fused
     step = pipe.sessions["step" if fused else "unet"]
     assert {i.name: i.shape for i in step.get_inputs()}["timestep_cond"][1] == 10
@@ -140,6 +141,20 @@ def test_guidance_reaches_the_unet(built, monkeypatch):
     monkeypatch.setattr(embedding, "guidance_embedding", lambda guidance, width: np.zeros_like(real(guidance, width)))
     zeros = ask(pipe, guidance=8.5)
     assert np.abs(zeros.latents - base.latents).max() > 100 * LATENT_RTOL * scale
+
+
+def test_the_prompts_row_twice_where_the_graphs_take_two_rows(built):
+    """TensorRT's engines are built for two rows per image: there the UNet runs the prompt's row (and
+    its embedding) twice and the pipeline reads one: diffusers' image still (here on the CPU EP's host
+    loop, with the plan's rows set as TensorRT's plan sets them)."""
+    from onnxopt.pipeline.plan import plan_generation
+
+    assert plan_generation(PipelineFolder.open(built.folder), "tensorrt").no_cfg_rows == 2
+    pipe = Pipeline.load(built.folder, "cpu", fused_step=False, threads=THREADS)
+    pipe.plan.no_cfg_rows = 2
+    result = ask(pipe)
+    ref_latents, ref_images = built.reference()
+    assert_same_image(result.latents, result.pixels, ref_latents, ref_images[0])
 
 
 def test_several_images_each_with_its_noise(built):

@@ -205,6 +205,9 @@ def _plan_without_guidance(folder, plan, options) -> None:
         plan.embedded_guidance, plan.classifier_free_guidance = True, False
         if denoiser.guidance_embedding:
             plan.no_cfg = f"the guidance as {denoiser.guidance_embedding}, computed once per image"
+            if plan.provider == "tensorrt":  # the UNet's engine is built at batch 2 (runners.folder_engines)
+                plan.no_cfg_rows = 2
+                plan.no_cfg += "; the prompt's row twice (its TensorRT engines are built for two rows per image)"
         return
     if options.guidance is not None:
         plan.classifier_free_guidance = classifier_free_guidance(options.guidance)
