@@ -29,7 +29,7 @@ pytest.importorskip("transformers", reason="generating needs transformers")
 pytest.importorskip("onnxruntime", reason="generating needs onnxruntime")
 
 from onnxopt.pipeline import Pipeline, PipelineFolder  # noqa: E402
-from tests.test_pipeline_generate import LATENT_RTOL, PIXEL_ATOL, assert_same_image  # noqa: E402
+from tests.test_pipeline_generate import LATENT_RTOL, assert_same_image  # noqa: E402
 
 SEED = 0
 HEIGHT, WIDTH = 32, 48

@@ -426,7 +426,8 @@ class Pipeline:
         ``steps``, ``guidance``: None: the family's pipeline's defaults (50 and 7.5; LCM's 4 and 8.5).
         ``guidance`` <= 1 turns classifier-free guidance off, as diffusers does (the negative prompt
         is then unused); a UNet that embeds the guidance (LCM's ``time_cond_proj_dim``) never runs it
-        and takes the guidance as its embedding (:mod:`onnxopt.pipeline.guidance_embedding`). ``controlnet_image``: the conditioning image (a path, PIL image or array), or a
+        and takes the guidance as its embedding (:mod:`onnxopt.pipeline.guidance_embedding`).
+        ``controlnet_image``: the conditioning image (a path, PIL image or array), or a
         list of one per ControlNet (folders with ``controlnet_1/``...); ``controlnet_scale``: one
         scale for every ControlNet, or a list of one per ControlNet (diffusers' semantics).
         ``image`` (a path or PIL image) with ``strength``: img2img; with ``mask`` too, on a folder
