@@ -86,6 +86,9 @@ def check_init_request(folder, image=None, mask=None, strength=None, height=None
         return
     if folder.kind == "controlnet":
         raise GenerationError(f"{folder.root} is a ControlNet pipeline: --image (img2img, inpainting) is not supported there")
+    if not folder.family.img2img:
+        raise GenerationError(f"{folder.root} is a {folder.kind} pipeline: --image (img2img) is not supported there "
+                              "(text to image only)")
     if not folder.has("vae_encoder"):
         raise GenerationError(f"{folder.root} has no vae_encoder/: an init image (--image) needs the VAE encoder")
     if mask is None and inpaint:
