@@ -53,6 +53,7 @@ from onnxopt.runners.captured_session import CapturedSession, write
 from onnxopt.runtime import (
     ORT_TYPES,
     as_type,
+    graph_optimization_level,
     host_array,
     import_onnxruntime,
     inference_session,
@@ -92,15 +93,19 @@ def quiet_sessions():
 
 
 def create_session(model: Path | bytes, provider: str, *, name: str, cuda_graph: bool = False, device_id: int = 0,
-                   threads: int | None = None, external_data_folder: Path | None = None):
+                   threads: int | None = None, external_data_folder: Path | None = None, optimization: str = "all"):
     """An InferenceSession for ``model`` (a path, or serialized bytes: weights inline, or external
-    data whose locations are relative to ``external_data_folder``)."""
+    data whose locations are relative to ``external_data_folder``); ``optimization``: ORT's graph
+    optimization level (:data:`onnxopt.runtime.OPTIMIZATION_LEVELS`; "all", ORT's
+    default, adds the layout rewrites, which on the CPU EP are most of a convolutional UNet's
+    session creation: benchmarks/cold_start.py --levels)."""
     ort = require_provider(provider)
     if provider == "tensorrt":  # the engine --build-engines wrote beside the model (onnxopt.runners.engine_session)
         from onnxopt.runners.engine_session import component_engine_session
 
         return component_engine_session(model, name)
     so = session_options(ort)
+    so.graph_optimization_level = graph_optimization_level(ort, optimization)
     if external_data_folder is not None:
         so.add_session_config_entry("session.model_external_initializers_file_folder_path", str(external_data_folder))
     if threads:
