@@ -83,7 +83,8 @@ def test_a_request_takes_the_session_made_ahead_only_for_the_same_file_and_captu
     assert prefetch.take(Ahead("b", tmp_path / "b.onnx", cuda_graph=True), lambda: "now") == "now"
     assert prefetch.take(Ahead("a", tmp_path / "a.onnx"), lambda: "now") == ("ahead", "a.onnx")
     assert prefetch.take(Ahead("a", tmp_path / "a.onnx"), lambda: "now") == "now"  # taken once
-    assert len(made) == 2  # the same file asked twice is made once
+    assert prefetch.take(Ahead("b", tmp_path / "b.onnx"), lambda: "now") == ("ahead", "b.onnx")
+    assert len(made) == 2  # the same file listed twice is made once
     sequential = SessionPrefetch(lambda ahead: made.append(ahead), workers=0)
     sequential.start([Ahead("c", tmp_path / "c.onnx")])
     assert len(made) == 2 and sequential.take(Ahead("c", tmp_path / "c.onnx"), lambda: "now") == "now"

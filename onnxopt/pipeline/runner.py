@@ -46,8 +46,10 @@ for the ablation.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
+import importlib.util
 import json
 import math
 import sys
@@ -149,12 +151,29 @@ def clears_status(function):
     return run
 
 
-def _torch():
+def _torch(import_now: bool = True):
+    """torch, imported (``import_now=False``: only checked to be importable; None)."""
+    missing = MissingDependencyError("generating images needs torch and diffusers: pip install 'onnxopt[pipeline]'")
+    if not import_now:
+        if importlib.util.find_spec("torch") is None:
+            raise missing
+        return None
     try:
         import torch
     except ImportError as exc:
-        raise MissingDependencyError("generating images needs torch and diffusers: pip install 'onnxopt[pipeline]'") from exc
+        raise missing from exc
     return torch
+
+
+def _import_scheduler(folder: PipelineFolder) -> None:
+    """The folder's own scheduler class imported now, at load, rather than by the first image's
+    schedule check: diffusers imports each scheduler on first use, and the module of
+    FlowMatchEulerDiscreteScheduler (SD3's, Flux's) imports scipy.stats, seconds on a small CPU
+    (benchmarks/cold_start.py). A class it cannot import is the first image's error, as before."""
+    with contextlib.suppress(Exception):
+        import diffusers
+
+        getattr(diffusers, str(folder_scheduler_class(folder) or folder.scheduler_config().get("_class_name")), None)
 
 
 class Pipeline:
@@ -267,8 +286,7 @@ class Pipeline:
         say = StartupStatus(status)
         folder = folder if isinstance(folder, PipelineFolder) else PipelineFolder.open(folder)
         require_provider(provider)
-        say("importing torch and diffusers")
-        _torch()
+        _torch(import_now=False)  # imported beside the sessions made ahead (from_plan); missing: this error, now
         options = PlanOptions(fused_step=fused_step, cuda_graph=cuda_graph, io_binding=io_binding, context_kv=context_kv,
                               controlnet_hint=controlnet_hint, merged_step=merged_step, step_file=step_file,
                               two_streams=two_streams, static_text=static_text, guidance=guidance)
@@ -295,7 +313,11 @@ class Pipeline:
                                  workers=load_workers, optimization=graph_optimization)
         try:
             sessions.prefetch.start(sessions.ahead())
-            tokenizers = _deferred(_load_tokenizers, folder)  # beside the sessions made ahead; its error in turn
+            # the load's Python work, beside the sessions made ahead (ORT makes them without the GIL)
+            say("importing torch and diffusers")
+            _torch()
+            _import_scheduler(folder)
+            tokenizers = _deferred(_load_tokenizers, folder)  # its error raised in turn, after the sessions' ones
             for entry in plan.sessions:
                 if not entry.lazy:
                     sessions.make(entry)
