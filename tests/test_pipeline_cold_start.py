@@ -2,7 +2,8 @@
 
 The claims: on the committed tiny SD3.5 and Flux-dev folders (ORT CPU EP), the concurrent load takes
 the sessions it made ahead (the plan's and the first image's text encoders, T5's included) and gives
-the sequential load's image bit for bit; a graph ORT cannot load fails with the sequential load's
+the sequential load's image bit for bit, and never opens the transformer's own graph beside its step
+graph (every weight twice, at the first image); a graph ORT cannot load fails with the sequential load's
 one-line error; a graph optimization level onnxopt does not know is a one-line error.
 """
 
@@ -57,6 +58,8 @@ def test_the_concurrent_load_makes_its_sessions_ahead_and_the_same_image(folder,
     concurrent = Pipeline.load(PIPELINES / folder, "cpu", threads=1)("a red cat", **request).pixels
     assert {graph for graph, thread in made_on.items() if thread.startswith("onnxopt-session")} == ahead
     np.testing.assert_array_equal(concurrent, sequential)
+    # the fused step's load and first image never open the denoiser's own graph (its weights again)
+    assert not {"transformer/model.onnx", "unet/model.onnx"} & set(made_on)
 
 
 def test_a_graph_made_ahead_that_fails_gives_the_sequential_error(tmp_path):
