@@ -91,3 +91,22 @@ def test_a_request_takes_the_session_made_ahead_only_for_the_same_file_and_captu
     sequential = SessionPrefetch(lambda ahead: made.append(ahead), workers=0)
     sequential.start([Ahead("c", tmp_path / "c.onnx")])
     assert len(made) == 2 and sequential.take(Ahead("c", tmp_path / "c.onnx"), lambda: "now") == "now"
+
+
+@pytest.mark.slow  # optimize on the tiny SD3.5 folder: ~17 s on two cores
+def test_an_optimized_folder_makes_its_step_graph_and_static_text_graphs_ahead(tmp_path, made_on):
+    """``optimize --target tensorrt`` (standard ONNX: the CPU EP runs it) writes transformer/step.onnx and
+    the CLIP encoders' static graphs: the concurrent load makes those of the guided request ahead."""
+    from onnxopt.cli import main as onnxopt_main
+
+    out = tmp_path / "opt"
+    assert onnxopt_main(["optimize", "-i", str(PIPELINES / "sd35-tiny-optimum"), "-o", str(out), "--target", "tensorrt",
+                         "-q"]) == 0
+    request = dict(REQUEST, guidance=4.5)
+    sequential = Pipeline.load(out, "cpu", threads=1, load_workers=0)("a red cat", **request).pixels
+    made_on.clear()
+    concurrent = Pipeline.load(out, "cpu", threads=1)("a red cat", **request).pixels
+    assert {graph for graph, thread in made_on.items() if thread.startswith("onnxopt-session")} == {
+        "vae_decoder/model.onnx", "transformer/step.onnx", "text_encoder/model.static.b2.onnx",
+        "text_encoder_2/model.static.b2.onnx", "text_encoder_3/model.onnx"}
+    np.testing.assert_array_equal(concurrent, sequential)
