@@ -321,21 +321,20 @@ class Pipeline:
             for entry in plan.sessions:
                 if not entry.lazy:
                     sessions.make(entry)
-            tokenizers = tokenizers()
+            made = sessions.sessions
+            if "vae_decoder" in made:
+                check_interface(made["vae_decoder"], folder.component("vae_decoder").model, "VAE decoder",
+                                ["latent_sample"], ["sample"])
+            if folder.family.runner and cls is Pipeline:  # the family's own runner (Flux: its prompt, packed latents)
+                module, name = folder.family.runner.split(":")
+                cls = getattr(importlib.import_module(module), name)
+            fused = "step" in made or NO_CFG_STEP in made
+            pipe = cls(folder, plan.provider, made, step_source=plan.step, cuda_graph=sessions.capture and fused,
+                       io_binding=plan.io_binding, device_id=device_id,
+                       threads=threads, creation_s=time.perf_counter() - start, tokenizers=tokenizers())
         except BaseException:
             sessions.prefetch.cancel()
             raise
-        made = sessions.sessions
-        if "vae_decoder" in made:
-            check_interface(made["vae_decoder"], folder.component("vae_decoder").model, "VAE decoder",
-                            ["latent_sample"], ["sample"])
-        if folder.family.runner and cls is Pipeline:  # the family's own runner (Flux: its prompt, packed latents)
-            module, name = folder.family.runner.split(":")
-            cls = getattr(importlib.import_module(module), name)
-        fused = "step" in made or NO_CFG_STEP in made
-        pipe = cls(folder, plan.provider, made, step_source=plan.step, cuda_graph=sessions.capture and fused,
-                   io_binding=plan.io_binding, device_id=device_id,
-                   threads=threads, creation_s=time.perf_counter() - start, tokenizers=tokenizers)
         pipe.plan, pipe.graph_optimization = plan, graph_optimization
         pipe.controlnet_model = plan.controlnet_models[0] if plan.controlnet_models else None
         pipe.merged_step = plan.merged_step and "step" in made
