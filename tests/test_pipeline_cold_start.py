@@ -110,3 +110,25 @@ def test_an_optimized_folder_makes_its_step_graph_and_static_text_graphs_ahead(t
         "vae_decoder/model.onnx", "transformer/step.onnx", "text_encoder/model.static.b2.onnx",
         "text_encoder_2/model.static.b2.onnx", "text_encoder_3/model.onnx"}
     np.testing.assert_array_equal(concurrent, sequential)
+
+
+def test_a_graph_ort_refuses_to_capture_is_made_ahead_again_without_capture(monkeypatch, tmp_path):
+    """The fallback of ``_SessionMaker.captured`` (ORT refuses CUDA graphs when a node is not on the
+    CUDA EP), done ahead: the captured request gets the refusal, the plain request the session."""
+    from onnxopt.pipeline.folder import PipelineFolder
+    from onnxopt.pipeline.plan import PlanOptions, plan_generation
+
+    def create(model, provider, *, cuda_graph=False, **kwargs):
+        if cuda_graph:
+            raise OnnxoptError(f"{model}: cannot capture")
+        return ("plain", Path(model).name)
+
+    monkeypatch.setattr(runner_module, "create_session", create)
+    folder = PipelineFolder.open(PIPELINES / "sd35-tiny-optimum")
+    maker = runner_module._SessionMaker(folder, plan_generation(folder, "cpu", PlanOptions()), 0, None,
+                                        runner_module.StartupStatus(False))
+    captured = Ahead("vae_decoder", folder.component("vae_decoder").model, cuda_graph=True)
+    maker.prefetch.start([captured])
+    with pytest.raises(OnnxoptError, match="cannot capture"):
+        maker.prefetch.take(captured, lambda: "made in turn")
+    assert maker.prefetch.take(Ahead("vae_decoder", captured.model), lambda: "made in turn") == ("plain", "model.onnx")

@@ -1272,7 +1272,15 @@ class _SessionMaker:
         self.prefetch = SessionPrefetch(self._create, workers if ahead else 0)
 
     def _create(self, ahead: Ahead):
-        return self._session(ahead.component, ahead.model, cuda_graph=ahead.cuda_graph)
+        """A session made ahead; one ORT refuses to capture is made again without capture, here, for
+        the request :meth:`captured` makes next (its refusal raised where the captured one is taken)."""
+        try:
+            return self._session(ahead.component, ahead.model, cuda_graph=ahead.cuda_graph)
+        except OnnxoptError:
+            if ahead.cuda_graph:
+                plain = Ahead(ahead.component, ahead.model)
+                self.prefetch.made_here(plain, lambda: self._session(plain.component, plain.model))
+            raise
 
     def _session(self, component: str, graph, **kw):
         return create_session(graph, self.plan.provider, name=f"{self.folder.root / component}", device_id=self.device_id,

@@ -62,6 +62,15 @@ class SessionPrefetch:
         future = self.futures.pop(request.key, None)
         return future.result() if future is not None else make_now()
 
+    def made_here(self, request: Ahead, make: Callable[[], object]) -> None:
+        """``make()`` run now, on the calling worker, as the session made ahead for ``request``."""
+        future: Future = Future()
+        try:
+            future.set_result(make())
+        except BaseException as exc:  # noqa: BLE001 -- raised where the request takes it
+            future.set_exception(exc)
+        self.futures.setdefault(request.key, future)
+
     def cancel(self) -> None:
         """Drop the sessions not started yet (a load that failed): those being made finish and are dropped."""
         for future in self.futures.values():
