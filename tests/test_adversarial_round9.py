@@ -74,7 +74,7 @@ BROKEN_CONFIGS = {
     "block_out_channels-int": (lambda f: edit_json(f / "vae_decoder" / "config.json", block_out_channels=5),
                                "'block_out_channels' must be a non-empty list, got 5"),
     "scaling_factor-zero": (lambda f: edit_json(f / "vae_decoder" / "config.json", scaling_factor=0),
-                            "'scaling_factor' must be a finite positive number, got 0"),
+                            "'scaling_factor' must be a positive number in float32's range, got 0"),
     "scheduler-list": (lambda f: (f / "scheduler" / "scheduler_config.json").write_text("[1, 2]"),
                        "scheduler_config.json: expected a JSON object"),
 }
