@@ -192,7 +192,7 @@ GENERATE_CONFIGS = {
     "num_train_timesteps-string": (lambda f: edit_json(f / "scheduler" / "scheduler_config.json", num_train_timesteps="1000"),
                                    "scheduler_config.json: num_train_timesteps must be a positive integer, got '1000'"),
     "beta_start-string": (lambda f: edit_json(f / "scheduler" / "scheduler_config.json", beta_start="a"),
-                          "scheduler_config.json: PNDMScheduler cannot be made from it"),
+                          "scheduler_config.json: beta_start must be a number in [0, 1), got 'a'"),
     "empty-tokenizer": (lambda f: [p.unlink() for p in (f / "tokenizer").iterdir()],
                         "no tokenizer vocabulary (tokenizer.json, or vocab.json and merges.txt)"),
 }
