@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import sys
 
 import numpy as np
@@ -136,14 +137,8 @@ def test_scales_that_take_a_weight_past_its_dtype_are_refused_before_any_weight_
 def test_scheduler_values_diffusers_fails_on_mid_run_are_refused(field, value, expected):
     from onnxopt.pipeline.schedulers import SchedulerError, check_config_values
 
-    with pytest.raises(SchedulerError, match=re_escape(expected)):
+    with pytest.raises(SchedulerError, match=re.escape(expected)):
         check_config_values({"num_train_timesteps": 1000, "base_image_seq_len": 256, field: value})
-
-
-def re_escape(text: str) -> str:
-    import re
-
-    return re.escape(text)
 
 
 def test_a_vae_factor_outside_float32_is_refused(tmp_path):
