@@ -177,7 +177,7 @@ CONFIG_FIELDS = {
     "vae_decoder": {
         "block_out_channels": (lambda v: isinstance(v, list) and len(v) > 0, "a non-empty list"),
         "scaling_factor": (_float32_positive, "a positive number in float32's range"),
-        "shift_factor": (lambda v: v is None or _float32_number(v), "a number in float32's range or null"),
+        "shift_factor": (lambda v: v is None or _float32_number(v), "a finite number or null"),
     },
     "vae_encoder": {
         "block_out_channels": (lambda v: isinstance(v, list) and len(v) > 0, "a non-empty list"),
