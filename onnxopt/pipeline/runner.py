@@ -84,6 +84,7 @@ from onnxopt.runners.captured_session import CapturedSession
 from onnxopt.pipeline.sessions import (
     DeviceStepLoop,
     HostStepLoop,
+    SharedWeights,
     as_list,
     controlnet_prepare_model,
     create_session,
@@ -1135,6 +1136,7 @@ class _SessionMaker:
         self.io_binding, self.requested = plan.io_binding, plan.capture
         self.capture = plan.capture  # the step session's outcome, once it is made
         self.sessions: dict = {}
+        self.step_weights = None  # SharedWeights of the step sessions, read with the first of them
 
     def open(self, component: str, model=None, map_model=None, **kw):
         self.say(f"loading {component}" + (f" ({Path(model).name})" if isinstance(model, (str, Path)) else ""))
@@ -1175,6 +1177,20 @@ class _SessionMaker:
         """A text encoder, made on first use, asking for capture as the plan does."""
         return self.once(name, model, self.requested)
 
+    def _step_weights(self, model) -> dict:
+        """``shared_initializers`` for a step session: on the CPU EP, where the plan holds the step
+        without guidance beside the guided one, the step graph's weights read once
+        (:class:`~onnxopt.pipeline.sessions.SharedWeights`) and used by both sessions as they are,
+        so that the second holds none of them again. Elsewhere nothing: a host OrtValue fed to a CUDA
+        session is copied to the device per session (ORT shares only an OrtValue on the session's
+        device, and the Python API makes device OrtValues that own their buffer, which
+        ``add_initializer`` refuses), and a TensorRT engine holds its own weights."""
+        if self.plan.provider != "cpu" or self.plan.entry(NO_CFG_STEP) is None:
+            return {}
+        if self.step_weights is None:
+            self.step_weights = SharedWeights.of(model, self.folder.component(self.folder.denoiser).folder)
+        return {"shared_initializers": self.step_weights}
+
     def make(self, entry: SessionEntry) -> None:
         if entry.binds == BOUND:
             session = self.once(entry.component, entry.model)
@@ -1189,7 +1205,7 @@ class _SessionMaker:
             denoiser = self.folder.denoiser
             beside = {"external_data_folder": self.folder.component(denoiser).folder,
                       "map_model": entry.model} if isinstance(model, bytes) else {}
-            session, self.capture = self.captured(denoiser, model, say=True, **beside)
+            session, self.capture = self.captured(denoiser, model, say=True, **beside, **self._step_weights(model))
         elif entry.binds == STEP_LOOP:
             session, _ = self.captured(entry.component, entry.model)
         elif entry.key == "reuse":
