@@ -1,9 +1,10 @@
 """The step graph with and without classifier-free guidance hold their weights once between them.
 
 A pipeline that serves guidance > 1 and guidance <= 1 runs two step sessions, the second built in
-memory without the guidance rows (onnxopt.pipeline.step_graph.without_guidance). On the CPU EP
-both use one host copy of the step graph's weights (onnxopt.pipeline.sessions.SharedWeights,
-ONNX Runtime's shared initializers): the second session adds almost nothing to the process.
+memory without the guidance rows (onnxopt.pipeline.step_graph.without_guidance). On the CPU EP,
+loaded for calls of either guidance, both use one host copy of the step graph's weights
+(onnxopt.pipeline.sessions.SharedWeights, ONNX Runtime's shared initializers): the second session
+adds almost nothing to the process.
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ def test_the_step_without_guidance_adds_no_copy_of_the_weights(tmp_path):
     (folder / "unet" / "model.onnx_data").unlink()
     big_weight_unet(folder / "unet" / "model.onnx")
     request = dict(prompt="a cat", steps=2, seed=0, height=32, width=32, progress=False)
-    pipe = Pipeline.load(folder, "cpu", status=False, guidance=7.5)
+    pipe = Pipeline.load(folder, "cpu", status=False)  # each call its guidance, as serve loads it
     guided = pipe(guidance=7.5, **request)
     assert NO_CFG_STEP not in pipe.sessions  # made on first use
     gc.collect()
@@ -71,3 +72,18 @@ def test_the_step_without_guidance_adds_no_copy_of_the_weights(tmp_path):
     added = resident_bytes() - before
     assert added < WEIGHT_BYTES / 4, f"the second step session added {added / 2**20:.1f} MiB ({WEIGHT_BYTES >> 20} MiB of weights)"
     assert np.isfinite(plain.latents).all() and not np.array_equal(plain.latents, guided.latents)
+
+
+def test_a_pipeline_loaded_for_one_guidance_keeps_its_step_weights_prepacked(monkeypatch):
+    """``generate`` knows its guidance: the other step session is made only if a call asks for it,
+    so the step session made at load keeps ORT's prepacked (faster) weights of its own."""
+    from onnxopt.pipeline import runner
+
+    made = []
+    real = runner.create_session
+    monkeypatch.setattr(runner, "create_session",
+                        lambda *args, **kwargs: made.append(kwargs.get("shared_initializers")) or real(*args, **kwargs))
+    for guidance, shared in ((7.5, False), (None, True)):
+        made.clear()
+        Pipeline.load(COMMITTED_SD15, "cpu", status=False, guidance=guidance)
+        assert any(made) == shared, (guidance, made)

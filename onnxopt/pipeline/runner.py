@@ -1179,13 +1179,17 @@ class _SessionMaker:
 
     def _step_weights(self, model) -> dict:
         """``shared_initializers`` for a step session: on the CPU EP, where the plan holds the step
-        without guidance beside the guided one, the step graph's weights read once
+        without guidance beside the guided one and each call brings its own guidance (loaded
+        without ``guidance``, as ``serve`` loads), the step graph's weights read once
         (:class:`~onnxopt.pipeline.sessions.SharedWeights`) and used by both sessions as they are,
-        so that the second holds none of them again. Elsewhere nothing: a host OrtValue fed to a CUDA
-        session is copied to the device per session (ORT shares only an OrtValue on the session's
-        device, and the Python API makes device OrtValues that own their buffer, which
-        ``add_initializer`` refuses), and a TensorRT engine holds its own weights."""
-        if self.plan.provider != "cpu" or self.plan.entry(NO_CFG_STEP) is None:
+        so that the second holds none of them again. They run unprepacked (ORT's MatMul on the
+        2-core CI machine: 7-34 % slower), so a pipeline loaded for one guidance, whose other step
+        session is made only if a call asks for it (``generate``), keeps ORT's own prepacked weights.
+        Elsewhere nothing: a host OrtValue fed to a CUDA session is copied to the device per session
+        (ORT shares only an OrtValue on the session's device), and a TensorRT engine holds its own
+        weights."""
+        plan = self.plan
+        if plan.provider != "cpu" or plan.entry(NO_CFG_STEP) is None or plan.classifier_free_guidance is not None:
             return {}
         if self.step_weights is None:
             self.step_weights = SharedWeights.of(model, self.folder.component(self.folder.denoiser).folder)
