@@ -47,6 +47,19 @@ def test_a_named_pipe_named_as_an_input_file_is_refused_before_it_is_opened(tmp_
     assert not (tmp_path / "x.png").exists()
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("command", ["optimize", "info", "diff-inputs"])
+def test_a_named_pipe_as_a_model_or_its_inputs_is_refused_before_it_is_opened(tmp_path, capsys, command):
+    """onnx.load and np.load of a named pipe waited for a writer forever."""
+    fifo = tmp_path / "input"
+    os.mkfifo(fifo)
+    model = str(COMMITTED_SD15 / "text_encoder" / "model.onnx")
+    argv = {"optimize": ["optimize", "-i", str(fifo), "-o", str(tmp_path / "out.onnx")], "info": ["info", str(fifo)],
+            "diff-inputs": ["diff", model, model, "--runtime", "cpu", "--inputs", str(fifo)]}[command]
+    one_line_error(capsys, main(argv), 2, str(fifo), "not a regular file")
+    assert not (tmp_path / "out.onnx").exists()
+
+
 def test_a_device_as_the_prompts_file_is_refused_and_a_huge_file_is_not_read_whole(tmp_path, capsys, monkeypatch):
     """A device is refused unread (/dev/zero never ends: it was read until memory ran out; /dev/null
     stands for it here). A regular file is read up to the limit, no further."""
