@@ -85,6 +85,9 @@ def measure(args) -> dict:
     # The bit-for-bit reference is a second image, not the first: the first runs each graph once
     # uncaptured (ORT's cuDNN algorithm search may pick another kernel there) before capturing it.
     reference = pipe(PROMPT, seed=0, progress=False, **request)
+    # ORT's CUDA GroupNorm sums with float atomics, so two replays of the same graphs on the same
+    # weights can differ in the last bits: a third image at the first scales is the noise floor.
+    repeat = pipe(PROMPT, seed=0, progress=False, **request)
     sessions = dict(pipe.sessions)
     touched = {name: t.base.nbytes for s in pipe.lora.sessions for name, t in s.targets.items()}
     swaps = []
@@ -108,18 +111,34 @@ def measure(args) -> dict:
         "swap_changes_image": bool(np.abs(swapped.pixels - first.pixels).max() > 0),
         "back_to_first_scales_same_image": bool(np.array_equal(again.pixels, reference.pixels)),
         "first_image_same_as_second": bool(np.array_equal(first.pixels, reference.pixels)),
+        "max_abs": {"repeat_vs_reference": float(np.abs(repeat.pixels - reference.pixels).max()),
+                    "back_vs_reference": float(np.abs(again.pixels - reference.pixels).max()),
+                    "swapped_vs_reference": float(np.abs(swapped.pixels - reference.pixels).max())},
     }
+
+
+def same_image_back(result: dict) -> bool:
+    """Back at the first scales, the image is the one made there before the swaps: bit for bit, or no
+    further from it than twice what two replays at the same weights differ by (and under one 8-bit
+    level). ORT's CUDA GroupNorm sums with float atomics, so replays of one captured UNet may differ
+    in the last bits; a LoRA delta left behind by a swap moves the image by far more."""
+    diff = result["max_abs"]
+    return result["back_to_first_scales_same_image"] or (
+        diff["back_vs_reference"] <= 2 * diff["repeat_vs_reference"] and diff["back_vs_reference"] < 1 / 255)
 
 
 def table(result: dict) -> str:
     swap = result["swap_ms"]
+    diff = result["max_abs"]
     lines = [f"LoRA swap, {result['kind']} on {result['provider']}: {result['weights_touched']} weights "
              f"({result['weights_touched_mb']:.0f} MB) rewritten per swap",
-             "| swap median ms | min | max | first step ms (first image) | first step ms (after a swap) | sessions kept | same image back |",
-             "|---|---|---|---|---|---|---|",
+             "| swap median ms | min | max | first step ms (first image) | first step ms (after a swap) | sessions kept "
+             "| back at the first scales: max abs (replay noise) | same image back |",
+             "|---|---|---|---|---|---|---|---|",
              f"| {swap['median']:.2f} | {swap['min']:.2f} | {swap['max']:.2f} | "
              f"{result['first_image']['first_step_s'] * 1e3:.1f} | {result['after_swap']['first_step_s'] * 1e3:.1f} | "
-             f"{'yes' if result['sessions_unchanged'] else 'NO'} | {'yes' if result['back_to_first_scales_same_image'] else 'NO'} |"]
+             f"{'yes' if result['sessions_unchanged'] else 'NO'} | {diff['back_vs_reference']:.2e} ({diff['repeat_vs_reference']:.2e}) "
+             f"| {'yes' if same_image_back(result) else 'NO'} |"]
     return "\n".join(lines)
 
 

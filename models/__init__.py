@@ -27,6 +27,7 @@ REGISTRY = {
     "unet-sd15": "unet",
     "unet-sd21": "unet",
     "unet-sdxl": "unet",
+    "unet-lcm": "unet",  # not in FAMILIES: the SD 1.5 UNet's graph with one input more (tests/test_pipeline_lcm.py)
     "vae-encoder": "vae",
     "vae-decoder": "vae",
     "clip-text": "clip",
@@ -47,7 +48,9 @@ FAMILIES = ("unet-sd15", "unet-sd21", "unet-sdxl", "vae-encoder", "vae-decoder",
 # Diffusion transformers and their encoders (SD3 / SD3.5, Flux.1, T5 v1.1 XXL, the 16-channel VAE).
 DIT_FAMILIES = ("sd3-medium", "sd35-medium", "sd35-large", "flux-dev", "flux-schnell", "t5-xxl", "vae16-encoder",
                 "vae16-decoder")
-ALL_FAMILIES = FAMILIES + DIT_FAMILIES
+# Guidance-distilled UNets (LCM: a timestep_cond input), kept out of the fusion matrices over FAMILIES
+GUIDANCE_EMBEDDING_FAMILIES = ("unet-lcm",)
+ALL_FAMILIES = FAMILIES + DIT_FAMILIES + GUIDANCE_EMBEDDING_FAMILIES
 
 # (exporter, shapes, attention processor): what today's exporters write, as tests and coverage cover it
 EXPORT_VARIANTS = [

@@ -38,6 +38,12 @@ Kinds and what differs from the component builders' configs (tiny size):
   ``sd15-inpaint``    SD 1.5 inpainting (StableDiffusionInpaintPipeline): the sd15 pipeline with a UNet of
                       9 input channels (latents, mask, masked-image latents), as
                       stable-diffusion-v1-5/stable-diffusion-inpainting's.
+  ``sdxl-inpaint``    SDXL inpainting (StableDiffusionXLInpaintPipeline): the sdxl pipeline with a UNet of 9
+                      input channels, as diffusers/stable-diffusion-xl-1.0-inpainting-0.1's (its
+                      model_index.json: requires_aesthetics_score false, force_zeros_for_empty_prompt true).
+  ``sd15-lcm``        a latent consistency model (LatentConsistencyModelPipeline): the sd15 pipeline with the
+                      tiny ``unet-lcm`` (``time_cond_proj_dim``: its UNet graph takes ``timestep_cond``
+                      [batch, dim] after encoder_hidden_states, optimum's name) and LCMScheduler.
   ``sd15-multi-controlnet`` SD 1.5 + two ControlNets (diffusers' MultiControlNetModel: each its own
                       image and scale, residuals summed): ``controlnet/`` (seed) and ``controlnet_1/``
                       (seed + 1), the same architecture as ``sd15-controlnet``'s.
@@ -54,8 +60,9 @@ from pathlib import Path
 
 from .base import BuiltModel, SIZES, check_choice
 
-PIPELINE_KINDS = ("sd15", "sd21", "sdxl", "sd15-controlnet", "sd15-multi-controlnet", "sd15-inpaint", "sdxl-refiner")
-XL_KINDS = ("sdxl", "sdxl-refiner")
+PIPELINE_KINDS = ("sd15", "sd21", "sdxl", "sd15-controlnet", "sd15-multi-controlnet", "sd15-inpaint", "sdxl-refiner",
+                  "sdxl-inpaint", "sd15-lcm")
+XL_KINDS = ("sdxl", "sdxl-refiner", "sdxl-inpaint")
 INPAINT_CHANNELS = 9  # latents (4) + mask (1) + masked-image latents (4)
 CONTROLNET_COUNTS = {"sd15-controlnet": 1, "sd15-multi-controlnet": 2}
 EXPORTERS = ("torchscript", "dynamo")
@@ -81,8 +88,16 @@ SCHEDULER_CONFIGS = {
 SCHEDULER_CONFIGS["sd15-controlnet"] = SCHEDULER_CONFIGS["sd15-multi-controlnet"] = SCHEDULER_CONFIGS["sd15"]
 # stable-diffusion-v1-5/stable-diffusion-inpainting ships SD 1.5's PNDM config
 SCHEDULER_CONFIGS["sd15-inpaint"] = SCHEDULER_CONFIGS["sd15"]
+# LCMScheduler on SD's betas; original_inference_steps 50: the schedule the LCM was distilled on, which
+# set_timesteps draws its few steps from (LCMScheduler's defaults, which LCM folders ship)
+SCHEDULER_CONFIGS["sd15-lcm"] = ("LCMScheduler", dict(_SD_BETAS, clip_sample=False, set_alpha_to_one=True,
+                                                      steps_offset=1, original_inference_steps=50,
+                                                      timestep_spacing="leading", timestep_scaling=10.0,
+                                                      prediction_type="epsilon"))
 # stabilityai/stable-diffusion-xl-refiner-1.0 ships the base's Euler config
 SCHEDULER_CONFIGS["sdxl-refiner"] = SCHEDULER_CONFIGS["sdxl"]
+# diffusers/stable-diffusion-xl-1.0-inpainting-0.1 ships EulerDiscreteScheduler with the base's betas
+SCHEDULER_CONFIGS["sdxl-inpaint"] = SCHEDULER_CONFIGS["sdxl"]
 
 # SD 2.x text encoder (OpenCLIP ViT-H/14 text tower as stabilityai/stable-diffusion-2-1 text_encoder/config.json).
 SD21_TEXT_CONFIGS = {
@@ -281,16 +296,19 @@ def build_torch_pipeline(kind: str, size: str = "tiny", seed: int = 0, tokenizer
                 text_encoder=None, tokenizer=None, text_encoder_2=_text_encoder(text_config, True, seed + 1),
                 tokenizer_2=write_tokenizer(tokenizer_dir / "tokenizer_2", "!", size), unet=unet,
                 requires_aesthetics_score=True, force_zeros_for_empty_prompt=False, add_watermarker=False, **common)
-        if kind == "sdxl":
-            from diffusers import StableDiffusionXLPipeline
+        if kind in ("sdxl", "sdxl-inpaint"):
+            import diffusers
 
-            return StableDiffusionXLPipeline(
+            inpaint = kind == "sdxl-inpaint"
+            cls = diffusers.StableDiffusionXLInpaintPipeline if inpaint else diffusers.StableDiffusionXLPipeline
+            switches = {"requires_aesthetics_score": False} if inpaint else {}
+            return cls(
                 text_encoder=_text_encoder(CLIP_CONFIGS[("clip-text", size)], False, seed),
                 text_encoder_2=_text_encoder(CLIP_CONFIGS[("openclip-text", size)], True, seed + 1),
                 tokenizer=write_tokenizer(tokenizer_dir / "tokenizer", "<|endoftext|>", size),
                 tokenizer_2=write_tokenizer(tokenizer_dir / "tokenizer_2", "!", size),
-                unet=make_unet("unet-sdxl", size, seed),
-                force_zeros_for_empty_prompt=True, add_watermarker=False, **common)
+                unet=make_unet("unet-sdxl", size, seed, **({"in_channels": INPAINT_CHANNELS} if inpaint else {})),
+                force_zeros_for_empty_prompt=True, add_watermarker=False, **switches, **common)
         if kind == "sd21":
             text_encoder = _text_encoder(SD21_TEXT_CONFIGS[size], False, seed)
             tokenizer = write_tokenizer(tokenizer_dir / "tokenizer", "!", size)
@@ -299,7 +317,7 @@ def build_torch_pipeline(kind: str, size: str = "tiny", seed: int = 0, tokenizer
             text_encoder = _text_encoder(CLIP_CONFIGS[("clip-text", size)], False, seed)
             tokenizer = write_tokenizer(tokenizer_dir / "tokenizer", "<|endoftext|>", size)
             inpaint = {"in_channels": INPAINT_CHANNELS} if kind == "sd15-inpaint" else {}
-            unet = make_unet("unet-sd15", size, seed, **inpaint)
+            unet = make_unet("unet-lcm" if kind == "sd15-lcm" else "unet-sd15", size, seed, **inpaint)
         parts = dict(text_encoder=text_encoder, tokenizer=tokenizer, unet=unet, safety_checker=None,
                      feature_extractor=None, requires_safety_checker=False, **common)
         if kind in CONTROLNET_COUNTS:
@@ -312,6 +330,10 @@ def build_torch_pipeline(kind: str, size: str = "tiny", seed: int = 0, tokenizer
             from diffusers import StableDiffusionInpaintPipeline
 
             return StableDiffusionInpaintPipeline(**parts)
+        if kind == "sd15-lcm":
+            from diffusers import LatentConsistencyModelPipeline
+
+            return LatentConsistencyModelPipeline(**parts)
         from diffusers import StableDiffusionPipeline
 
         return StableDiffusionPipeline(**parts)
@@ -361,11 +383,13 @@ def _make_wrappers():
             return (*head, *out.hidden_states) if self.hidden_states else head
 
     class UNet(torch.nn.Module):
-        """(sample, timestep, encoder_hidden_states[, text_embeds, time_ids][, *down_res, mid_res]) -> (out_sample,)"""
+        """(sample, timestep, encoder_hidden_states[, timestep_cond][, text_embeds, time_ids][, *down_res, mid_res])
+        -> (out_sample,)"""
 
         def __init__(self, unet, xl: bool, n_res: int):
             super().__init__()
             self.unet, self.xl, self.n_res = unet, xl, n_res
+            self.time_cond = unet.config.time_cond_proj_dim is not None
 
         # Named optional arguments, not *rest: the dynamo exporter maps dynamic axes to a flat signature
         # (with *rest it failed: "Failed to convert 'dynamic_axes' to 'dynamic_shapes'").
@@ -374,6 +398,8 @@ def _make_wrappers():
                     a15=None):
             rest = [a for a in (a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12, a13, a14, a15) if a is not None]
             kwargs = {}
+            if self.time_cond:
+                kwargs["timestep_cond"], rest = rest[0], rest[1:]
             if self.xl:
                 kwargs["added_cond_kwargs"] = {"text_embeds": rest[0], "time_ids": rest[1]}
                 rest = rest[2:]
@@ -461,6 +487,10 @@ def component_models(pipe, kind: str, size: str = "tiny", seed: int = 0) -> dict
     ]
     unet_dyn = {"sample": latent_dyn, "timestep": {0: "batch"}, "encoder_hidden_states": seq,
                 "out_sample": latent_dyn}
+    if ucfg.time_cond_proj_dim is not None:  # the guidance embedding (LCM), as optimum names it
+        unet_specs.append(dict(name="timestep_cond", shape=["batch", ucfg.time_cond_proj_dim], dtype="float32",
+                               kind="hidden"))
+        unet_dyn["timestep_cond"] = {0: "batch"}
     if xl:
         time_ids = 5 if getattr(pipe.config, "requires_aesthetics_score", False) else 6  # the refiner's end with a score
         text_dim = ucfg.projection_class_embeddings_input_dim - time_ids * ucfg.addition_time_embed_dim

@@ -1,8 +1,10 @@
-"""UNet2DConditionModel builders: SD 1.5, SD 2.1 and SDXL, full size and tiny.
+"""UNet2DConditionModel builders: SD 1.5, SD 2.1, SDXL and LCM (guidance-distilled SD 1.5), full size and tiny.
 
 Full-size configs are written by hand after the public ``unet/config.json`` of
-runwayml/stable-diffusion-v1-5, stabilityai/stable-diffusion-2-1 and
-stabilityai/stable-diffusion-xl-base-1.0.  The tiny configs keep each variant's
+runwayml/stable-diffusion-v1-5, stabilityai/stable-diffusion-2-1,
+stabilityai/stable-diffusion-xl-base-1.0; the LCM one is SD 1.5's with the
+``time_cond_proj_dim`` of SimianLuo/LCM_Dreamshaper_v7 (256: the guidance embedding, an input
+``timestep_cond`` [batch, dim] as optimum exports it).  The tiny configs keep each variant's
 structure (block types, linear vs conv projection, constant-heads vs
 constant-head-dim, text_time conditioning, several transformer layers per
 block, GEGLU feed-forward) with very small channels.
@@ -127,7 +129,12 @@ CONFIGS = {
     ),
 }
 
-FAMILIES = ("unet-sd15", "unet-sd21", "unet-sdxl")
+# LCM: SD 1.5's UNet with the guidance embedding's width of SimianLuo/LCM_Dreamshaper_v7 (tiny: a width
+# unlike any channel count)
+CONFIGS[("unet-lcm", "full")] = dict(CONFIGS[("unet-sd15", "full")], time_cond_proj_dim=256)
+CONFIGS[("unet-lcm", "tiny")] = dict(CONFIGS[("unet-sd15", "tiny")], time_cond_proj_dim=10)
+
+FAMILIES = ("unet-sd15", "unet-sd21", "unet-sdxl", "unet-lcm")
 
 # Example dims: all dynamic dims >= 2 (the dynamo exporter specialises 0/1 sizes);
 # tiny latents are not square so that H/W mix-ups show.
@@ -135,9 +142,11 @@ EXAMPLE_DIMS = {
     ("unet-sd15", "full"): dict(batch=2, height=64, width=64, sequence=77),
     ("unet-sd21", "full"): dict(batch=2, height=96, width=96, sequence=77),
     ("unet-sdxl", "full"): dict(batch=2, height=128, width=128, sequence=77),
+    ("unet-lcm", "full"): dict(batch=2, height=64, width=64, sequence=77),
     ("unet-sd15", "tiny"): dict(batch=2, height=16, width=12, sequence=77),
     ("unet-sd21", "tiny"): dict(batch=2, height=16, width=12, sequence=77),
     ("unet-sdxl", "tiny"): dict(batch=2, height=16, width=12, sequence=77),
+    ("unet-lcm", "tiny"): dict(batch=2, height=16, width=12, sequence=77),
 }
 ALT_DIMS = {
     "full": dict(batch=1, height=32, width=48, sequence=77),
@@ -146,14 +155,14 @@ ALT_DIMS = {
 
 
 class UNetWrapper(torch.nn.Module):
-    """(sample, timestep, encoder_hidden_states) -> (out_sample,)"""
+    """(sample, timestep, encoder_hidden_states[, timestep_cond]) -> (out_sample,)"""
 
     def __init__(self, unet):
         super().__init__()
         self.unet = unet
 
-    def forward(self, sample, timestep, encoder_hidden_states):
-        return (self.unet(sample, timestep, encoder_hidden_states, return_dict=False)[0],)
+    def forward(self, sample, timestep, encoder_hidden_states, timestep_cond=None):
+        return (self.unet(sample, timestep, encoder_hidden_states, timestep_cond=timestep_cond, return_dict=False)[0],)
 
 
 class UNetXLWrapper(torch.nn.Module):
@@ -199,6 +208,9 @@ def build(family: str, size: str = "tiny", attention: str = "sdpa", seed: int = 
         dict(name="timestep", shape=["batch"], dtype="float32", kind="timestep"),
         dict(name="encoder_hidden_states", shape=["batch", "sequence", cross], dtype="float32", kind="hidden"),
     ]
+    guidance_embedding = cfg.get("time_cond_proj_dim")
+    if guidance_embedding:  # LCM: optimum's name and place for it
+        specs.append(dict(name="timestep_cond", shape=["batch", guidance_embedding], dtype="float32", kind="hidden"))
     if xl:
         specs += [
             dict(name="text_embeds", shape=["batch", text_dim], dtype="float32", kind="hidden"),
@@ -211,6 +223,8 @@ def build(family: str, size: str = "tiny", attention: str = "sdpa", seed: int = 
         "encoder_hidden_states": {0: "batch", 1: "sequence"},
         "out_sample": {0: "batch", 2: "height", 3: "width"},
     }
+    if guidance_embedding:
+        dyn["timestep_cond"] = {0: "batch"}
     if xl:
         dyn["text_embeds"] = {0: "batch"}
         dyn["time_ids"] = {0: "batch"}

@@ -256,10 +256,14 @@ def _add_generate_parser(sub) -> None:
     gen.add_argument("--image", type=Path, metavar="PNG",
                      help="init image: img2img (StableDiffusion(XL)Img2ImgPipeline), the output at its size; with --mask, "
                           "inpainting on a folder whose UNet is an inpainting one")
-    gen.add_argument("--mask", type=Path, metavar="PNG", help="inpainting mask (white: repaint), as StableDiffusionInpaintPipeline")
+    gen.add_argument("--mask", type=Path, metavar="PNG", help="inpainting mask (white: repaint), as StableDiffusion(XL)InpaintPipeline")
     gen.add_argument("--strength", type=float, default=None,
                      help="how much of --image is repainted, in (0, 1]: int(steps x strength) steps run (default: "
-                          "diffusers' pipeline's: 0.8 SD img2img, 0.3 SDXL img2img, 1.0 inpainting)")
+                          "diffusers' pipeline's: 0.8 SD img2img, 0.3 SDXL img2img, 1.0 SD inpainting, "
+                          "0.9999 SDXL inpainting)")
+    gen.add_argument("--denoising-end", type=float, default=None, metavar="FRACTION",
+                     help="SDXL folders: stop after this fraction of the schedule, the latents left noisy "
+                          "(diffusers' denoising_end, in (0, 1); default: every step)")
     gen.add_argument("--num-images", type=_int_arg(1, 64), default=1, metavar="N",
                      help="images per prompt (diffusers' num_images_per_prompt: one batch from one generator); "
                           "-o img.png writes img.png, img-1.png, ... img-(N-1).png")
@@ -311,7 +315,8 @@ def cmd_generate(args) -> int:
     args.scheduler = check_request(folder, steps=args.steps, scheduler=args.scheduler, height=args.height, width=args.width,
                                    controlnet_image=args.controlnet_image, controlnet_scale=args.controlnet_scale,
                                    status=False if args.quiet else None, image=args.image, mask=args.mask,
-                                   strength=args.strength, num_images=args.num_images)
+                                   strength=args.strength, num_images=args.num_images,
+                                   denoising_end=args.denoising_end)
     reuse_steps(args.reuse, args.steps)  # a bad schedule is refused before any session exists
     if args.max_sequence_length is None:
         args.max_sequence_length = default_sequence_length(folder)
@@ -337,7 +342,8 @@ def cmd_generate(args) -> int:
                              guidance=args.guidance)
         # an init image, a mask and several images are the UNet families' (onnxopt.pipeline.img2img)
         init = {k: v for k, v in (("image", args.image), ("mask", args.mask), ("strength", args.strength),
-                                  ("num_images", args.num_images)) if v not in (None, 1)}
+                                  ("num_images", args.num_images), ("denoising_end", args.denoising_end))
+                if v not in (None, 1)}
         results = [pipe(prompt, negative_prompt=args.negative_prompt, steps=args.steps, guidance=args.guidance,
                         scheduler=args.scheduler, seed=args.seed, height=args.height, width=args.width,
                         controlnet_image=args.controlnet_image, controlnet_scale=args.controlnet_scale,

@@ -152,3 +152,39 @@ def test_the_norm_rows_benchmark_dry_run_checks_every_variant_against_numpy(tmp_
     rows = json.loads(out.read_text())["rows"]
     assert {r["variant"] for r in rows} >= {"simplified-4d", "skip-heads-bias", "rms-23", "gemm2d-bias"}
     assert all(r.get("ok") for r in rows)
+
+
+def test_the_packed_qkv_benchmark_dry_run_checks_every_form_against_numpy(tmp_path):
+    """benchmarks/packed_qkv_gpu.py --dry-run: every attention-input form (separate, merged QKV, merged
+    Q|K under one norm with the gammas split, packed by a Concat, packed without norms) runs at tiny
+    shapes (ORT's CPU EP through CapturedSession, or the reference kernels for packed QKV) and computes
+    what NumPy computes (exit 0); the float16 and bfloat16 models the GPU run builds type-check, every
+    weight in their precision (onnx's checker has no schema for ORT's SimplifiedLayerNormalization)."""
+    import json
+
+    import onnx
+
+    from benchmarks.packed_qkv_gpu import DRY_SHAPES, FORMS, Weights, form_model, main
+
+    out = tmp_path / "packed_qkv.json"
+    assert main(["--dry-run", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert {(r["family"], r["form"]) for r in rows} == {(f, form) for f in DRY_SHAPES for form in FORMS}
+    assert all(r.get("ok") for r in rows)
+    assert {r["runner"] for r in rows} == {"ort-cpu", "onnxopt.reference"}
+    shape = DRY_SHAPES["sd35-medium"]
+    for dtype in ("float16", "bfloat16"):
+        weights = [Weights(np.random.default_rng(0), shape[2] * shape[3], shape[3], dtype) for _ in range(2)]
+        for form in FORMS:
+            model = form_model(form, shape, weights, dtype)
+            assert model.ir_version <= 10
+            onnx.shape_inference.infer_shapes(model, check_type=True)
+            elem = {"float16": onnx.TensorProto.FLOAT16, "bfloat16": onnx.TensorProto.BFLOAT16}[dtype]
+            assert {t.data_type for t in model.graph.initializer} == {elem, onnx.TensorProto.INT64}
+
+
+def test_the_packed_qkv_benchmark_refuses_an_unknown_form(capsys):
+    from benchmarks.packed_qkv_gpu import main
+
+    assert main(["--dry-run", "--forms", "a-separate,z-nothing"]) == 2
+    assert "unknown form(s) z-nothing" in capsys.readouterr().err

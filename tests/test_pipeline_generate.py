@@ -785,7 +785,8 @@ def test_a_prompt_longer_than_the_tokenizer_takes_is_warned_about_once(capsys):
     ({"scheduler/scheduler_config.json": {"timestep_spacing": "uniform"}}, "unknown timestep_spacing 'uniform'"),
     ({"scheduler/scheduler_config.json": {"prediction_type": "sample_x"}}, "cannot run 2 steps"),
     ({"model_index.json": {"scheduler": ["diffusers", "LMSDiscreteScheduler"]}}, "choose one with --scheduler"),
-    ({"unet/config.json": {"time_cond_proj_dim": 256}}, "time_cond_proj_dim"),
+    # (a valid one runs, as diffusers runs it: tests/test_pipeline_lcm.py, where a graph without timestep_cond is refused)
+    ({"unet/config.json": {"time_cond_proj_dim": "256"}}, "'time_cond_proj_dim' must be a positive integer"),
     ({"text_encoder/config.json": {"use_attention_mask": True}}, "use_attention_mask is set"),
     ({"unet/config.json": {"_diffusers_version": "zero.eight"}}, "is not a version"),
 ], ids=["tokenizer-longer-than-encoder", "trained-betas-length", "timestep-spacing", "prediction-type",

@@ -121,14 +121,17 @@ def generate_batch(pipe: Pipeline, images: list[BatchImage], *, steps: int = 50,
         timings: dict = {"provider": pipe.provider, "step": pipe.step_source, "cuda_graph": pipe.cuda_graph,
                          "session_runs_per_step": pipe.session_runs_per_step(), "batch_images": len(run)}
         t0 = time.perf_counter()
-        cfg = classifier_free_guidance(images[run[0]].guidance)  # one run_key: one answer for the whole run
+        # one run_key: one answer for the whole run
+        cfg = classifier_free_guidance(images[run[0]].guidance, folder.family.denoiser)
         rows = []
         for i in run:
             pair = (images[i].prompt, images[i].negative_prompt if cfg else None)
             if (*pair, cfg) not in prompts:
                 prompts[(*pair, cfg)] = pipe._prompt_conditioning(*pair, height, width, cfg=cfg)
             rows.append(prompts[(*pair, cfg)])
-        cond = pipe._step_conditioning(batch_conditioning(rows), cfg)
+        # a UNet that embeds the guidance (LCM): each image's own, whatever the run's key
+        cond = pipe._step_conditioning(pipe._with_guidance_embedding(batch_conditioning(rows),
+                                                                     [images[i].guidance for i in run]), cfg)
         timings["text_encoder_s"] = time.perf_counter() - t0
         timings["text_encoders"] = dict(pipe.text_sources)
         # each image's own generator: its initial noise, then (Euler ancestral, LCM) its row of each step's noise

@@ -17,13 +17,19 @@ The layouts (the same folder names in both; what differs is who wrote ``model_in
 Each component folder holds ``model.onnx`` (and its external data, and optionally the
 component's ``config.json``); :data:`INDEX_ENTRIES` maps each index entry to the file it needs.
 
+A UNet whose config sets ``time_cond_proj_dim`` (a guidance-distilled one: LCM) embeds the guidance:
+diffusers' pipelines then run no classifier-free guidance and feed ``timestep_cond``, the guidance
+embedding (:mod:`onnxopt.pipeline.guidance_embedding`). ``LatentConsistencyModelPipeline`` folders
+are such UNets; a ``StableDiffusionPipeline`` folder holding one runs the same way, as diffusers'
+StableDiffusionPipeline does (:func:`with_unet_config`).
+
 ``FluxPipeline`` runs through :class:`onnxopt.pipeline.flux_runner.FluxRunner` (its prompt, packed
 latents and VAE input: :mod:`onnxopt.pipeline.flux`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 @dataclass(frozen=True)
@@ -31,8 +37,9 @@ class Denoiser:
     """How a family's denoiser graph is called: its component folder, the names of its latent
     input, timestep input and output, what the pipeline feeds as the timestep (the scheduler's
     timestep times ``timestep_scale``: diffusers' FluxPipeline feeds ``t / 1000``, the others ``t``,
-    broadcast over the batch), and whether classifier-free guidance runs as batch 2 (negative and
-    prompt rows; Flux-dev embeds the guidance instead)."""
+    broadcast over the batch), whether classifier-free guidance runs as batch 2 (negative and
+    prompt rows; Flux-dev embeds the guidance instead), and ``guidance_embedding``: the input that
+    takes the guidance embedding of a guidance-distilled UNet (LCM's ``timestep_cond``), None: none."""
 
     component: str
     sample: str
@@ -40,9 +47,13 @@ class Denoiser:
     output: str
     timestep_scale: float = 1.0
     classifier_free_guidance: bool = True
+    guidance_embedding: str | None = None
 
 
 UNET = Denoiser("unet", "sample", "timestep", "out_sample")
+# a guidance-distilled UNet (time_cond_proj_dim): one row per image, the guidance embedded (optimum's input name)
+GUIDANCE_EMBEDDING_UNET = Denoiser("unet", "sample", "timestep", "out_sample", classifier_free_guidance=False,
+                                   guidance_embedding="timestep_cond")
 # optimum-onnx's SD3 / Flux transformer exports (models/dit.py writes the same names)
 SD3_TRANSFORMER = Denoiser("transformer", "hidden_states", "timestep", "out_hidden_states")
 FLUX_TRANSFORMER = Denoiser("transformer", "hidden_states", "timestep", "out_hidden_states", timestep_scale=1 / 1000,
@@ -75,6 +86,8 @@ class Family:
     # 0.42; onnxopt keeps 7.5 for the UNet families, as it always had)
     default_steps: int = 50
     default_guidance: float = 7.5
+    schedulers: tuple[str, ...] | None = None
+    img2img: bool = True
 
     @property
     def components(self) -> tuple[str, ...]:
@@ -87,10 +100,17 @@ FAMILIES = {
     "sd": Family("sd", ("StableDiffusionPipeline", "OnnxStableDiffusionPipeline",  # diffusers' own ONNX export too
                         "StableDiffusionImg2ImgPipeline", "StableDiffusionInpaintPipeline"),
                  ("text_encoder", "unet", "vae_decoder"), ("vae_encoder",), ("tokenizer",), UNET),
-    "sdxl": Family("sdxl", ("StableDiffusionXLPipeline", "StableDiffusionXLImg2ImgPipeline"), ("text_encoder", "text_encoder_2", "unet", "vae_decoder"),
+    "sdxl": Family("sdxl", ("StableDiffusionXLPipeline", "StableDiffusionXLImg2ImgPipeline",
+                            "StableDiffusionXLInpaintPipeline"), ("text_encoder", "text_encoder_2", "unet", "vae_decoder"),
                    ("vae_encoder",), ("tokenizer", "tokenizer_2"), UNET),
     "controlnet": Family("controlnet", ("StableDiffusionControlNetPipeline",),
                          ("text_encoder", "unet", "vae_decoder", "controlnet"), ("vae_encoder",), ("tokenizer",), UNET),
+    # LatentConsistencyModelPipeline: its own defaults (4 steps, guidance 8.5); LCMScheduler only (it decodes the
+    # step's `denoised`, which LCMScheduler alone returns); LatentConsistencyModelImg2ImgPipeline's strength
+    # schedule (LCMScheduler.set_timesteps(strength=...)) is not run
+    "lcm": Family("lcm", ("LatentConsistencyModelPipeline",), ("text_encoder", "unet", "vae_decoder"), ("vae_encoder",),
+                  ("tokenizer",), GUIDANCE_EMBEDDING_UNET, default_steps=4, default_guidance=8.5, schedulers=("lcm",),
+                  img2img=False),
     # diffusers' StableDiffusion3Pipeline runs without T5 (text_encoder_3=None: zeros in its place)
     "sd3": Family("sd3", ("StableDiffusion3Pipeline",), ("text_encoder", "text_encoder_2", "transformer", "vae_decoder"),
                   ("text_encoder_3", "vae_encoder"), ("tokenizer", "tokenizer_2"), SD3_TRANSFORMER,
@@ -125,3 +145,18 @@ TOKENIZER_OF = {"text_encoder": "tokenizer", "text_encoder_2": "tokenizer_2", "t
 
 def family(kind: str) -> Family:
     return FAMILIES[kind]
+
+
+# the families whose pipeline class feeds a guidance-distilled UNet its embedding (StableDiffusionPipeline
+# and LatentConsistencyModelPipeline); the others refuse such a UNet (onnxopt.pipeline.runner.check_model_configs)
+GUIDANCE_EMBEDDING_KINDS = ("sd", "lcm")
+
+
+def with_unet_config(family: Family, unet_config: dict) -> Family:
+    """``family`` as its folder's UNet makes it run: a UNet whose config sets ``time_cond_proj_dim``,
+    in a family of :data:`GUIDANCE_EMBEDDING_KINDS`, takes the guidance as an embedding and runs no
+    classifier-free guidance (diffusers' ``do_classifier_free_guidance`` is ``guidance_scale > 1 and
+    time_cond_proj_dim is None``)."""
+    if family.kind in GUIDANCE_EMBEDDING_KINDS and unet_config.get("time_cond_proj_dim") is not None:
+        return replace(family, denoiser=GUIDANCE_EMBEDDING_UNET)
+    return family

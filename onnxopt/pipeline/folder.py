@@ -52,7 +52,7 @@ from pathlib import Path
 
 from onnxopt.errors import MissingDependencyError, OnnxoptError
 from onnxopt.pipeline.families import (FAMILIES, INDEX_ENTRIES, MODEL_COMPONENTS, PIPELINE_CLASSES,  # noqa: F401
-                                       RUNNABLE_CLASSES, TOKENIZER_OF, TOKENIZERS, Family)
+                                       RUNNABLE_CLASSES, TOKENIZER_OF, TOKENIZERS, Family, with_unet_config)
 
 KINDS = tuple(FAMILIES)
 MAX_IMAGE_SIDE = 1 << 16  # pixels: far above any model's, far below what overflows the latents' shape
@@ -168,6 +168,8 @@ CONFIG_FIELDS = {
         "sample_size": (lambda v: _positive_int(v) or (isinstance(v, list) and len(v) == 2 and all(map(_positive_int, v))),
                         "a positive integer or [height, width]"),
         "in_channels": (_positive_int, "a positive integer"),
+        # the guidance embedding's width (LCM): diffusers' get_guidance_scale_embedding(embedding_dim=...)
+        "time_cond_proj_dim": (lambda v: v is None or _positive_int(v), "a positive integer or null"),
     },
     "transformer": {
         "sample_size": (_positive_int, "a positive integer"),
@@ -360,8 +362,9 @@ class PipelineFolder:
 
     @property
     def family(self) -> Family:
-        """The folder's pipeline family (:mod:`onnxopt.pipeline.families`)."""
-        return FAMILIES[self.kind]
+        """The folder's pipeline family (:mod:`onnxopt.pipeline.families`), as its UNet makes it run (a
+        guidance-distilled UNet embeds the guidance: :func:`~onnxopt.pipeline.families.with_unet_config`)."""
+        return with_unet_config(FAMILIES[self.kind], self.config("unet"))
 
     @property
     def denoiser(self) -> str:
@@ -452,7 +455,7 @@ class PipelineFolder:
     @property
     def default_size(self) -> tuple[int, int]:
         """(height, width) in pixels when none is asked: the UNet's sample_size times the VAE factor."""
-        sample = self.config(self.denoiser).get("sample_size", 64 if self.kind == "sd" or self.kind == "controlnet" else 128)
+        sample = self.config(self.denoiser).get("sample_size", 64 if self.kind in ("sd", "lcm", "controlnet") else 128)
         return default_size(self.root, sample, self.config("vae_decoder"), self.denoiser)
 
     @property
@@ -474,8 +477,8 @@ class PipelineFolder:
 
     @property
     def requires_aesthetics_score(self) -> bool:
-        """StableDiffusionXLImg2ImgPipeline's switch (model_index.json): the time ids end with an
-        aesthetic score (6.0, the negative row's 2.5) instead of the target size."""
+        """StableDiffusionXLImg2ImgPipeline's and StableDiffusionXLInpaintPipeline's switch (model_index.json):
+        the time ids end with an aesthetic score (6.0, the negative row's 2.5) instead of the target size."""
         return self.kind == "sdxl" and self.index.get("requires_aesthetics_score", False) is True
 
     @property

@@ -1,11 +1,12 @@
 """Generation from an init image: diffusers' img2img and inpainting latents, for the same denoising loop.
 
     pipe("a cat", image="init.png", strength=0.6)                    # StableDiffusion(XL)Img2ImgPipeline
-    pipe("a cat", image="init.png", mask="mask.png")                 # StableDiffusionInpaintPipeline
+    pipe("a cat", image="init.png", mask="mask.png")                 # StableDiffusion(XL)InpaintPipeline
     pipe("a cat", num_images=4)                                      # num_images_per_prompt=4: one batch
 
 What differs from text to image is only where the loop starts and what it starts from; the step graph
-and the step loop are the text-to-image ones (a shorter schedule table: :func:`first_step`)::
+and the step loop are the text-to-image ones (a shorter schedule table: :func:`first_step`). The SDXL
+pipelines' ``denoising_end`` stops it early (:func:`steps_before_end`), from text or an image::
 
     scheduler.set_timesteps(steps); t_start = steps - min(int(steps * strength), steps)
     timesteps = scheduler.timesteps[t_start * order:]; scheduler.set_begin_index(t_start * order)
@@ -18,6 +19,10 @@ and the step loop are the text-to-image ones (a shorter schedule table: :func:`f
               image's latents, encoded first); masked image = image * (mask < 0.5) ─ vae_encoder, sampled;
               mask ─ interpolate to the latent size; both repeated N, then twice (guidance rows)
               ─ the UNet reads concat([scale_model_input(latents), mask, masked latents], channels)
+              Both inpainting pipelines (SD's and SDXL's) scale the encoded latents by scaling_factor
+              alone (``_encode_vae_image``: no latents_mean/std, unlike SDXL img2img) and need a UNet of
+              9 input channels here: with a 4-channel UNet diffusers blends the noised image latents back
+              after every step (``init_latents_proper``), which the step graph does not do: refused.
 
 Every random draw takes the request's one ``torch.Generator`` in diffusers' order (encoder samples,
 noise), so the same seed gives diffusers' image. The VAE encoder is optimum's ``vae_encoder`` with its
@@ -35,9 +40,11 @@ import numpy as np
 
 from onnxopt.pipeline.plan import GenerationError, inpainting_unet as inpainting
 
-# diffusers' defaults for ``strength``: StableDiffusionImg2ImgPipeline 0.8, StableDiffusionXLImg2ImgPipeline 0.3,
-# StableDiffusionInpaintPipeline 1.0
-DEFAULT_STRENGTH = {"sd": 0.8, "sdxl": 0.3, "inpaint": 1.0}
+# diffusers' defaults for ``strength`` (by folder kind; with a mask): StableDiffusionImg2ImgPipeline 0.8,
+# StableDiffusionXLImg2ImgPipeline 0.3, StableDiffusionInpaintPipeline 1.0, StableDiffusionXLInpaintPipeline 0.9999
+# (under 1: its latents start from the noised image's, not from pure noise)
+DEFAULT_STRENGTH = {("sd", False): 0.8, ("sdxl", False): 0.3, ("sd", True): 1.0, ("sdxl", True): 0.9999}
+INPAINT_PIPELINES = {"sd": "StableDiffusionInpaintPipeline", "sdxl": "StableDiffusionXLInpaintPipeline"}
 MAX_IMAGES = 64  # --num-images: one batch on the device; more is a typo, not a request
 ENCODER_OUTPUT = "latent_parameters"
 
@@ -79,17 +86,23 @@ def check_init_request(folder, image=None, mask=None, strength=None, height=None
         return
     if folder.kind == "controlnet":
         raise GenerationError(f"{folder.root} is a ControlNet pipeline: --image (img2img, inpainting) is not supported there")
+    if not folder.family.img2img:
+        raise GenerationError(f"{folder.root} is a {folder.kind} pipeline: --image (img2img) is not supported there "
+                              "(text to image only)")
     if not folder.has("vae_encoder"):
         raise GenerationError(f"{folder.root} has no vae_encoder/: an init image (--image) needs the VAE encoder")
     if mask is None and inpaint:
         raise GenerationError(f"{folder.root}: an inpainting UNet ({folder.config('unet').get('in_channels')} input "
                               "channels) needs --mask beside --image")
+    if mask is not None and folder.kind not in INPAINT_PIPELINES:
+        raise GenerationError(f"{folder.root}: inpainting runs on SD and SDXL folders "
+                              f"({', '.join(INPAINT_PIPELINES.values())}), not {folder.kind}")
     if mask is not None and not inpaint:
         raise GenerationError(f"{folder.root}: --mask needs an inpainting UNet (in_channels "
                               f"{latent_channels(folder) * 2 + 1}); this one takes "
-                              f"{folder.config('unet').get('in_channels', 4)}")
-    if mask is not None and folder.kind != "sd":
-        raise GenerationError(f"{folder.root}: inpainting runs on SD folders (StableDiffusionInpaintPipeline), not {folder.kind}")
+                              f"{folder.config('unet').get('in_channels', 4)} (diffusers' "
+                              f"{INPAINT_PIPELINES[folder.kind]} then blends the image back after every step, "
+                              "which onnxopt does not run)")
     if not inpaint and (height is not None or width is not None):
         raise GenerationError("img2img takes the init image's size (as diffusers' img2img pipelines): resize the image "
                               "rather than giving --height/--width")
@@ -107,13 +120,40 @@ def strength_of(folder, strength) -> float:
     """The request's strength, or diffusers' default for the folder's pipeline."""
     if strength is not None:
         return float(strength)
-    return DEFAULT_STRENGTH["inpaint" if inpainting(folder) else folder.kind]
+    return DEFAULT_STRENGTH[folder.kind, inpainting(folder)]
 
 
 def first_step(steps: int, strength: float, order: int = 1) -> int:
     """diffusers' ``get_timesteps``: the index of the first timestep run; ``int(steps * strength)`` steps run."""
     run = min(int(steps * strength), steps)
     return max(steps - run, 0) * order
+
+
+def check_denoising_end(folder, denoising_end) -> None:
+    """``denoising_end`` is diffusers' SDXL pipelines' (text to image, img2img, inpainting); where diffusers
+    ignores a value outside (0, 1) without a word, a one-line GenerationError here."""
+    if denoising_end is None:
+        return
+    if folder.kind != "sdxl":
+        raise GenerationError(f"{folder.root}: --denoising-end is the SDXL pipelines' (diffusers' {folder.kind} "
+                              "pipeline has none)")
+    if not (isinstance(denoising_end, (int, float)) and not isinstance(denoising_end, bool)
+            and math.isfinite(denoising_end) and 0 < denoising_end < 1):
+        raise GenerationError(f"denoising_end must be a number in (0, 1), got {denoising_end}")
+
+
+def steps_before_end(timesteps, denoising_end: float | None, train_steps: int) -> int:
+    """How many of the run's ``timesteps`` run before ``denoising_end`` (diffusers' SDXL pipelines:
+    those at or above ``round(train_steps - denoising_end * train_steps)``; the latents are left that
+    noisy, for a refiner); all of them without one. None left is a one-line GenerationError."""
+    if denoising_end is None:
+        return len(timesteps)
+    cutoff = int(round(train_steps - denoising_end * train_steps))
+    run = sum(1 for t in timesteps if float(t) >= cutoff)
+    if run < 1:
+        raise GenerationError(f"denoising_end {denoising_end:g} stops before the first of the {len(timesteps)} "
+                              f"steps (timestep {float(timesteps[0]):g} is under {cutoff}): give a larger one")
+    return run
 
 
 def check_steps_run(steps: int, strength: float) -> None:
@@ -132,7 +172,7 @@ def prepare(folder, image, mask, strength, height, width) -> InitRequest:
     processor = images.vae_processor(factor)
     if mask is None:  # img2img: the image's own size, rounded down to the VAE factor
         height, width = processor.get_default_height_width(image)
-    else:  # StableDiffusionInpaintPipeline: the UNet's sample size unless asked
+    else:  # StableDiffusion(XL)InpaintPipeline: the UNet's sample size unless asked
         default_h, default_w = default_size(folder)
         height, width = height or default_h, width or default_w
     try:
@@ -182,11 +222,11 @@ class LatentSource:
         start, timesteps = self._schedule(sched, steps, init.strength)
         noise_timestep = timesteps[:1].repeat(batch)
         if init.mask is None:  # StableDiffusion(XL)Img2ImgPipeline.prepare_latents
-            latents = self._scaled(self._sample(init.image, generator))
+            latents = self._normalized(self._sample(init.image, generator))
             latents = torch.cat([latents] * batch, dim=0)
             noise = randn_tensor(latents.shape, generator=generator, device=torch.device("cpu"), dtype=torch.float32)
             return sched.add_noise(latents, noise, noise_timestep), start, None
-        # StableDiffusionInpaintPipeline: prepare_latents, then prepare_mask_latents
+        # StableDiffusion(XL)InpaintPipeline: prepare_latents, then prepare_mask_latents
         factor, channels = self.folder.vae_scale_factor, latent_channels(self.folder)
         shape = (batch, channels, init.height // factor, init.width // factor)
         full = init.strength == 1.0
@@ -217,14 +257,22 @@ class LatentSource:
         parameters = torch.from_numpy(np.asarray(self.encode(image.numpy()), np.float32))
         return DiagonalGaussianDistribution(parameters).sample(generator)
 
+    def _vae_config(self) -> dict:
+        return self.folder.config("vae_encoder") or self.folder.config("vae_decoder")
+
     def _scaled(self, latents):
-        """scaling_factor * latents; SDXL with latents_mean/std: StableDiffusionXLImg2ImgPipeline's normalization."""
+        """scaling_factor * latents: the inpainting pipelines' ``_encode_vae_image`` (SDXL's too: it
+        reads no latents_mean/std), and img2img's where the VAE has no latents_mean/std."""
+        return self._vae_config().get("scaling_factor", 0.18215) * latents
+
+    def _normalized(self, latents):
+        """img2img's encoded latents: SDXL with latents_mean/std: StableDiffusionXLImg2ImgPipeline's
+        normalization, (x - mean) * scaling_factor / std; else :meth:`_scaled`."""
         import torch
 
-        config = self.folder.config("vae_encoder") or self.folder.config("vae_decoder")
-        scaling = config.get("scaling_factor", 0.18215)
+        config = self._vae_config()
         mean, std = config.get("latents_mean"), config.get("latents_std")
         if self.folder.kind == "sdxl" and mean is not None and std is not None:
             mean, std = torch.tensor(mean).view(1, 4, 1, 1), torch.tensor(std).view(1, 4, 1, 1)
-            return (latents - mean) * scaling / std
-        return scaling * latents
+            return (latents - mean) * config.get("scaling_factor", 0.18215) / std
+        return self._scaled(latents)

@@ -507,13 +507,17 @@ def _build(src: Path, tmp: Path, report: FolderReport, components, controlnets, 
             report.components[-1].notes.append("step graph written (onnxopt.pipeline.step_graph)")
         if c.name == "unet" and step_graph:
             line.detail("step graph")
-            step = write_step_graph(tmp / "unet", context_kv=context_kv, cfg_late=cfg_late,
-                                    controlnets=max(1, len(controlnets)))
+            denoiser = _denoiser(src)
+            if not denoiser.classifier_free_guidance and cfg_late:  # nothing both guidance rows share: there are none
+                report.components[-1].notes.append("cfg-late skipped: the UNet embeds the guidance (one row per image)")
+            step = write_step_graph(tmp / "unet", context_kv=context_kv,
+                                    cfg_late=cfg_late and denoiser.classifier_free_guidance,
+                                    controlnets=max(1, len(controlnets)), denoiser=denoiser)
             context = step.with_name("step.context_kv.onnx").is_file()
             report.components[-1].notes.append(
                 "step graph written (onnxopt.pipeline.step_graph)"
                 + (", cross-attention K/V once per prompt in step.context_kv.onnx" if context else "")
-                + (f", cfg-late: {_cfg_late_note(step)}" if cfg_late else "")
+                + (f", cfg-late: {_cfg_late_note(step)}" if cfg_late and denoiser.classifier_free_guidance else "")
                 + (f", the residuals of {len(controlnets)} ControlNets summed" if len(controlnets) > 1 else ""))
         if is_controlnet(c.name) and step_graph and write_hint_graph(tmp / c.name) is not None:
             report.components[-1].notes.append("hint once per image: step.hint.onnx + step.onnx "
@@ -527,10 +531,13 @@ def _build(src: Path, tmp: Path, report: FolderReport, components, controlnets, 
 
 
 def _denoiser(src: Path):
-    """The folder family's denoiser interface (:mod:`onnxopt.pipeline.families`)."""
-    from onnxopt.pipeline.families import FAMILIES
+    """The folder family's denoiser interface (:mod:`onnxopt.pipeline.families`), as its UNet makes it
+    (a guidance-distilled UNet's step graph runs one row per image: no classifier-free guidance)."""
+    from onnxopt.pipeline.families import FAMILIES, with_unet_config
 
-    return FAMILIES[kind_of(_read_json(src / "model_index.json"), src)].denoiser
+    family = FAMILIES[kind_of(_read_json(src / "model_index.json"), src)]
+    unet_config = src / "unet" / "config.json"
+    return with_unet_config(family, _read_json(unet_config) if unet_config.is_file() else {}).denoiser
 
 
 def _build_engines(tmp: Path, components, engines_for: list, report: FolderReport) -> None:

@@ -41,10 +41,11 @@ class GenerationError(OnnxoptError):
 
 
 
-def classifier_free_guidance(guidance: float) -> bool:
-    """diffusers' ``do_classifier_free_guidance``: guidance > 1 (the UNets onnxopt runs have no
-    ``time_cond_proj_dim``: :func:`onnxopt.pipeline.runner.check_model_configs`)."""
-    return guidance > 1
+def classifier_free_guidance(guidance: float, denoiser=None) -> bool:
+    """diffusers' ``do_classifier_free_guidance``: guidance > 1, and never for a ``denoiser``
+    (:class:`~onnxopt.pipeline.families.Denoiser`) that embeds the guidance (Flux; a UNet with
+    ``time_cond_proj_dim``, LCM's: ``guidance_scale > 1 and time_cond_proj_dim is None``)."""
+    return guidance > 1 and (denoiser is None or denoiser.classifier_free_guidance)
 
 def hint_key(k: int) -> str:
     """The session key of ControlNet k's once-per-image hint graph: hint, hint_1, hint_2..."""
@@ -89,7 +90,7 @@ class GenerationPlan:
     # graphs that take two rows per image, where the guidance then cancels exactly)
     no_cfg_rows: int = 1
     no_cfg: str = ""  # what runs then, for people
-    embedded_guidance: bool = False  # the denoiser takes the guidance itself (Flux): never classifier-free guidance
+    embedded_guidance: bool = False  # the denoiser takes the guidance itself (Flux, LCM): never classifier-free guidance
     step_model: Path | None = field(default=None, repr=False)
     context_model: Path | None = field(default=None, repr=False)
     down_model: Path | None = field(default=None, repr=False)
@@ -110,7 +111,8 @@ class GenerationPlan:
     def guidance_text(self) -> str:
         """Whether classifier-free guidance runs, and what runs without it."""
         if self.embedded_guidance:
-            return "CFG never: the denoiser embeds the guidance, one row per image, no negative prompt"
+            return ("CFG never: the denoiser embeds the guidance, one row per image, no negative prompt"
+                    + (f" ({self.no_cfg})" if self.no_cfg else ""))
         on = "CFG on (guidance > 1): [negative; prompt] rows, two per image"
         off = f"CFG off (guidance <= 1): the prompt alone, the negative prompt ignored; {self.no_cfg}"
         if self.classifier_free_guidance is None:
@@ -198,8 +200,14 @@ def _plan_without_guidance(folder, plan, options) -> None:
     named by the request); the guided step is then exact: eps_c + g * (eps_c - eps_c) = eps_c.
     With the request's guidance known (``options.guidance``), the step it needs is made at load and
     the other one on first use."""
-    if not folder.family.denoiser.classifier_free_guidance:  # Flux: no guidance rows at all
+    denoiser = folder.family.denoiser
+    if not denoiser.classifier_free_guidance:  # Flux, LCM: no guidance rows at all
         plan.embedded_guidance, plan.classifier_free_guidance = True, False
+        if denoiser.guidance_embedding:
+            plan.no_cfg = f"the guidance as {denoiser.guidance_embedding}, computed once per image"
+            if plan.provider == "tensorrt":  # the UNet's engine is built at batch 2 (runners.folder_engines)
+                plan.no_cfg_rows = 2
+                plan.no_cfg += "; the prompt's row twice (its TensorRT engines are built for two rows per image)"
         return
     if options.guidance is not None:
         plan.classifier_free_guidance = classifier_free_guidance(options.guidance)
@@ -227,7 +235,7 @@ def _plan_without_guidance(folder, plan, options) -> None:
 
 def inpainting_unet(folder: PipelineFolder) -> bool:
     """Whether the UNet reads more channels than the latents (an inpainting UNet: latents, mask and
-    masked-image latents, StableDiffusionInpaintPipeline's). A transformer family's denoiser is none."""
+    masked-image latents, StableDiffusion(XL)InpaintPipeline's). A transformer family's denoiser is none."""
     if folder.denoiser != "unet":
         return False
     return folder.config("unet").get("in_channels", 4) != folder.config("vae_decoder").get("latent_channels", 4)

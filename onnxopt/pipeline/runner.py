@@ -367,7 +367,7 @@ class Pipeline:
         if key not in self.sessions:
             session = self._open_once(encoder, static.get(batch))
             check_interface(session, static.get(batch) or component.model, "text encoder", ["input_ids"],
-                            ["last_hidden_state"] if self.folder.kind in ("sd", "controlnet") else [])
+                            ["last_hidden_state"] if self.folder.kind in ("sd", "lcm", "controlnet") else [])
             if encoder != "text_encoder_3":  # T5 takes the request's length (max_sequence_length)
                 tokenizer = self.tokenizers[TOKENIZER_OF[encoder]]
                 check_prompt_length(self.folder, encoder, tokenizer.model_max_length, session)
@@ -416,27 +416,35 @@ class Pipeline:
     # --- one image -----------------------------------------------------------------------------
 
     @clears_status
-    def __call__(self, prompt: str, negative_prompt: str | None = None, steps: int = 50, guidance: float = 7.5,
+    def __call__(self, prompt: str, negative_prompt: str | None = None, steps: int | None = None,
+                 guidance: float | None = None,
                  scheduler: str | None = None, seed: int = 0, height: int | None = None, width: int | None = None,
                  controlnet_image=None, controlnet_scale=1.0, progress: bool = True, reuse=None, image=None,
-                 mask=None, strength: float | None = None, num_images: int = 1, max_sequence_length: int = 256) -> Result:
+                 mask=None, strength: float | None = None, num_images: int = 1, max_sequence_length: int = 256,
+                 denoising_end: float | None = None) -> Result:
         """One image (``num_images``: diffusers' num_images_per_prompt, one batch from one generator).
         ``scheduler``: one of :data:`~onnxopt.pipeline.schedulers.SCHEDULERS`, made from
         the folder's config; None: the folder's own scheduler, as diffusers' pipeline uses it.
+        ``steps``, ``guidance``: None: the family's pipeline's defaults (50 and 7.5; LCM's 4 and 8.5).
         ``guidance`` <= 1 turns classifier-free guidance off, as diffusers does (the negative prompt
-        is then unused). ``controlnet_image``: the conditioning image (a path, PIL image or array), or a
+        is then unused); a UNet that embeds the guidance (LCM's ``time_cond_proj_dim``) never runs it
+        and takes the guidance as its embedding (:mod:`onnxopt.pipeline.guidance_embedding`).
+        ``controlnet_image``: the conditioning image (a path, PIL image or array), or a
         list of one per ControlNet (folders with ``controlnet_1/``...); ``controlnet_scale``: one
         scale for every ControlNet, or a list of one per ControlNet (diffusers' semantics).
         ``image`` (a path or PIL image) with ``strength``: img2img; with ``mask`` too, on a folder
         whose UNet is an inpainting one: inpainting (:mod:`onnxopt.pipeline.img2img`).
-        ``max_sequence_length``: SD3's T5 prompt length in tokens (diffusers' default 256)."""
+        ``max_sequence_length``: SD3's T5 prompt length in tokens (diffusers' default 256).
+        ``denoising_end``: SDXL's, the fraction of the schedule after which the loop stops."""
         from onnxopt.pipeline.img2img import LatentSource, check_steps_run, prepare
 
         torch = _torch()
         folder = self.folder
+        steps = folder.family.default_steps if steps is None else steps
+        guidance = folder.family.default_guidance if guidance is None else guidance
         scheduler = check_request(folder, steps=steps, scheduler=scheduler, height=height, width=width,
                                   controlnet_image=controlnet_image, controlnet_scale=controlnet_scale, image=image,
-                                  mask=mask, strength=strength, num_images=num_images)
+                                  mask=mask, strength=strength, num_images=num_images, denoising_end=denoising_end)
         check_numbers(guidance=guidance, seed=seed, controlnet_scale=controlnet_scale)
         check_prompts(prompt, negative_prompt)
         check_sequence_length(folder, max_sequence_length)
@@ -459,7 +467,7 @@ class Pipeline:
                          "session_runs_per_step": self.session_runs_per_step()}
         start = time.perf_counter()
         cond = self._conditioning(prompt, negative_prompt, height, width, timings, num_images, max_sequence_length,
-                                  classifier_free_guidance(guidance))
+                                  classifier_free_guidance(guidance, folder.family.denoiser), guidance)
         sched = self._scheduler(scheduler)
         self._latent_size = (height // factor, width // factor)  # flow matching's dynamic shifting reads it
         generator = torch.Generator("cpu").manual_seed(seed)
@@ -474,7 +482,7 @@ class Pipeline:
             timings["vae_encode_s"] = time.perf_counter() - t0
         controlnet = self._controlnet_inputs(cond, controls, controlnet_scale, timings, num_images) if controls else None
         latents = self._denoise(scheduler, sched, steps, initial, cond, controlnet, guidance, reused, progress, timings,
-                                first, extra, generator)
+                                first, extra, generator, denoising_end)
         every = self._decode(latents, guidance, timings)
         timings["total_s"] = time.perf_counter() - start
         # what no stage holds: the scheduler's set-up, the initial noise, the writes into bound buffers
@@ -487,16 +495,16 @@ class Pipeline:
         return Result(latents=latents, pixels=every[0], timings=timings, all_pixels=every)
 
     def _conditioning(self, prompt, negative_prompt, height: int, width: int, timings: dict, images: int = 1,
-                      max_sequence_length: int = 256, cfg: bool = True) -> dict:
+                      max_sequence_length: int = 256, cfg: bool = True, guidance: float = 1.0) -> dict:
         """The step's conditioning: the text encoders' outputs (SDXL: with its time ids), each row
         repeated ``images`` times ([negative] * N + [prompt] * N, diffusers' num_images_per_prompt;
-        without classifier-free guidance, ``cfg`` False: [prompt] * N), and the cross-attention K/V
-        when the step graph reads them instead of the text."""
+        without classifier-free guidance, ``cfg`` False: [prompt] * N), the guidance embedding where
+        the UNet takes one, and the cross-attention K/V when the step graph reads them instead of the text."""
         t0 = time.perf_counter()
         cond = self._prompt_conditioning(prompt, negative_prompt, height, width, max_sequence_length, cfg)
         if images > 1:
             cond = {name: np.repeat(value, images, axis=0) for name, value in cond.items()}
-        cond = self._step_conditioning(cond, cfg)
+        cond = self._step_conditioning(self._with_guidance_embedding(cond, guidance), cfg)
         timings["text_encoder_s"] = time.perf_counter() - t0
         timings["text_encoders"] = dict(self.text_sources)
         return cond
@@ -523,6 +531,32 @@ class Pipeline:
             # 140 K/V tensors, 50 MB, cost ~20 ms a prompt through the host)
             cond.update(run_on_device(self.sessions["context"], cond))
         return cond
+
+    def _with_guidance_embedding(self, cond: dict, guidance) -> dict:
+        """``cond`` with the guidance embedding of ``guidance`` (one value, or one per image: a batch), one
+        row per image, where the UNet takes one (LCM's
+        ``timestep_cond``: :mod:`onnxopt.pipeline.guidance_embedding`), after checking that the graph
+        that runs takes it as the UNet's config says (and takes none where the config sets none)."""
+        from onnxopt.pipeline.guidance_embedding import check_embedding_input, guidance_embedding
+
+        if self.folder.denoiser != "unet":
+            return cond
+        name, width = self.folder.family.denoiser.guidance_embedding, self.folder.config("unet").get("time_cond_proj_dim")
+        check_embedding_input(*self._denoiser_graph(), name, width)
+        if name is None:
+            return cond
+        rows = len(cond["encoder_hidden_states"])  # one per image: the UNet runs no guidance rows
+        return dict(cond, **{name: guidance_embedding(guidance if isinstance(guidance, list) else [guidance] * rows, width)})
+
+    def _denoiser_graph(self):
+        """(session, its file) of the denoiser graph that runs: the step graph when one is made, else
+        the denoiser's own (made now)."""
+        made = [key for key in ("step", NO_CFG_STEP) if key in self.sessions]
+        model = self.folder.component(self.folder.denoiser).model
+        if not made:
+            return self._unet_session(), model
+        entry = self.plan.entry(made[0]) if self.plan is not None else None
+        return self.sessions[made[0]], entry.model if entry is not None and entry.model is not None else model
 
     def _rows_without_guidance(self) -> int:
         """The denoiser's rows per image without classifier-free guidance (the plan's
@@ -588,17 +622,19 @@ class Pipeline:
         return controlnet
 
     def _denoise(self, name: str, sched, steps: int, initial, cond, controlnet, guidance: float, reused, progress: bool,
-                 timings: dict, start: int | None = None, extra=None, generator=None) -> np.ndarray:
+                 timings: dict, start: int | None = None, extra=None, generator=None, end: float | None = None) -> np.ndarray:
         """The denoising loop from the ``initial`` latents: the fused step when the pipeline has one and
         the scheduler is affine, else diffusers' loop. ``start``: the index of the first timestep
         (img2img; None: text to image); ``extra``: the inpainting UNet's mask and masked-image channels.
         ``generator``: the image's, which a scheduler that adds noise at each step (Euler ancestral,
-        LCM) draws from after the initial latents, as diffusers' does."""
+        LCM) draws from after the initial latents, as diffusers' does. ``end``: SDXL's denoising_end
+        (:func:`~onnxopt.pipeline.img2img.steps_before_end`: the loop stops early)."""
+        from onnxopt.pipeline.img2img import steps_before_end
         from onnxopt.pipeline.schedulers import SchedulerError, _set_timesteps
 
         # diffusers' do_classifier_free_guidance is guidance > 1: at 1 or below, the prompt's row alone (cond
         # holds it alone, or twice where the denoiser takes two rows per image: there eps_u == eps_c exactly)
-        cfg = classifier_free_guidance(guidance)
+        cfg = classifier_free_guidance(guidance, self.folder.family.denoiser)
         rows = 2 if cfg else self._rows_without_guidance()
         timings["classifier_free_guidance"] = cfg
         if not cfg:
@@ -611,23 +647,29 @@ class Pipeline:
                 plan = self._plan(name, sched, steps, start or 0)
             except SchedulerError as exc:  # e.g. DDIM with clip_sample: not affine, diffusers' own step then
                 timings["step"] = f"unfused: {exc}"
-        if plan is None:
+        train_steps = sched.config.num_train_timesteps
+        if plan is not None:
+            plan = plan.first(steps_before_end(plan.timesteps, end, train_steps))
+        else:
             self._unet_session()
             # PNDM runs steps + 1 (its second timestep twice): the bar counts them
             _set_timesteps(sched, steps, self._timestep_kwargs(sched, steps))
+        run = len(plan) if plan is not None else steps_before_end(sched.timesteps[start or 0:], end, train_steps)
         self.status.done()
-        bar = _progress(len(plan) if plan is not None else len(sched.timesteps) - (start or 0), progress)
+        bar = _progress(run, progress)
         if plan is not None:
             if extra is not None:  # the step graph of an inpainting UNet reads them beside the latents
                 from onnxopt.pipeline.step_graph import INPAINT_INPUT
 
                 cond = dict(cond, **{INPAINT_INPUT: extra})
+            # a denoiser that embeds the guidance has one step graph, of one row per image
+            step = "step" if rows == 2 or not self.folder.family.denoiser.classifier_free_guidance else NO_CFG_STEP
             latents = self._fused_loop(plan, initial, cond, controlnet, guidance if cfg else 1.0, reused, bar, timings,
-                                       generator, "step" if rows == 2 else NO_CFG_STEP)
+                                       generator, step)
         else:
             step_times: list = []
             latents = self._unfused_loop(sched, steps, initial, cond, controlnet, guidance if cfg else None, step_times,
-                                         bar, self.folder.kind, reused, start, extra, generator, rows)
+                                         bar, self.folder.kind, reused, start, extra, generator, rows, run)
             timings["first_step_s"] = step_times[0]
             computed = [t for k, t in enumerate(step_times) if k and k not in reused]
             timings["step_mean_s"] = float(np.mean(computed)) if computed else step_times[0]
@@ -799,13 +841,14 @@ class Pipeline:
         return self.sessions[name]
 
     def _unfused_loop(self, sched, steps, initial, cond, controlnet, guidance, step_times, bar, kind, reused=frozenset(),
-                      start: int | None = None, extra=None, generator=None, rows: int = 2):
+                      start: int | None = None, extra=None, generator=None, rows: int = 2, run: int | None = None):
         """diffusers' loop from the ``initial`` latents and the timestep at ``start`` (None: text to
         image): UNet session on ``rows`` rows per image, guidance in numpy (``guidance`` None: no
         guidance, the prompt's own output: the last row's), diffusers' scale_model_input and step (at a
         ``reused`` step: diffusers' step on the last computed guided output, no UNet); ``extra``: the
         inpainting channels the UNet reads after the latents. ``generator``: the image's, for a step
-        that draws noise.
+        that draws noise. ``run``: how many of the timesteps from ``start`` run (None: all; SDXL's
+        denoising_end stops earlier).
         """
         from onnxopt.pipeline.schedulers import _scale_model_input, _set_timesteps, step_extra_kwargs
 
@@ -818,7 +861,7 @@ class Pipeline:
         unet = self._unet_session()
         denoiser = self.folder.family.denoiser
         eps = None
-        for k, t in enumerate(sched.timesteps[start or 0:]):
+        for k, t in enumerate(sched.timesteps[start or 0:][:run]):
             t1 = time.perf_counter()
             if k in reused:
                 latents = sched.step(torch.from_numpy(eps), t, latents, return_dict=False, **step_kwargs)[0]
@@ -859,13 +902,14 @@ def _step_noise(plan, shape, generator, k: int, loop) -> None:
 @clears_status
 def check_request(folder: PipelineFolder, *, steps: int = 50, scheduler: str | None = None, height=None, width=None,
                   controlnet_image=None, controlnet_scale=1.0, status: bool | None = False, image=None, mask=None,
-                  strength=None, num_images: int = 1) -> str:
+                  strength=None, num_images: int = 1, denoising_end=None) -> str:
     """Refuse a bad request before any session exists (one-line :class:`GenerationError`); returns
     the scheduler's name (``scheduler``, or the folder's own when None). ``status``: as
     :meth:`Pipeline.load`'s (the scheduler's check imports torch and diffusers: seconds)."""
     say = StartupStatus(status)
     say("importing torch and diffusers")
-    from onnxopt.pipeline.img2img import check_init_request, check_num_images, check_steps_run, strength_of
+    from onnxopt.pipeline.img2img import (check_denoising_end, check_init_request, check_num_images, check_steps_run,
+                                          strength_of)
     from onnxopt.pipeline.schedulers import ALL_SCHEDULERS, schedulers_for
 
     if scheduler is not None and scheduler not in ALL_SCHEDULERS:
@@ -903,10 +947,14 @@ def check_request(folder: PipelineFolder, *, steps: int = 50, scheduler: str | N
                               "are run for the UNet families only")
     check_num_images(num_images)
     check_init_request(folder, image, mask, strength, height, width)
+    check_denoising_end(folder, denoising_end)
     if image is not None:
         check_steps_run(steps, strength_of(folder, strength))
     scheduler = _checked_schedule(json.dumps(folder.scheduler_config(), sort_keys=True, default=str), folder.kind,
                                   folder_scheduler_class(folder), scheduler, steps, _latent_size(folder, height, width))
+    if folder.family.schedulers is not None and scheduler not in folder.family.schedulers:  # the request's or the folder's own
+        raise GenerationError(f"{folder.root} is a {folder.kind} pipeline ({folder.index.get('_class_name')}): it runs "
+                              f"{', '.join(folder.family.schedulers)} only, not {scheduler}")
     check_model_configs(folder)
     say.done()
     return scheduler
@@ -973,9 +1021,7 @@ def check_model_configs(folder: PipelineFolder) -> None:
     """Component config values diffusers' pipeline reads that onnxopt would misread or crash on:
     a one-line GenerationError. (The audit of every field: docs/pipeline-configs.md.)"""
     unet = folder.config("unet")
-    if unet.get("time_cond_proj_dim") is not None:  # a guidance-distilled UNet (LCM): diffusers feeds timestep_cond
-        raise GenerationError(f"{folder.root / 'unet'}: a UNet with time_cond_proj_dim (guidance embedding, as LCM's) "
-                              "is not supported")
+    check_guidance_embedding_config(folder)
     if folder.kind == "sd" and "_diffusers_version" in unet:
         _written_before_0_9(unet)  # unparsable: diffusers' StableDiffusionPipeline fails on it
     if folder.kind != "sdxl" and folder.config("text_encoder").get("use_attention_mask"):
@@ -997,6 +1043,30 @@ def check_model_configs(folder: PipelineFolder) -> None:
             from onnxopt.pipeline.folder import read_json
 
             check_prompt_length(folder, encoder, read_json(path).get("model_max_length"))
+
+
+def check_guidance_embedding_config(folder: PipelineFolder) -> None:
+    """A guidance-distilled UNet (``time_cond_proj_dim``, LCM's) runs where diffusers' pipeline of the
+    folder feeds its embedding (:data:`~onnxopt.pipeline.families.GUIDANCE_EMBEDDING_KINDS`), on a
+    text-to-image UNet; LatentConsistencyModelPipeline needs one (diffusers' fails without). The
+    value's type is checked with the folder (``CONFIG_FIELDS``); its match with the graph's input
+    where the graph runs (:func:`~onnxopt.pipeline.guidance_embedding.check_embedding_input`)."""
+    from onnxopt.pipeline.families import GUIDANCE_EMBEDDING_KINDS
+    from onnxopt.pipeline.plan import inpainting_unet
+
+    config = folder.root / "unet" / "config.json"
+    width = folder.config("unet").get("time_cond_proj_dim")
+    if width is None:
+        if folder.family.denoiser.guidance_embedding:
+            raise GenerationError(f"{config}: {folder.index.get('_class_name')} needs a UNet with time_cond_proj_dim "
+                                  "(the guidance embedding's width), and this config sets none")
+        return
+    if folder.kind not in GUIDANCE_EMBEDDING_KINDS:
+        raise GenerationError(f"{config}: a UNet with time_cond_proj_dim (a guidance embedding, as LCM's) runs in SD 1.5 "
+                              f"and LatentConsistencyModelPipeline folders, not in a {folder.kind} one")
+    if inpainting_unet(folder):
+        raise GenerationError(f"{config}: an inpainting UNet with time_cond_proj_dim (a guidance embedding) is not "
+                              "supported")
 
 
 def check_prompt_length(folder: PipelineFolder, encoder: str, length, session=None) -> None:
@@ -1265,7 +1335,8 @@ def generate(folder, prompt: str, *, output=None, provider: str = "cpu", fused_s
         images.check_writable(output)
         images.image_format(output)
     folder = folder if isinstance(folder, PipelineFolder) else PipelineFolder.open(folder)
-    options["scheduler"] = check_request(folder, steps=options.get("steps", 50), scheduler=options.get("scheduler"))
+    steps = folder.family.default_steps if options.get("steps") is None else options["steps"]
+    options["scheduler"] = check_request(folder, steps=steps, scheduler=options.get("scheduler"))
     pipe = Pipeline.load(folder, provider, fused_step=fused_step and fusable(options["scheduler"]), cuda_graph=cuda_graph,
                          status=None if options.get("progress", True) else False, loras=loras)
     result = pipe(prompt, **options)

@@ -32,7 +32,9 @@ Euler ancestral and LCM add noise at each step (LCM: at each step but the last).
 affine in (x, eps, noise): the probe passes a seeded generator, sees whether the step drew from it,
 and reads the noise's coefficient from a basis channel whose x, eps and state are all zero. The
 run draws that noise with the image's generator in diffusers' order and feeds it as ``state``
-(:attr:`StepPlan.noise`), so the image is diffusers' own.
+(:attr:`StepPlan.noise`), so the image is diffusers' own. LCM's last step draws none and returns
+``prev_sample = denoised``: the latents after the run are the ``denoised`` that diffusers'
+LatentConsistencyModelPipeline decodes.
 
 PNDM (SD 1.5's own scheduler: PLMS with ``skip_prk_steps``) and UniPC are run by diffusers' own
 ``step`` in the host loop (the plan says so): their updates read up to three earlier model outputs
@@ -53,7 +55,7 @@ from __future__ import annotations
 
 import copy
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -113,6 +115,12 @@ class StepPlan:
 
     def __len__(self) -> int:
         return len(self.timesteps)
+
+    def first(self, steps: int) -> "StepPlan":
+        """The plan's first ``steps`` steps (a run stopped early: each step's coefficients depend on
+        the steps before it only, so a prefix is that run's plan)."""
+        return replace(self, timesteps=self.timesteps[:steps], coefficients=self.coefficients[:steps],
+                       noise=self.noise[:steps])
 
 
 def schedulers_for(flow_matching: bool) -> tuple[str, ...]:
