@@ -87,7 +87,6 @@ from onnxopt.runners.captured_session import CapturedSession
 from onnxopt.pipeline.sessions import (
     DeviceStepLoop,
     HostStepLoop,
-    SharedWeights,
     as_list,
     controlnet_prepare_model,
     create_session,
@@ -1268,7 +1267,6 @@ class _SessionMaker:
         self.io_binding, self.requested = plan.io_binding, plan.capture
         self.capture = plan.capture  # the step session's outcome, once it is made
         self.sessions: dict = {}
-        self.step_weights = None  # SharedWeights of the step sessions, read with the first of them
         # sessions made ahead: ORT's own (a LoRA rewrites the graphs it touches; TensorRT loads engines)
         ahead = loras is None and plan.provider != "tensorrt"
         self.prefetch = SessionPrefetch(self._create, workers if ahead else 0)
@@ -1304,7 +1302,7 @@ class _SessionMaker:
             elif entry.binds == HOST:
                 requests.append(Ahead(entry.component, entry.model))
             elif entry.key in ("step", NO_CFG_STEP):  # a step graph built in memory is not a file
-                if entry.key == "step" and not plan.build_step_graph and not self.shares_step_weights():
+                if entry.key == "step" and not plan.build_step_graph:
                     requests.append(Ahead(folder.denoiser, entry.model, plan.capture))
             elif entry.binds == STEP_LOOP:
                 requests.append(Ahead(entry.component, entry.model, plan.capture))
@@ -1356,29 +1354,6 @@ class _SessionMaker:
         """A text encoder, made on first use, asking for capture as the plan does."""
         return self.once(name, model, self.requested)
 
-    def shares_step_weights(self) -> bool:
-        """Whether the two step sessions take one host copy of the weights (:meth:`_step_weights`;
-        such a session is made when asked, not ahead: it needs the weights read first)."""
-        plan = self.plan
-        return plan.provider == "cpu" and plan.entry(NO_CFG_STEP) is not None and plan.classifier_free_guidance is None
-
-    def _step_weights(self, model) -> dict:
-        """``shared_initializers`` for a step session: on the CPU EP, where the plan holds the step
-        without guidance beside the guided one and each call brings its own guidance (loaded
-        without ``guidance``, as ``serve`` loads), the step graph's weights read once
-        (:class:`~onnxopt.pipeline.sessions.SharedWeights`) and used by both sessions as they are,
-        so that the second holds none of them again. They run unprepacked (ORT's MatMul on the
-        2-core CI machine: 7-34 % slower), so a pipeline loaded for one guidance, whose other step
-        session is made only if a call asks for it (``generate``), keeps ORT's own prepacked weights.
-        Elsewhere nothing: a host OrtValue fed to a CUDA session is copied to the device per session
-        (ORT shares only an OrtValue on the session's device), and a TensorRT engine holds its own
-        weights."""
-        if not self.shares_step_weights():
-            return {}
-        if self.step_weights is None:
-            self.step_weights = SharedWeights.of(model, self.folder.component(self.folder.denoiser).folder)
-        return {"shared_initializers": self.step_weights}
-
     def make(self, entry: SessionEntry) -> None:
         if entry.binds == BOUND:
             session = self.once(entry.component, entry.model)
@@ -1393,7 +1368,7 @@ class _SessionMaker:
             denoiser = self.folder.denoiser
             beside = {"external_data_folder": self.folder.component(denoiser).folder,
                       "map_model": entry.model} if isinstance(model, bytes) else {}
-            session, self.capture = self.captured(denoiser, model, say=True, **beside, **self._step_weights(model))
+            session, self.capture = self.captured(denoiser, model, say=True, **beside)
         elif entry.binds == STEP_LOOP:
             session, _ = self.captured(entry.component, entry.model)
         elif entry.key == "reuse":
