@@ -67,13 +67,15 @@ from onnxopt.errors import MissingDependencyError, OnnxoptError
 
 # the UNet families' that plan_steps reads as coefficients (euler-a and lcm: with the noise they draw as an input)
 FUSED_SCHEDULERS = ("ddim", "euler", "dpm++2m", "euler-a", "dpm++2m-karras", "lcm")
-# diffusers' own step in the host loop: their update reads several earlier outputs, the step graph carries one
-HOST_SCHEDULERS = ("pndm", "unipc")
-SCHEDULERS = (*FUSED_SCHEDULERS, *HOST_SCHEDULERS)  # every name a UNet family takes
+# read by plan_plms as a matrix over a history of earlier values (PNDM's PLMS steps; its PRK steps run on the host)
+HISTORY_SCHEDULERS = ("pndm",)
+# diffusers' own step in the host loop: UniPC's corrector reads the previous sample and outputs beside the update
+HOST_SCHEDULERS = ("unipc",)
+SCHEDULERS = (*FUSED_SCHEDULERS, *HISTORY_SCHEDULERS, *HOST_SCHEDULERS)  # every name a UNet family takes
 FLOW_MATCH = "flow-match"  # FlowMatchEulerDiscreteScheduler: the transformer families' (SD3, Flux)
 FLOW_MATCH_SCHEDULERS = (FLOW_MATCH,)  # what a flow-matching denoiser takes (it predicts a velocity, not noise)
 ALL_SCHEDULERS = (*SCHEDULERS, *FLOW_MATCH_SCHEDULERS)  # every name a run takes
-FUSABLE_SCHEDULERS = (*FUSED_SCHEDULERS, *FLOW_MATCH_SCHEDULERS)  # every one the step graph runs
+FUSABLE_SCHEDULERS = (*FUSED_SCHEDULERS, *HISTORY_SCHEDULERS, *FLOW_MATCH_SCHEDULERS)  # every one the step graph runs
 # the folder's scheduler class -> the name that makes it as it is
 FOLDER_CLASSES = {"DDIMScheduler": "ddim", "EulerDiscreteScheduler": "euler", "DPMSolverMultistepScheduler": "dpm++2m",
                   "PNDMScheduler": "pndm", "EulerAncestralDiscreteScheduler": "euler-a",
