@@ -37,6 +37,8 @@ BUILT = "built graph"  # a small graph onnxopt builds (the reuse step, the Contr
 NO_CFG_STEP = "step_no_cfg"  # the session key of the step without classifier-free guidance (one row per image)
 HISTORY_STEP = "+history"  # after a step session's key: that step with PLMS's history (PNDM, made on first use)
 PLMS_HISTORY = len(PLMS_SLOTS)  # its slots
+# every step session key: with guidance or without, each with PLMS's history or without
+STEP_SESSIONS = ("step", NO_CFG_STEP, "step" + HISTORY_STEP, NO_CFG_STEP + HISTORY_STEP)
 
 
 class GenerationError(OnnxoptError):
@@ -191,7 +193,26 @@ def plan_generation(folder: PipelineFolder, provider: str, options: PlanOptions 
         _plan_step(folder, plan, options, io_binding, two_streams, hints)
     _plan_per_step_sessions(folder, plan, io_binding)
     _plan_without_guidance(folder, plan, options)
+    _plan_history(folder, plan)
     return plan
+
+
+def _plan_history(folder: PipelineFolder, plan: GenerationPlan) -> None:
+    """PNDM's PLMS steps (``skip_prk_steps``) run on the step graph with its history
+    (:func:`~onnxopt.pipeline.step_graph.with_history`, built in memory from the plan's step graph):
+    made in place of the plain step (which is then made on first use, for a request naming another
+    scheduler). Not for a folder with ControlNets: their graphs read six coefficients a step, and
+    diffusers' loop runs PNDM there."""
+    if plan.scheduler != "pndm" or folder.controlnets or not folder.scheduler_config().get("skip_prk_steps", False):
+        return
+    for key in ("step", NO_CFG_STEP):
+        entry = plan.entry(key)
+        if entry is None:
+            continue
+        index = plan.sessions.index(entry)
+        plan.sessions[index] = replace(entry, lazy=True)
+        plan.sessions.insert(index + 1, replace(entry, key=key + HISTORY_STEP, runs=f"{entry.runs} (PNDM)",
+                                                graph=f"{entry.graph}, with PNDM's history"))
 
 
 def _plan_without_guidance(folder, plan, options) -> None:

@@ -68,6 +68,7 @@ from onnxopt.pipeline.plan import (
     HISTORY_STEP,
     NO_CFG_STEP,
     PLMS_HISTORY,
+    STEP_SESSIONS,
     STEP_LOOP,
     GenerationError,
     GenerationPlan,
@@ -192,7 +193,7 @@ class Pipeline:
 
     @property
     def fused_step(self) -> bool:
-        return "step" in self.sessions or NO_CFG_STEP in self.sessions
+        return any(key in self.sessions for key in STEP_SESSIONS)
 
     @classmethod
     @clears_status
@@ -290,7 +291,7 @@ class Pipeline:
         if folder.family.runner and cls is Pipeline:  # the family's own runner (Flux: its prompt, packed latents)
             module, name = folder.family.runner.split(":")
             cls = getattr(importlib.import_module(module), name)
-        fused = "step" in made or NO_CFG_STEP in made
+        fused = any(key in made for key in STEP_SESSIONS)
         pipe = cls(folder, plan.provider, made, step_source=plan.step, cuda_graph=sessions.capture and fused,
                    io_binding=plan.io_binding, device_id=device_id,
                    threads=threads, creation_s=time.perf_counter() - start)
@@ -552,7 +553,7 @@ class Pipeline:
     def _denoiser_graph(self):
         """(session, its file) of the denoiser graph that runs: the step graph when one is made, else
         the denoiser's own (made now)."""
-        made = [key for key in ("step", NO_CFG_STEP) if key in self.sessions]
+        made = [key for key in STEP_SESSIONS if key in self.sessions]
         model = self.folder.component(self.folder.denoiser).model
         if not made:
             return self._unet_session(), model
@@ -565,11 +566,14 @@ class Pipeline:
         :func:`~onnxopt.pipeline.step_graph.without_guidance` refuses the step graph (a static batch),
         the guided one runs on the prompt's row twice instead, and the plan says so."""
         plan = self.plan
-        if plan.no_cfg_rows == 1 and plan.entry(NO_CFG_STEP) is not None and NO_CFG_STEP not in self.sessions:
+        # the one the folder's scheduler runs (PNDM: with its history) tells as well as the other
+        key = next(k for k in (NO_CFG_STEP + HISTORY_STEP, NO_CFG_STEP) if plan.entry(k) is not None or k == NO_CFG_STEP)
+        made = any(k in self.sessions for k in (NO_CFG_STEP, NO_CFG_STEP + HISTORY_STEP))
+        if plan.no_cfg_rows == 1 and plan.entry(NO_CFG_STEP) is not None and not made:
             from onnxopt.errors import UnsupportedModelError
 
             try:
-                self._step_session(NO_CFG_STEP)
+                self._step_session(key)
             except UnsupportedModelError as exc:
                 print(f"onnxopt: {exc}: the prompt's row runs twice instead", file=sys.stderr)
                 plan.no_cfg_rows, plan.no_cfg = 2, f"the prompt's row twice ({exc})"
@@ -581,8 +585,8 @@ class Pipeline:
         if key not in self.sessions:
             base = key.removesuffix(HISTORY_STEP)
             self.status("preparing the step graph" + (" without guidance" if base == NO_CFG_STEP else "")
-                        + (" with a history (PNDM)" if base != key else ""))
-            self._make_session(replace(self.plan.entry(base), key=key))
+                        + (" with PNDM's history" if base != key else ""))
+            self._make_session(self.plan.entry(key) or replace(self.plan.entry(base), key=key))
             self.status.done()
         return self.sessions[key]
 
@@ -592,7 +596,7 @@ class Pipeline:
         4-channel one beside SD3's 16-channel transformer, was ORT's shape error mid-run)."""
         name = self.folder.denoiser
         channels = self.folder.config(name).get("in_channels", 4)
-        made = [self.sessions[key] for key in ("step", NO_CFG_STEP) if key in self.sessions]
+        made = [self.sessions[key] for key in STEP_SESSIONS if key in self.sessions]
         session, latent = (made[0], "latents") if made else (self._unet_session(), self.folder.family.denoiser.sample)
         shape = next((i.shape for i in session.get_inputs() if i.name == latent), None)
         if shape and len(shape) == 4 and isinstance(shape[1], int) and shape[1] != channels:
