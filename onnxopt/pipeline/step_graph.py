@@ -56,6 +56,11 @@ guided output as it is (``Concat([x, x])`` becomes ``Identity(x)``; the Split, S
 guidance go). The runner builds it in memory from ``step.onnx``, its weights referring to the
 UNet's data files, when a request turns guidance off.
 
+A history (PNDM's PLMS steps: the last three model outputs and the first sample): :func:`with_history`
+turns a written step graph into one whose ``state`` holds those slots on a leading axis and whose
+update is a matrix per step (:func:`onnxopt.pipeline.schedulers.plan_plms`); built in memory, as the
+step without guidance is.
+
 ``cfg_late`` (:mod:`onnxopt.passes.cfg_late`): the part of the UNet that reads
 only the latents and the timestep runs once at batch b, and ``Concat([h, h], axis 0)`` broadcasts
 it where the text side comes in (the first cross-attention's query; SDXL: the time embedding,
