@@ -199,20 +199,18 @@ def plan_generation(folder: PipelineFolder, provider: str, options: PlanOptions 
 
 def _plan_history(folder: PipelineFolder, plan: GenerationPlan) -> None:
     """PNDM's PLMS steps (``skip_prk_steps``) run on the step graph with its history
-    (:func:`~onnxopt.pipeline.step_graph.with_history`, built in memory from the plan's step graph):
-    made in place of the plain step (which is then made on first use, for a request naming another
-    scheduler). Not for a folder with ControlNets: their graphs read six coefficients a step, and
-    diffusers' loop runs PNDM there."""
+    (:func:`~onnxopt.pipeline.step_graph.with_history`, built in memory from the plan's step graph),
+    made on first use beside the plain step (which a load makes as before: a load does not know the
+    requests' schedulers). Not for a folder with ControlNets: their graphs read six coefficients a
+    step, and diffusers' loop runs PNDM there."""
     if plan.scheduler != "pndm" or folder.controlnets or not folder.scheduler_config().get("skip_prk_steps", False):
         return
     for key in ("step", NO_CFG_STEP):
         entry = plan.entry(key)
-        if entry is None:
-            continue
-        index = plan.sessions.index(entry)
-        plan.sessions[index] = replace(entry, lazy=True)
-        plan.sessions.insert(index + 1, replace(entry, key=key + HISTORY_STEP, runs=f"{entry.runs} (PNDM)",
-                                                graph=f"{entry.graph}, with PNDM's history"))
+        if entry is not None:
+            plan.sessions.insert(plan.sessions.index(entry) + 1, replace(
+                entry, key=key + HISTORY_STEP, runs=f"{entry.runs} (PNDM)", graph=f"{entry.graph}, with PNDM's history",
+                lazy=True))
 
 
 def _plan_without_guidance(folder, plan, options) -> None:
