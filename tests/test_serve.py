@@ -115,7 +115,7 @@ def test_full_queue_answers_503_with_retry_after(service):
     """More requests at once than the replicas take plus the queue holds: the rest get 503 +
     Retry-After at once, every other one its image."""
     base = service.base
-    burst = 2 * (MAX_BATCH + 1) + MAX_QUEUE + 6
+    burst = 2 * (2 * MAX_BATCH + 1) + MAX_QUEUE + 6  # 2 replicas: a batch running, one gathering, a slot each
     body = {"prompt": "load", "steps": 2, "size": "64x64", "seed": 1}
     with ThreadPoolExecutor(burst) as pool:
         answers = list(pool.map(lambda _: service.generate(body), range(burst)))
