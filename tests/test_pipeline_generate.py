@@ -277,6 +277,10 @@ def test_generate_on_an_optimized_folder(built, tmp_path, kind, context_kv):
     assert optimized.timings["step"] == "unet/step.onnx" + (" + step.context_kv.onnx" if context_kv else "")
     step_inputs = {i.name for i in pipe.sessions["step"].get_inputs()}
     assert ("encoder_hidden_states" in step_inputs) == (not context_kv)
+    if kind == "sd15":  # the folder's PNDM: unet/step.onnx with its history, built in memory from the written one
+        pndm = pipe(progress=False, **b.request())
+        assert pndm.timings["step"] == optimized.timings["step"] and "step+history" in pipe.sessions
+        assert_same_image(pndm.latents, pndm.pixels, *b.reference("pndm"))
     if kind == "sdxl":  # the added conditioning once per prompt too: the step reads add_embedding's output
         assert ("text_embeds" in step_inputs) == (not context_kv) == ("add_embedding.linear_2.out" not in step_inputs)
     if kind == "sd15-controlnet":  # the hint once per image: the ControlNet's step reads it, not the image

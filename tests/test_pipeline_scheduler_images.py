@@ -2,8 +2,9 @@
 
 The claim: on the tiny SD 1.5 folder (and SDXL for two of them), fp32 on the ORT CPU EP, the
 ONNX pipeline with ``euler-a``, ``dpm++2m-karras``, ``lcm`` (fused: the step graph, their noise
-drawn from the image's generator in diffusers' order and fed as the step's ``state``), ``unipc``
-and ``pndm`` (diffusers' own step in the host loop) gives the final latents and image of diffusers'
+drawn from the image's generator in diffusers' order and fed as the step's ``state``), ``pndm``
+(fused: the step graph with its history of earlier outputs) and ``unipc`` (diffusers' own step in
+the host loop) gives the final latents and image of diffusers'
 ``__call__`` with ``<Class>.from_config(pipe.scheduler.config)`` from the same weights and seed.
 
 Tolerances are test_pipeline_generate's (latents within 1e-4 of their scale, pixels within 1e-4):
