@@ -740,12 +740,15 @@ def test_the_folders_own_scheduler_is_used_by_default(built, tmp_path):
     (what from_pretrained makes), even where scheduler_config.json's _class_name says another."""
     b = built("sd15")
     assert PipelineFolder.open(b.folder).scheduler_config()["_class_name"] == "PNDMScheduler"
-    result = b.onnx()(progress=False, **b.request())
-    assert "PNDMScheduler" in result.timings["step"]
+    # PNDM's own marks: its second timestep twice (steps + 1 runs) on the step graph with its history
+    pipe = b.onnx()
+    result = pipe(progress=False, **b.request())
+    assert result.timings["steps"] == STEPS + 1 and "step+history" in pipe.sessions
     assert_same_image(result.latents, result.pixels, *b.reference(None))
     folder = copy_folder(b.folder, tmp_path / "sd15", **{"scheduler/scheduler_config.json": {"_class_name": "DDIMScheduler"}})
-    relabelled = Pipeline.load(folder, "cpu", threads=THREADS)(progress=False, **b.request())
-    assert "PNDMScheduler" in relabelled.timings["step"]
+    relabelled_pipe = Pipeline.load(folder, "cpu", threads=THREADS)
+    relabelled = relabelled_pipe(progress=False, **b.request())
+    assert relabelled.timings["steps"] == STEPS + 1 and "step+history" in relabelled_pipe.sessions
     assert_same_image(relabelled.latents, relabelled.pixels, *b.reference(None, folder=folder))
 
 
