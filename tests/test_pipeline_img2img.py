@@ -210,6 +210,17 @@ def test_inpainting_gives_the_diffusers_images(tiny, strength, mask_size, fused)
     assert ("unfused" in result.timings["step"]) is not fused
 
 
+def test_pndm_inpainting_on_the_step_graph(tiny):
+    """PNDM's history beside the inpainting UNet's mask channels: StableDiffusionInpaintPipeline's images."""
+    t = tiny("sd15-inpaint")
+    result = t.onnx()(PROMPT, negative_prompt=NEGATIVE, steps=STEPS, guidance=GUIDANCE, seed=SEED, scheduler="pndm",
+                      image=picture(), mask=mask_picture(), strength=0.6, height=32, width=48, num_images=2,
+                      progress=False)
+    assert_same(result, *t.reference("StableDiffusionInpaintPipeline", "pndm", image=picture(), mask_image=mask_picture(),
+                                     strength=0.6, height=32, width=48, num_images_per_prompt=2))
+    assert "unfused" not in result.timings["step"]
+
+
 @pytest.mark.parametrize("kind, guidance, fused", [("sd15", 1.0, True), ("sdxl", 0.7, False), ("sd15-inpaint", 1.0, True),
                                                    ("sd15-inpaint", 0.5, False)])
 def test_img2img_and_inpainting_without_guidance_are_diffusers(tiny, kind, guidance, fused):
