@@ -96,8 +96,24 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+PROJECT_PACKAGES = {"onnxopt", "models", "passes", "tests", "benchmarks"}
+INSTALL_HINT = "pip install 'onnxopt[cpu,models]'"  # the models extra brings every package exporting imports
+
+
 def main(argv=None) -> int:
-    argv = sys.argv[1:] if argv is None else list(argv)
+    """The command; a third-party package it needs and lacks is one line naming the extra, exit 2
+    (a missing module of the project or of Python's own library is a bug: its traceback stays)."""
+    try:
+        return _run(sys.argv[1:] if argv is None else list(argv))
+    except ModuleNotFoundError as exc:
+        package = (exc.name or "").partition(".")[0]
+        if not package or package in PROJECT_PACKAGES or package in sys.stdlib_module_names:
+            raise
+        print(f"python -m models: error: {package} is not installed: {INSTALL_HINT}", file=sys.stderr)
+        return 2
+
+
+def _run(argv: list[str]) -> int:
     if argv[:1] == ["coverage"]:  # its own parser: python -m models coverage --help
         from .coverage import main as coverage_main
 

@@ -16,6 +16,7 @@ from onnx import external_data_helper
 from onnx_graphsurgeon.ir.tensor import Constant
 
 from onnxopt.errors import ModelLoadError, UnsupportedModelError
+from onnxopt.input_files import refuse_special_file
 from onnxopt.model import Model, all_nodes
 from onnxopt.validity import check_model_structure
 from onnxopt.weight_provenance import record_origins
@@ -50,6 +51,7 @@ def _read_proto(path: Path) -> onnx.ModelProto:
         raise ModelLoadError(f"{path}: no such file")
     if path.is_dir():
         raise ModelLoadError(f"{path}: is a folder, expected an .onnx file")
+    refuse_special_file(path, "a model", ModelLoadError)  # onnx.load of a named pipe waited for a writer forever
     try:
         proto = onnx.load(str(path), load_external_data=False)
     except (DecodeError, RuntimeError, ValueError) as exc:

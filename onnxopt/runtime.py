@@ -101,6 +101,21 @@ def session_options(ort=None):
     return options
 
 
+# ONNX Runtime's graph optimization levels (SessionOptions.graph_optimization_level) by name; "all" is
+# ORT's default.
+OPTIMIZATION_LEVELS = ("disable", "basic", "extended", "all")
+
+
+def graph_optimization_level(ort, name: str):
+    """ORT's ``GraphOptimizationLevel`` called ``name`` (one of OPTIMIZATION_LEVELS); a one-line error
+    (exit code 2) for another name."""
+    if name not in OPTIMIZATION_LEVELS:
+        raise OnnxoptError(f"unknown graph optimization level '{name}' (choose from {', '.join(OPTIMIZATION_LEVELS)})")
+    level = ort.GraphOptimizationLevel
+    return {"disable": level.ORT_DISABLE_ALL, "basic": level.ORT_ENABLE_BASIC, "extended": level.ORT_ENABLE_EXTENDED,
+            "all": level.ORT_ENABLE_ALL}[name]
+
+
 def inference_session(model, providers, options=None):
     """``onnxruntime.InferenceSession(model, options, providers=providers)``; ``model`` a path or
     serialized bytes, ``options`` from :func:`session_options` (made when None): the one place the

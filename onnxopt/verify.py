@@ -172,9 +172,13 @@ def random_feeds(model: Model, spec: InputSpec | None = None, seed: int = 0, ite
 
 def load_feeds(path: str | Path, model: Model) -> list[dict[str, np.ndarray]]:
     """Inputs from an .npz keyed by input name (cast to the model's input types); one-line
-    :class:`OnnxoptError` for a missing file, a file that is not an .npz, a missing input."""
+    :class:`OnnxoptError` for a missing file, a named pipe or device, a file that is not an .npz, a
+    missing input."""
     import zipfile
 
+    from onnxopt.input_files import refuse_special_file
+
+    refuse_special_file(path, "an .npz of inputs")  # np.load of a named pipe waited for a writer forever
     try:
         data = np.load(path, allow_pickle=False)
     except OSError as exc:

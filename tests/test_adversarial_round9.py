@@ -74,7 +74,7 @@ BROKEN_CONFIGS = {
     "block_out_channels-int": (lambda f: edit_json(f / "vae_decoder" / "config.json", block_out_channels=5),
                                "'block_out_channels' must be a non-empty list, got 5"),
     "scaling_factor-zero": (lambda f: edit_json(f / "vae_decoder" / "config.json", scaling_factor=0),
-                            "'scaling_factor' must be a finite positive number, got 0"),
+                            "'scaling_factor' must be a positive number in float32's range, got 0"),
     "scheduler-list": (lambda f: (f / "scheduler" / "scheduler_config.json").write_text("[1, 2]"),
                        "scheduler_config.json: expected a JSON object"),
 }
@@ -192,7 +192,7 @@ GENERATE_CONFIGS = {
     "num_train_timesteps-string": (lambda f: edit_json(f / "scheduler" / "scheduler_config.json", num_train_timesteps="1000"),
                                    "scheduler_config.json: num_train_timesteps must be a positive integer, got '1000'"),
     "beta_start-string": (lambda f: edit_json(f / "scheduler" / "scheduler_config.json", beta_start="a"),
-                          "scheduler_config.json: PNDMScheduler cannot be made from it"),
+                          "scheduler_config.json: beta_start must be a number in [0, 1), got 'a'"),
     "empty-tokenizer": (lambda f: [p.unlink() for p in (f / "tokenizer").iterdir()],
                         "no tokenizer vocabulary (tokenizer.json, or vocab.json and merges.txt)"),
 }

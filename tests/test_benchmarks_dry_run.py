@@ -188,3 +188,27 @@ def test_the_packed_qkv_benchmark_refuses_an_unknown_form(capsys):
 
     assert main(["--dry-run", "--forms", "a-separate,z-nothing"]) == 2
     assert "unknown form(s) z-nothing" in capsys.readouterr().err
+
+
+def test_the_cold_start_benchmark_lists_the_graphs_a_first_image_opens_and_tabulates_them():
+    """benchmarks/cold_start.py's pieces (its --dry-run, by hand: ``python -m benchmarks.cold_start --dry-run``):
+    the graphs of the committed tiny SD3.5 folder that the load and the first image open, and the table."""
+    from benchmarks.cold_start import DRY_FOLDER, planned_graphs, table
+
+    graphs = {(component, model.relative_to(DRY_FOLDER).as_posix()) for component, model, _ in
+              planned_graphs(DRY_FOLDER, "cpu", None)}
+    assert graphs == {("vae_decoder", "vae_decoder/model.onnx"), ("text_encoder", "text_encoder/model.onnx"),
+                      ("text_encoder_2", "text_encoder_2/model.onnx"), ("text_encoder_3", "text_encoder_3/model.onnx")}
+    load = {"import_torch_s": 1.0, "import_diffusers_s": 0.5, "import_transformers_s": 0.5, "load_s": 3.0,
+            "cold_start_s": 5.0, "first_image": {"total_s": 2.0, "text_encoder_s": 0.5},
+            "second_image": {"text_encoder_s": 0.1, "step_mean_s": 0.2, "vae_decode_s": 0.3},
+            "image_equal_to_sequential_all": False, "image_max_abs_vs_sequential_all": 2e-6}
+    results = {"folder": "f", "provider": "cpu", "steps": 2, "height": 64, "width": 64, "guidance": None,
+               "levels": ["all", "extended"],
+               "components": [{"component": "unet", "graph": "unet/step.onnx", "bytes": 3.4e9, "levels": {
+                   "all": {"create_s": 10.0, "model_loading_s": 0.1, "session_initialization_s": 9.9, "nodes": 900},
+                   "extended": {"error": "RuntimeError: boom"}}}],
+               "loads": {"4 workers, extended": load, "sequential, all": {"error": "OnnxoptError: x"}}}
+    text = table(results)
+    assert "| unet | unet/step.onnx | 3400 | 10.00 (0.10 / 9.90), 900 nodes | RuntimeError: boom |" in text
+    assert "| 4 workers, extended | 2.00 | 3.00 | 2.00 | 0.50 | 5.00 | 0.100 | 0.200 | 0.300 | max abs 2e-06 |" in text

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import struct
 from dataclasses import dataclass, field
@@ -36,6 +37,7 @@ from pathlib import Path
 import numpy as np
 
 from onnxopt.errors import OnnxoptError
+from onnxopt.input_files import refuse_special_file
 
 COMPONENTS = ("unet", "text_encoder", "text_encoder_2")
 KOHYA_PREFIXES = {"lora_unet_": "unet", "lora_te_": "text_encoder", "lora_te1_": "text_encoder",
@@ -84,6 +86,9 @@ def parse_lora_argument(text: str) -> tuple[Path, float]:
     if path and re.fullmatch(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?", scale.strip()):
         value = float(scale)
         return Path(path), value
+    if path and not os.path.lexists(text) and os.path.isfile(path):  # FILE:SCALE whose scale is no number
+        raise LoraError(f"{text}: the LoRA scale after the last colon, {scale!r}, is not a finite number "
+                        f"(FILE[:SCALE], e.g. {path}:0.8)")
     return Path(text), 1.0
 
 
@@ -107,6 +112,7 @@ def read_lora(path: str | Path, scale: float = 1.0, unet_config: dict | None = N
 
 
 def _read_safetensors(path: Path) -> tuple[dict[str, np.ndarray], dict]:
+    refuse_special_file(path, "a LoRA", LoraError)
     try:
         size = path.stat().st_size
         with open(path, "rb") as f:
@@ -219,11 +225,21 @@ def _adapter_metadata(path: Path, metadata: dict) -> dict:
     return config
 
 
-def _pattern_value(patterns, module: str):
-    """peft's rank_pattern / alpha_pattern: a key matches a module name that ends with it."""
-    for pattern, value in (patterns or {}).items():
-        if re.match(rf"(.*\.)?({pattern})$", module):
-            return value
+def _pattern_value(path: Path, key: str, patterns, module: str):
+    """peft's rank_pattern / alpha_pattern (the metadata's ``key``): a key matches a module name that
+    ends with it. A pattern that is no regular expression, or patterns that are no JSON object, are
+    the file's fault: one line."""
+    if patterns is None:
+        return None
+    if not isinstance(patterns, dict):
+        raise LoraError(f"{path}: its lora_adapter_metadata's {key} is not a JSON object")
+    for pattern, value in patterns.items():
+        try:
+            if re.match(rf"(.*\.)?({pattern})$", module):
+                return value
+        except re.error as exc:
+            raise LoraError(f"{path}: its lora_adapter_metadata's {key} holds {pattern!r}, not a regular expression "
+                            f"({exc})") from None
     return None
 
 
@@ -241,8 +257,10 @@ def _module(path: Path, key: tuple, halves: dict, alpha: float | None, config: d
         raise LoraError(f"{path}: {name}: A {list(down.shape)} and B {list(up.shape)} are not a LoRA pair "
                         "(A [rank, in(, kh, kw)], B [out, rank(, 1, 1)])")
     if alpha is None and config:
-        alpha = _pattern_value(config.get(f"{component}.alpha_pattern"), module)
+        alpha = _pattern_value(path, f"{component}.alpha_pattern", config.get(f"{component}.alpha_pattern"), module)
         alpha = config.get(f"{component}.lora_alpha") if alpha is None else alpha
+    if alpha is not None and (not isinstance(alpha, (int, float)) or isinstance(alpha, bool)):
+        raise LoraError(f"{path}: {name}: its alpha {alpha!r} (lora_adapter_metadata) is not a number")
     alpha = float(rank if alpha is None else alpha)
     rslora = bool(config.get(f"{component}.use_rslora", False))
     factor = alpha / (math.sqrt(rank) if rslora else rank)

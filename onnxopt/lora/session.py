@@ -28,12 +28,14 @@ loops use it as the session it wraps.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import numpy as np
 import onnx
 
 from onnxopt.lora.conv_layout import nhwc_convs_as_conv
+from onnxopt.lora.files import LoraError
 from onnxopt.lora.targets import LoraSet, Target
 from onnxopt.runners.captured_session import CapturedSession, write
 from onnxopt.weight_provenance import map_path
@@ -133,6 +135,19 @@ class WeightInputs:
         self.update.run()
 
 
+def check_scales(targets: dict[str, Target], scales: list[float], paths: list) -> None:
+    """A one-line :class:`LoraError` for a scale that is not a finite number, or scales under which a
+    weight of ``targets`` may leave its dtype's range (float16's 65504: a LoRA made for float32
+    weights, or a huge scale), before the update graph writes inf or NaN into it."""
+    for scale, path in zip(scales, paths):
+        if not math.isfinite(scale):
+            raise LoraError(f"{path}: the LoRA scale must be a finite number, not {scale}")
+    for name, target in targets.items():
+        if target.leaves_its_range(scales):
+            raise LoraError(f"{name}: the LoRAs ({', '.join(f'{Path(p).name} at {s:g}' for p, s in zip(paths, scales))}) "
+                            f"may take this weight beyond {target.base.dtype}'s finite range")
+
+
 class LoraWeights:
     """The LoRAs of a pipeline on its sessions: made by :meth:`session`, changed by :meth:`set_scales`."""
 
@@ -155,6 +170,7 @@ class LoraWeights:
         targets = self.loras.targets(component, proto, map_file, base_dir)
         if not targets:
             return make(model)
+        check_scales(targets, self.loras.scales, [lora.path for lora in self.loras.loras])
         from onnxopt.runtime import import_onnxruntime
 
         session = make(weights_as_inputs(proto, set(targets)), external_data_folder=base_dir)
@@ -167,7 +183,10 @@ class LoraWeights:
     def set_scales(self, scales: list[float]) -> None:
         """Each LoRA's scale (0 switches it off), written into every session's weight buffers."""
         if len(scales) != len(self.loras.loras):
-            raise ValueError(f"{len(scales)} scales for {len(self.loras.loras)} LoRAs")
-        self.loras.scales = [float(s) for s in scales]
+            raise LoraError(f"{len(scales)} scales for {len(self.loras.loras)} LoRAs")
+        scales = [float(s) for s in scales]
+        for session in self.sessions:  # every weight checked before any buffer is written
+            check_scales(session.targets, scales, [lora.path for lora in self.loras.loras])
+        self.loras.scales = scales
         for session in self.sessions:
             session.set_scales(self.loras.scales)

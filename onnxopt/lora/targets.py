@@ -58,6 +58,20 @@ class Target:
     base: np.ndarray
     deltas: list  # per LoRA: float32 array of the base's shape, or None (that LoRA leaves it alone)
 
+    def leaves_its_range(self, scales: list[float]) -> bool:
+        """Whether ``base + sum_l scale_l * delta_l`` may leave the finite range of the weight's dtype
+        (bounded by ``max|base| + sum_l |scale_l| * max|delta_l|``), or a delta is not finite itself
+        (then even scale 0 gives NaN: 0 * inf): the update graph would write inf or NaN weights."""
+        limit = float(np.finfo(self.base.dtype).max) if np.issubdtype(self.base.dtype, np.floating) else np.inf
+        bound = float(np.abs(self.base.astype(np.float32)).max(initial=0))
+        for scale, delta in zip(scales, self.deltas):
+            if delta is not None:
+                largest = float(np.abs(delta).max(initial=0))
+                if not np.isfinite(largest) or largest > limit:
+                    return True
+                bound += abs(scale) * largest
+        return not bound <= limit
+
     def value(self, scales: list[float]) -> np.ndarray:
         total = self.base.astype(np.float32)
         for scale, delta in zip(scales, self.deltas):

@@ -38,7 +38,7 @@ from onnxopt.pipeline.runner import (
     clears_status,
     default_size,
 )
-from onnxopt.pipeline.sessions import input_types, run_host
+from onnxopt.pipeline.sessions import run_host
 from onnxopt.pipeline.text_outputs import run_outputs
 
 VELOCITY = "out_hidden_states"
@@ -74,8 +74,7 @@ class FluxRunner(Pipeline):
         height, width = height or default_h, width or default_w
         flux.check_image_size(height, width, factor)
         self._latent_hw = flux.latent_size(height, width, factor)
-        transformer = self._transformer()
-        embeds_guidance = flux.takes_guidance(input_types(transformer), folder.config("transformer"),
+        embeds_guidance = flux.takes_guidance(self._transformer_inputs(), folder.config("transformer"),
                                               folder.component("transformer").model)
         scaling, shift = flux.vae_factors(folder.config("vae_decoder"), folder.component("vae_decoder").folder)
 
@@ -125,6 +124,20 @@ class FluxRunner(Pipeline):
         if "text_encoder_2" not in self.sessions:
             self.sessions["text_encoder_2"] = self._open_once("text_encoder_2")
         return self.sessions["text_encoder_2"]
+
+    def _transformer_inputs(self) -> list[str]:
+        """The transformer graph's input names: its own session's where the unfused loop runs it, else
+        its file's, read without the weights (the fused step never opens the transformer's own
+        session, which would load every weight a second time)."""
+        if not self.fused_step or "transformer" in self.sessions:
+            return [spec.name for spec in self._transformer().get_inputs()]
+        if getattr(self, "_graph_inputs", None) is None:
+            import onnx
+
+            graph = onnx.load(str(self.folder.component("transformer").model), load_external_data=False).graph
+            initializers = {tensor.name for tensor in graph.initializer}
+            self._graph_inputs = [value.name for value in graph.input if value.name not in initializers]
+        return self._graph_inputs
 
     def _transformer(self):
         """The transformer's own session (made at load by the plan's unfused entry, else on first use)."""

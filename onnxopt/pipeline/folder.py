@@ -45,7 +45,6 @@ Nothing here writes to the folder.
 from __future__ import annotations
 
 import json
-import math
 import os
 import stat
 from dataclasses import dataclass, field
@@ -149,8 +148,16 @@ def _positive_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
-def _finite_positive(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+# the latents are float32: a factor they are divided or multiplied by stays in its normal range (1e39 overflowed to inf)
+FLOAT32_MIN, FLOAT32_MAX = 1.1754944e-38, 3.4028235e38
+
+
+def _float32_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and abs(value) <= FLOAT32_MAX
+
+
+def _float32_positive(value) -> bool:
+    return _float32_number(value) and FLOAT32_MIN <= value
 
 
 # config.json fields the pipeline computes with (absent: diffusers' default applies), each with what
@@ -171,9 +178,8 @@ CONFIG_FIELDS = {
     },
     "vae_decoder": {
         "block_out_channels": (lambda v: isinstance(v, list) and len(v) > 0, "a non-empty list"),
-        "scaling_factor": (_finite_positive, "a finite positive number"),
-        "shift_factor": (lambda v: v is None or (isinstance(v, (int, float)) and not isinstance(v, bool)
-                                                 and math.isfinite(v)), "a finite number or null"),
+        "scaling_factor": (_float32_positive, "a positive number in float32's range"),
+        "shift_factor": (lambda v: v is None or _float32_number(v), "a finite number or null"),
     },
     "vae_encoder": {
         "block_out_channels": (lambda v: isinstance(v, list) and len(v) > 0, "a non-empty list"),

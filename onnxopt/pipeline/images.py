@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from onnxopt.errors import MissingDependencyError, OnnxoptError
+from onnxopt.input_files import refuse_special_file
 from onnxopt.outputs import Outputs, umask
 
 
@@ -58,21 +59,24 @@ def check_image(path) -> None:
 
 
 def load_image(path, header_only: bool = False):
-    """A PIL image from a file, as RGB; a one-line error when it is not a readable image."""
+    """A PIL image from a file, as RGB and upright, as diffusers' ``load_image`` reads it: turned as its
+    EXIF orientation says (a phone's photo is stored sideways, with the turn in its EXIF); a
+    one-line error when it is not a readable image."""
     try:
-        from PIL import Image, UnidentifiedImageError
+        from PIL import Image, ImageOps, UnidentifiedImageError
     except ImportError as exc:
         raise MissingDependencyError("generating images needs Pillow: pip install 'onnxopt[pipeline]'") from exc
+    refuse_special_file(path, "an image")
     try:
         with warnings.catch_warnings():
             # PIL warns above MAX_IMAGE_PIXELS and raises above twice that: both refused, before any pixel is decoded
             warnings.simplefilter("error", Image.DecompressionBombWarning)
             with Image.open(path) as image:
-                return None if header_only else image.convert("RGB")
+                return None if header_only else ImageOps.exif_transpose(image).convert("RGB")
     except FileNotFoundError:
         raise OnnxoptError(f"{path}: no such image")
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
-        raise OnnxoptError(f"{path}: the image declares more pixels than a conditioning image may have "
+        raise OnnxoptError(f"{path}: the image declares more pixels than an input image may have "
                            f"({exc.args[0].split('(')[0].strip() if exc.args else 'too large'})")
     except (OSError, UnidentifiedImageError) as exc:
         raise OnnxoptError(f"{path}: not a readable image: {exc}")

@@ -46,8 +46,10 @@ for the ablation.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
+import importlib.util
 import json
 import math
 import sys
@@ -61,6 +63,7 @@ from onnxopt.errors import MissingDependencyError, OnnxoptError
 from onnxopt.pipeline import images
 from onnxopt.pipeline.families import TOKENIZER_OF
 from onnxopt.pipeline.folder import PipelineFolder
+from onnxopt.pipeline.session_prefetch import LOAD_WORKERS, Ahead, SessionPrefetch
 from onnxopt.pipeline.sizes import _check_size, _written_before_0_9, default_size  # noqa: F401 (importers read them here too)
 from onnxopt.pipeline.plan import (
     BOUND,
@@ -87,6 +90,7 @@ from onnxopt.runners.captured_session import CapturedSession
 from onnxopt.pipeline.sessions import (
     DeviceStepLoop,
     HostStepLoop,
+    SharedWeights,
     as_list,
     controlnet_prepare_model,
     create_session,
@@ -151,19 +155,37 @@ def clears_status(function):
     return run
 
 
-def _torch():
+def _torch(import_now: bool = True):
+    """torch, imported (``import_now=False``: only checked to be importable; None)."""
+    missing = MissingDependencyError("generating images needs torch and diffusers: pip install 'onnxopt[pipeline]'")
+    if not import_now:
+        if importlib.util.find_spec("torch") is None:
+            raise missing
+        return None
     try:
         import torch
     except ImportError as exc:
-        raise MissingDependencyError("generating images needs torch and diffusers: pip install 'onnxopt[pipeline]'") from exc
+        raise missing from exc
     return torch
+
+
+def _import_scheduler(folder: PipelineFolder) -> None:
+    """The folder's own scheduler class imported now, at load, rather than by the first image's
+    schedule check: diffusers imports each scheduler on first use, and the module of
+    FlowMatchEulerDiscreteScheduler (SD3's, Flux's) imports scipy.stats, seconds on a small CPU
+    (benchmarks/cold_start.py). A class it cannot import is the first image's error, as before."""
+    with contextlib.suppress(Exception):
+        import diffusers
+
+        getattr(diffusers, str(folder_scheduler_class(folder) or folder.scheduler_config().get("_class_name")), None)
 
 
 class Pipeline:
     """An ONNX pipeline folder loaded into ORT sessions; call it to generate an image."""
 
     def __init__(self, folder: PipelineFolder, provider: str, sessions: dict, *, step_source: str, cuda_graph: bool,
-                 io_binding: bool, device_id: int = 0, threads: int | None = None, creation_s: float = 0.0):
+                 io_binding: bool, device_id: int = 0, threads: int | None = None, creation_s: float = 0.0,
+                 tokenizers: dict | None = None):
         self.folder, self.provider, self.sessions = folder, provider, sessions
         self.step_source, self.cuda_graph, self.io_binding = step_source, cuda_graph, io_binding
         self.device_id, self.threads = device_id, threads
@@ -179,11 +201,12 @@ class Pipeline:
         # DeviceStepLoop.key -> a loop whose buffers (and captured graphs) stay put, per shape, LRU-bounded
         self._device_loops = CaptureCache(DEFAULT_SIZE)
         self._new_shape = False  # the last step loop was made for this image (its first steps capture)
-        self.tokenizers = {name: folder.tokenizer(name) for name in _tokenizers_of(folder)}
+        self.tokenizers = tokenizers if tokenizers is not None else _load_tokenizers(folder)
         self._warned_truncation: set = set()  # prompts already warned about
         self.static_text = False  # use text_encoder*/model.static.b{b}.onnx (set by load)
         self.text_sources: dict[str, str] = {}  # encoder -> the graph its last prompt ran on, and why
         self.lora = None  # onnxopt.lora.LoraWeights, when loaded with LoRAs (from_plan)
+        self.graph_optimization = "all"  # ORT's graph optimization level for the sessions (set by load)
         self._open_unet = lambda: create_session(  # noqa: E731 (from_plan gives its session maker's)
             folder.component(folder.denoiser).model, provider, name=str(folder.root / folder.denoiser), device_id=device_id,
             threads=threads)
@@ -202,7 +225,8 @@ class Pipeline:
              controlnet_hint: bool = True, merged_step: bool = True, launch_timing: bool = False,
              step_file: str | None = None, two_streams: bool | None = None, static_text: bool = True,
              status: bool | None = None, capture_cache: int = DEFAULT_SIZE, loras: list | None = None,
-             guidance: float | None = None) -> "Pipeline":
+             guidance: float | None = None, load_workers: int = LOAD_WORKERS,
+             graph_optimization: str = "all") -> "Pipeline":
         """Open ``folder`` and create its sessions on ``provider`` (cpu | cuda | tensorrt).
 
         ``cuda_graph`` (cuda/tensorrt): capture the step graph as CUDA graphs. ``fused_step=False``
@@ -254,13 +278,19 @@ class Pipeline:
         ``guidance``: the guidance the calls will ask, when known: the step graph it needs (with
         classifier-free guidance above 1, without it at 1 or below) is made now, the other on first
         use (None: the guided one now).
+
+        ``load_workers``: how many sessions are created at once: the load's and those the first
+        image asks for (its text encoders, for the prompt batch ``guidance`` implies), while the
+        tokenizers load (:mod:`onnxopt.pipeline.session_prefetch`); 0 or 1: one after another.
+        ``graph_optimization``: ORT's graph optimization level for every session ("disable",
+        "basic", "extended", "all": ORT's default; benchmarks/cold_start.py measures what each
+        costs at creation and per run).
         """
         start = time.perf_counter()
         say = StartupStatus(status)
         folder = folder if isinstance(folder, PipelineFolder) else PipelineFolder.open(folder)
         require_provider(provider)
-        say("importing torch and diffusers")
-        _torch()
+        _torch(import_now=False)  # imported beside the sessions made ahead (from_plan); missing: this error, now
         options = PlanOptions(fused_step=fused_step, cuda_graph=cuda_graph, io_binding=io_binding, context_kv=context_kv,
                               controlnet_hint=controlnet_hint, merged_step=merged_step, step_file=step_file,
                               two_streams=two_streams, static_text=static_text, guidance=guidance)
@@ -269,33 +299,47 @@ class Pipeline:
 
         return cls.from_plan(folder, plan, device_id=device_id, threads=threads, launch_timing=launch_timing, start=start,
                              say=say, capture_cache=capture_cache,
-                             loras=pipeline_loras(folder, plan, loras or [], provider, device_id))
+                             loras=pipeline_loras(folder, plan, loras or [], provider, device_id),
+                             load_workers=load_workers, graph_optimization=graph_optimization)
 
     @classmethod
     def from_plan(cls, folder: PipelineFolder, plan: GenerationPlan, *, device_id: int = 0, threads: int | None = None,
                   launch_timing: bool = False, start: float | None = None, say: StartupStatus | None = None,
-                  capture_cache: int = DEFAULT_SIZE, loras=None) -> "Pipeline":
+                  capture_cache: int = DEFAULT_SIZE, loras=None, load_workers: int = LOAD_WORKERS,
+                  graph_optimization: str = "all") -> "Pipeline":
         """Create the sessions ``plan`` lists, in its order, each as its ``binds`` says (text
         encoders on first use); the step session's capture outcome decides the rest's. ``say``:
-        the start-up status line (:class:`StartupStatus`). ``loras``: :class:`onnxopt.lora.LoraWeights`."""
+        the start-up status line (:class:`StartupStatus`). ``loras``: :class:`onnxopt.lora.LoraWeights`.
+        ``load_workers``, ``graph_optimization``: as :meth:`load`."""
         start = time.perf_counter() if start is None else start
         say = say or StartupStatus(False)
-        sessions = _SessionMaker(folder, plan, device_id, threads, say, capture_cache, loras)
-        for entry in plan.sessions:
-            if not entry.lazy:
-                sessions.make(entry)
-        made = sessions.sessions
-        if "vae_decoder" in made:
-            check_interface(made["vae_decoder"], folder.component("vae_decoder").model, "VAE decoder",
-                            ["latent_sample"], ["sample"])
-        if folder.family.runner and cls is Pipeline:  # the family's own runner (Flux: its prompt, packed latents)
-            module, name = folder.family.runner.split(":")
-            cls = getattr(importlib.import_module(module), name)
-        fused = any(key in made for key in STEP_SESSIONS)
-        pipe = cls(folder, plan.provider, made, step_source=plan.step, cuda_graph=sessions.capture and fused,
-                   io_binding=plan.io_binding, device_id=device_id,
-                   threads=threads, creation_s=time.perf_counter() - start)
-        pipe.plan = plan
+        sessions = _SessionMaker(folder, plan, device_id, threads, say, capture_cache, loras,
+                                 workers=load_workers, optimization=graph_optimization)
+        try:
+            sessions.prefetch.start(sessions.ahead())
+            # the load's Python work, beside the sessions made ahead (ORT makes them without the GIL)
+            say("importing torch and diffusers")
+            _torch()
+            _import_scheduler(folder)
+            tokenizers = _deferred(_load_tokenizers, folder)  # its error raised in turn, after the sessions' ones
+            for entry in plan.sessions:
+                if not entry.lazy:
+                    sessions.make(entry)
+            made = sessions.sessions
+            if "vae_decoder" in made:
+                check_interface(made["vae_decoder"], folder.component("vae_decoder").model, "VAE decoder",
+                                ["latent_sample"], ["sample"])
+            if folder.family.runner and cls is Pipeline:  # the family's own runner (Flux: its prompt, packed latents)
+                module, name = folder.family.runner.split(":")
+                cls = getattr(importlib.import_module(module), name)
+            fused = any(key in made for key in STEP_SESSIONS)
+            pipe = cls(folder, plan.provider, made, step_source=plan.step, cuda_graph=sessions.capture and fused,
+                       io_binding=plan.io_binding, device_id=device_id,
+                       threads=threads, creation_s=time.perf_counter() - start, tokenizers=tokenizers())
+        except BaseException:
+            sessions.prefetch.cancel()
+            raise
+        pipe.plan, pipe.graph_optimization = plan, graph_optimization
         pipe.controlnet_model = plan.controlnet_models[0] if plan.controlnet_models else None
         pipe.merged_step = plan.merged_step and "step" in made
         pipe.controlnet_models = plan.controlnet_models
@@ -320,7 +364,8 @@ class Pipeline:
         name = self.folder.controlnets[k]
         if name not in self.sessions:
             self.sessions[name] = create_session(self.controlnet_models[k], self.provider, name=str(self.folder.root / name),
-                                                 device_id=self.device_id, threads=self.threads)
+                                                 device_id=self.device_id, threads=self.threads,
+                                                 optimization=self.graph_optimization)
         return self.sessions[name]
 
     def _controlnet_sessions(self) -> list:
@@ -1197,6 +1242,22 @@ def reuse_steps(reuse, steps: int) -> frozenset:
         raise GenerationError(str(exc)) from None
 
 
+def _load_tokenizers(folder: PipelineFolder) -> dict:
+    return {name: folder.tokenizer(name) for name in _tokenizers_of(folder)}
+
+
+def _deferred(function, *args):
+    """``function(*args)`` run now; a callable that returns its result, or raises its error, later
+    (where the work used to be done: the first error a user sees stays the same)."""
+    try:
+        result = function(*args)
+    except Exception as exc:  # noqa: BLE001 -- raised unchanged by the callable
+        def fail():
+            raise exc
+        return fail
+    return lambda: result
+
+
 def _tokenizers_of(folder: PipelineFolder) -> tuple[str, ...]:
     """The tokenizer of each text encoder the folder's pipeline runs (the SDXL refiner: tokenizer_2
     alone; SD3's third only with its T5 encoder)."""
@@ -1226,23 +1287,73 @@ class _SessionMaker:
     """The sessions of a plan's entries (:meth:`Pipeline.from_plan`), by what each binds."""
 
     def __init__(self, folder: PipelineFolder, plan: GenerationPlan, device_id: int, threads: int | None,
-                 say: StartupStatus, capture_cache: int = DEFAULT_SIZE, loras=None):
+                 say: StartupStatus, capture_cache: int = DEFAULT_SIZE, loras=None, *, workers: int = LOAD_WORKERS,
+                 optimization: str = "all"):
         self.folder, self.plan, self.device_id, self.threads, self.say = folder, plan, device_id, threads, say
+        self.optimization = optimization
         self.loras = loras  # onnxopt.lora.LoraWeights: the weights LoRAs change become bound inputs
         self.capture_cache = CaptureCache(capture_cache).size  # checked before any session exists
         self.io_binding, self.requested = plan.io_binding, plan.capture
         self.capture = plan.capture  # the step session's outcome, once it is made
         self.sessions: dict = {}
+        self.step_weights = None  # SharedWeights of the step sessions, read with the first of them
+        # sessions made ahead: ORT's own (a LoRA rewrites the graphs it touches; TensorRT loads engines)
+        ahead = loras is None and plan.provider != "tensorrt"
+        self.prefetch = SessionPrefetch(self._create, workers if ahead else 0)
+
+    def _create(self, ahead: Ahead):
+        """A session made ahead; one ORT refuses to capture is made again without capture, here, for
+        the request :meth:`captured` makes next (its refusal raised where the captured one is taken)."""
+        try:
+            return self._session(ahead.component, ahead.model, cuda_graph=ahead.cuda_graph)
+        except OnnxoptError:
+            if ahead.cuda_graph:
+                plain = Ahead(ahead.component, ahead.model)
+                self.prefetch.made_here(plain, lambda: self._session(plain.component, plain.model))
+            raise
+
+    def _session(self, component: str, graph, **kw):
+        return create_session(graph, self.plan.provider, name=f"{self.folder.root / component}", device_id=self.device_id,
+                              threads=self.threads, optimization=self.optimization, **kw)
+
+    def ahead(self) -> list[Ahead]:
+        """The sessions the load and the first image ask for by file, asked as :meth:`make` and
+        :meth:`text_encoder` ask (capture as the plan requests it), for :class:`SessionPrefetch`.
+        The text encoders' graphs are those of the prompt batch of one image: two rows with
+        classifier-free guidance (unless the plan knows it off or the denoiser embeds the guidance)."""
+        plan, folder = self.plan, self.folder
+        bound = lambda component, model: Ahead(component, model, plan.io_binding and plan.capture)  # noqa: E731
+        requests = []
+        for entry in plan.sessions:
+            if entry.lazy or entry.model is None:
+                continue
+            if entry.binds == BOUND:
+                requests.append(bound(entry.component, entry.model))
+            elif entry.binds == HOST:
+                requests.append(Ahead(entry.component, entry.model))
+            elif entry.key in ("step", NO_CFG_STEP):  # a step graph built in memory is not a file
+                if entry.key == "step" and not plan.build_step_graph and not self.shares_step_weights():
+                    requests.append(Ahead(folder.denoiser, entry.model, plan.capture))
+            elif entry.binds == STEP_LOOP:
+                requests.append(Ahead(entry.component, entry.model, plan.capture))
+        rows = 1 if plan.classifier_free_guidance is False or plan.embedded_guidance else 2
+        for encoder in folder.text_encoders:
+            component = folder.component(encoder)
+            static = component.static_models if plan.static_text else {}
+            requests.append(bound(encoder, static.get(rows) or component.model))
+        return requests
 
     def open(self, component: str, model=None, map_model=None, **kw):
         self.say(f"loading {component}" + (f" ({Path(model).name})" if isinstance(model, (str, Path)) else ""))
         model = model or self.folder.component(component).model
 
         def make(graph, **extra):
-            return create_session(graph, self.plan.provider, name=f"{self.folder.root / component}",
-                                  device_id=self.device_id, threads=self.threads, **{**kw, **extra})
+            return self._session(component, graph, **{**kw, **extra})
 
         if self.loras is None:
+            if isinstance(model, (str, Path)) and set(kw) <= {"cuda_graph"}:  # a file, as Ahead asks for it
+                request = Ahead(component, Path(model), bool(kw.get("cuda_graph", False)))
+                return self.prefetch.take(request, lambda: make(model))
             return make(model)
         return self.loras.session(component, model, make, map_model=map_model or self.folder.component(component).model)
 
@@ -1273,6 +1384,29 @@ class _SessionMaker:
         """A text encoder, made on first use, asking for capture as the plan does."""
         return self.once(name, model, self.requested)
 
+    def shares_step_weights(self) -> bool:
+        """Whether the two step sessions take one host copy of the weights (:meth:`_step_weights`;
+        such a session is made when asked, not ahead: it needs the weights read first)."""
+        plan = self.plan
+        return plan.provider == "cpu" and plan.entry(NO_CFG_STEP) is not None and plan.classifier_free_guidance is None
+
+    def _step_weights(self, model) -> dict:
+        """``shared_initializers`` for a step session: on the CPU EP, where the plan holds the step
+        without guidance beside the guided one and each call brings its own guidance (loaded
+        without ``guidance``, as ``serve`` loads), the step graph's weights read once
+        (:class:`~onnxopt.pipeline.sessions.SharedWeights`) and used by both sessions as they are,
+        so that the second holds none of them again. They run unprepacked (ORT's MatMul on the
+        2-core CI machine: 7-34 % slower), so a pipeline loaded for one guidance, whose other step
+        session is made only if a call asks for it (``generate``), keeps ORT's own prepacked weights.
+        Elsewhere nothing: a host OrtValue fed to a CUDA session is copied to the device per session
+        (ORT shares only an OrtValue on the session's device), and a TensorRT engine holds its own
+        weights."""
+        if not self.shares_step_weights():
+            return {}
+        if self.step_weights is None:
+            self.step_weights = SharedWeights.of(model, self.folder.component(self.folder.denoiser).folder)
+        return {"shared_initializers": self.step_weights}
+
     def make(self, entry: SessionEntry) -> None:
         if entry.binds == BOUND:
             session = self.once(entry.component, entry.model)
@@ -1288,20 +1422,21 @@ class _SessionMaker:
             denoiser = self.folder.denoiser
             beside = {"external_data_folder": self.folder.component(denoiser).folder,
                       "map_model": entry.model} if isinstance(model, bytes) else {}
-            session, self.capture = self.captured(denoiser, model, say=True, **beside)
+            session, self.capture = self.captured(denoiser, model, say=True, **beside, **self._step_weights(model))
         elif entry.binds == STEP_LOOP:
             session, _ = self.captured(entry.component, entry.model)
         elif entry.key == "reuse":
             from onnxopt.pipeline.step_reuse import reuse_step_model
 
-            session = create_session(reuse_step_model(), self.plan.provider, name="reuse step", device_id=self.device_id)
+            session = create_session(reuse_step_model(), self.plan.provider, name="reuse step", device_id=self.device_id,
+                                     optimization=self.optimization)
         else:  # controlnet_prepare: one input graph serves every ControlNet
             cn = self.sessions["controlnet"]
             timestep = next(i for i in cn.get_inputs() if i.name == "timestep")
             session = create_session(
                 controlnet_prepare_model(input_types(cn)["sample"], input_types(cn)["timestep"],
                                          tuple(timestep.shape or ())), self.plan.provider, name="controlnet input",
-                device_id=self.device_id, cuda_graph=self.capture and "down" in self.sessions)
+                device_id=self.device_id, cuda_graph=self.capture and "down" in self.sessions, optimization=self.optimization)
         self.sessions[entry.key] = session
 
 

@@ -59,6 +59,7 @@ spacing and ``steps_offset`` 1, a ``trained_betas`` list of the wrong length, an
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -178,6 +179,29 @@ def check_config_values(config: dict) -> None:
     offset = config.get("steps_offset", 0)
     if not isinstance(offset, int) or isinstance(offset, bool) or not 0 <= offset < train:
         raise SchedulerError(f"scheduler_config.json: steps_offset must be an integer in 0..{train - 1}, got {offset!r}")
+    for key in ("beta_start", "beta_end"):  # betas are probabilities: a negative one made scaled_linear's sqrt complex
+        value = config.get(key)
+        if value is not None and not (_real(value) and 0 <= value < 1):
+            raise SchedulerError(f"scheduler_config.json: {key} must be a number in [0, 1), got {value!r}")
+    # flow matching's sigma shift: sigma' = shift * sigma / (1 + (shift - 1) * sigma), a warping of (0, 1] for shift > 0
+    if "shift" in config and not (_real(config["shift"]) and 0 < config["shift"] <= FLOAT32_MAX):
+        raise SchedulerError(f"scheduler_config.json: shift must be a positive number, got {config['shift']!r}")
+    for key in ("base_shift", "max_shift"):  # dynamic shifting's line (calculate_shift)
+        if key in config and not (_real(config[key]) and abs(config[key]) <= FLOAT32_MAX):
+            raise SchedulerError(f"scheduler_config.json: {key} must be a finite number, got {config[key]!r}")
+    lengths = [config[key] for key in ("base_image_seq_len", "max_image_seq_len") if key in config]
+    if any(not isinstance(n, int) or isinstance(n, bool) or n < 1 for n in lengths) or (
+            len(lengths) == 2 and lengths[0] == lengths[1]):
+        raise SchedulerError("scheduler_config.json: base_image_seq_len and max_image_seq_len must be two different "
+                             f"positive integers (the two points of dynamic shifting's line), got {lengths}")
+
+
+FLOAT32_MAX = float(np.finfo(np.float32).max)  # the schedule's sigmas and timesteps are float32 tensors
+
+
+def _real(value) -> bool:
+    """A finite int or float of JSON (not a bool, a string or NaN)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def folder_scheduler(config: dict, class_name: str | None = None) -> str:

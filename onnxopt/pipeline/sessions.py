@@ -53,6 +53,7 @@ from onnxopt.runners.captured_session import CapturedSession, write
 from onnxopt.runtime import (
     ORT_TYPES,
     as_type,
+    graph_optimization_level,
     host_array,
     import_onnxruntime,
     inference_session,
@@ -92,17 +93,29 @@ def quiet_sessions():
 
 
 def create_session(model: Path | bytes, provider: str, *, name: str, cuda_graph: bool = False, device_id: int = 0,
-                   threads: int | None = None, external_data_folder: Path | None = None):
+                   threads: int | None = None, external_data_folder: Path | None = None, optimization: str = "all",
+                   shared_initializers: dict | None = None):
     """An InferenceSession for ``model`` (a path, or serialized bytes: weights inline, or external
-    data whose locations are relative to ``external_data_folder``)."""
+    data whose locations are relative to ``external_data_folder``); ``optimization``: ORT's graph
+    optimization level (:data:`onnxopt.runtime.OPTIMIZATION_LEVELS`; "all", ORT's
+    default, adds the layout rewrites, which on the CPU EP are most of a convolutional UNet's
+    session creation: benchmarks/cold_start.py --levels). ``shared_initializers``
+    ({name: OrtValue}, :class:`SharedWeights`): used in place of the model's initializers of those
+    names, as they are, and not prepacked (ORT's ``SessionOptions.add_initializer``)."""
     ort = require_provider(provider)
     if provider == "tensorrt":  # the engine --build-engines wrote beside the model (onnxopt.runners.engine_session)
         from onnxopt.runners.engine_session import component_engine_session
 
         return component_engine_session(model, name)
     so = session_options(ort)
+    so.graph_optimization_level = graph_optimization_level(ort, optimization)
     if external_data_folder is not None:
         so.add_session_config_entry("session.model_external_initializers_file_folder_path", str(external_data_folder))
+    if shared_initializers:
+        for initializer, value in shared_initializers.items():
+            so.add_initializer(initializer, value)
+        # a prepacked copy is per session (ORT's Python API has no PrepackedWeightsContainer to share it)
+        so.add_session_config_entry("session.disable_prepacking", "1")
     if threads:
         so.intra_op_num_threads = threads
     if provider == "cpu":  # idle worker threads must not spin between runs: the loop's host work shares the cores
@@ -119,6 +132,41 @@ def create_session(model: Path | bytes, provider: str, *, name: str, cuda_graph:
     for spec in session.get_inputs():  # refused now, by component, rather than at its first feed
         input_dtype(spec, name)
     return session
+
+
+class SharedWeights(dict):
+    """{initializer name: OrtValue} over one copy of a graph's weights on the host, for several
+    sessions of graphs made from it (the step graph with and without classifier-free guidance):
+    a session adds none of their bytes (``SessionOptions.add_initializer``: ORT uses an OrtValue that
+    lies on the session's device as it is). Floating-point initializers of :data:`SHARED_FROM_BYTES`
+    or more; smaller ones (shapes, scales) stay in the graph, where ORT's constant folding reads them.
+    External data is mapped from its file (:class:`onnxopt.weights.ExternalValues`: its location
+    checked to lie inside the model's folder), inline data copied out of the protobuf once."""
+
+    SHARED_FROM_BYTES = 16 << 10
+
+    @classmethod
+    def of(cls, model: Path | bytes, base_dir: Path) -> "SharedWeights":
+        import onnx
+        from onnx import numpy_helper
+
+        from onnxopt.runtime import import_onnxruntime
+        from onnxopt.weights import ExternalValues
+
+        ort = import_onnxruntime()
+        proto = onnx.load_from_string(model) if isinstance(model, bytes) else onnx.load(str(model), load_external_data=False)
+        shared = cls()
+        for tensor in proto.graph.initializer:
+            dtype = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type))
+            if dtype not in (np.float32, np.float16) or int(np.prod(tensor.dims)) * dtype.itemsize < cls.SHARED_FROM_BYTES:
+                continue
+            try:
+                array = (ExternalValues(tensor, base_dir).load() if onnx.external_data_helper.uses_external_data(tensor)
+                         else numpy_helper.to_array(tensor))
+            except (OSError, ValueError) as exc:
+                raise OnnxoptError(f"{base_dir}: cannot read the weight {tensor.name}: {exc}") from exc
+            shared[tensor.name] = ort.OrtValue.ortvalue_from_numpy(array)  # on the host: a view, not a copy
+        return shared
 
 
 def input_types(session) -> dict[str, np.dtype]:

@@ -14,19 +14,27 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from onnxopt.input_files import refuse_special_file
 from onnxopt.pipeline.plan import GenerationError
 
 MAX_PROMPTS = 10_000  # a prompts file is a list of prompts, not a corpus
+MAX_PROMPTS_BYTES = 16 << 20  # read no further: 10,000 prompts of CLIP's 77 tokens fit in a few MB
 
 
 def read_prompts(path) -> list[str]:
-    """The prompts of ``path``, one a line; a one-line GenerationError for a folder, a file that is
-    not UTF-8 text, or one without any prompt."""
-    path = Path(path)
+    """The prompts of ``path``, one a line; a one-line GenerationError for a folder, a named pipe or
+    device, a file over :data:`MAX_PROMPTS_BYTES` (read no further), a file that is not UTF-8
+    text, or one without any prompt."""
+    path = refuse_special_file(path, "a prompts file (--prompts)", GenerationError)
     if path.is_dir():
         raise GenerationError(f"{path}: is a folder, not a prompts file (--prompts)")
     try:
-        text = path.read_bytes().decode("utf-8-sig")
+        with path.open("rb") as f:
+            data = f.read(MAX_PROMPTS_BYTES + 1)
+        if len(data) > MAX_PROMPTS_BYTES:
+            raise GenerationError(f"{path}: over {MAX_PROMPTS_BYTES >> 20} MB, not a prompts file (--prompts: one "
+                                  f"prompt a line, at most {MAX_PROMPTS} a run)")
+        text = data.decode("utf-8-sig")
     except FileNotFoundError:
         raise GenerationError(f"{path}: no such prompts file (--prompts)") from None
     except UnicodeDecodeError:

@@ -19,7 +19,15 @@ import numpy as np
 
 from onnxopt.errors import MissingDependencyError, OnnxoptError
 from onnxopt.runners.captured_session import CapturedSession
-from onnxopt.runtime import as_type, host_array, import_onnxruntime, inference_session, input_dtype, session_options
+from onnxopt.runtime import (
+    as_type,
+    graph_optimization_level as optimization_level,
+    host_array,
+    import_onnxruntime,
+    inference_session,
+    input_dtype,
+    session_options,
+)
 
 
 def gpu_memory_used_mb(device_id: int = 0) -> float | None:
@@ -89,12 +97,7 @@ class OrtCudaSession:
         so = session_options(ort)
         if log_severity is not None:
             so.log_severity_level = log_severity
-        so.graph_optimization_level = {
-            "disable": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
-            "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
-            "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
-            "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
-        }[graph_optimization_level]
+        so.graph_optimization_level = optimization_level(ort, graph_optimization_level)
         try:
             self.session = inference_session(path, [("CUDAExecutionProvider", options)], so)
         except Exception as exc:  # ORT raises its own exception types with long messages
