@@ -164,8 +164,10 @@ def test_onnx_pipeline_gives_the_diffusers_image(built, kind, scheduler):
     assert np.asarray(result.image).tolist() == (result.pixels * 255).round().astype(np.uint8).tolist()
     if (kind, scheduler) == ("sdxl", "ddim"):  # clip_sample (DDIM's default, absent from SDXL's config)
         assert result.timings["step"].startswith("unfused") and "clip_sample" in result.timings["step"]
-    elif scheduler == "pndm":  # PLMS reads three earlier outputs: diffusers' own step in the host loop
-        assert result.timings["step"].startswith("unfused: PNDMScheduler is not supported by the fused step graph")
+    elif scheduler == "pndm" and kind == "sd15-controlnet":  # its graphs read six coefficients: diffusers' loop
+        assert result.timings["step"].startswith("unfused: PNDM's history is not carried through the ControlNet")
+    elif scheduler == "pndm" and kind == "sdxl":  # SDXL's config has no skip_prk_steps: PNDM's default, PRK steps
+        assert result.timings["step"].startswith("unfused: PNDMScheduler with skip_prk_steps=False runs Runge-Kutta")
     else:
         assert result.timings["step"] == "built in memory from unet/model.onnx"
 
@@ -275,6 +277,10 @@ def test_generate_on_an_optimized_folder(built, tmp_path, kind, context_kv):
     assert optimized.timings["step"] == "unet/step.onnx" + (" + step.context_kv.onnx" if context_kv else "")
     step_inputs = {i.name for i in pipe.sessions["step"].get_inputs()}
     assert ("encoder_hidden_states" in step_inputs) == (not context_kv)
+    if kind == "sd15":  # the folder's PNDM: unet/step.onnx with its history, built in memory from the written one
+        pndm = pipe(progress=False, **b.request())
+        assert pndm.timings["step"] == optimized.timings["step"] and "step+history" in pipe.sessions
+        assert_same_image(pndm.latents, pndm.pixels, *b.reference("pndm"))
     if kind == "sdxl":  # the added conditioning once per prompt too: the step reads add_embedding's output
         assert ("text_embeds" in step_inputs) == (not context_kv) == ("add_embedding.linear_2.out" not in step_inputs)
     if kind == "sd15-controlnet":  # the hint once per image: the ControlNet's step reads it, not the image
@@ -734,12 +740,15 @@ def test_the_folders_own_scheduler_is_used_by_default(built, tmp_path):
     (what from_pretrained makes), even where scheduler_config.json's _class_name says another."""
     b = built("sd15")
     assert PipelineFolder.open(b.folder).scheduler_config()["_class_name"] == "PNDMScheduler"
-    result = b.onnx()(progress=False, **b.request())
-    assert "PNDMScheduler" in result.timings["step"]
+    # PNDM's own marks: its second timestep twice (steps + 1 runs) on the step graph with its history
+    pipe = b.onnx()
+    result = pipe(progress=False, **b.request())
+    assert result.timings["steps"] == STEPS + 1 and "step+history" in pipe.sessions
     assert_same_image(result.latents, result.pixels, *b.reference(None))
     folder = copy_folder(b.folder, tmp_path / "sd15", **{"scheduler/scheduler_config.json": {"_class_name": "DDIMScheduler"}})
-    relabelled = Pipeline.load(folder, "cpu", threads=THREADS)(progress=False, **b.request())
-    assert "PNDMScheduler" in relabelled.timings["step"]
+    relabelled_pipe = Pipeline.load(folder, "cpu", threads=THREADS)
+    relabelled = relabelled_pipe(progress=False, **b.request())
+    assert relabelled.timings["steps"] == STEPS + 1 and "step+history" in relabelled_pipe.sessions
     assert_same_image(relabelled.latents, relabelled.pixels, *b.reference(None, folder=folder))
 
 

@@ -150,6 +150,20 @@ def test_img2img_gives_the_diffusers_images(tiny, kind, scheduler, fused):
         assert result.timings["steps"] == 3 and "unfused" not in result.timings["step"]
 
 
+@pytest.mark.parametrize("strength", [0.6, 0.2, 1.0])
+def test_pndm_img2img_and_two_images_on_the_step_graph(tiny, strength):
+    """PNDM (the SD 1.5 folder's own scheduler) on the step graph with its history: diffusers'
+    img2img starts its PLMS run at ``timesteps[t_start:]`` of the N + 1 (the second timestep twice)
+    with an empty history, as a fresh run; strength 0.2 of 5 steps runs one step then its repeat."""
+    t = tiny("sd15")
+    result = t.onnx()(PROMPT, negative_prompt=NEGATIVE, steps=STEPS, guidance=GUIDANCE, seed=SEED, scheduler="pndm",
+                      image=picture(), strength=strength, num_images=2, progress=False)
+    assert_same(result, *t.reference(IMG2IMG["sd15"], "pndm", image=picture(), strength=strength,
+                                     num_images_per_prompt=2))
+    assert result.timings["steps"] == STEPS + 1 - (STEPS - int(STEPS * strength))
+    assert "unfused" not in result.timings["step"]
+
+
 def test_img2img_default_strength_is_diffusers(tiny):
     """No strength: the pipeline's own default (0.8 for SD: int(5 x 0.8) = 4 steps)."""
     t = tiny("sd15")
@@ -194,6 +208,17 @@ def test_inpainting_gives_the_diffusers_images(tiny, strength, mask_size, fused)
                                           strength=strength, height=32, width=48, num_images_per_prompt=2)
     assert_same(result, ref_latents, ref_images)
     assert ("unfused" in result.timings["step"]) is not fused
+
+
+def test_pndm_inpainting_on_the_step_graph(tiny):
+    """PNDM's history beside the inpainting UNet's mask channels: StableDiffusionInpaintPipeline's images."""
+    t = tiny("sd15-inpaint")
+    result = t.onnx()(PROMPT, negative_prompt=NEGATIVE, steps=STEPS, guidance=GUIDANCE, seed=SEED, scheduler="pndm",
+                      image=picture(), mask=mask_picture(), strength=0.6, height=32, width=48, num_images=2,
+                      progress=False)
+    assert_same(result, *t.reference("StableDiffusionInpaintPipeline", "pndm", image=picture(), mask_image=mask_picture(),
+                                     strength=0.6, height=32, width=48, num_images_per_prompt=2))
+    assert "unfused" not in result.timings["step"]
 
 
 @pytest.mark.parametrize("kind, guidance, fused", [("sd15", 1.0, True), ("sdxl", 0.7, False), ("sd15-inpaint", 1.0, True),

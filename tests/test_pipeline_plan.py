@@ -33,8 +33,11 @@ def test_the_tiny_folders_plan_lists_its_components_and_step_graph():
     assert plan.step == "built in memory from unet/model.onnx" and plan.build_step_graph
     assert plan.step_loop == "host feeds" and not plan.capture
     entries = {e.key: e for e in plan.sessions}
-    assert list(entries) == ["vae_decoder", "vae_encoder", "text_encoder", "step", "step_no_cfg", "reuse"]
-    assert entries["step_no_cfg"].lazy and not entries["step"].lazy  # guidance per request: the guided one at load
+    assert list(entries) == ["vae_decoder", "vae_encoder", "text_encoder", "step", "step+history", "step_no_cfg",
+                             "step_no_cfg+history", "reuse"]
+    # guidance per request: the guided one at load; the folder's PNDM: the one with its history on first use
+    assert entries["step_no_cfg"].lazy and not entries["step"].lazy and entries["step+history"].lazy
+    assert entries["step+history"].graph == "unet/model.onnx, built in memory, with PNDM's history"
     assert entries["vae_decoder"].graph == "vae_decoder/model.onnx" and entries["vae_decoder"].binds == HOST
     assert entries["text_encoder"].lazy and entries["step"].binds == STEP_LOOP
     assert json.loads(json.dumps(plan.as_dict()))["sessions"][3]["graph"] == "unet/model.onnx, built in memory"
@@ -65,8 +68,8 @@ def test_load_makes_the_plans_sessions_and_no_other(fused_step):
 
 
 def test_generate_plan_prints_it_and_writes_nothing(tmp_path, capsys):
-    """With DDIM the step graph is built from the UNet; with the folder's own scheduler (PNDM, which
-    the fused step cannot run) the plan is diffusers' loop, and no step graph is built."""
+    """With DDIM the step graph is built from the UNet; with the folder's own scheduler (PNDM) too,
+    with its history; UniPC (its corrector) runs diffusers' loop, and no step graph is built."""
     out = tmp_path / "cat.png"
     assert main(["generate", str(SD15), "--plan", "--scheduler", "ddim", "-o", str(out)]) == 0
     text = capsys.readouterr().out
@@ -75,15 +78,20 @@ def test_generate_plan_prints_it_and_writes_nothing(tmp_path, capsys):
     assert not out.exists() and list(tmp_path.iterdir()) == []
     assert main(["generate", str(SD15), "--plan"]) == 0
     text = capsys.readouterr().out
-    assert "scheduler:  pndm" in text and "step graph: unfused" in text and "unet/model.onnx: every step" in text
+    assert "scheduler:  pndm" in text and "step graph: built in memory" in text
+    assert "step+history         unet/model.onnx, built in memory, with PNDM's history: every step" in text
+    assert "(PNDM), step loop, made on first use" in text
+    assert main(["generate", str(SD15), "--plan", "--scheduler", "unipc"]) == 0
+    text = capsys.readouterr().out
+    assert "step graph: unfused" in text and "unet/model.onnx: every step" in text
 
 
 @pytest.mark.parametrize("scheduler, guidance, says", [
     ("ddim", "1", "CFG off (guidance <= 1): the prompt alone, the negative prompt ignored; the step graph of "
                   "unet/model.onnx without its guidance rows, built in memory (one row per image)"),
     ("ddim", "0.7", "CFG off"),
-    ("pndm", "1", "CFG off (guidance <= 1): the prompt alone, the negative prompt ignored; unet on the prompt's "
-                  "row alone (one row per image)"),
+    ("unipc", "1", "CFG off (guidance <= 1): the prompt alone, the negative prompt ignored; unet on the prompt's "
+                   "row alone (one row per image)"),
     ("ddim", "7.5", "CFG on (guidance > 1): [negative; prompt] rows, two per image"),
     ("ddim", None, "CFG on (guidance > 1)"),  # the family's default guidance, 7.5
 ])
@@ -92,7 +100,7 @@ def test_generate_plan_says_whether_cfg_runs(capsys, scheduler, guidance, says):
     text = capsys.readouterr().out
     assert f"guidance:   {says}" in text
     no_cfg = "step_no_cfg          the step graph of unet/model.onnx without its guidance rows, built in memory: every step"
-    assert (no_cfg in text) == (scheduler == "ddim")
+    assert (no_cfg in text) == (scheduler == "ddim")  # unipc: unfused
     if guidance in ("1", "0.7") and scheduler == "ddim":  # made at load; the guided one only on first use
         assert "made on first use" not in text.split("step_no_cfg")[1].splitlines()[0]
         assert "every step with guidance > 1, step loop, made on first use" in text
@@ -100,11 +108,13 @@ def test_generate_plan_says_whether_cfg_runs(capsys, scheduler, guidance, says):
 
 def test_load_for_guidance_off_makes_the_step_without_guidance_alone():
     pytest.importorskip("diffusers")
-    from onnxopt.pipeline.plan import NO_CFG_STEP
+    from onnxopt.pipeline.plan import HISTORY_STEP, NO_CFG_STEP, STEP_SESSIONS
     from onnxopt.pipeline.runner import Pipeline
 
-    pipe = Pipeline.load(SD15, "cpu", threads=1, guidance=1.0)
-    assert NO_CFG_STEP in pipe.sessions and "step" not in pipe.sessions and pipe.fused_step
+    pipe = Pipeline.load(SD15, "cpu", threads=1, guidance=1.0)  # the folder's PNDM: its history's step on first use
+    assert set(pipe.sessions) & set(STEP_SESSIONS) == {NO_CFG_STEP} and pipe.fused_step
+    pipe("a cat", steps=2, guidance=1.0, height=32, width=48, progress=False)
+    assert set(pipe.sessions) & set(STEP_SESSIONS) == {NO_CFG_STEP, NO_CFG_STEP + HISTORY_STEP}
     assert pipe.plan.as_dict()["classifier_free_guidance"] is False
 
 

@@ -2,8 +2,9 @@
 
 The claim: on the tiny SD 1.5 folder (and SDXL for two of them), fp32 on the ORT CPU EP, the
 ONNX pipeline with ``euler-a``, ``dpm++2m-karras``, ``lcm`` (fused: the step graph, their noise
-drawn from the image's generator in diffusers' order and fed as the step's ``state``), ``unipc``
-and ``pndm`` (diffusers' own step in the host loop) gives the final latents and image of diffusers'
+drawn from the image's generator in diffusers' order and fed as the step's ``state``), ``pndm``
+(fused: the step graph with its history of earlier outputs) and ``unipc`` (diffusers' own step in
+the host loop) gives the final latents and image of diffusers'
 ``__call__`` with ``<Class>.from_config(pipe.scheduler.config)`` from the same weights and seed.
 
 Tolerances are test_pipeline_generate's (latents within 1e-4 of their scale, pixels within 1e-4):
@@ -160,3 +161,27 @@ def test_sd2_v_prediction_folder_at_its_default_size(built, tmp_path_factory, sc
     assert_same_image(result.latents, result.pixels, ref_latents, ref_pixels)
     epsilon = b.onnx()(scheduler=scheduler or "ddim", progress=False, **b.request(steps=STEPS, height=None, width=None))
     assert np.abs(epsilon.latents - result.latents).max() > 100 * LATENT_RTOL * np.abs(ref_latents).max()
+
+
+@pytest.mark.parametrize("steps", [1, 2, 3, 4, 5, 20])
+def test_pndm_on_the_step_graph_with_its_history(built, steps):
+    """PNDM (the SD 1.5 folder's own scheduler, PLMS steps): the step graph with its history slots
+    gives diffusers' image at the step counts of its warm-up (the second timestep twice, cur_sample,
+    orders 1 to 4) and past it."""
+    result = check(built("sd15"), "pndm", steps=steps)
+    assert result.timings["step"] == "built in memory from unet/model.onnx"
+
+
+@pytest.mark.parametrize("case", ["no guidance", "bound buffers"])
+def test_pndm_on_the_step_graph_without_guidance_and_on_bound_buffers(built, case):
+    """Guidance 1: the step graph of one row per image, with the history; the bound-buffer loop (the CUDA
+    EP's, on CPU buffers): the history in its ping-pong state buffers, emptied again for a second image."""
+    b = built("sd15")
+    if case == "bound buffers":
+        pipe = Pipeline.load(b.folder, "cpu", io_binding=True, threads=THREADS)
+        check(b, "pndm", pipe, steps=5)
+        result = check(b, "pndm", pipe, steps=5, seed=5)
+    else:
+        result = check(b, "pndm", steps=5, guidance=1.0)
+        assert result.timings["classifier_free_guidance"] is False
+    assert result.timings["step"] == "built in memory from unet/model.onnx"

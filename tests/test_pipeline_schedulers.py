@@ -218,3 +218,67 @@ def test_scheduler_configs_diffusers_fails_on_are_one_line_errors(name, change, 
     with pytest.raises(SchedulerError, match=message) as caught:
         schedulers.check_schedule(make_scheduler(name, dict(SD15, **change)), 4)
     assert "\n" not in str(caught.value)
+
+
+def run_plms(plan, x, model, slots=None):
+    """The plan's PLMS run as the step graph computes it: [x, *slots] <- M_k @ [x, eps, *slots]."""
+    slots = np.zeros((plan.history, *x.shape), np.float32) if slots is None else slots
+    for row, t in zip(plan.coefficients, plan.timesteps):
+        eps = model(row[0] * x, t)
+        matrix = row[1:].reshape(1 + plan.history, 2 + plan.history)
+        out = np.tensordot(matrix, np.stack([x, eps, *slots]), axes=1).astype(np.float32)
+        x, slots = out[0], out[1:]
+    return x
+
+
+def plms_model(x, t):
+    """A stand-in denoiser, nonlinear in x and t, so that a wrong coefficient shows in the result."""
+    return np.tanh(0.8 * x + np.float32(t) / 700).astype(np.float32)
+
+
+def diffusers_plms(config: dict, steps: int, x, first_step: int = 0):
+    reference = make_scheduler("pndm", config)
+    reference.set_timesteps(steps)
+    sample = torch.from_numpy(x)
+    for t in reference.timesteps[first_step:]:
+        eps = torch.from_numpy(plms_model(reference.scale_model_input(sample, t).numpy(), t.item()))
+        sample = reference.step(eps, t, sample).prev_sample
+    return sample.numpy(), [t.item() for t in reference.timesteps[first_step:]]
+
+
+@pytest.mark.parametrize("config", ["sd15", "sd15-v", "alpha-one-offset-0"])
+@pytest.mark.parametrize("steps, first_step", [(1, 0), (2, 0), (3, 0), (4, 0), (5, 0), (20, 0), (10, 5), (10, 9)])
+def test_plms_plan_reproduces_diffusers_pndm(config, steps, first_step):
+    """PNDM (skip_prk_steps): the plan's matrices and four history slots give diffusers' whole PLMS run
+    (its duplicated second timestep, cur_sample at the second step, the Adams-Bashforth warm-up orders;
+    img2img's start mid-schedule with an empty history) within fp32 rounding."""
+    configs = {"sd15": SD15, "sd15-v": dict(SD15, prediction_type="v_prediction"),
+               "alpha-one-offset-0": dict(SD15, set_alpha_to_one=True, steps_offset=0)}
+    plan = schedulers.plan_plms(make_scheduler("pndm", configs[config]), steps, first_step=first_step)
+    x = np.random.default_rng(steps).standard_normal((2, 4, 8, 8)).astype(np.float32)
+    expected, timesteps = diffusers_plms(configs[config], steps, x, first_step)
+    assert plan.timesteps == timesteps and len(plan) == (steps + 1 if steps > 1 else 1) - first_step  # second one twice
+    assert plan.coefficients.shape == (len(plan), 31) and plan.history == 4
+    np.testing.assert_allclose(run_plms(plan, x, plms_model), expected, rtol=0, atol=1e-4 * np.abs(expected).max())
+
+
+@pytest.mark.parametrize("broken", ["history", "cur_sample", "order-4 weight"])
+def test_plms_plan_with_a_broken_coefficient_misses_diffusers(broken):
+    """The comparison above can fail: without the history slots, without cur_sample, or with one
+    Adams-Bashforth weight off by 1%, the 20-step run is not diffusers'."""
+    plan = schedulers.plan_plms(make_scheduler("pndm", SD15), 20)
+    matrices = plan.coefficients[:, 1:].reshape(len(plan), 5, 6)
+    if broken == "history":
+        matrices[:, 0, 2:5] = 0
+    elif broken == "cur_sample":
+        matrices[:, 0, 5] = 0
+    else:
+        matrices[6:, 0, 3] *= 1.01
+    x = np.random.default_rng(0).standard_normal((1, 4, 8, 8)).astype(np.float32)
+    expected, _ = diffusers_plms(SD15, 20, x)
+    assert np.abs(run_plms(plan, x, plms_model) - expected).max() > 1e-3 * np.abs(expected).max()
+
+
+def test_plms_with_runge_kutta_steps_is_refused():
+    with pytest.raises(SchedulerError, match="skip_prk_steps=False"):
+        schedulers.plan_plms(make_scheduler("pndm", dict(SD15, skip_prk_steps=False)), 10)

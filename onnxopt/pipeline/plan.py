@@ -24,6 +24,7 @@ from pathlib import Path
 
 from onnxopt.errors import OnnxoptError
 from onnxopt.pipeline.folder import MERGED_STEP_FILE, PipelineFolder
+from onnxopt.pipeline.schedulers import PLMS_SLOTS
 
 INMEMORY_STEP_GRAPH_MAX_BYTES = 1_800_000_000  # serialized bytes with the weights inline stay under protobuf's 2 GB
 
@@ -34,6 +35,10 @@ HOST = "host feeds"  # numpy in, numpy out
 BUILT = "built graph"  # a small graph onnxopt builds (the reuse step, the ControlNet's input prep)
 
 NO_CFG_STEP = "step_no_cfg"  # the session key of the step without classifier-free guidance (one row per image)
+HISTORY_STEP = "+history"  # after a step session's key: that step with PLMS's history (PNDM, made on first use)
+PLMS_HISTORY = len(PLMS_SLOTS)  # its slots
+# every step session key: with guidance or without, each with PLMS's history or without
+STEP_SESSIONS = ("step", NO_CFG_STEP, "step" + HISTORY_STEP, NO_CFG_STEP + HISTORY_STEP)
 
 
 class GenerationError(OnnxoptError):
@@ -182,13 +187,30 @@ def plan_generation(folder: PipelineFolder, provider: str, options: PlanOptions 
                                               capture and io_binding, lazy=True))
     hints = _controlnet_graphs(folder, plan, options, once, capture and io_binding)
     if options.scheduler in HOST_SCHEDULERS:
-        plan.step = (f"unfused: {options.scheduler}'s update reads several earlier model outputs "
-                     "(the step graph carries one): diffusers' own step on the host")
+        plan.step = (f"unfused: {options.scheduler}'s corrector reads the previous sample and model outputs "
+                     "beside the update: diffusers' own step on the host")
     if options.fused_step:
         _plan_step(folder, plan, options, io_binding, two_streams, hints)
     _plan_per_step_sessions(folder, plan, io_binding)
     _plan_without_guidance(folder, plan, options)
+    _plan_history(folder, plan)
     return plan
+
+
+def _plan_history(folder: PipelineFolder, plan: GenerationPlan) -> None:
+    """PNDM's PLMS steps (``skip_prk_steps``) run on the step graph with its history
+    (:func:`~onnxopt.pipeline.step_graph.with_history`, built in memory from the plan's step graph),
+    made on first use beside the plain step (which a load makes as before: a load does not know the
+    requests' schedulers). Not for a folder with ControlNets: their graphs read six coefficients a
+    step, and diffusers' loop runs PNDM there."""
+    if plan.scheduler != "pndm" or folder.controlnets or not folder.scheduler_config().get("skip_prk_steps", False):
+        return
+    for key in ("step", NO_CFG_STEP):
+        entry = plan.entry(key)
+        if entry is not None:
+            plan.sessions.insert(plan.sessions.index(entry) + 1, replace(
+                entry, key=key + HISTORY_STEP, runs=f"{entry.runs} (PNDM)", graph=f"{entry.graph}, with PNDM's history",
+                lazy=True))
 
 
 def _plan_without_guidance(folder, plan, options) -> None:
@@ -363,17 +385,17 @@ def step_graph_source(folder: PipelineFolder, context_kv: bool = True, step_file
 
 
 def build_step_graph_in_memory(folder: PipelineFolder, step_model: Path | None = None,
-                               classifier_free_guidance: bool = True) -> bytes:
+                               classifier_free_guidance: bool = True, history: int = 0) -> bytes:
     """The step graph of ``unet/model.onnx`` (or ``step_model``, a step graph in the UNet's folder;
     without ``classifier_free_guidance``: :func:`~onnxopt.pipeline.step_graph.without_guidance` of
-    it), serialized with its weights referring to the UNet's own data files (ORT reads them from the
+    it; ``history`` > 0: :func:`~onnxopt.pipeline.step_graph.with_history` of it), serialized with its weights referring to the UNet's own data files (ORT reads them from the
     UNet's folder: create_session's external_data_folder), so a UNet of any size fits in memory
     once; inline weights are written inline, as they were."""
     import io
 
     from onnxopt.loading import load_model
     from onnxopt.pipeline.multi_controlnet import sum_controlnet_residuals
-    from onnxopt.pipeline.step_graph import build_step_graph, without_guidance
+    from onnxopt.pipeline.step_graph import build_step_graph, with_history, without_guidance
     from onnxopt.saving import _write
 
     unet = folder.component(folder.denoiser)
@@ -385,6 +407,8 @@ def build_step_graph_in_memory(folder: PipelineFolder, step_model: Path | None =
         step = sum_controlnet_residuals(step, max(1, len(folder.controlnets)))
     if not classifier_free_guidance:
         step = without_guidance(step)
+    if history:
+        step = with_history(step, history)
     _write(step, serialized, None, "", unet.folder.resolve())
     return serialized.getvalue()
 

@@ -54,7 +54,7 @@ import json
 import math
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -68,7 +68,10 @@ from onnxopt.pipeline.sizes import _check_size, _written_before_0_9, default_siz
 from onnxopt.pipeline.plan import (
     BOUND,
     HOST,
+    HISTORY_STEP,
     NO_CFG_STEP,
+    PLMS_HISTORY,
+    STEP_SESSIONS,
     STEP_LOOP,
     GenerationError,
     GenerationPlan,
@@ -212,7 +215,7 @@ class Pipeline:
 
     @property
     def fused_step(self) -> bool:
-        return "step" in self.sessions or NO_CFG_STEP in self.sessions
+        return any(key in self.sessions for key in STEP_SESSIONS)
 
     @classmethod
     @clears_status
@@ -328,7 +331,7 @@ class Pipeline:
             if folder.family.runner and cls is Pipeline:  # the family's own runner (Flux: its prompt, packed latents)
                 module, name = folder.family.runner.split(":")
                 cls = getattr(importlib.import_module(module), name)
-            fused = "step" in made or NO_CFG_STEP in made
+            fused = any(key in made for key in STEP_SESSIONS)
             pipe = cls(folder, plan.provider, made, step_source=plan.step, cuda_graph=sessions.capture and fused,
                        io_binding=plan.io_binding, device_id=device_id,
                        threads=threads, creation_s=time.perf_counter() - start, tokenizers=tokenizers())
@@ -594,7 +597,7 @@ class Pipeline:
     def _denoiser_graph(self):
         """(session, its file) of the denoiser graph that runs: the step graph when one is made, else
         the denoiser's own (made now)."""
-        made = [key for key in ("step", NO_CFG_STEP) if key in self.sessions]
+        made = [key for key in STEP_SESSIONS if key in self.sessions]
         model = self.folder.component(self.folder.denoiser).model
         if not made:
             return self._unet_session(), model
@@ -607,21 +610,27 @@ class Pipeline:
         :func:`~onnxopt.pipeline.step_graph.without_guidance` refuses the step graph (a static batch),
         the guided one runs on the prompt's row twice instead, and the plan says so."""
         plan = self.plan
-        if plan.no_cfg_rows == 1 and plan.entry(NO_CFG_STEP) is not None and NO_CFG_STEP not in self.sessions:
+        # the one the folder's scheduler runs (PNDM: with its history) tells as well as the other
+        key = next(k for k in (NO_CFG_STEP + HISTORY_STEP, NO_CFG_STEP) if plan.entry(k) is not None or k == NO_CFG_STEP)
+        made = any(k in self.sessions for k in (NO_CFG_STEP, NO_CFG_STEP + HISTORY_STEP))
+        if plan.no_cfg_rows == 1 and plan.entry(NO_CFG_STEP) is not None and not made:
             from onnxopt.errors import UnsupportedModelError
 
             try:
-                self._step_session(NO_CFG_STEP)
+                self._step_session(key)
             except UnsupportedModelError as exc:
                 print(f"onnxopt: {exc}: the prompt's row runs twice instead", file=sys.stderr)
                 plan.no_cfg_rows, plan.no_cfg = 2, f"the prompt's row twice ({exc})"
         return plan.no_cfg_rows
 
     def _step_session(self, key: str):
-        """The step session ``key`` ("step", or :data:`~onnxopt.pipeline.plan.NO_CFG_STEP`), made on first use."""
+        """The step session ``key`` ("step", or :data:`~onnxopt.pipeline.plan.NO_CFG_STEP`; either with
+        :data:`HISTORY_STEP` after it: its update with PLMS's history), made on first use."""
         if key not in self.sessions:
-            self.status("preparing the step graph" + (" without guidance" if key == NO_CFG_STEP else ""))
-            self._make_session(self.plan.entry(key))
+            base = key.removesuffix(HISTORY_STEP)
+            self.status("preparing the step graph" + (" without guidance" if base == NO_CFG_STEP else "")
+                        + (" with PNDM's history" if base != key else ""))
+            self._make_session(self.plan.entry(key) or replace(self.plan.entry(base), key=key))
             self.status.done()
         return self.sessions[key]
 
@@ -631,7 +640,7 @@ class Pipeline:
         4-channel one beside SD3's 16-channel transformer, was ORT's shape error mid-run)."""
         name = self.folder.denoiser
         channels = self.folder.config(name).get("in_channels", 4)
-        made = [self.sessions[key] for key in ("step", NO_CFG_STEP) if key in self.sessions]
+        made = [self.sessions[key] for key in STEP_SESSIONS if key in self.sessions]
         session, latent = (made[0], "latents") if made else (self._unet_session(), self.folder.family.denoiser.sample)
         shape = next((i.shape for i in session.get_inputs() if i.name == latent), None)
         if shape and len(shape) == 4 and isinstance(shape[1], int) and shape[1] != channels:
@@ -688,6 +697,7 @@ class Pipeline:
         if self.fused_step:
             try:
                 plan = self._plan(name, sched, steps, start or 0)
+                self._check_history(plan, controlnet, reused)
             except SchedulerError as exc:  # e.g. DDIM with clip_sample: not affine, diffusers' own step then
                 timings["step"] = f"unfused: {exc}"
         train_steps = sched.config.num_train_timesteps
@@ -707,6 +717,7 @@ class Pipeline:
                 cond = dict(cond, **{INPAINT_INPUT: extra})
             # a denoiser that embeds the guidance has one step graph, of one row per image
             step = "step" if rows == 2 or not self.folder.family.denoiser.classifier_free_guidance else NO_CFG_STEP
+            step += HISTORY_STEP if plan.history else ""
             latents = self._fused_loop(plan, initial, cond, controlnet, guidance if cfg else 1.0, reused, bar, timings,
                                        generator, step)
         else:
@@ -802,14 +813,30 @@ class Pipeline:
     def _plan(self, name: str, scheduler, steps: int, first: int = 0):
         """The step plan of (scheduler, steps, first timestep), probed once per pipeline: it depends on
         nothing else (the folder's scheduler config is fixed), and probing diffusers costs ~0.5 ms a step."""
-        from onnxopt.pipeline.schedulers import plan_steps
+        from onnxopt.pipeline.schedulers import plan_plms, plan_steps
 
         kwargs = self._timestep_kwargs(scheduler, steps)
         key = (name, steps, first, json.dumps(kwargs, sort_keys=True, default=list))
         if key not in self._plans:
-            self._plans[key] = plan_steps(scheduler, steps, timestep_kwargs=kwargs, first_step=first,
-                                          timestep_scale=self.folder.family.denoiser.timestep_scale)
+            if type(scheduler).__name__ == "PNDMScheduler":
+                self._plans[key] = plan_plms(scheduler, steps, first_step=first)
+            else:
+                self._plans[key] = plan_steps(scheduler, steps, timestep_kwargs=kwargs, first_step=first,
+                                              timestep_scale=self.folder.family.denoiser.timestep_scale)
         return self._plans[key]
+
+    def _check_history(self, plan, controlnet, reused) -> None:
+        """A plan with a history (PLMS) runs on the single step graph's loop only: a SchedulerError
+        (diffusers' loop then) with the ControlNets' graphs, whose input graph reads six coefficients,
+        or with step reuse, whose update graph carries one state."""
+        from onnxopt.pipeline.schedulers import SchedulerError
+
+        if not plan.history:
+            return
+        if controlnet or self.merged_step or "down" in self.sessions:
+            raise SchedulerError("PNDM's history is not carried through the ControlNet step graphs")
+        if reused:
+            raise SchedulerError("PNDM's history is not carried through a reused step")
 
     def _timestep_kwargs(self, scheduler, steps: int) -> dict:
         """What diffusers' pipeline passes to ``set_timesteps`` (flow matching: dynamic shifting's
@@ -853,8 +880,9 @@ class Pipeline:
         step = self._step_session(key)
         controlnet_session = None if self.merged_step or not self.controlnet_models else self._controlnet_sessions()
         down = self.sessions.get("down")
+        reuse = None if key.endswith(HISTORY_STEP) else self.sessions["reuse"]  # its update carries one state
         if not self.io_binding:
-            return HostStepLoop(step, controlnet_session, self.sessions["reuse"])
+            return HostStepLoop(step, controlnet_session, reuse)
         # diffusers' schedulers take at most num_train_timesteps steps: one table size serves every run
         capacity = max(steps, self.folder.scheduler_config().get("num_train_timesteps", 1000))
         key = (*DeviceStepLoop.key(latents, cond, controlnet, capacity), key)  # and which step graph runs
@@ -868,7 +896,7 @@ class Pipeline:
                                          self.sessions["controlnet_prepare"], self.sessions["reuse"], **where)
             else:
                 loop = DeviceStepLoop(require_provider(self.provider), step, controlnet_session,
-                                      self.sessions.get("controlnet_prepare"), self.sessions["reuse"],
+                                      self.sessions.get("controlnet_prepare"), reuse,
                                       launch_timing=self.launch_timing, **where)
             loop.bind(latents, cond, capacity, controlnet)
             self._device_loops.insert(key, loop)
@@ -1359,12 +1387,13 @@ class _SessionMaker:
             session = self.once(entry.component, entry.model)
         elif entry.binds == HOST:
             session = self.open(entry.component, entry.model)
-        elif entry.key in ("step", NO_CFG_STEP):
+        elif entry.key.removesuffix(HISTORY_STEP) in ("step", NO_CFG_STEP):
             if self.plan.build_step_graph:
                 self.say("preparing the step graph")
-            model = entry.model
-            if self.plan.build_step_graph or entry.key == NO_CFG_STEP:  # from unet/model.onnx, or without guidance
-                model = build_step_graph_in_memory(self.folder, entry.model, entry.key != NO_CFG_STEP)
+            model, key = entry.model, entry.key.removesuffix(HISTORY_STEP)
+            history = PLMS_HISTORY if key != entry.key else 0
+            if self.plan.build_step_graph or key == NO_CFG_STEP or history:  # from unet/model.onnx, or changed
+                model = build_step_graph_in_memory(self.folder, entry.model, key != NO_CFG_STEP, history)
             denoiser = self.folder.denoiser
             beside = {"external_data_folder": self.folder.component(denoiser).folder,
                       "map_model": entry.model} if isinstance(model, bytes) else {}

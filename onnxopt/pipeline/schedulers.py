@@ -36,9 +36,14 @@ run draws that noise with the image's generator in diffusers' order and feeds it
 ``prev_sample = denoised``: the latents after the run are the ``denoised`` that diffusers'
 LatentConsistencyModelPipeline decodes.
 
-PNDM (SD 1.5's own scheduler: PLMS with ``skip_prk_steps``) and UniPC are run by diffusers' own
-``step`` in the host loop (the plan says so): their updates read up to three earlier model outputs
-(UniPC: the previous sample too, for its corrector), where the step graph carries one.
+PNDM (SD 1.5's own scheduler: PLMS with ``skip_prk_steps``) keeps more than one earlier value: the
+last three model outputs (``ets``) and, between its first two steps, the first sample
+(``cur_sample``). Its step is linear in all of them, so :func:`plan_plms` reads it the same way, as
+a matrix per step over the inputs (x, eps, slots) and the outputs (x_next, slots_next), on basis
+vectors put where diffusers keeps them (:data:`PLMS_SLOTS`); the step graph then carries the slots
+in a ``state`` of one more axis (:func:`onnxopt.pipeline.step_graph.with_history`). PNDM's
+Runge-Kutta steps (``skip_prk_steps`` False) and UniPC are run by diffusers' own ``step`` in the
+host loop (the plan says so).
 
 What a run uses is what diffusers' pipeline for the folder uses (:func:`pipeline_scheduler_config`):
 the folder's scheduler class built from its config, the pipeline class's own corrections applied
@@ -63,13 +68,15 @@ from onnxopt.errors import MissingDependencyError, OnnxoptError
 
 # the UNet families' that plan_steps reads as coefficients (euler-a and lcm: with the noise they draw as an input)
 FUSED_SCHEDULERS = ("ddim", "euler", "dpm++2m", "euler-a", "dpm++2m-karras", "lcm")
-# diffusers' own step in the host loop: their update reads several earlier outputs, the step graph carries one
-HOST_SCHEDULERS = ("pndm", "unipc")
-SCHEDULERS = (*FUSED_SCHEDULERS, *HOST_SCHEDULERS)  # every name a UNet family takes
+# read by plan_plms as a matrix over a history of earlier values (PNDM's PLMS steps; its PRK steps run on the host)
+HISTORY_SCHEDULERS = ("pndm",)
+# diffusers' own step in the host loop: UniPC's corrector reads the previous sample and outputs beside the update
+HOST_SCHEDULERS = ("unipc",)
+SCHEDULERS = (*FUSED_SCHEDULERS, *HISTORY_SCHEDULERS, *HOST_SCHEDULERS)  # every name a UNet family takes
 FLOW_MATCH = "flow-match"  # FlowMatchEulerDiscreteScheduler: the transformer families' (SD3, Flux)
 FLOW_MATCH_SCHEDULERS = (FLOW_MATCH,)  # what a flow-matching denoiser takes (it predicts a velocity, not noise)
 ALL_SCHEDULERS = (*SCHEDULERS, *FLOW_MATCH_SCHEDULERS)  # every name a run takes
-FUSABLE_SCHEDULERS = (*FUSED_SCHEDULERS, *FLOW_MATCH_SCHEDULERS)  # every one the step graph runs
+FUSABLE_SCHEDULERS = (*FUSED_SCHEDULERS, *HISTORY_SCHEDULERS, *FLOW_MATCH_SCHEDULERS)  # every one the step graph runs
 # the folder's scheduler class -> the name that makes it as it is
 FOLDER_CLASSES = {"DDIMScheduler": "ddim", "EulerDiscreteScheduler": "euler", "DPMSolverMultistepScheduler": "dpm++2m",
                   "PNDMScheduler": "pndm", "EulerAncestralDiscreteScheduler": "euler-a",
@@ -109,6 +116,7 @@ class StepPlan:
     coefficients: np.ndarray
     init_noise_sigma: float
     noise: tuple = ()
+    history: int = 0  # PLMS: the state's slots (coefficients[k] is then c_in and a matrix, :func:`plan_plms`)
 
     def draws_noise(self, k: int) -> bool:
         return bool(self.noise) and self.noise[k]
@@ -325,6 +333,93 @@ def plan_steps(scheduler, num_inference_steps: int, *, step_kwargs: dict | None 
         init_noise_sigma=float(getattr(running, "init_noise_sigma", 1.0)),
         noise=tuple(noise),
     )
+
+
+# Where PNDM's PLMS step keeps what a later step reads: the last three model outputs (a step appends
+# one to ``ets`` after keeping the last three) and the first step's sample, read at the second step.
+PLMS_SLOTS = ("ets[-1]", "ets[-2]", "ets[-3]", "cur_sample")
+
+
+def plan_plms(scheduler, num_inference_steps: int, *, first_step: int = 0) -> StepPlan:
+    """PNDMScheduler's PLMS steps (``skip_prk_steps`` True) for ``num_inference_steps`` steps, read as
+    a matrix per step. With ``slots`` = the values of :data:`PLMS_SLOTS` (zero where diffusers has none
+    yet), step k is::
+
+        model_in                = c_in * x
+        [x_next, *slots_next]   = M_k @ [x, eps, *slots]        (M_k: 5 x 6, elementwise over the latents)
+
+    and ``coefficients[k]`` = [c_in, *M_k.flatten()] (``history`` = 4 slots). M_k is read from diffusers'
+    own ``step`` on basis vectors, put into ``ets`` and ``cur_sample`` where the running copy holds a
+    value, so the duplicated first timestep, ``cur_sample`` at the second step, the growing Adams-Bashforth
+    orders, ``_get_prev_sample`` (``set_alpha_to_one``, ``steps_offset``, epsilon or v prediction) come
+    out of diffusers as they are; each step is then checked on random inputs. ``first_step``: img2img
+    starts at that index of ``timesteps`` with an empty history, as diffusers' pipeline does (PNDM has
+    no ``set_begin_index``). ``scheduler`` is not modified. Raises :class:`SchedulerError` for PRK steps
+    or another class."""
+    torch = _torch()
+    classes = _diffusers_classes()
+    if not isinstance(scheduler, classes.PNDMScheduler):
+        raise SchedulerError(f"{type(scheduler).__name__} is not PNDMScheduler")
+    if not scheduler.config.get("skip_prk_steps", False):
+        raise SchedulerError("PNDMScheduler with skip_prk_steps=False runs Runge-Kutta steps: diffusers' own step "
+                             "on the host")
+    if not isinstance(num_inference_steps, int) or num_inference_steps < 1:
+        raise SchedulerError(f"number of inference steps must be a positive integer, got {num_inference_steps!r}")
+    running = copy.deepcopy(scheduler)
+    running.set_timesteps(num_inference_steps)
+    timesteps = running.timesteps[first_step:]
+    inputs = 2 + len(PLMS_SLOTS)
+    basis = lambda i: torch.eye(inputs, dtype=torch.float64)[i].reshape(1, inputs, 1, 1)  # noqa: E731
+    rng = np.random.default_rng(0)
+    rows = []
+    for k, t in enumerate(timesteps):
+        before = copy.deepcopy(running)
+        c_in = _scale_model_input(running, torch.ones(1, 1, 1, 1), t).item()
+        _put_plms_slots(running, [basis(2 + i) for i in range(len(PLMS_SLOTS))])
+        prev = running.step(basis(1), t, basis(0)).prev_sample
+        matrix = np.stack([_flat(v, inputs) for v in (prev, *_plms_slots(running))])
+        _check_plms(before, t, matrix, rng, torch, k)
+        rows.append([c_in, *matrix.flatten()])
+    return StepPlan(timesteps=[t.item() for t in timesteps], coefficients=np.asarray(rows, np.float32).reshape(
+                    len(rows), 1 + (1 + len(PLMS_SLOTS)) * inputs),
+                    init_noise_sigma=float(running.init_noise_sigma), history=len(PLMS_SLOTS))
+
+
+def _plms_slots(scheduler) -> list:
+    """The values of :data:`PLMS_SLOTS` (None where diffusers holds none)."""
+    ets = scheduler.ets
+    return [ets[-i] if len(ets) >= i else None for i in (1, 2, 3)] + [scheduler.cur_sample]
+
+
+def _put_plms_slots(scheduler, values: list) -> None:
+    """``values`` where :data:`PLMS_SLOTS` hold one (an empty slot stays empty: diffusers' branch reads
+    how many it holds)."""
+    for i in (1, 2, 3):
+        if len(scheduler.ets) >= i:
+            scheduler.ets[-i] = values[i - 1]
+    if scheduler.cur_sample is not None:
+        scheduler.cur_sample = values[3]
+
+
+def _flat(value, size: int) -> np.ndarray:
+    return np.zeros(size) if value is None else value.double().flatten().numpy()
+
+
+def _check_plms(scheduler, t, matrix: np.ndarray, rng, torch, k: int) -> None:
+    """Run ``scheduler`` (a copy from before step k) on random inputs; refuse if ``matrix`` misses it."""
+    shape = (2, 4, 4, 4)
+    values = [torch.from_numpy(rng.standard_normal(shape).astype(np.float32) * 10) for _ in range(matrix.shape[1])]
+    _put_plms_slots(scheduler, values[2:])
+    prev = scheduler.step(values[1], t, values[0]).prev_sample
+    stacked = np.stack([v.double().numpy() for v in values])
+    for what, actual, row in zip(("step", *PLMS_SLOTS), (prev, *_plms_slots(scheduler)), matrix):
+        actual = np.zeros(shape) if actual is None else actual.double().numpy()
+        expected = np.tensordot(row, stacked, axes=1)
+        scale = np.tensordot(np.abs(row), np.abs(stacked), axes=1) + 1e-30
+        error = float((np.abs(actual - expected) / scale).max())
+        if not error <= AFFINE_RTOL:
+            raise SchedulerError(f"PNDMScheduler: {what} at step {k} (timestep {t.item():g}) is not linear in the "
+                                 f"sample, model output and history (relative error {error:.1e})")
 
 
 def _is_flow_match(scheduler) -> bool:

@@ -188,16 +188,32 @@ def controlnet_sample(latents: np.ndarray, c_in: float, batch_copies: int = 2) -
 
 
 def schedule_tables(plan, timestep_dtype, capacity: int | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """The step graph's ``schedule_timesteps`` [T] and ``schedule_coefficients`` [T, 6] for ``plan``,
-    zero-padded to ``capacity`` rows (a bound buffer keeps its shape across runs of any step count)."""
+    """The step graph's ``schedule_timesteps`` [T] and ``schedule_coefficients`` [T, 6] for ``plan``
+    ([T, 31] for PLMS's history, :func:`~onnxopt.pipeline.schedulers.plan_plms`), zero-padded to
+    ``capacity`` rows (a bound buffer keeps its shape across runs of any step count)."""
     rows = capacity or len(plan)
     if rows < len(plan):
         raise ValueError(f"a schedule of {len(plan)} steps does not fit {rows} rows")
     timesteps = np.zeros([rows], np.dtype(timestep_dtype))
-    coefficients = np.zeros([rows, 6], np.float32)
+    coefficients = np.zeros([rows, plan.coefficients.shape[1]], np.float32)
     timesteps[: len(plan)] = as_type(np.asarray(plan.timesteps, dtype=np.float64), timestep_dtype)
     coefficients[: len(plan)] = plan.coefficients
     return timesteps, coefficients
+
+
+def state_shape(step_session, latents_shape) -> tuple:
+    """The step graph's ``state`` for latents of ``latents_shape``: theirs, or with the history's slots
+    first where the graph carries them (:func:`~onnxopt.pipeline.step_graph.with_history`)."""
+    declared = next(i.shape for i in step_session.get_inputs() if i.name == "state")
+    if declared and len(declared) == len(latents_shape) + 1 and isinstance(declared[0], int):
+        return (declared[0], *latents_shape)
+    return tuple(latents_shape)
+
+
+def coefficient_width(step_session) -> int:
+    """The width of the step graph's ``schedule_coefficients`` rows (6; wider with a history)."""
+    declared = next(i.shape for i in step_session.get_inputs() if i.name == "schedule_coefficients")
+    return declared[1] if declared and len(declared) == 2 and isinstance(declared[1], int) else 6
 
 
 class HostStepLoop:
@@ -219,7 +235,8 @@ class HostStepLoop:
         self.plan = plan
         timesteps, coefficients = schedule_tables(plan, self.types["schedule_timesteps"])
         self.feeds = {**static, "latents": as_type(latents, self.types["latents"]),
-                      "state": np.zeros(latents.shape, self.types["state"]), "step_index": np.zeros([1], np.int64),
+                      "state": np.zeros(state_shape(self.step_session, latents.shape), self.types["state"]),
+                      "step_index": np.zeros([1], np.int64),
                       "schedule_timesteps": timesteps, "schedule_coefficients": coefficients,
                       "guidance_scale": np.asarray([guidance], np.float32)}
         self.controlnet_static = as_list(controlnet) or [{}] * len(self.controlnet_sessions)
@@ -306,10 +323,11 @@ class DeviceStepLoop:
         types = self.types
         shape = latents.shape
         self.buffers = [self._zeros(shape, types["latents"]), self._zeros(shape, types["latents"])]
-        self.states = [self._zeros(shape, types["state"]), self._zeros(shape, types["state"])]
+        self.state_shape = state_shape(self.step_session, shape)
+        self.states = [self._zeros(self.state_shape, types["state"]), self._zeros(self.state_shape, types["state"])]
         self.indices = [self._zeros([1], np.int64), self._zeros([1], np.int64)]
         self.timesteps = self._zeros([capacity], types["schedule_timesteps"])
-        self.coefficients = self._zeros([capacity, 6], np.float32)
+        self.coefficients = self._zeros([capacity, coefficient_width(self.step_session)], np.float32)
         self.guidance = self._zeros([1], np.float32)
         # device values (the K/V the companion graph wrote, once per prompt) are read where they are
         self.static = {name: self._as_bound(name, value) if is_device_value(value) else self._zeros(np.shape(value), types[name])
@@ -363,7 +381,7 @@ class DeviceStepLoop:
         """Write one image's values into the bound buffers (same shapes as ``bind`` got); ``controlnet``:
         the per-image inputs of the ControlNet (a dict), or of each ControlNet (a list of dicts)."""
         timesteps, coefficients = schedule_tables(plan, self.types["schedule_timesteps"], self.timesteps.shape()[0])
-        writes = [(self.buffers[0], latents, self.types["latents"]), (self.states[0], np.zeros(latents.shape), self.types["state"]),
+        writes = [(self.buffers[0], latents, self.types["latents"]), (self.states[0], np.zeros(self.state_shape), self.types["state"]),
                   (self.indices[0], np.zeros([1]), np.int64), (self.timesteps, timesteps, None),
                   (self.coefficients, coefficients, None), (self.guidance, np.asarray([guidance]), np.float32)]
         for name, value in static.items():

@@ -56,6 +56,11 @@ guided output as it is (``Concat([x, x])`` becomes ``Identity(x)``; the Split, S
 guidance go). The runner builds it in memory from ``step.onnx``, its weights referring to the
 UNet's data files, when a request turns guidance off.
 
+A history (PNDM's PLMS steps: the last three model outputs and the first sample): :func:`with_history`
+turns a written step graph into one whose ``state`` holds those slots on a leading axis and whose
+update is a matrix per step (:func:`onnxopt.pipeline.schedulers.plan_plms`); built in memory, as the
+step without guidance is.
+
 ``cfg_late`` (:mod:`onnxopt.passes.cfg_late`): the part of the UNet that reads
 only the latents and the timestep runs once at batch b, and ``Concat([h, h], axis 0)`` broadcasts
 it where the text side comes in (the first cross-attention's query; SDXL: the time embedding,
@@ -180,6 +185,73 @@ def without_guidance(step: Model) -> Model:
     for tensor in (*concat.outputs, *split.inputs):  # their declared batch was two rows per image
         if tensor not in graph.outputs and tensor.shape:
             tensor.shape = [None, *tensor.shape[1:]]
+    graph.cleanup().toposort()
+    return step
+
+
+UPDATE_NODES = ("c_x_latents", "c_eps_output", "c_state_state", "latents_partial", "latents_out", "d_x_latents",
+                "d_eps_output", "state_out")  # :func:`_scheduler_update`'s nodes, by label
+
+
+def with_history(step: Model, slots: int) -> Model:
+    """``step`` (a step graph :func:`build_step_graph` wrote, guided or :func:`without_guidance`) with a
+    scheduler update that carries ``slots`` earlier values (PNDM's PLMS:
+    :func:`onnxopt.pipeline.schedulers.plan_plms`)::
+
+        before:  state [b,4,h,w];    coefficients [T, 6]
+                 latents_out = c_x * latents + c_eps * eps + c_state * state
+                 state_out   = d_x * latents + d_eps * eps
+        after:   state [S,b,4,h,w];  coefficients [T, 1 + (1+S)(2+S)] = [c_in, M.flatten()]
+                 stack = Concat([latents[None], eps[None], state])                  [2+S, b,4,h,w]
+                 out   = ReduceSum(M[:, :, None...] * stack[None], axis 1)          [1+S, b,4,h,w]
+                 latents_out = out[0];  state_out = out[1:]
+
+    Conditions: the update nodes and the coefficient Split as this module names them. The rest of the
+    graph (the UNet, the guidance, ``c_in``) is untouched; the interface names are the same, the
+    state and coefficients wider. ``step`` is changed in place and returned; raises
+    :class:`UnsupportedModelError` when it is not such a graph."""
+    graph, where = step.graph, str(step.source) if step.source else "step graph"
+    nodes = {node.name: node for node in graph.nodes}
+    inputs = {t.name: t for t in graph.inputs}
+    split = nodes.get(f"{PREFIX}coefficient")
+    update = [nodes.get(f"{PREFIX}{label}") for label in UPDATE_NODES]
+    if split is None or split.op != "Split" or len(split.outputs) != 6 or any(n is None for n in update) or "state" not in inputs:
+        raise UnsupportedModelError(f"{where}: no update with history: not a step graph of onnxopt.pipeline.step_graph")
+    latents, state, eps = inputs["latents"], inputs["state"], nodes[f"{PREFIX}guided_output"].outputs[0]
+    latents_out, state_out = (next(t for t in graph.outputs if t.name == name) for name in ("latents_out", "state_out"))
+    for node in update:  # their outputs are rewritten below
+        node.inputs.clear()
+        node.outputs.clear()
+    graph.nodes = [node for node in graph.nodes if not any(node is old for old in update)]
+    rank, rows, columns = len(latents.shape), 1 + slots, 2 + slots
+    state.shape = [slots, *latents.shape]
+    coefficients = inputs["schedule_coefficients"]
+    coefficients.shape = [coefficients.shape[0], 1 + rows * columns]
+    split.inputs[0].shape = [1, 1 + rows * columns]
+    make = Emit(graph, NameAuthority(graph), PREFIX.rstrip("/"))
+    ints = lambda name, values: make.constant(name, np.array(values, np.int64))  # noqa: E731
+    flat = make.variable(f"{PREFIX}update_matrix_flat", F32, [1, rows * columns])
+    split.inputs[1] = ints("coefficient_widths", [1, rows * columns])
+    while len(split.outputs) > 1:
+        split.outputs.pop()
+    split.outputs.append(flat)
+    matrix = make.node("Reshape", [flat, ints("update_matrix_shape", [rows, columns] + [1] * rank)], F32,
+                       [rows, columns] + [1] * rank, label="update_matrix")
+    axis0 = ints("axis_zero", [0])
+    one = lambda t, label: make.node("Unsqueeze", [t, axis0], F32, [1, *latents.shape], label=label)  # noqa: E731
+    stack = make.node("Concat", [one(latents, "latents_row"), one(eps, "output_row"), state], F32,
+                      [columns, *latents.shape], label="update_inputs", axis=0)
+    terms = make.node("Mul", [matrix, make.node("Unsqueeze", [stack, axis0], F32, [1, columns, *latents.shape],
+                                                label="update_inputs_row")], F32, [rows, columns, *latents.shape],
+                      label="update_terms")
+    out = make.node("ReduceSum", [terms, ints("axis_one", [1])], F32, [rows, *latents.shape], label="update",
+                    keepdims=0)
+    make.node("Gather", [out, make.constant("first_row", np.array(0, np.int64))], None, None, outputs=[latents_out],
+              label="latents_out", axis=0)
+    make.node("Slice", [out, ints("history_start", [1]), ints("history_end", [rows]), axis0], None, None,
+              outputs=[state_out], label="state_out")
+    state_out.shape = list(state.shape)
+    make.into(graph)
     graph.cleanup().toposort()
     return step
 
