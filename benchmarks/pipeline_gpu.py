@@ -548,7 +548,7 @@ class Bench:
         t0 = time.perf_counter()
         s = self.settings
         pipe = Pipeline.load(self.opt, "cuda", cuda_graph=False, io_binding=False)  # the host loop: feeds in numpy
-        recorder = StepFeedRecorder(pipe.sessions["step"], every=max(1, s["steps"] // CALIBRATION_FEEDS))
+        recorder = StepFeedRecorder(pipe.step_session(), every=max(1, s["steps"] // CALIBRATION_FEEDS))
         pipe.sessions["step"] = recorder
         pipe(CALIBRATION_PROMPT, negative_prompt=NEGATIVE, steps=s["steps"], guidance=GUIDANCE, scheduler=s["scheduler"],
              seed=SEED + 1, height=s["height"], width=s["width"], progress=False)

@@ -62,7 +62,7 @@ def test_three_sizes_from_one_optimized_folder(tmp_path_factory):
     optimize_folder(b.folder, optimized, target="tensorrt")
     pipe = Pipeline.load(optimized, "cpu", io_binding=True, threads=THREADS, capture_cache=2)
     pipe.cuda_graph = True  # the step loop asks for graph ids as on the CUDA EP (the CPU EP ignores them)
-    step = pipe.sessions["step"] = RecordingCapture(pipe.sessions["step"])
+    step = pipe.sessions["step"] = RecordingCapture(pipe.step_session())
     sizes = {"A": (64, 64), "B": (64, 96), "C": (96, 64)}
     captures = {}
 

@@ -35,7 +35,7 @@ HOST = "host feeds"  # numpy in, numpy out
 BUILT = "built graph"  # a small graph onnxopt builds (the reuse step, the ControlNet's input prep)
 
 NO_CFG_STEP = "step_no_cfg"  # the session key of the step without classifier-free guidance (one row per image)
-HISTORY_STEP = "+history"  # after a step session's key: that step with PLMS's history (PNDM, made on first use)
+HISTORY_STEP = "+history"  # after a step session's key: that step with PLMS's history (PNDM's PLMS steps)
 PLMS_HISTORY = len(PLMS_SLOTS)  # its slots
 # every step session key: with guidance or without, each with PLMS's history or without
 STEP_SESSIONS = ("step", NO_CFG_STEP, "step" + HISTORY_STEP, NO_CFG_STEP + HISTORY_STEP)
@@ -199,18 +199,21 @@ def plan_generation(folder: PipelineFolder, provider: str, options: PlanOptions 
 
 def _plan_history(folder: PipelineFolder, plan: GenerationPlan) -> None:
     """PNDM's PLMS steps (``skip_prk_steps``) run on the step graph with its history
-    (:func:`~onnxopt.pipeline.step_graph.with_history`, built in memory from the plan's step graph),
-    made on first use beside the plain step (which a load makes as before: a load does not know the
-    requests' schedulers). Not for a folder with ControlNets: their graphs read six coefficients a
-    step, and diffusers' loop runs PNDM there."""
+    (:func:`~onnxopt.pipeline.step_graph.with_history`, built in memory from the plan's step graph).
+    With PNDM the plan's scheduler, the step its requests run is the history one: it takes the plain
+    step's place (made at load where that was) and the plain step is made on first use, by a request
+    with another scheduler, as :func:`_plan_without_guidance` makes the step of the other guidance:
+    a load holds one UNet session. Not for a folder with ControlNets: their graphs read six
+    coefficients a step, and diffusers' loop runs PNDM there."""
     if plan.scheduler != "pndm" or folder.controlnets or not folder.scheduler_config().get("skip_prk_steps", False):
         return
     for key in ("step", NO_CFG_STEP):
         entry = plan.entry(key)
         if entry is not None:
-            plan.sessions.insert(plan.sessions.index(entry) + 1, replace(
-                entry, key=key + HISTORY_STEP, runs=f"{entry.runs} (PNDM)", graph=f"{entry.graph}, with PNDM's history",
-                lazy=True))
+            index = plan.sessions.index(entry)
+            plan.sessions[index] = replace(entry, lazy=True)
+            plan.sessions.insert(index + 1, replace(
+                entry, key=key + HISTORY_STEP, runs=f"{entry.runs} (PNDM)", graph=f"{entry.graph}, with PNDM's history"))
 
 
 def _plan_without_guidance(folder, plan, options) -> None:

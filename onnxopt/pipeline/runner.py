@@ -617,15 +617,16 @@ class Pipeline:
             from onnxopt.errors import UnsupportedModelError
 
             try:
-                self._step_session(key)
+                self.step_session(key)
             except UnsupportedModelError as exc:
                 print(f"onnxopt: {exc}: the prompt's row runs twice instead", file=sys.stderr)
                 plan.no_cfg_rows, plan.no_cfg = 2, f"the prompt's row twice ({exc})"
         return plan.no_cfg_rows
 
-    def _step_session(self, key: str):
+    def step_session(self, key: str = "step"):
         """The step session ``key`` ("step", or :data:`~onnxopt.pipeline.plan.NO_CFG_STEP`; either with
-        :data:`HISTORY_STEP` after it: its update with PLMS's history), made on first use."""
+        :data:`HISTORY_STEP` after it: its update with PLMS's history), made on first use: read a step
+        session through it, not ``sessions``, which holds only those made (the plan's scheduler's at load)."""
         if key not in self.sessions:
             base = key.removesuffix(HISTORY_STEP)
             self.status("preparing the step graph" + (" without guidance" if base == NO_CFG_STEP else "")
@@ -663,7 +664,7 @@ class Pipeline:
             if hint_key(k) in self.sessions:  # the step graph reads the hint, not the image
                 feeds.update(run_host(self.sessions[hint_key(k)], feeds))
             if self.merged_step:
-                reads = input_types(self.sessions["step"])
+                reads = input_types(self.step_session())
                 feeds = {n: v for n, v in feeds.items() if interface_name(n, k) in reads}
             else:
                 reads = input_types(self._controlnet_session(k))
@@ -738,7 +739,7 @@ class Pipeline:
         """The step graph's loop from the ``initial`` latents on the step plan's coefficient table
         (from the run's first timestep: img2img's starts mid-way); the first step (with its graph
         capture) timed apart. A step that draws noise gets it in its ``state`` input. ``step``: the
-        step session's key (:meth:`_step_session`)."""
+        step session's key (:meth:`step_session`)."""
         latents = initial.numpy()
         static, step_controlnet = cond, controlnet
         if self.merged_step and controlnet is not None:  # the ControlNets' inputs are the step graph's
@@ -877,7 +878,7 @@ class Pipeline:
         return latents / np.float32(scaling)
 
     def _step_loop(self, latents, cond, controlnet, steps: int, key: str = "step"):
-        step = self._step_session(key)
+        step = self.step_session(key)
         controlnet_session = None if self.merged_step or not self.controlnet_models else self._controlnet_sessions()
         down = self.sessions.get("down")
         reuse = None if key.endswith(HISTORY_STEP) else self.sessions["reuse"]  # its update carries one state
@@ -1329,7 +1330,7 @@ class _SessionMaker:
                 requests.append(bound(entry.component, entry.model))
             elif entry.binds == HOST:
                 requests.append(Ahead(entry.component, entry.model))
-            elif entry.key in ("step", NO_CFG_STEP):  # a step graph built in memory is not a file
+            elif entry.key.removesuffix(HISTORY_STEP) in ("step", NO_CFG_STEP):  # one built in memory is no file
                 if entry.key == "step" and not plan.build_step_graph:
                     requests.append(Ahead(folder.denoiser, entry.model, plan.capture))
             elif entry.binds == STEP_LOOP:
