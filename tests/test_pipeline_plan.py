@@ -35,8 +35,10 @@ def test_the_tiny_folders_plan_lists_its_components_and_step_graph():
     entries = {e.key: e for e in plan.sessions}
     assert list(entries) == ["vae_decoder", "vae_encoder", "text_encoder", "step", "step+history", "step_no_cfg",
                              "step_no_cfg+history", "reuse"]
-    # guidance per request: the guided one at load; the folder's PNDM: the one with its history on first use
-    assert entries["step_no_cfg"].lazy and not entries["step"].lazy and entries["step+history"].lazy
+    # guidance per request: the guided one at load, the other on first use; the folder's PNDM: the one with its
+    # history in the plain one's place, the plain one on first use (by a request with another scheduler)
+    assert not entries["step+history"].lazy and entries["step"].lazy
+    assert entries["step_no_cfg"].lazy and entries["step_no_cfg+history"].lazy
     assert entries["step+history"].graph == "unet/model.onnx, built in memory, with PNDM's history"
     assert entries["vae_decoder"].graph == "vae_decoder/model.onnx" and entries["vae_decoder"].binds == HOST
     assert entries["text_encoder"].lazy and entries["step"].binds == STEP_LOOP
@@ -80,7 +82,8 @@ def test_generate_plan_prints_it_and_writes_nothing(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "scheduler:  pndm" in text and "step graph: built in memory" in text
     assert "step+history         unet/model.onnx, built in memory, with PNDM's history: every step" in text
-    assert "(PNDM), step loop, made on first use" in text
+    assert "with PNDM's history: every step (PNDM), step loop\n" in text
+    assert "step                 unet/model.onnx, built in memory: every step, step loop, made on first use" in text
     assert main(["generate", str(SD15), "--plan", "--scheduler", "unipc"]) == 0
     text = capsys.readouterr().out
     assert "step graph: unfused" in text and "unet/model.onnx: every step" in text
@@ -111,10 +114,10 @@ def test_load_for_guidance_off_makes_the_step_without_guidance_alone():
     from onnxopt.pipeline.plan import HISTORY_STEP, NO_CFG_STEP, STEP_SESSIONS
     from onnxopt.pipeline.runner import Pipeline
 
-    pipe = Pipeline.load(SD15, "cpu", threads=1, guidance=1.0)  # the folder's PNDM: its history's step on first use
-    assert set(pipe.sessions) & set(STEP_SESSIONS) == {NO_CFG_STEP} and pipe.fused_step
+    pipe = Pipeline.load(SD15, "cpu", threads=1, guidance=1.0)  # the folder's PNDM: its history's step at load
+    assert set(pipe.sessions) & set(STEP_SESSIONS) == {NO_CFG_STEP + HISTORY_STEP} and pipe.fused_step
     pipe("a cat", steps=2, guidance=1.0, height=32, width=48, progress=False)
-    assert set(pipe.sessions) & set(STEP_SESSIONS) == {NO_CFG_STEP, NO_CFG_STEP + HISTORY_STEP}
+    assert set(pipe.sessions) & set(STEP_SESSIONS) == {NO_CFG_STEP + HISTORY_STEP}
     assert pipe.plan.as_dict()["classifier_free_guidance"] is False
 
 
