@@ -134,27 +134,41 @@ def test_a_graph_ort_refuses_to_capture_is_made_ahead_again_without_capture(monk
     assert maker.prefetch.take(Ahead("vae_decoder", captured.model), lambda: "made in turn") == ("plain", "model.onnx")
 
 
-@pytest.mark.parametrize("guidance, step", [(None, "step"), (1.0, "step_no_cfg")])
-def test_the_folders_pndm_makes_its_history_step_at_load_and_the_plain_step_on_first_use(monkeypatch, guidance, step):
-    """An SD 1.5 folder's own PNDM (skip_prk_steps) runs the step graph with its history: the load
-    makes that one UNet session (its weights once on the device) and the first image makes none; the
-    plain step is made once, by the first request with another scheduler."""
-    unet_sessions = []
+
+@pytest.fixture
+def unet_sessions(monkeypatch):
+    """The graph of every UNet session ORT is asked to create (a step graph built in memory: its bytes)."""
+    made = []
     create = runner_module.create_session
 
     def recording(model, *args, **kwargs):
         if Path(str(kwargs.get("name", ""))).name == "unet":
-            unet_sessions.append(model)
+            made.append(model)
         return create(model, *args, **kwargs)
 
     monkeypatch.setattr(runner_module, "create_session", recording)
+    return made
+
+
+@pytest.mark.parametrize("guidance, step", [(None, "step"), (1.0, "step_no_cfg")])
+def test_the_folders_pndm_makes_its_history_step_at_load_and_the_plain_step_on_first_use(unet_sessions, guidance, step):
+    """An SD 1.5 folder's own PNDM (skip_prk_steps) runs the step graph with its history: the load
+    makes that one UNet session (its weights once on the device) and the first image makes none; the
+    plain step is made once, by the first request with another scheduler."""
     request = dict(REQUEST, guidance=guidance) if guidance is not None else REQUEST
     pipe = Pipeline.load(PIPELINES / "sd15-tiny-optimum", "cpu", threads=1, guidance=guidance)
-    made = [key for key in pipe.sessions if key.startswith("step")]
-    assert made == [step + "+history"] and len(unet_sessions) == 1
+    assert [key for key in pipe.sessions if key.startswith("step")] == [step + "+history"]
+    assert len(unet_sessions) == 1
     pipe("a red cat", **request)
     assert len(unet_sessions) == 1
     for _ in range(2):
         pipe("a red cat", scheduler="ddim", **request)
         assert len(unet_sessions) == 2 and step in pipe.sessions
     assert pipe.step_session(step) is pipe.sessions[step]
+
+
+def test_a_load_for_another_scheduler_makes_the_plain_step_alone(unet_sessions):
+    """The load told the calls' scheduler (``generate --scheduler ddim``) makes the step they run, and only it."""
+    pipe = Pipeline.load(PIPELINES / "sd15-tiny-optimum", "cpu", threads=1, scheduler="ddim")
+    pipe("a red cat", scheduler="ddim", **REQUEST)
+    assert [key for key in pipe.sessions if key.startswith("step")] == ["step"] and len(unet_sessions) == 1

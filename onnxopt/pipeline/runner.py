@@ -225,7 +225,7 @@ class Pipeline:
              step_file: str | None = None, two_streams: bool | None = None, static_text: bool = True,
              status: bool | None = None, capture_cache: int = DEFAULT_SIZE, loras: list | None = None,
              guidance: float | None = None, load_workers: int = LOAD_WORKERS,
-             graph_optimization: str = "all") -> "Pipeline":
+             graph_optimization: str = "all", scheduler: str | None = None) -> "Pipeline":
         """Open ``folder`` and create its sessions on ``provider`` (cpu | cuda | tensorrt).
 
         ``cuda_graph`` (cuda/tensorrt): capture the step graph as CUDA graphs. ``fused_step=False``
@@ -276,7 +276,10 @@ class Pipeline:
 
         ``guidance``: the guidance the calls will ask, when known: the step graph it needs (with
         classifier-free guidance above 1, without it at 1 or below) is made now, the other on first
-        use (None: the guided one now).
+        use (None: the guided one now). ``scheduler``: the one the calls will ask, when known (None:
+        the folder's own): with PNDM (an SD 1.5 folder's), the step graph with its history is made
+        now and the plain one on first use, by a call with another scheduler; with another, the
+        plain one now (a scheduler the fused step cannot run: diffusers' loop, as ``fused_step=False``).
 
         ``load_workers``: how many sessions are created at once: the load's and those the first
         image asks for (its text encoders, for the prompt batch ``guidance`` implies), while the
@@ -292,7 +295,8 @@ class Pipeline:
         _torch(import_now=False)  # imported beside the sessions made ahead (from_plan); missing: this error, now
         options = PlanOptions(fused_step=fused_step, cuda_graph=cuda_graph, io_binding=io_binding, context_kv=context_kv,
                               controlnet_hint=controlnet_hint, merged_step=merged_step, step_file=step_file,
-                              two_streams=two_streams, static_text=static_text, guidance=guidance)
+                              two_streams=two_streams, static_text=static_text, guidance=guidance,
+                              scheduler=scheduler)
         plan = plan_generation(folder, provider, options)
         from onnxopt.lora import pipeline_loras
 
@@ -1458,7 +1462,8 @@ def generate(folder, prompt: str, *, output=None, provider: str = "cpu", fused_s
     steps = folder.family.default_steps if options.get("steps") is None else options["steps"]
     options["scheduler"] = check_request(folder, steps=steps, scheduler=options.get("scheduler"))
     pipe = Pipeline.load(folder, provider, fused_step=fused_step and fusable(options["scheduler"]), cuda_graph=cuda_graph,
-                         status=None if options.get("progress", True) else False, loras=loras)
+                         status=None if options.get("progress", True) else False, loras=loras,
+                         scheduler=options["scheduler"])
     result = pipe(prompt, **options)
     if output is not None:
         images.write_image(result.image, output)
