@@ -482,7 +482,8 @@ class Bench:
         load, call = dict(load or {}), dict(call or {})
         if call.get("reuse") == "late":  # 30-49:2 at 50 steps, 18-29:2 at 30
             call["reuse"] = f"{-(-6 * s['steps'] // 10)}-{s['steps'] - 1}:2"
-        unknown = set(load) - set(inspect.signature(Pipeline.load).parameters)
+        takes = set(inspect.signature(Pipeline.load).parameters)
+        unknown = set(load) - takes
         if unknown:
             return {"skipped": f"this Pipeline.load has no {', '.join(sorted(unknown))}"}
         request = dict(negative_prompt=NEGATIVE, steps=s["steps"], guidance=self.guidance, scheduler=s["scheduler"],
@@ -501,7 +502,9 @@ class Bench:
             if self.multi:
                 request["controlnet_scale"] = MULTI_CONTROLNET_SCALES
         t0 = time.perf_counter()
-        pipe = Pipeline.load(folder, provider, **{"cuda_graph": True, **load})
+        # the calls' scheduler: the load makes the step graph they run (SD 1.5's own PNDM runs another)
+        told = {"scheduler": s["scheduler"]} if "scheduler" in takes else {}
+        pipe = Pipeline.load(folder, provider, **{"cuda_graph": True, **told, **load})
         first = pipe(PROMPT, **request)
         cold = time.perf_counter() - t0
         results = []
@@ -547,7 +550,8 @@ class Bench:
 
         t0 = time.perf_counter()
         s = self.settings
-        pipe = Pipeline.load(self.opt, "cuda", cuda_graph=False, io_binding=False)  # the host loop: feeds in numpy
+        pipe = Pipeline.load(self.opt, "cuda", cuda_graph=False, io_binding=False,  # the host loop: feeds in numpy
+                             scheduler=s["scheduler"])
         recorder = StepFeedRecorder(pipe.step_session(), every=max(1, s["steps"] // CALIBRATION_FEEDS))
         pipe.sessions["step"] = recorder
         pipe(CALIBRATION_PROMPT, negative_prompt=NEGATIVE, steps=s["steps"], guidance=GUIDANCE, scheduler=s["scheduler"],
