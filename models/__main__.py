@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -187,24 +189,45 @@ def _run(argv: list[str]) -> int:
 
 
 def _pipeline(args) -> int:
+    """The folder is built in a temporary sibling and renamed to ``-o`` at the end, as onnxopt writes its
+    outputs: a failure (or a failed check, exit 1) leaves nothing behind, where it left an empty or half
+    written folder."""
+    from onnxopt.outputs import temp_folder_beside
+
     from .export import check_export
     from .pipelines import folder_bytes, write_onnx_folder
 
     out = Path(args.output)
-    if out.exists() and any(out.iterdir()):
-        print(f"{out} exists and is not empty", file=sys.stderr)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        print(f"{out} exists and is not an empty folder", file=sys.stderr)
         return 2
-    t0 = time.perf_counter()
-    comps = write_onnx_folder(args.kind, out, args.size, args.exporter, args.seed, args.data_name)
-    print(f"wrote {args.kind} ({args.size}, {args.exporter}) in {time.perf_counter() - t0:.1f}s: "
-          f"{', '.join(comps)}; {folder_bytes(out) / 1e6:.2f} MB -> {out}")
-    ok = True
-    if not args.no_check:
-        for name, bm in comps.items():
-            c = check_export(bm, out / name / "model.onnx")
-            print(f"  {name:15s} {c}")
-            ok = ok and c.ok
-    return 0 if ok else 1
+    try:
+        partial = temp_folder_beside(out)
+    except OSError as exc:
+        print(f"{out}: cannot write in {out.parent}: {exc.strerror or exc}", file=sys.stderr)
+        return 2
+    try:
+        t0 = time.perf_counter()
+        comps = write_onnx_folder(args.kind, partial, args.size, args.exporter, args.seed, args.data_name)
+        print(f"wrote {args.kind} ({args.size}, {args.exporter}) in {time.perf_counter() - t0:.1f}s: "
+              f"{', '.join(comps)}; {folder_bytes(partial) / 1e6:.2f} MB -> {out}")
+        ok = True
+        if not args.no_check:
+            for name, bm in comps.items():
+                c = check_export(bm, partial / name / "model.onnx")
+                print(f"  {name:15s} {c}")
+                ok = ok and c.ok
+        if not ok:
+            print(f"{out}: not written (the check failed)", file=sys.stderr)
+            shutil.rmtree(partial)
+            return 1
+        if out.exists():
+            out.rmdir()  # the empty folder checked above
+        os.replace(partial, out)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    return 0
 
 
 if __name__ == "__main__":

@@ -318,9 +318,10 @@ def cmd_generate(args) -> int:
                                    strength=args.strength, num_images=args.num_images,
                                    denoising_end=args.denoising_end)
     reuse_steps(args.reuse, args.steps)  # a bad schedule is refused before any session exists
-    if args.max_sequence_length is None:
+    asked = args.max_sequence_length is not None
+    if not asked:
         args.max_sequence_length = default_sequence_length(folder)
-    check_sequence_length(folder, args.max_sequence_length)
+    check_sequence_length(folder, args.max_sequence_length, asked)
     for image in args.controlnet_image or ():
         images.check_image(image)  # not an image, or a decompression bomb: before any session exists
     if args.json and Path(os.path.realpath(args.json)) == Path(os.path.realpath(args.output)):  # the timings replaced the PNG

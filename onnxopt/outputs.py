@@ -98,6 +98,14 @@ def _check_parent(path: Path) -> None:
         raise ModelSaveError(f"{path}: folder {folder} does not exist")
     if not os.access(folder, os.W_OK):
         raise ModelSaveError(f"{path}: folder {folder} is not writable")
+    # and a real write: root passes os.access everywhere, yet /proc or a read-only mount refuse the
+    # file, and the run failed only at the end, after the work
+    try:
+        fd, probe = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".probe", dir=folder)
+    except OSError as exc:
+        raise ModelSaveError(f"{path}: folder {folder} is not writable ({exc.strerror or exc})") from None
+    os.close(fd)
+    os.unlink(probe)
 
 
 class Outputs:

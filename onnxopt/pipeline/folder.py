@@ -255,18 +255,34 @@ def controlnet_folders(root: Path) -> list[str]:
     return [controlnet_name(k) for k in sorted(numbers)]
 
 
+# a transformer's config.json _class_name (diffusers' save_config writes it) -> the family whose denoiser it is
+TRANSFORMER_CLASSES = {"SD3Transformer2DModel": "sd3", "FluxTransformer2DModel": "flux"}
+
+
 def kind_of(index: dict, root: Path) -> str:
-    """The family's kind (sd / sdxl / controlnet / sd3), from model_index.json's class name
+    """The family's kind (sd / sdxl / controlnet / sd3 / flux), from model_index.json's class name
     (:data:`~onnxopt.pipeline.families.PIPELINE_CLASSES`; a class onnxopt does not run is refused by
-    name); an index without one (hand-written folders) by its folders."""
+    name); an index without one (hand-written folders) by its folders: a UNet folder by whether it holds
+    controlnet/ or text_encoder_2/, a transformer/ by its config.json's class name (SD3's and Flux's
+    folders hold the same component names: one whose config does not say is refused, where it ran as
+    SD3 whatever it was)."""
     name = index.get("_class_name")
     if name is not None:
+        if not isinstance(name, str):  # a list or an object raised TypeError (unhashable) below: exit 3
+            raise PipelineFolderError(f"{root / 'model_index.json'}: '_class_name' must be a pipeline class name, "
+                                      f"got {json.dumps(name)}")
         if name not in PIPELINE_CLASSES or not FAMILIES[PIPELINE_CLASSES[name]].runs:
             raise PipelineFolderError(f"{root}: model_index.json names {json.dumps(name)}, a pipeline onnxopt does not "
                                       f"run (it runs {', '.join(RUNNABLE_CLASSES)})")
         return PIPELINE_CLASSES[name]
     if "transformer" in index or (root / "transformer").is_dir():
-        return "sd3"
+        config_path = root / "transformer" / "config.json"
+        transformer = read_json(config_path).get("_class_name") if config_path.is_file() else None
+        if isinstance(transformer, str) and transformer in TRANSFORMER_CLASSES:
+            return TRANSFORMER_CLASSES[transformer]
+        raise PipelineFolderError(f"{root / 'model_index.json'}: no '_class_name', and transformer/ (its config.json "
+                                  "names no SD3Transformer2DModel or FluxTransformer2DModel) may be "
+                                  "StableDiffusion3Pipeline's or FluxPipeline's: name the pipeline class")
     if "controlnet" in index or (root / "controlnet").is_dir():
         return "controlnet"
     if "text_encoder_2" in index or (root / "text_encoder_2").is_dir():

@@ -62,7 +62,7 @@ import numpy as np
 from onnxopt.errors import MissingDependencyError, OnnxoptError
 from onnxopt.pipeline import images
 from onnxopt.pipeline.families import TOKENIZER_OF
-from onnxopt.pipeline.folder import PipelineFolder
+from onnxopt.pipeline.folder import CLIP_SEQUENCE, PipelineFolder
 from onnxopt.pipeline.session_prefetch import LOAD_WORKERS, Ahead, SessionPrefetch
 from onnxopt.pipeline.sizes import _check_size, _written_before_0_9, default_size  # noqa: F401 (importers read them here too)
 from onnxopt.pipeline.plan import (
@@ -1276,11 +1276,18 @@ def default_sequence_length(folder: PipelineFolder) -> int:
     return 512 if folder.kind == "flux" else 256
 
 
-def check_sequence_length(folder: PipelineFolder, max_sequence_length) -> None:
+# the families whose prompt encoding has a T5 slot (SD3 without T5 still puts max_sequence_length zero rows in it)
+SEQUENCE_LENGTH_KINDS = ("sd3", "flux")
+
+
+def check_sequence_length(folder: PipelineFolder, max_sequence_length, asked: bool = False) -> None:
     """SD3's and Flux's T5 prompt length: a positive integer up to :data:`MAX_SEQUENCE_LENGTH`, as diffusers
-    takes it (FluxPipeline refuses more than 512 too)."""
-    if folder.kind not in ("sd3", "flux"):
-        return
+    takes it (FluxPipeline refuses more than 512 too); checked for every folder (a 0 or a negative value
+    passed silently where it was not read). ``asked``: the user named the length (``--max-sequence-length``),
+    refused for a family without T5 (its CLIP encoders take 77 tokens), as ``--denoising-end`` is outside SDXL."""
+    if asked and folder.kind not in SEQUENCE_LENGTH_KINDS:
+        raise GenerationError(f"{folder.root}: --max-sequence-length is the T5 prompt length of SD3 and Flux "
+                              f"(diffusers' {folder.kind} pipeline has none: its text encoders take {CLIP_SEQUENCE} tokens)")
     if (not isinstance(max_sequence_length, int) or isinstance(max_sequence_length, bool)
             or not 1 <= max_sequence_length <= MAX_SEQUENCE_LENGTH):
         raise GenerationError(f"max sequence length must be an integer in 1..{MAX_SEQUENCE_LENGTH}, "
