@@ -1256,8 +1256,10 @@ def _deferred(function, *args):
     try:
         result = function(*args)
     except Exception as exc:  # noqa: BLE001 -- raised unchanged by the callable
+        error = exc  # Python unbinds ``exc`` when the except block ends: a closure over it raised NameError
+
         def fail():
-            raise exc
+            raise error
         return fail
     return lambda: result
 
