@@ -212,3 +212,19 @@ def test_the_cold_start_benchmark_lists_the_graphs_a_first_image_opens_and_tabul
     text = table(results)
     assert "| unet | unet/step.onnx | 3400 | 10.00 (0.10 / 9.90), 900 nodes | RuntimeError: boom |" in text
     assert "| 4 workers, extended | 2.00 | 3.00 | 2.00 | 0.50 | 5.00 | 0.100 | 0.200 | 0.300 | max abs 2e-06 |" in text
+
+
+def test_the_scheduler_step_benchmark_runs_fused_and_host_on_the_cpu(capsys):
+    """benchmarks/scheduler_step_gpu.py on the committed tiny SD 1.5 folder (CPU, 2 steps, 64x64):
+    PNDM fused (its history step) and on the host, PLMS's one extra step, and the two images close."""
+    from pathlib import Path
+
+    from benchmarks.scheduler_step_gpu import main
+
+    folder = Path(__file__).resolve().parents[1] / "models" / "pipelines" / "sd15-tiny"
+    assert main([str(folder), "--provider", "cpu", "--steps", "2",
+                 "--size", "64", "--schedulers", "pndm"]) == 0
+    out = capsys.readouterr().out
+    assert "| fused | pndm |" in out and "| unfused (host step) | pndm |" in out and "| 3 |" in out
+    close = float(out.split("latents max abs ")[1].split(" ")[0])
+    assert close < 1e-4
