@@ -145,7 +145,24 @@ class GenerationPlan:
 
 @dataclass(frozen=True)
 class PlanOptions:
-    """The switches of :meth:`Pipeline.load` that choose what runs (its docstring says each)."""
+    """The switches of :meth:`Pipeline.load` that choose what runs (its docstring says the others).
+
+    The pipeline rewrites an optimized folder holds, each used when present and switched on
+    (switching one off measures what it buys; a rewrite that is off never needs a file):
+
+    * ``context_kv``: ``unet/step.context_kv.onnx`` once per prompt (cross-attention K/V, and
+      SDXL's added conditioning) and ``unet/step.onnx`` reading them; off: the step graph of
+      the whole UNet, built in memory from ``unet/model.onnx`` (a UNet under 1.8 GB).
+    * ``controlnet_hint``: ``controlnet/step.hint.onnx`` once per image and
+      ``controlnet/step.onnx`` reading the hint (the same in each ``controlnet_<k>/``); off:
+      ``controlnet/model.onnx`` at every step.
+    * ``merged_step``: ``merged_step.onnx``, ControlNet and UNet step graph in one graph (one
+      run per step), used when it was built from the very graphs the other switches select.
+    * ``two_streams`` (default: on for cuda/tensorrt, where it measured faster than
+      ``merged_step``: benchmarks/results/h100-2026-11-25-session7/; bound-buffer loop only):
+      ``unet/step.streams.down.onnx`` beside the ControlNet on a second thread and stream, then
+      ``unet/step.streams.onnx`` (:mod:`onnxopt.pipeline.two_streams`); ``merged_step`` when off.
+    """
 
     fused_step: bool = True
     cuda_graph: bool = True
@@ -156,7 +173,7 @@ class PlanOptions:
     step_file: str | None = None
     two_streams: bool | None = None
     static_text: bool = True
-    scheduler: str | None = None  # the request's: one the fused step cannot run (pndm, unipc) plans diffusers' loop
+    scheduler: str | None = None  # the request's: one the fused step cannot run (unipc, PNDM's PRK steps) plans diffusers' loop
     guidance: float | None = None  # the request's, when known: the step of its guidance is made at load, the other on use
 
 

@@ -237,21 +237,9 @@ class Pipeline:
         ``<stem>.context_kv.onnx`` when present), e.g. the ``step.cfg_late.onnx`` that
         ``write_step_graph(unet_dir, file_name=..., cfg_late=True)`` writes: for ablations.
 
-        The pipeline rewrites an optimized folder holds, each used when present and switched on
-        (switching one off measures what it buys; a rewrite that is off never needs a file):
-
-        * ``context_kv``: ``unet/step.context_kv.onnx`` once per prompt (cross-attention K/V, and
-          SDXL's added conditioning) and ``unet/step.onnx`` reading them; off: the step graph of
-          the whole UNet, built in memory from ``unet/model.onnx`` (a UNet under 1.8 GB).
-        * ``controlnet_hint``: ``controlnet/step.hint.onnx`` once per image and
-          ``controlnet/step.onnx`` reading the hint (the same in each ``controlnet_<k>/``); off:
-          ``controlnet/model.onnx`` at every step.
-        * ``merged_step``: ``merged_step.onnx``, ControlNet and UNet step graph in one graph (one
-          run per step), used when it was built from the very graphs the other switches select.
-        * ``two_streams`` (default: on for cuda/tensorrt, where it measured faster than
-          ``merged_step``: benchmarks/results/h100-2026-11-25-session7/; bound-buffer loop only):
-          ``unet/step.streams.down.onnx`` beside the ControlNet on a second thread and stream, then
-          ``unet/step.streams.onnx`` (:mod:`onnxopt.pipeline.two_streams`); ``merged_step`` when off.
+        The pipeline rewrites an optimized folder holds (``context_kv``, ``controlnet_hint``,
+        ``merged_step``, ``two_streams``), each used when present and switched on:
+        :class:`~onnxopt.pipeline.plan.PlanOptions` says what each selects.
 
         * ``static_text``: ``text_encoder*/model.static.b{b}.onnx`` for a prompt batch b (input_ids
           [b, 77], every node on the CUDA EP, so captured: :mod:`onnxopt.pipeline.static_text`);

@@ -204,15 +204,17 @@ def schedule_tables(plan, timestep_dtype, capacity: int | None = None) -> tuple[
 def state_shape(step_session, latents_shape) -> tuple:
     """The step graph's ``state`` for latents of ``latents_shape``: theirs, or with the history's slots
     first where the graph carries them (:func:`~onnxopt.pipeline.step_graph.with_history`)."""
-    declared = next(i.shape for i in step_session.get_inputs() if i.name == "state")
+    # None: a graph without a state (the two-stream loop's down half, which runs no history)
+    declared = next((i.shape for i in step_session.get_inputs() if i.name == "state"), None)
     if declared and len(declared) == len(latents_shape) + 1 and isinstance(declared[0], int):
         return (declared[0], *latents_shape)
     return tuple(latents_shape)
 
 
 def coefficient_width(step_session) -> int:
-    """The width of the step graph's ``schedule_coefficients`` rows (6; wider with a history)."""
-    declared = next(i.shape for i in step_session.get_inputs() if i.name == "schedule_coefficients")
+    """The width of the step graph's ``schedule_coefficients`` rows (6; wider with a history; 6 for a
+    graph without them, the two-stream loop's down half)."""
+    declared = next((i.shape for i in step_session.get_inputs() if i.name == "schedule_coefficients"), None)
     return declared[1] if declared and len(declared) == 2 and isinstance(declared[1], int) else 6
 
 
