@@ -275,6 +275,11 @@ def main(argv=None) -> int:
             row.update(ms=ms, rel_err=err, ok=ok, clock="host, one run" if args.dry_run else "cuda-events, per copy")
             print(f"{name:42s} {dtype:9s} {label:24s} {ms:9.4f} {err:9.2e}  {'ok' if ok else 'WRONG'}", flush=True)
             rows.append(row)
+    return finish(args, copies, rows, failed)
+
+
+def finish(args, copies: int, rows: list, failed: int) -> int:
+    """Write the rows to ``args.out`` (when given) and return the exit code: 1 if a form's check failed."""
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"dry_run": args.dry_run, "copies": copies, "runs": args.runs, "rows": rows}, f, indent=1)

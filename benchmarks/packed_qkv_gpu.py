@@ -43,13 +43,12 @@ CPU build has no kernel (packed-QKV MultiHeadAttention), through onnxopt's NumPy
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 import numpy as np
 from onnx import helper
 
-from benchmarks.norm_rows_gpu import EPS, MS, _ints, _model, _tensor, as_stored
+from benchmarks.norm_rows_gpu import EPS, MS, _ints, _model, _tensor, as_stored, finish
 
 SHAPES = {"sd35-medium": (2, 4429, 24, 64), "flux-dev": (1, 4608, 24, 128)}  # batch, tokens, heads, head dim
 DRY_SHAPES = {"sd35-medium": (2, 37, 3, 16), "flux-dev": (1, 41, 2, 32)}
@@ -285,10 +284,7 @@ def main(argv=None) -> int:
                 print(f"{family:12s} {dtype:9s} {form:22s} {timing['median_ms']:9.4f} {err:9.2e}  {'ok' if ok else 'WRONG'}",
                       flush=True)
                 rows.append(row)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"dry_run": args.dry_run, "copies": copies, "runs": args.runs, "rows": rows}, f, indent=1)
-    return 1 if failed else 0
+    return finish(args, copies, rows, failed)
 
 
 if __name__ == "__main__":
