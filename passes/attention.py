@@ -55,7 +55,8 @@ default "packed"; ``cross_layout`` for cross-attention, default "separate")::
     joins): benchmarks/results/layout-choices.md.
     Attributes: num_heads=N, scale only when it differs from 1/sqrt(H), unidirectional=1 only for
     a mask proven exactly causal; any other mask goes, unchanged, to attention_bias (unsqueezed
-    to 4-D).
+    to 4-D), and a self-attention with one is lowered separate whatever the layout (ONNX Runtime's
+    CUDA kernel cannot unpack a wide packed QKV in bfloat16 on the path that adds the bias).
 
 Conditions (a site that fits the diagram but fails one is refused, with the reason):
     * K and V project the same tensor; Q too for self-attention, another tensor for cross.
@@ -718,6 +719,12 @@ def read_site(m: Match, run: FusionRun) -> AttentionSite:
     """check_site with the run's shared Dims (dims proven equal across sites), in the pass's layout."""
     site = check_site(run.graph, m, run.memo.setdefault("dims", Dims()))
     site.layout = run.fusion.cross_layout if site.cross else run.fusion.layout
+    if site.attention_bias is not None and site.layout == "packed":
+        # ONNX Runtime's CUDA MHA runs an attention_bias on its unfused path, which unpacks packed QKV
+        # with AddBiasTranspose; in bfloat16 that kernel has no form for widths over 2048 (T5-XXL: 4096
+        # fails, H100, ORT 1.31). Three BSNH inputs are read as they are, in every precision.
+        site.layout = "separate"
+        run.details["attention_bias: separate Q, K, V"] += 1
     run.details[site.kind] += 1
     run.details["with projection bias"] += site.biased
     run.details["causal"] += site.causal
