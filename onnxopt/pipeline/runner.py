@@ -489,7 +489,7 @@ class Pipeline:
         reused = reuse_steps(reuse, steps)
         factor = folder.vae_scale_factor
         init = prepare(folder, image, mask, strength, height, width) if image is not None else None
-        if init is not None:
+        if init is not None:  # its size checked by prepare, as the img2img and inpainting pipelines size it
             check_steps_run(steps, init.strength)
             height, width = init.height, init.width
         controls = []
@@ -497,9 +497,10 @@ class Pipeline:
             controls.append(images.preprocess_control_image(control, height, width, factor))
             # as diffusers: the (first) preprocessed image sets the size; later ones are resized to it
             height, width = controls[0].shape[-2:]
-        default_h, default_w = default_size(folder)
-        height, width = height or default_h, width or default_w
-        _check_size(height, width, factor)
+        if init is None:
+            default_h, default_w = default_size(folder)
+            height, width = height or default_h, width or default_w
+            _check_size(height, width, factor)
 
         timings: dict = {"provider": self.provider, "step": self.step_source, "cuda_graph": self.cuda_graph,
                          "session_runs_per_step": self.session_runs_per_step()}
@@ -973,7 +974,8 @@ def check_request(folder: PipelineFolder, *, steps: int = 50, scheduler: str | N
     say = StartupStatus(status)
     say("importing torch and diffusers")
     from onnxopt.pipeline.img2img import (check_denoising_end, check_init_request, check_num_images, check_steps_run,
-                                          strength_of)
+                                          inpainting_size_multiple, strength_of)
+    from onnxopt.pipeline.sizes import check_multiple
     from onnxopt.pipeline.schedulers import ALL_SCHEDULERS, schedulers_for
 
     if scheduler is not None and scheduler not in ALL_SCHEDULERS:
@@ -1004,7 +1006,9 @@ def check_request(folder: PipelineFolder, *, steps: int = 50, scheduler: str | N
             raise GenerationError(f"{control}: is a folder, not an image")
         if isinstance(control, (str, Path)) and not Path(control).is_file():
             raise GenerationError(f"{control}: no such image")
-    if folder.kind != "flux":  # FluxPipeline takes any size and rounds it down (onnxopt.pipeline.flux.latent_size)
+    if image is not None and mask is not None:  # the inpainting pipelines' own rule, checked with the request
+        check_multiple(height, width, inpainting_size_multiple(folder), allow_none=True)
+    elif folder.kind != "flux":  # FluxPipeline takes any size and rounds it down (onnxopt.pipeline.flux.latent_size)
         _check_size(height, width, folder.vae_scale_factor, allow_none=True)
     if folder.family.flow_matching and (image is not None or mask is not None or num_images != 1):
         raise GenerationError(f"{folder.root} is a {folder.kind} pipeline: an init image, a mask and several images "
