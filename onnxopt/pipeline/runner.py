@@ -203,6 +203,7 @@ class Pipeline:
         self.tokenizers = tokenizers if tokenizers is not None else _load_tokenizers(folder)
         self._warned_truncation: set = set()  # prompts already warned about
         self.static_text = False  # use text_encoder*/model.static.b{b}.onnx (set by load)
+        self._release_ahead = lambda component: 0  # the load's: drops what it made ahead for component, untaken
         self.text_sources: dict[str, str] = {}  # encoder -> the graph its last prompt ran on, and why
         self.lora = None  # onnxopt.lora.LoraWeights, when loaded with LoRAs (from_plan)
         self.graph_optimization = "all"  # ORT's graph optimization level for the sessions (set by load)
@@ -336,6 +337,7 @@ class Pipeline:
         pipe.controlnet_models = plan.controlnet_models
         pipe.launch_timing = launch_timing
         pipe.static_text, pipe._open_once = plan.static_text, sessions.text_encoder
+        pipe._release_ahead = sessions.prefetch.release
         pipe.status, pipe.lora, pipe._open_unet = say, loras, lambda: sessions.open(pipe.folder.denoiser)
         pipe._make_session = sessions.make  # a step graph the plan made lazy, on first use
         pipe._device_loops = CaptureCache(capture_cache)
@@ -398,7 +400,8 @@ class Pipeline:
     def text_session(self, encoder: str, batch: int):
         """The session that encodes ``batch`` prompts with ``encoder``: its static graph for that
         batch when the folder has one (captured on cuda/tensorrt), else model.onnx; made on
-        first use and kept. Records which in ``text_sources``."""
+        first use and kept (one the load made ahead for another batch is then released:
+        :mod:`~onnxopt.pipeline.session_prefetch`). Records which in ``text_sources``."""
         component = self.folder.component(encoder)
         static = component.static_models if self.static_text else {}
         key = f"{encoder}/b{batch}" if batch in static else encoder
@@ -410,6 +413,7 @@ class Pipeline:
                 tokenizer = self.tokenizers[TOKENIZER_OF[encoder]]
                 check_prompt_length(self.folder, encoder, tokenizer.model_max_length, session)
             self.sessions[key] = session
+            self._release_ahead(encoder)  # a graph made ahead for another prompt batch: not held beside this one
         if batch in static:
             self.text_sources[encoder] = static[batch].name
         elif not self.static_text:
