@@ -342,7 +342,8 @@ def cmd_generate(args) -> int:
     with contextlib.nullcontext() if args.debug else quiet_sessions():  # ORT's errors come back as one line
         pipe = Pipeline.load(folder, args.provider, fused_step=args.fused_step and fusable(args.scheduler),
                              cuda_graph=args.cuda_graph, status=False if args.quiet else None, loras=args.lora,
-                             guidance=args.guidance, scheduler=args.scheduler)
+                             guidance=args.guidance, scheduler=args.scheduler,
+                             negative_prompt=args.negative_prompt is not None)
         # an init image, a mask and several images are the UNet families' (onnxopt.pipeline.img2img)
         init = {k: v for k, v in (("image", args.image), ("mask", args.mask), ("strength", args.strength),
                                   ("num_images", args.num_images), ("denoising_end", args.denoising_end))

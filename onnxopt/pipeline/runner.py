@@ -226,7 +226,8 @@ class Pipeline:
              step_file: str | None = None, two_streams: bool | None = None, static_text: bool = True,
              status: bool | None = None, capture_cache: int = DEFAULT_SIZE, loras: list | None = None,
              guidance: float | None = None, load_workers: int = LOAD_WORKERS,
-             graph_optimization: str = "all", scheduler: str | None = None) -> "Pipeline":
+             graph_optimization: str = "all", scheduler: str | None = None,
+             negative_prompt: bool | None = None) -> "Pipeline":
         """Open ``folder`` and create its sessions on ``provider`` (cpu | cuda | tensorrt).
 
         ``cuda_graph`` (cuda/tensorrt): capture the step graph as CUDA graphs. ``fused_step=False``
@@ -270,8 +271,12 @@ class Pipeline:
         now and the plain one on first use, by a call with another scheduler; with another, the
         plain one now (a scheduler the fused step cannot run: diffusers' loop, as ``fused_step=False``).
 
+        ``negative_prompt``: whether the calls will give a negative prompt, when known (an SDXL
+        folder encodes the prompt alone without one: its text graphs for one row are made ahead).
+
         ``load_workers``: how many sessions are created at once: the load's and those the first
-        image asks for (its text encoders, for the prompt batch ``guidance`` implies), while the
+        image asks for (its text encoders, for the prompt batch ``guidance`` and ``negative_prompt``
+        imply; one made for another batch than the first image's is released then), while the
         tokenizers load (:mod:`onnxopt.pipeline.session_prefetch`); 0 or 1: one after another.
         ``graph_optimization``: ORT's graph optimization level for every session ("disable",
         "basic", "extended", "all": ORT's default; benchmarks/cold_start.py measures what each
@@ -285,7 +290,7 @@ class Pipeline:
         options = PlanOptions(fused_step=fused_step, cuda_graph=cuda_graph, io_binding=io_binding, context_kv=context_kv,
                               controlnet_hint=controlnet_hint, merged_step=merged_step, step_file=step_file,
                               two_streams=two_streams, static_text=static_text, guidance=guidance,
-                              scheduler=scheduler)
+                              scheduler=scheduler, negative_prompt=negative_prompt)
         plan = plan_generation(folder, provider, options)
         from onnxopt.lora import pipeline_loras
 
@@ -1328,7 +1333,8 @@ class _SessionMaker:
         """The sessions the load and the first image ask for by file, asked as :meth:`make` and
         :meth:`text_encoder` ask (capture as the plan requests it), for :class:`SessionPrefetch`.
         The text encoders' graphs are those of the prompt batch of one image: two rows with
-        classifier-free guidance (unless the plan knows it off or the denoiser embeds the guidance)."""
+        classifier-free guidance (unless the plan knows it off or the denoiser embeds the guidance,
+        or knows an SDXL folder's calls give no negative prompt: :meth:`Pipeline.encode_prompt`)."""
         plan, folder = self.plan, self.folder
         bound = lambda component, model: Ahead(component, model, plan.io_binding and plan.capture)  # noqa: E731
         requests = []
@@ -1344,7 +1350,8 @@ class _SessionMaker:
                     requests.append(Ahead(folder.denoiser, entry.model, plan.capture))
             elif entry.binds == STEP_LOOP:
                 requests.append(Ahead(entry.component, entry.model, plan.capture))
-        rows = 1 if plan.classifier_free_guidance is False or plan.embedded_guidance else 2
+        prompt_alone = plan.negative_prompt is False and folder.force_zeros_for_empty_prompt
+        rows = 1 if plan.classifier_free_guidance is False or plan.embedded_guidance or prompt_alone else 2
         for encoder in folder.text_encoders:
             component = folder.component(encoder)
             static = component.static_models if plan.static_text else {}
