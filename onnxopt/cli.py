@@ -254,8 +254,10 @@ def _add_generate_parser(sub) -> None:
     gen.add_argument("--controlnet-scale", type=float, nargs="+", default=[1.0], metavar="SCALE",
                      help="ControlNet conditioning scale: one for all, or one per ControlNet")
     gen.add_argument("--image", type=Path, metavar="PNG",
-                     help="init image: img2img (StableDiffusion(XL)Img2ImgPipeline), the output at its size; with --mask, "
-                          "inpainting on a folder whose UNet is an inpainting one")
+                     help="init image: img2img (StableDiffusion(XL)Img2ImgPipeline), any size: resized (lanczos, as "
+                          "diffusers) to its size rounded down to a multiple of the VAE factor, the output's size; with "
+                          "--mask, inpainting on a folder whose UNet is an inpainting one (image and mask resized to "
+                          "--height/--width)")
     gen.add_argument("--mask", type=Path, metavar="PNG", help="inpainting mask (white: repaint), as StableDiffusion(XL)InpaintPipeline")
     gen.add_argument("--strength", type=float, default=None,
                      help="how much of --image is repainted, in (0, 1]: int(steps x strength) steps run (default: "
@@ -340,7 +342,8 @@ def cmd_generate(args) -> int:
     with contextlib.nullcontext() if args.debug else quiet_sessions():  # ORT's errors come back as one line
         pipe = Pipeline.load(folder, args.provider, fused_step=args.fused_step and fusable(args.scheduler),
                              cuda_graph=args.cuda_graph, status=False if args.quiet else None, loras=args.lora,
-                             guidance=args.guidance, scheduler=args.scheduler)
+                             guidance=args.guidance, scheduler=args.scheduler,
+                             negative_prompt=args.negative_prompt is not None)
         # an init image, a mask and several images are the UNet families' (onnxopt.pipeline.img2img)
         init = {k: v for k, v in (("image", args.image), ("mask", args.mask), ("strength", args.strength),
                                   ("num_images", args.num_images), ("denoising_end", args.denoising_end))

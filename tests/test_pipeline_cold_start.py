@@ -93,6 +93,16 @@ def test_a_request_takes_the_session_made_ahead_only_for_the_same_file_and_captu
     assert len(made) == 2 and sequential.take(Ahead("c", tmp_path / "c.onnx"), lambda: "now") == "now"
 
 
+def test_release_drops_a_components_untaken_sessions_and_its_late_fallbacks(tmp_path):
+    prefetch = SessionPrefetch(lambda ahead: ("ahead", ahead.model.name), workers=2)
+    prefetch.start([Ahead("a", tmp_path / "a1.onnx"), Ahead("a", tmp_path / "a2.onnx"), Ahead("b", tmp_path / "b.onnx")])
+    assert prefetch.release("a") == 2 and prefetch.release("a") == 0
+    assert prefetch.take(Ahead("a", tmp_path / "a1.onnx"), lambda: "now") == "now"
+    prefetch.made_here(Ahead("a", tmp_path / "a2.onnx"), lambda: "plain")  # a capture fallback finishing late
+    assert prefetch.take(Ahead("a", tmp_path / "a2.onnx"), lambda: "now") == "now"
+    assert prefetch.take(Ahead("b", tmp_path / "b.onnx"), lambda: "now") == ("ahead", "b.onnx")
+
+
 @pytest.mark.slow  # optimize on the tiny SD3.5 folder: ~17 s on two cores
 def test_an_optimized_folder_makes_its_step_graph_and_static_text_graphs_ahead(tmp_path, made_on):
     """``optimize --target tensorrt`` (standard ONNX: the CPU EP runs it) writes transformer/step.onnx and
@@ -110,6 +120,60 @@ def test_an_optimized_folder_makes_its_step_graph_and_static_text_graphs_ahead(t
         "vae_decoder/model.onnx", "transformer/step.onnx", "text_encoder/model.static.b2.onnx",
         "text_encoder_2/model.static.b2.onnx", "text_encoder_3/model.onnx"}
     np.testing.assert_array_equal(concurrent, sequential)
+
+
+@pytest.fixture
+def text_sessions_alive(monkeypatch):
+    """The text-encoder sessions ORT made that something still holds: (graph file, session) for each."""
+    import weakref
+
+    made = []
+    create = runner_module.create_session
+
+    def recording(model, *args, **kwargs):
+        session = create(model, *args, **kwargs)
+        if not isinstance(model, bytes) and Path(model).parent.name.startswith("text_encoder"):
+            made.append((Path(model).name, weakref.ref(session)))
+        return session
+
+    monkeypatch.setattr(runner_module, "create_session", recording)
+
+    def alive() -> list[str]:
+        import gc
+
+        gc.collect()
+        return sorted(name for name, ref in made if ref() is not None)
+
+    return made, alive
+
+
+def test_a_text_graph_made_ahead_for_another_prompt_batch_is_released(tmp_path, text_sessions_alive):
+    """The load makes the static text graph of two rows ahead (the guidance unknown: classifier-free
+    guidance assumed); a first image at guidance 1 encodes one row with the batch-1 graph: the
+    two-row session is then released, not held beside it for the pipeline's life. No graph is made
+    twice; a later guided image makes the two-row graph on first use, and a third takes what is held."""
+    from tests.test_pipeline_static_text import with_static_graphs
+
+    folder = with_static_graphs(PIPELINES / "sd15-tiny", tmp_path / "sd15", "sd15")
+    made, alive = text_sessions_alive
+    pipe = Pipeline.load(folder, "cpu", threads=1)
+    pipe("a red cat", guidance=1.0, **REQUEST)
+    assert sorted(name for name, _ in made) == ["model.static.b1.onnx", "model.static.b2.onnx"]
+    assert alive() == ["model.static.b1.onnx"]
+    for _ in range(2):
+        pipe("a red cat", guidance=7.5, **REQUEST)
+    assert len(made) == 3 and alive() == ["model.static.b1.onnx", "model.static.b2.onnx"]
+
+
+def test_a_text_graph_made_ahead_and_taken_is_kept_and_made_once(tmp_path, text_sessions_alive):
+    from tests.test_pipeline_static_text import with_static_graphs
+
+    folder = with_static_graphs(PIPELINES / "sd15-tiny", tmp_path / "sd15", "sd15")
+    made, alive = text_sessions_alive
+    pipe = Pipeline.load(folder, "cpu", threads=1, guidance=1.0)  # one row known: the batch-1 graph ahead
+    for guidance in (1.0, 0.5):
+        pipe("a red cat", guidance=guidance, **REQUEST)
+    assert [name for name, _ in made] == ["model.static.b1.onnx"] and alive() == ["model.static.b1.onnx"]
 
 
 def test_a_graph_ort_refuses_to_capture_is_made_ahead_again_without_capture(monkeypatch, tmp_path):

@@ -210,6 +210,33 @@ def test_inpainting_gives_the_diffusers_images(tiny, strength, mask_size, fused)
     assert ("unfused" in result.timings["step"]) is not fused
 
 
+ODD_SIZE = (45, 37)  # (width, height): neither a multiple of the VAE factor nor, rounded down (44x36), of 8
+
+
+def test_img2img_of_an_image_of_any_size_is_diffusers(tiny):
+    """An init image whose sides are multiples of nothing: resized (lanczos) to its size rounded down
+    to the VAE factor, as StableDiffusionImg2ImgPipeline's VaeImageProcessor does, though that is no
+    multiple of 8, and diffusers' image at that size (the tiny SDXL UNet's latents must be multiples of
+    4, 8 pixels: IMAGE_SIZE above covers it)."""
+    t = tiny("sd15")
+    result = t.onnx()(PROMPT, negative_prompt=NEGATIVE, steps=STEPS, guidance=GUIDANCE, seed=SEED, scheduler="ddim",
+                      image=picture(ODD_SIZE), strength=0.6, progress=False)
+    assert result.all_pixels.shape == (1, 36, 44, 3)
+    assert_same(result, *t.reference(IMG2IMG["sd15"], "ddim", image=picture(ODD_SIZE), strength=0.6))
+
+
+def test_inpainting_of_images_of_any_size_is_diffusers(tiny):
+    """An init image and a mask of other odd sizes, at a --height/--width that StableDiffusionInpaintPipeline
+    takes (multiples of the VAE factor, not of 8): both resized to it by their processors, diffusers' image."""
+    t = tiny("sd15-inpaint")
+    mask = mask_picture((31, 23))
+    result = t.onnx()(PROMPT, negative_prompt=NEGATIVE, steps=STEPS, guidance=GUIDANCE, seed=SEED, scheduler="ddim",
+                      image=picture(ODD_SIZE), mask=mask, strength=0.6, height=36, width=44, progress=False)
+    assert result.all_pixels.shape == (1, 36, 44, 3)
+    assert_same(result, *t.reference("StableDiffusionInpaintPipeline", "ddim", image=picture(ODD_SIZE), mask_image=mask,
+                                     strength=0.6, height=36, width=44))
+
+
 def test_pndm_inpainting_on_the_step_graph(tiny):
     """PNDM's history beside the inpainting UNet's mask channels: StableDiffusionInpaintPipeline's images."""
     t = tiny("sd15-inpaint")
@@ -251,7 +278,11 @@ def test_refusals(tiny):
         (pipe, dict(image=picture(), mask=mask_picture()), "--mask needs an inpainting UNet"),
         (pipe, dict(strength=0.5), "--strength needs an init image"),
         (pipe, dict(image=picture(), height=32, width=48), "img2img takes the init image's size"),
-        (pipe, dict(image=picture((20, 12))), "multiple of 8"),
+        (pipe, dict(image=picture((1, 9))), "rounds down to no pixels"),
+        (pipe, dict(image=picture((47, 37))), "latents whose sides are multiples of 2"),  # 46x36: latents 23x18
+        (tiny("sdxl").onnx(), dict(image=picture(ODD_SIZE)), "latents whose sides are multiples of 4"),
+        (inpaint.onnx(), dict(image=picture(), mask=mask_picture(), height=36, width=45), "multiple of 2"),
+        (inpaint.onnx(), dict(image=picture(), mask=mask_picture(), height=36, width=46), "multiples of 2"),
         (pipe, dict(num_images=10**6), "number of images"),
         (inpaint.onnx(), dict(image=picture()), "needs --mask"),
         (inpaint.onnx(), dict(), "give --image and --mask"),

@@ -275,6 +275,24 @@ def test_a_batch_without_its_static_graph_falls_back_and_says_why(tmp_path):
     assert off.timings["text_encoders"] == {"text_encoder": "model.onnx: static graphs off (static_text=False)"}
 
 
+def test_sdxl_without_a_negative_prompt_makes_the_one_row_graphs_ahead_and_no_other(exported, tmp_path, monkeypatch):
+    """Told that the calls give no negative prompt (``generate`` without --negative-prompt), the load
+    makes the text graphs of the prompt alone ahead (SDXL's force_zeros_for_empty_prompt): the first
+    image takes them, and no two-row graph is made at all."""
+    from onnxopt.pipeline import Pipeline
+    from onnxopt.pipeline import runner as runner_module
+
+    folder = with_static_graphs(exported("sdxl", "torchscript"), tmp_path / "sdxl", "sdxl")
+    made, create = [], runner_module.create_session
+    monkeypatch.setattr(runner_module, "create_session", lambda model, *a, **k: made.append(model) or create(model, *a, **k))
+    pipe = Pipeline.load(folder, "cpu", threads=THREADS, negative_prompt=False)
+    result = pipe("a photo of a red cat", **REQUEST)
+    assert result.timings["text_encoders"] == {e: static_file_name(1) for e in ENCODERS["sdxl"]}
+    text = sorted(Path(m).relative_to(folder).as_posix() for m in made
+                  if not isinstance(m, bytes) and Path(m).parent.name.startswith("text_encoder"))
+    assert text == [f"{e}/{static_file_name(1)}" for e in ENCODERS["sdxl"]]
+
+
 # --- CUDA EP (the lead runs these on the GPU machine: pytest -m gpu tests/test_pipeline_static_text.py) ---
 
 def _cuda():

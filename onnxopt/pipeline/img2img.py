@@ -38,7 +38,9 @@ from pathlib import Path
 
 import numpy as np
 
+from onnxopt.pipeline.folder import MAX_IMAGE_SIDE
 from onnxopt.pipeline.plan import GenerationError, inpainting_unet as inpainting
+from onnxopt.pipeline.sizes import check_multiple, default_size, unet_latent_multiple
 
 # diffusers' defaults for ``strength`` (by folder kind; with a mask): StableDiffusionImg2ImgPipeline 0.8,
 # StableDiffusionXLImg2ImgPipeline 0.3, StableDiffusionInpaintPipeline 1.0, StableDiffusionXLInpaintPipeline 0.9999
@@ -165,23 +167,20 @@ def check_steps_run(steps: int, strength: float) -> None:
 def prepare(folder, image, mask, strength, height, width) -> InitRequest:
     """Load and preprocess the init image (and mask) as diffusers' pipeline does; the output size."""
     from onnxopt.pipeline import images
-    from onnxopt.pipeline.sizes import _check_size, default_size
 
     factor = folder.vae_scale_factor
     image = images.load_image(image) if isinstance(image, (str, Path)) else image
     processor = images.vae_processor(factor)
-    if mask is None:  # img2img: the image's own size, rounded down to the VAE factor
+    if mask is None:  # img2img: the image's own size, rounded down to the VAE factor, any size above 0
         height, width = processor.get_default_height_width(image)
+        check_init_image_size(image, height, width, factor)
+        check_unet_latents(folder, height, width, f"the init image, {image.width}x{image.height} rounded down to the "
+                                                  f"VAE factor {factor},")
     else:  # StableDiffusion(XL)InpaintPipeline: the UNet's sample size unless asked
         default_h, default_w = default_size(folder)
         height, width = height or default_h, width or default_w
-    try:
-        _check_size(height, width, factor)
-    except GenerationError as exc:
-        if mask is not None:
-            raise
-        raise GenerationError(f"the init image is {image.width}x{image.height} pixels, {width}x{height} rounded down to a "
-                              f"multiple of the VAE factor {factor}: {exc}; resize or crop it") from None
+        check_multiple(height, width, inpainting_size_multiple(folder))
+        check_unet_latents(folder, height, width, "the inpainted image")
     torch_image = processor.preprocess(image, height=height, width=width).float()
     torch_mask = None
     if mask is not None:
@@ -189,6 +188,33 @@ def prepare(folder, image, mask, strength, height, width) -> InitRequest:
         masks = images.vae_processor(factor, do_normalize=False, do_binarize=True, do_convert_grayscale=True)
         torch_mask = masks.preprocess(mask, height=height, width=width)
     return InitRequest(torch_image, torch_mask, strength_of(folder, strength), height, width)
+
+
+def check_init_image_size(image, height: int, width: int, factor: int) -> None:
+    """img2img's size: the image's, rounded down to the VAE factor (the img2img pipelines resize it to
+    that with their processor's lanczos). A one-line GenerationError where it rounds down to nothing
+    or is beyond what the latents' shape can hold."""
+    if min(height, width) < factor:
+        raise GenerationError(f"the init image is {image.width}x{image.height} pixels: under the VAE factor {factor} "
+                              "on a side, it rounds down to no pixels; give a larger image")
+    if max(height, width) > MAX_IMAGE_SIDE:
+        raise GenerationError(f"the init image is {image.width}x{image.height} pixels: at most {MAX_IMAGE_SIDE} a side")
+
+
+def check_unet_latents(folder, height: int, width: int, what: str) -> None:
+    """A one-line GenerationError for a size whose latents the exported UNet cannot take
+    (:func:`~onnxopt.pipeline.sizes.unet_latent_multiple`), where diffusers' torch UNet takes any."""
+    factor, multiple = folder.vae_scale_factor, unet_latent_multiple(folder)
+    if (height // factor) % multiple or (width // factor) % multiple:
+        raise GenerationError(f"{what} is {width}x{height} pixels: the exported UNet takes latents whose sides are "
+                              f"multiples of {multiple}, pixels of {multiple * factor} (diffusers' torch UNet "
+                              "takes any size); resize or crop it")
+
+
+def inpainting_size_multiple(folder) -> int:
+    """What --height/--width must be a multiple of with a mask, as the inpainting pipelines' check_inputs
+    say: StableDiffusionInpaintPipeline the VAE factor, StableDiffusionXLInpaintPipeline 8 (as text to image)."""
+    return folder.vae_scale_factor if folder.kind == "sd" else max(8, folder.vae_scale_factor)
 
 
 class LatentSource:

@@ -96,6 +96,7 @@ class GenerationPlan:
     no_cfg_rows: int = 1
     no_cfg: str = ""  # what runs then, for people
     embedded_guidance: bool = False  # the denoiser takes the guidance itself (Flux, LCM): never classifier-free guidance
+    negative_prompt: bool | None = None  # PlanOptions.negative_prompt
     step_model: Path | None = field(default=None, repr=False)
     context_model: Path | None = field(default=None, repr=False)
     down_model: Path | None = field(default=None, repr=False)
@@ -175,6 +176,9 @@ class PlanOptions:
     static_text: bool = True
     scheduler: str | None = None  # the request's: one the fused step cannot run (unipc, PNDM's PRK steps) plans diffusers' loop
     guidance: float | None = None  # the request's, when known: the step of its guidance is made at load, the other on use
+    # whether the requests give a negative prompt, when known: SDXL encodes the prompt alone without one
+    # (force_zeros_for_empty_prompt), so the load makes the text graphs of that prompt batch ahead
+    negative_prompt: bool | None = None
 
 
 def plan_generation(folder: PipelineFolder, provider: str, options: PlanOptions = PlanOptions()) -> GenerationPlan:
@@ -211,6 +215,7 @@ def plan_generation(folder: PipelineFolder, provider: str, options: PlanOptions 
     _plan_per_step_sessions(folder, plan, io_binding)
     _plan_without_guidance(folder, plan, options)
     _plan_history(folder, plan)
+    plan.negative_prompt = options.negative_prompt
     return plan
 
 

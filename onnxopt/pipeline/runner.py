@@ -203,6 +203,7 @@ class Pipeline:
         self.tokenizers = tokenizers if tokenizers is not None else _load_tokenizers(folder)
         self._warned_truncation: set = set()  # prompts already warned about
         self.static_text = False  # use text_encoder*/model.static.b{b}.onnx (set by load)
+        self._release_ahead = lambda component: 0  # the load's: drops what it made ahead for component, untaken
         self.text_sources: dict[str, str] = {}  # encoder -> the graph its last prompt ran on, and why
         self.lora = None  # onnxopt.lora.LoraWeights, when loaded with LoRAs (from_plan)
         self.graph_optimization = "all"  # ORT's graph optimization level for the sessions (set by load)
@@ -225,7 +226,8 @@ class Pipeline:
              step_file: str | None = None, two_streams: bool | None = None, static_text: bool = True,
              status: bool | None = None, capture_cache: int = DEFAULT_SIZE, loras: list | None = None,
              guidance: float | None = None, load_workers: int = LOAD_WORKERS,
-             graph_optimization: str = "all", scheduler: str | None = None) -> "Pipeline":
+             graph_optimization: str = "all", scheduler: str | None = None,
+             negative_prompt: bool | None = None) -> "Pipeline":
         """Open ``folder`` and create its sessions on ``provider`` (cpu | cuda | tensorrt).
 
         ``cuda_graph`` (cuda/tensorrt): capture the step graph as CUDA graphs. ``fused_step=False``
@@ -269,8 +271,12 @@ class Pipeline:
         now and the plain one on first use, by a call with another scheduler; with another, the
         plain one now (a scheduler the fused step cannot run: diffusers' loop, as ``fused_step=False``).
 
+        ``negative_prompt``: whether the calls will give a negative prompt, when known (an SDXL
+        folder encodes the prompt alone without one: its text graphs for one row are made ahead).
+
         ``load_workers``: how many sessions are created at once: the load's and those the first
-        image asks for (its text encoders, for the prompt batch ``guidance`` implies), while the
+        image asks for (its text encoders, for the prompt batch ``guidance`` and ``negative_prompt``
+        imply; one made for another batch than the first image's is released then), while the
         tokenizers load (:mod:`onnxopt.pipeline.session_prefetch`); 0 or 1: one after another.
         ``graph_optimization``: ORT's graph optimization level for every session ("disable",
         "basic", "extended", "all": ORT's default; benchmarks/cold_start.py measures what each
@@ -284,7 +290,7 @@ class Pipeline:
         options = PlanOptions(fused_step=fused_step, cuda_graph=cuda_graph, io_binding=io_binding, context_kv=context_kv,
                               controlnet_hint=controlnet_hint, merged_step=merged_step, step_file=step_file,
                               two_streams=two_streams, static_text=static_text, guidance=guidance,
-                              scheduler=scheduler)
+                              scheduler=scheduler, negative_prompt=negative_prompt)
         plan = plan_generation(folder, provider, options)
         from onnxopt.lora import pipeline_loras
 
@@ -336,6 +342,7 @@ class Pipeline:
         pipe.controlnet_models = plan.controlnet_models
         pipe.launch_timing = launch_timing
         pipe.static_text, pipe._open_once = plan.static_text, sessions.text_encoder
+        pipe._release_ahead = sessions.prefetch.release
         pipe.status, pipe.lora, pipe._open_unet = say, loras, lambda: sessions.open(pipe.folder.denoiser)
         pipe._make_session = sessions.make  # a step graph the plan made lazy, on first use
         pipe._device_loops = CaptureCache(capture_cache)
@@ -398,7 +405,8 @@ class Pipeline:
     def text_session(self, encoder: str, batch: int):
         """The session that encodes ``batch`` prompts with ``encoder``: its static graph for that
         batch when the folder has one (captured on cuda/tensorrt), else model.onnx; made on
-        first use and kept. Records which in ``text_sources``."""
+        first use and kept (one the load made ahead for another batch is then released:
+        :mod:`~onnxopt.pipeline.session_prefetch`). Records which in ``text_sources``."""
         component = self.folder.component(encoder)
         static = component.static_models if self.static_text else {}
         key = f"{encoder}/b{batch}" if batch in static else encoder
@@ -410,6 +418,7 @@ class Pipeline:
                 tokenizer = self.tokenizers[TOKENIZER_OF[encoder]]
                 check_prompt_length(self.folder, encoder, tokenizer.model_max_length, session)
             self.sessions[key] = session
+            self._release_ahead(encoder)  # a graph made ahead for another prompt batch: not held beside this one
         if batch in static:
             self.text_sources[encoder] = static[batch].name
         elif not self.static_text:
@@ -489,7 +498,7 @@ class Pipeline:
         reused = reuse_steps(reuse, steps)
         factor = folder.vae_scale_factor
         init = prepare(folder, image, mask, strength, height, width) if image is not None else None
-        if init is not None:
+        if init is not None:  # its size checked by prepare, as the img2img and inpainting pipelines size it
             check_steps_run(steps, init.strength)
             height, width = init.height, init.width
         controls = []
@@ -497,9 +506,10 @@ class Pipeline:
             controls.append(images.preprocess_control_image(control, height, width, factor))
             # as diffusers: the (first) preprocessed image sets the size; later ones are resized to it
             height, width = controls[0].shape[-2:]
-        default_h, default_w = default_size(folder)
-        height, width = height or default_h, width or default_w
-        _check_size(height, width, factor)
+        if init is None:
+            default_h, default_w = default_size(folder)
+            height, width = height or default_h, width or default_w
+            _check_size(height, width, factor)
 
         timings: dict = {"provider": self.provider, "step": self.step_source, "cuda_graph": self.cuda_graph,
                          "session_runs_per_step": self.session_runs_per_step()}
@@ -973,7 +983,8 @@ def check_request(folder: PipelineFolder, *, steps: int = 50, scheduler: str | N
     say = StartupStatus(status)
     say("importing torch and diffusers")
     from onnxopt.pipeline.img2img import (check_denoising_end, check_init_request, check_num_images, check_steps_run,
-                                          strength_of)
+                                          inpainting_size_multiple, strength_of)
+    from onnxopt.pipeline.sizes import check_multiple
     from onnxopt.pipeline.schedulers import ALL_SCHEDULERS, schedulers_for
 
     if scheduler is not None and scheduler not in ALL_SCHEDULERS:
@@ -1004,7 +1015,9 @@ def check_request(folder: PipelineFolder, *, steps: int = 50, scheduler: str | N
             raise GenerationError(f"{control}: is a folder, not an image")
         if isinstance(control, (str, Path)) and not Path(control).is_file():
             raise GenerationError(f"{control}: no such image")
-    if folder.kind != "flux":  # FluxPipeline takes any size and rounds it down (onnxopt.pipeline.flux.latent_size)
+    if image is not None and mask is not None:  # the inpainting pipelines' own rule, checked with the request
+        check_multiple(height, width, inpainting_size_multiple(folder), allow_none=True)
+    elif folder.kind != "flux":  # FluxPipeline takes any size and rounds it down (onnxopt.pipeline.flux.latent_size)
         _check_size(height, width, folder.vae_scale_factor, allow_none=True)
     if folder.family.flow_matching and (image is not None or mask is not None or num_images != 1):
         raise GenerationError(f"{folder.root} is a {folder.kind} pipeline: an init image, a mask and several images "
@@ -1320,7 +1333,8 @@ class _SessionMaker:
         """The sessions the load and the first image ask for by file, asked as :meth:`make` and
         :meth:`text_encoder` ask (capture as the plan requests it), for :class:`SessionPrefetch`.
         The text encoders' graphs are those of the prompt batch of one image: two rows with
-        classifier-free guidance (unless the plan knows it off or the denoiser embeds the guidance)."""
+        classifier-free guidance (unless the plan knows it off or the denoiser embeds the guidance,
+        or knows an SDXL folder's calls give no negative prompt: :meth:`Pipeline.encode_prompt`)."""
         plan, folder = self.plan, self.folder
         bound = lambda component, model: Ahead(component, model, plan.io_binding and plan.capture)  # noqa: E731
         requests = []
@@ -1336,7 +1350,8 @@ class _SessionMaker:
                     requests.append(Ahead(folder.denoiser, entry.model, plan.capture))
             elif entry.binds == STEP_LOOP:
                 requests.append(Ahead(entry.component, entry.model, plan.capture))
-        rows = 1 if plan.classifier_free_guidance is False or plan.embedded_guidance else 2
+        prompt_alone = plan.negative_prompt is False and folder.force_zeros_for_empty_prompt
+        rows = 1 if plan.classifier_free_guidance is False or plan.embedded_guidance or prompt_alone else 2
         for encoder in folder.text_encoders:
             component = folder.component(encoder)
             static = component.static_models if plan.static_text else {}

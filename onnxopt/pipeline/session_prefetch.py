@@ -11,8 +11,12 @@ So the load first starts every session it and the first image will ask for by fi
 same file, asked the same way, takes the session made ahead (waiting for it when it is not done),
 and any other request is made then, as before. The status line, the order in which sessions are
 asked for, and which error comes first (its one line, raised where the request is) stay the plan's.
-A session made ahead and never asked for (a text encoder's static graph for a prompt batch the
-first request did not have) stays ready for a later request that asks for it.
+A text encoder's session made ahead for the first image's prompt batch and not taken by it (a static
+graph for two rows, where the first image encodes one: guidance at 1 or below, or SDXL without a
+negative prompt) is released once that image has taken another graph of the encoder
+(:meth:`SessionPrefetch.release`): the pipeline keeps the graph it took, and would otherwise hold the
+encoder's weights twice for its life; a later request that asks for the released graph makes it then,
+on first use, as the sequential load does.
 """
 
 from __future__ import annotations
@@ -46,6 +50,8 @@ class SessionPrefetch:
     def __init__(self, create: Callable[[Ahead], object], workers: int = LOAD_WORKERS):
         self.create, self.workers = create, workers
         self.futures: dict[tuple[str, bool], Future] = {}
+        self.components: dict[tuple[str, bool], str] = {}  # each future's component, for release
+        self.released: set[str] = set()
         self.pool: ThreadPoolExecutor | None = None
 
     def start(self, requests: list[Ahead]) -> None:
@@ -55,6 +61,7 @@ class SessionPrefetch:
         self.pool = ThreadPoolExecutor(min(self.workers, len(unique)), thread_name_prefix="onnxopt-session")
         for request in unique:
             self.futures[request.key] = self.pool.submit(self.create, request)
+            self.components[request.key] = request.component
         self.pool.shutdown(wait=False)  # its threads end when the last session is made
 
     def take(self, request: Ahead, make_now: Callable[[], object]):
@@ -69,7 +76,18 @@ class SessionPrefetch:
             future.set_result(make())
         except BaseException as exc:  # noqa: BLE001 -- raised where the request takes it
             future.set_exception(exc)
-        self.futures.setdefault(request.key, future)
+        if request.component not in self.released:  # a fallback finishing after its component's release: dropped
+            self.futures.setdefault(request.key, future)
+            self.components.setdefault(request.key, request.component)
+
+    def release(self, component: str) -> int:
+        """Drop the sessions made ahead for ``component`` that no request took (one being made
+        finishes and is dropped); how many. Called once the first request has taken its graph."""
+        self.released.add(component)
+        dropped = [key for key in self.futures if self.components.get(key) == component]
+        for key in dropped:
+            self.futures.pop(key).cancel()
+        return len(dropped)
 
     def cancel(self) -> None:
         """Drop the sessions not started yet (a load that failed): those being made finish and are dropped."""

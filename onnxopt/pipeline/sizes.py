@@ -32,9 +32,21 @@ def _written_before_0_9(config: dict) -> bool:
 
 
 def _check_size(height, width, factor: int, allow_none: bool = False) -> None:
-    multiple = max(8, factor)
+    """Text to image's sizes: multiples of 8 (the pipelines' check_inputs), and of the VAE factor."""
+    check_multiple(height, width, max(8, factor), allow_none)
+
+
+def check_multiple(height, width, multiple: int, allow_none: bool = False) -> None:
     for name, value in (("height", height), ("width", width)):
         if value is None and allow_none:
             continue
         if not isinstance(value, int) or value < multiple or value % multiple:
             raise GenerationError(f"{name} must be a positive multiple of {multiple}, got {value}")
+
+
+def unet_latent_multiple(folder: PipelineFolder) -> int:
+    """What an exported UNet's latent sides must be a multiple of: 2 ** its downsamplings. Traced at
+    such a size, its up blocks upsample by a fixed 2 (diffusers' UNet passes the skip's size to them
+    only for other sizes, a branch the trace did not take), so another size fails in their Concat."""
+    channels = folder.config("unet").get("block_out_channels") or ()
+    return 2 ** max(len(channels) - 1, 0)
