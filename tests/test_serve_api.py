@@ -173,3 +173,49 @@ def test_load_step_counts_each_kind_of_failure_apart():
     row = offered_step(service, {"prompt": "x"}, rate=200, seconds=0.06, deadline_s=1)
     assert row["requests"] == 12 and row["ok"] == 4
     assert (row["503"], row["other_5xx"], row["4xx"], row["not_http"]) == (2, 2, 0, 4)
+
+
+def parse_raw(raw: bytes):
+    return parse_generation(raw, Limits(), Defaults(), SCHEDULERS, size_factor=8)
+
+
+@pytest.mark.parametrize("raw, needle", [
+    (b'{"prompt": "a", "model": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "nested too deeply"),
+    (b'{"prompt": "a", "guidance": 1' + b"0" * 400 + b"}", "guidance must be a finite number"),
+    (b'{"prompt": "a", "size": "\xc2\xb2x512"}', "WIDTHxHEIGHT"),  # superscript two: isdigit() says yes, int() no
+    (b'{"prompt": "a", "size": "' + b"9" * 5000 + b'x512"}', "each side must be"),  # past int()'s 4300 digits
+    (b'{"prompt": "a", "seed": 1, "seed": 2}', "repeats field 'seed'"),
+    (b'{"prompt": "a", "prompt": "b"}', "repeats field 'prompt'"),
+], ids=["deep-nesting", "huge-integer-guidance", "superscript-size", "size-of-5000-digits", "repeated-seed",
+        "repeated-prompt"])
+def test_hostile_bodies_are_a_400_not_a_500(raw, needle):
+    """Each raised outside RequestError (RecursionError, OverflowError, ValueError: a 500 with Ray's
+    traceback), or took a repeated field's last value where a proxy that checked it reads the first."""
+    with pytest.raises(RequestError, match=needle) as refused:
+        parse_raw(raw)
+    assert refused.value.status == 400 and "\n" not in str(refused.value) and len(str(refused.value)) < 200
+
+
+@pytest.mark.parametrize("size", ["\u0665\u0661\u0662x\u0665\u0661\u0662", "\uff15\uff11\uff12x\uff15\uff11\uff12",
+                                  "512x512\n", "5_12x512"])
+def test_a_size_is_ascii_digits_only(size):
+    """Arabic-Indic and full-width digits were taken as 512 (str.isdigit and int() read them)."""
+    with pytest.raises(RequestError, match="WIDTHxHEIGHT"):
+        parse({"prompt": "a", "size": size})
+
+
+def test_an_echoed_value_is_cut_short():
+    """A seed of 4000 digits (json.loads takes up to 4300) came back whole in the message."""
+    with pytest.raises(RequestError, match=r"seed must be in .*\(4001 characters\)$") as refused:
+        parse_raw(b'{"prompt": "a", "seed": 1' + b"0" * 4000 + b"}")
+    assert len(str(refused.value)) < 120
+
+
+def test_null_is_a_field_left_out():
+    """As OpenAI's API reads it: guidance and response_format null were refused where n and steps null
+    took the default."""
+    left_out = parse({"prompt": "a", "seed": 3})
+    assert parse({"prompt": "a", "seed": 3, "n": None, "steps": None, "guidance": None, "scheduler": None,
+                  "size": None, "negative_prompt": None, "response_format": None}) == left_out
+    with pytest.raises(RequestError, match="prompt is required"):
+        parse({"prompt": None})
