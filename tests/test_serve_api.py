@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import shutil
+from pathlib import Path
 
 import pytest
 
@@ -219,3 +221,51 @@ def test_null_is_a_field_left_out():
                   "size": None, "negative_prompt": None, "response_format": None}) == left_out
     with pytest.raises(RequestError, match="prompt is required"):
         parse({"prompt": None})
+
+
+PIPELINES = Path(__file__).resolve().parents[1] / "models" / "pipelines"
+
+
+def folder_copy(tmp_path: Path, name: str, **configs) -> Path:
+    """A copy of a shipped tiny folder, each ``configs`` entry (a component's config.json, or
+    model_index.json as "index") updated with its fields."""
+    folder = tmp_path / name
+    shutil.copytree(PIPELINES / name, folder)
+    for component, fields in configs.items():
+        path = folder / ("model_index.json" if component == "index" else f"{component}/config.json")
+        path.write_text(json.dumps({**json.loads(path.read_text()), **fields}))
+    return folder
+
+
+@pytest.mark.parametrize("name, configs, needle", [
+    ("sd35-tiny-optimum", {}, "is a sd3 pipeline"),
+    ("flux-schnell-tiny-optimum", {}, "is a flux pipeline"),
+    ("sd15-tiny", {"unet": {"in_channels": 9}}, "inpainting"),
+])
+def test_a_folder_the_batched_run_cannot_make_is_refused_before_ray_starts(tmp_path, capsys, monkeypatch, name, configs,
+                                                                          needle):
+    """SD3 and Flux folders were served and every request was a 500 (AttributeError in the batched
+    run, which is the UNet families'); an inpainting folder's every request a 400."""
+    ray = pytest.importorskip("ray", reason="onnxopt serve imports Ray before it reads the folder")
+    from onnxopt.cli import main
+
+    def started(*args, **kwargs):
+        raise AssertionError("Ray started for a folder the service cannot run")
+    monkeypatch.setattr(ray, "init", started)
+    code = main(["serve", str(folder_copy(tmp_path, name, **configs)), "--provider", "cpu"])
+    err = capsys.readouterr().err
+    assert code == 2 and needle in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_a_request_without_steps_or_guidance_gets_the_familys_as_generate_does(tmp_path):
+    """An LCM folder served 50 steps at guidance 7.5 (SD's) where generate runs its 4 at 8.5."""
+    from onnxopt.serve.adapter import check_servable, folder_defaults
+    from onnxopt.pipeline import PipelineFolder
+
+    lcm = folder_copy(tmp_path, "sd15-tiny", index={"_class_name": "LatentConsistencyModelPipeline"},
+                      unet={"time_cond_proj_dim": 32})
+    folder = PipelineFolder.open(lcm)
+    check_servable(folder)
+    defaults, factor = folder_defaults(str(lcm))
+    assert (defaults.steps, defaults.guidance, factor) == (folder.family.default_steps, folder.family.default_guidance,
+                                                           folder.vae_scale_factor) == (4, 8.5, 2)
