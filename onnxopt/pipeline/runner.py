@@ -982,6 +982,8 @@ def check_request(folder: PipelineFolder, *, steps: int = 50, scheduler: str | N
     if scheduler is not None and scheduler not in takes:
         raise GenerationError(f"{folder.root} is a {folder.kind} pipeline: its denoiser runs {', '.join(takes)}, "
                               f"not {scheduler}")
+    if scheduler is None:
+        _check_own_scheduler_runs(folder, takes)
     if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
         raise GenerationError(f"steps must be at least 1, got {steps}")
     control_images, names = as_list(controlnet_image), folder.controlnets
@@ -1022,6 +1024,23 @@ def check_request(folder: PipelineFolder, *, steps: int = 50, scheduler: str | N
     check_model_configs(folder)
     say.done()
     return scheduler
+
+
+def _check_own_scheduler_runs(folder: PipelineFolder, takes: tuple[str, ...]) -> None:
+    """The folder's own scheduler is one its denoiser runs: a DDIM config in an SD3 or Flux folder (or
+    flow matching in an SD one) was accepted here, then refused by the load (SD3) or by the schedule's
+    dry run with diffusers' TypeError (Flux), or served as it is. A class onnxopt runs none of is the
+    dry run's to refuse."""
+    from onnxopt.pipeline.schedulers import SchedulerError, folder_scheduler
+
+    cls = folder_scheduler_class(folder)
+    try:
+        own = folder_scheduler(folder.scheduler_config(), cls)
+    except SchedulerError:
+        return
+    if own not in takes:
+        raise GenerationError(f"{folder.root / 'scheduler'}: the folder's scheduler {cls} ({own}) is not one a "
+                              f"{folder.kind} pipeline's denoiser runs: give --scheduler ({', '.join(takes)})")
 
 
 def _latent_size(folder: PipelineFolder, height, width) -> tuple[int, int, int] | None:
