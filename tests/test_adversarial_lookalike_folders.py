@@ -85,3 +85,20 @@ def test_a_folders_own_scheduler_its_denoiser_does_not_run_is_refused_by_the_req
     out = tmp_path / "x.png"
     one_line_error(capsys, main(generate_argv(folder, out)), 2, f"{folder / 'scheduler'}: the folder's scheduler")
     assert not out.exists()
+
+
+@pytest.mark.parametrize("case", ["model_max_length-512", "t5-tokenizer-in-clips-place"])
+def test_optimize_refuses_a_tokenizer_longer_than_its_text_encoder_as_generate_does(tmp_path, capsys, case):
+    """generate refused a tokenizer that pads to 512 tokens beside CLIP's 77 positions; optimize wrote
+    the folder (exit 0) with ORT's stray "unsupported broadcast between 512 77" and no static text graph."""
+    if case == "model_max_length-512":
+        folder = copy_of(tmp_path, "sd15-tiny")
+        edit_json(folder / "tokenizer" / "tokenizer_config.json", model_max_length=512)
+    else:
+        folder = copy_of(tmp_path, "flux-schnell-tiny-optimum")
+        shutil.rmtree(folder / "tokenizer")
+        shutil.copytree(folder / "tokenizer_2", folder / "tokenizer")
+    out = tmp_path / "opt"
+    one_line_error(capsys, main(["optimize", "-i", str(folder), "-o", str(out), "-q"]), 2,
+                   "the tokenizer pads prompts to 512 tokens (model_max_length), text_encoder takes at most 77")
+    assert not out.exists()

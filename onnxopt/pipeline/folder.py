@@ -221,6 +221,23 @@ def check_folder_files(root: Path) -> None:
             default_size(root, sample, configs.get("vae_decoder", {}), denoiser)
     if "unet" in configs and "vae_decoder" in configs:
         check_unet_latents(root, configs["unet"], configs["vae_decoder"])
+    for tokenizer, encoder in (("tokenizer", "text_encoder"), ("tokenizer_2", "text_encoder_2")):
+        path, encoder_config = root / tokenizer / "tokenizer_config.json", root / encoder / "config.json"
+        if path.is_file() and encoder_config.is_file():  # optimize builds its static text graphs at this length
+            problem = prompt_length_problem(root, encoder, read_json(path).get("model_max_length"),
+                                            read_json(encoder_config).get("max_position_embeddings"))
+            if problem:
+                raise PipelineFolderError(problem)
+
+
+def prompt_length_problem(root: Path, encoder: str, length, positions) -> str | None:
+    """Why a tokenizer that pads every prompt to ``length`` tokens (its model_max_length) cannot feed a
+    text encoder of ``positions`` positions (its config's max_position_embeddings), or None. A length
+    over :data:`TOKENIZER_NO_LIMIT` is transformers' "no limit": the pipeline pads to 77 then."""
+    if not _positive_int(length) or length > TOKENIZER_NO_LIMIT or not _positive_int(positions) or length <= positions:
+        return None
+    return (f"{root}: the tokenizer pads prompts to {length} tokens (model_max_length), {encoder} takes at most "
+            f"{positions} (max_position_embeddings)")
 
 
 def check_unet_latents(root: Path, unet: dict, vae: dict) -> None:

@@ -1156,14 +1156,13 @@ def check_prompt_length(folder: PipelineFolder, encoder: str, length, session=No
     """The tokenizer pads every prompt to ``length`` (its model_max_length) tokens: the text encoder must
     take that many positions (its config's max_position_embeddings; its graph's input_ids, when
     ``session`` is given). A GenerationError rather than ONNX Runtime's index error mid-run."""
-    from onnxopt.pipeline.folder import TOKENIZER_NO_LIMIT
+    from onnxopt.pipeline.folder import TOKENIZER_NO_LIMIT, prompt_length_problem
 
     if not isinstance(length, int) or length > TOKENIZER_NO_LIMIT:  # absent, or transformers' "no limit": 77 then
         return
-    positions = folder.config(encoder).get("max_position_embeddings")
-    if isinstance(positions, int) and length > positions:
-        raise GenerationError(f"{folder.root}: the tokenizer pads prompts to {length} tokens (model_max_length), "
-                              f"{encoder} takes at most {positions} (max_position_embeddings)")
+    problem = prompt_length_problem(folder.root, encoder, length, folder.config(encoder).get("max_position_embeddings"))
+    if problem:
+        raise GenerationError(problem)
     if session is not None:
         dims = next((i.shape for i in session.get_inputs() if i.name == "input_ids"), None)
         if dims and len(dims) == 2 and isinstance(dims[1], int) and dims[1] != length:
