@@ -102,3 +102,14 @@ def test_optimize_refuses_a_tokenizer_longer_than_its_text_encoder_as_generate_d
     one_line_error(capsys, main(["optimize", "-i", str(folder), "-o", str(out), "-q"]), 2,
                    "the tokenizer pads prompts to 512 tokens (model_max_length), text_encoder takes at most 77")
     assert not out.exists()
+
+
+def test_a_scheduler_class_from_model_index_is_said_to_come_from_there():
+    """model_index.json's class is the one diffusers makes; the refusal said "(scheduler_config.json)",
+    a file that names another class."""
+    from onnxopt.pipeline.schedulers import SchedulerError, folder_scheduler
+
+    with pytest.raises(SchedulerError, match=r"HeunDiscreteScheduler \(model_index.json\)"):
+        folder_scheduler({"_class_name": "PNDMScheduler"}, "HeunDiscreteScheduler")
+    with pytest.raises(SchedulerError, match=r"HeunDiscreteScheduler \(scheduler_config.json\)"):
+        folder_scheduler({"_class_name": "HeunDiscreteScheduler"}, "HeunDiscreteScheduler")
