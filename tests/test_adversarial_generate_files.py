@@ -200,3 +200,14 @@ def test_python_m_models_names_the_extra_when_a_package_is_missing(tmp_path, cap
         models_main(["pipeline", "sd15", "--size", "tiny", "-o", str(tmp_path / "sd15b")])
 
 
+
+
+def test_a_prompts_file_is_split_at_newlines_only(tmp_path):
+    """A byte-order mark and CRLF or CR line ends are read as an editor writes them; a form feed, a
+    record separator, NEL or U+2028 inside a prompt (text pasted from JSON or a spreadsheet) split it
+    in two (str.splitlines), and every later image took the next prompt's number."""
+    from onnxopt.pipeline.several import read_prompts
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_bytes("\ufeffa cat\r\na dog\rred\u2028car\nsea\x0cside\x1eview\n\u0085\r\n  \nlast".encode())
+    assert read_prompts(prompts) == ["a cat", "a dog", "red\u2028car", "sea\x0cside\x1eview", "last"]

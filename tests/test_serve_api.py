@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import shutil
+from pathlib import Path
 
 import pytest
 
@@ -173,3 +175,97 @@ def test_load_step_counts_each_kind_of_failure_apart():
     row = offered_step(service, {"prompt": "x"}, rate=200, seconds=0.06, deadline_s=1)
     assert row["requests"] == 12 and row["ok"] == 4
     assert (row["503"], row["other_5xx"], row["4xx"], row["not_http"]) == (2, 2, 0, 4)
+
+
+def parse_raw(raw: bytes):
+    return parse_generation(raw, Limits(), Defaults(), SCHEDULERS, size_factor=8)
+
+
+@pytest.mark.parametrize("raw, needle", [
+    (b'{"prompt": "a", "model": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "nested too deeply"),
+    (b'{"prompt": "a", "guidance": 1' + b"0" * 400 + b"}", "guidance must be a finite number"),
+    (b'{"prompt": "a", "size": "\xc2\xb2x512"}', "WIDTHxHEIGHT"),  # superscript two: isdigit() says yes, int() no
+    (b'{"prompt": "a", "size": "' + b"9" * 5000 + b'x512"}', "each side must be"),  # past int()'s 4300 digits
+    (b'{"prompt": "a", "seed": 1, "seed": 2}', "repeats field 'seed'"),
+    (b'{"prompt": "a", "prompt": "b"}', "repeats field 'prompt'"),
+], ids=["deep-nesting", "huge-integer-guidance", "superscript-size", "size-of-5000-digits", "repeated-seed",
+        "repeated-prompt"])
+def test_hostile_bodies_are_a_400_not_a_500(raw, needle):
+    """Each raised outside RequestError (RecursionError, OverflowError, ValueError: a 500 with Ray's
+    traceback), or took a repeated field's last value where a proxy that checked it reads the first."""
+    with pytest.raises(RequestError, match=needle) as refused:
+        parse_raw(raw)
+    assert refused.value.status == 400 and "\n" not in str(refused.value) and len(str(refused.value)) < 200
+
+
+@pytest.mark.parametrize("size", ["\u0665\u0661\u0662x\u0665\u0661\u0662", "\uff15\uff11\uff12x\uff15\uff11\uff12",
+                                  "512x512\n", "5_12x512"])
+def test_a_size_is_ascii_digits_only(size):
+    """Arabic-Indic and full-width digits were taken as 512 (str.isdigit and int() read them)."""
+    with pytest.raises(RequestError, match="WIDTHxHEIGHT"):
+        parse({"prompt": "a", "size": size})
+
+
+def test_an_echoed_value_is_cut_short():
+    """A seed of 4000 digits (json.loads takes up to 4300) came back whole in the message."""
+    with pytest.raises(RequestError, match=r"seed must be in .*\(4001 characters\)$") as refused:
+        parse_raw(b'{"prompt": "a", "seed": 1' + b"0" * 4000 + b"}")
+    assert len(str(refused.value)) < 120
+
+
+def test_null_is_a_field_left_out():
+    """As OpenAI's API reads it: guidance and response_format null were refused where n and steps null
+    took the default."""
+    left_out = parse({"prompt": "a", "seed": 3})
+    assert parse({"prompt": "a", "seed": 3, "n": None, "steps": None, "guidance": None, "scheduler": None,
+                  "size": None, "negative_prompt": None, "response_format": None}) == left_out
+    with pytest.raises(RequestError, match="prompt is required"):
+        parse({"prompt": None})
+
+
+PIPELINES = Path(__file__).resolve().parents[1] / "models" / "pipelines"
+
+
+def folder_copy(tmp_path: Path, name: str, **configs) -> Path:
+    """A copy of a shipped tiny folder, each ``configs`` entry (a component's config.json, or
+    model_index.json as "index") updated with its fields."""
+    folder = tmp_path / name
+    shutil.copytree(PIPELINES / name, folder)
+    for component, fields in configs.items():
+        path = folder / ("model_index.json" if component == "index" else f"{component}/config.json")
+        path.write_text(json.dumps({**json.loads(path.read_text()), **fields}))
+    return folder
+
+
+@pytest.mark.parametrize("name, configs, needle", [
+    ("sd35-tiny-optimum", {}, "is a sd3 pipeline"),
+    ("flux-schnell-tiny-optimum", {}, "is a flux pipeline"),
+    ("sd15-tiny", {"unet": {"in_channels": 9}}, "inpainting"),
+])
+def test_a_folder_the_batched_run_cannot_make_is_refused_before_ray_starts(tmp_path, capsys, monkeypatch, name, configs,
+                                                                          needle):
+    """SD3 and Flux folders were served and every request was a 500 (AttributeError in the batched
+    run, which is the UNet families'); an inpainting folder's every request a 400."""
+    ray = pytest.importorskip("ray", reason="onnxopt serve imports Ray before it reads the folder")
+    from onnxopt.cli import main
+
+    def started(*args, **kwargs):
+        raise AssertionError("Ray started for a folder the service cannot run")
+    monkeypatch.setattr(ray, "init", started)
+    code = main(["serve", str(folder_copy(tmp_path, name, **configs)), "--provider", "cpu"])
+    err = capsys.readouterr().err
+    assert code == 2 and needle in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_a_request_without_steps_or_guidance_gets_the_familys_as_generate_does(tmp_path):
+    """An LCM folder served 50 steps at guidance 7.5 (SD's) where generate runs its 4 at 8.5."""
+    from onnxopt.serve.adapter import check_servable, folder_defaults
+    from onnxopt.pipeline import PipelineFolder
+
+    lcm = folder_copy(tmp_path, "sd15-tiny", index={"_class_name": "LatentConsistencyModelPipeline"},
+                      unet={"time_cond_proj_dim": 32})
+    folder = PipelineFolder.open(lcm)
+    check_servable(folder)
+    defaults, factor = folder_defaults(str(lcm))
+    assert (defaults.steps, defaults.guidance, factor) == (folder.family.default_steps, folder.family.default_guidance,
+                                                           folder.vae_scale_factor) == (4, 8.5, 2)

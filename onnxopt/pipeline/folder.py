@@ -219,6 +219,43 @@ def check_folder_files(root: Path) -> None:
         sample = configs.get(denoiser, {}).get("sample_size")
         if sample is not None:
             default_size(root, sample, configs.get("vae_decoder", {}), denoiser)
+    if "unet" in configs and "vae_decoder" in configs:
+        check_unet_latents(root, configs["unet"], configs["vae_decoder"])
+    for tokenizer, encoder in (("tokenizer", "text_encoder"), ("tokenizer_2", "text_encoder_2")):
+        path, encoder_config = root / tokenizer / "tokenizer_config.json", root / encoder / "config.json"
+        if path.is_file() and encoder_config.is_file():  # optimize builds its static text graphs at this length
+            problem = prompt_length_problem(root, encoder, read_json(path).get("model_max_length"),
+                                            read_json(encoder_config).get("max_position_embeddings"))
+            if problem:
+                raise PipelineFolderError(problem)
+
+
+def prompt_length_problem(root: Path, encoder: str, length, positions) -> str | None:
+    """Why a tokenizer that pads every prompt to ``length`` tokens (its model_max_length) cannot feed a
+    text encoder of ``positions`` positions (its config's max_position_embeddings), or None. A length
+    over :data:`TOKENIZER_NO_LIMIT` is transformers' "no limit": the pipeline pads to 77 then."""
+    if not _positive_int(length) or length > TOKENIZER_NO_LIMIT or not _positive_int(positions) or length <= positions:
+        return None
+    return (f"{root}: the tokenizer pads prompts to {length} tokens (model_max_length), {encoder} takes at most "
+            f"{positions} (max_position_embeddings)")
+
+
+def check_unet_latents(root: Path, unet: dict, vae: dict) -> None:
+    """The UNet predicts the latents the VAE decodes (out_channels = latent_channels L) and reads them
+    (in_channels L), or them with a mask and the masked image's (2L + 1: an inpainting UNet, as
+    diffusers' StableDiffusionInpaintPipeline checks). Another count is a config of another model:
+    a VAE config of 16 latent channels beside SD 1.5's UNet was refused as "an inpainting UNet"."""
+    latent = vae.get("latent_channels", 4)
+    reads, predicts = unet.get("in_channels", 4), unet.get("out_channels", 4)
+    if not all(_positive_int(v) for v in (latent, reads, predicts)):
+        return  # a value of the wrong type: check_config's to refuse, by name
+    vae_path, unet_path = root / "vae_decoder" / "config.json", root / "unet" / "config.json"
+    if predicts != latent:
+        raise PipelineFolderError(f"{unet_path}: out_channels {predicts}, but {vae_path} decodes latents of "
+                                  f"{latent} channels: the two configs belong to different models")
+    if reads not in (latent, 2 * latent + 1):
+        raise PipelineFolderError(f"{unet_path}: in_channels {reads} is neither the latents' {latent} "
+                                  f"({vae_path}) nor an inpainting UNet's {2 * latent + 1}")
 
 
 def default_size(root: Path, sample, vae_config: dict, denoiser: str = "unet") -> tuple[int, int]:

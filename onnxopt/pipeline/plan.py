@@ -289,11 +289,14 @@ def inpainting_unet(folder: PipelineFolder) -> bool:
 
 
 def folder_scheduler_name(folder: PipelineFolder) -> str:
-    """The folder's own scheduler (what a request without one gets), or why onnxopt runs none."""
+    """The folder's own scheduler (what a request without one gets), or why onnxopt runs none: the
+    class model_index.json names, as the run reads it (the plan read the config's _class_name and
+    printed a scheduler the run did not use)."""
+    from onnxopt.pipeline.runner import folder_scheduler_class
     from onnxopt.pipeline.schedulers import SchedulerError, folder_scheduler
 
     try:
-        return folder_scheduler(folder.scheduler_config())
+        return folder_scheduler(folder.scheduler_config(), folder_scheduler_class(folder))
     except SchedulerError as exc:
         return f"none onnxopt runs ({exc})"
 

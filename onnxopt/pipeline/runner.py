@@ -993,6 +993,8 @@ def check_request(folder: PipelineFolder, *, steps: int = 50, scheduler: str | N
     if scheduler is not None and scheduler not in takes:
         raise GenerationError(f"{folder.root} is a {folder.kind} pipeline: its denoiser runs {', '.join(takes)}, "
                               f"not {scheduler}")
+    if scheduler is None:
+        _check_own_scheduler_runs(folder, takes)
     if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
         raise GenerationError(f"steps must be at least 1, got {steps}")
     control_images, names = as_list(controlnet_image), folder.controlnets
@@ -1035,6 +1037,23 @@ def check_request(folder: PipelineFolder, *, steps: int = 50, scheduler: str | N
     check_model_configs(folder)
     say.done()
     return scheduler
+
+
+def _check_own_scheduler_runs(folder: PipelineFolder, takes: tuple[str, ...]) -> None:
+    """The folder's own scheduler is one its denoiser runs: a DDIM config in an SD3 or Flux folder (or
+    flow matching in an SD one) was accepted here, then refused by the load (SD3) or by the schedule's
+    dry run with diffusers' TypeError (Flux), or served as it is. A class onnxopt runs none of is the
+    dry run's to refuse."""
+    from onnxopt.pipeline.schedulers import SchedulerError, folder_scheduler
+
+    cls = folder_scheduler_class(folder)
+    try:
+        own = folder_scheduler(folder.scheduler_config(), cls)
+    except SchedulerError:
+        return
+    if own not in takes:
+        raise GenerationError(f"{folder.root / 'scheduler'}: the folder's scheduler {cls} ({own}) is not one a "
+                              f"{folder.kind} pipeline's denoiser runs: give --scheduler ({', '.join(takes)})")
 
 
 def _latent_size(folder: PipelineFolder, height, width) -> tuple[int, int, int] | None:
@@ -1150,14 +1169,13 @@ def check_prompt_length(folder: PipelineFolder, encoder: str, length, session=No
     """The tokenizer pads every prompt to ``length`` (its model_max_length) tokens: the text encoder must
     take that many positions (its config's max_position_embeddings; its graph's input_ids, when
     ``session`` is given). A GenerationError rather than ONNX Runtime's index error mid-run."""
-    from onnxopt.pipeline.folder import TOKENIZER_NO_LIMIT
+    from onnxopt.pipeline.folder import TOKENIZER_NO_LIMIT, prompt_length_problem
 
     if not isinstance(length, int) or length > TOKENIZER_NO_LIMIT:  # absent, or transformers' "no limit": 77 then
         return
-    positions = folder.config(encoder).get("max_position_embeddings")
-    if isinstance(positions, int) and length > positions:
-        raise GenerationError(f"{folder.root}: the tokenizer pads prompts to {length} tokens (model_max_length), "
-                              f"{encoder} takes at most {positions} (max_position_embeddings)")
+    problem = prompt_length_problem(folder.root, encoder, length, folder.config(encoder).get("max_position_embeddings"))
+    if problem:
+        raise GenerationError(problem)
     if session is not None:
         dims = next((i.shape for i in session.get_inputs() if i.name == "input_ids"), None)
         if dims and len(dims) == 2 and isinstance(dims[1], int) and dims[1] != length:

@@ -214,7 +214,10 @@ def folder_scheduler(config: dict, class_name: str | None = None) -> str:
     if name == "dpm++2m" and config.get("use_karras_sigmas"):
         name = "dpm++2m-karras"
     if name is None:
-        raise SchedulerError(f"the folder's scheduler {cls} ({_describe(dict(config, _class_name=cls))}) is not one "
+        where = _describe(dict(config, _class_name=cls))
+        if class_name and class_name != config.get("_class_name") and where == "scheduler_config.json":
+            where = "model_index.json"  # the class diffusers makes is the index's, not the config's _class_name
+        raise SchedulerError(f"the folder's scheduler {cls} ({where}) is not one "
                              f"onnxopt runs as configured: "
                              f"choose one with --scheduler ({', '.join(SCHEDULERS)})")
     return name

@@ -41,7 +41,10 @@ def read_prompts(path) -> list[str]:
         raise GenerationError(f"{path}: not UTF-8 text (--prompts: one prompt a line)") from None
     except OSError as exc:
         raise GenerationError(f"{path}: cannot read: {exc.strerror or exc}") from None
-    prompts = [line.strip() for line in text.splitlines() if line.strip()]
+    # a line ends at \n, \r\n or \r (universal newlines), not at what str.splitlines also splits on (\f,
+    # \x1c-\x1e, \x85, U+2028...): a prompt holding one became two, and every later image's number shifted
+    lines = text.replace("\r\n", "\n").replace("\r", "\n").split("\n")
+    prompts = [line.strip() for line in lines if line.strip()]
     if not prompts:
         raise GenerationError(f"{path}: no prompt in the file (--prompts: one prompt a line)")
     if len(prompts) > MAX_PROMPTS:

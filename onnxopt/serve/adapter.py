@@ -30,12 +30,35 @@ def schedulers() -> tuple[str, ...]:
     return SCHEDULERS
 
 
+def check_servable(folder) -> None:
+    """Refuse (one-line GenerationError) a folder whose images the batched run cannot make: every
+    request would fail at once (flow matching: SD3 and Flux run their own loop; a ControlNet needs a
+    conditioning image; an inpainting UNet an image and a mask), so the service is refused before Ray starts."""
+    from onnxopt.pipeline.families import FAMILIES
+    from onnxopt.pipeline.plan import GenerationError, inpainting_unet
+
+    if inpainting_unet(folder):
+        raise GenerationError(f"{folder.root}: its UNet is an inpainting one (it takes an image and a mask): onnxopt "
+                              "serve makes text-to-image only; onnxopt generate --image --mask runs this folder")
+    if not _batched(folder.family):
+        served = ", ".join(kind for kind, family in FAMILIES.items() if family.runs and _batched(family))
+        raise GenerationError(f"{folder.root} is a {folder.kind} pipeline ({folder.index.get('_class_name')}): "
+                              f"onnxopt serve runs {served} folders; onnxopt generate runs this one")
+
+
+def _batched(family) -> bool:
+    """Whether :func:`onnxopt.pipeline.batch.generate_batch` makes this family's images (UNet, no ControlNet)."""
+    return not family.flow_matching and family.kind != "controlnet"
+
+
 def folder_defaults(folder: str) -> tuple[Defaults, int]:
-    """``onnxopt generate``'s defaults for this folder, and the size factor (the VAE's)."""
+    """``onnxopt generate``'s defaults for this folder (its family's steps and guidance: LCM's 4 and
+    8.5, not SD's 50 and 7.5), and the size factor (the VAE's)."""
     from onnxopt.pipeline import PipelineFolder
 
     opened = PipelineFolder.open(folder)
-    return Defaults(), opened.vae_scale_factor
+    family = opened.family
+    return Defaults(steps=family.default_steps, guidance=family.default_guidance), opened.vae_scale_factor
 
 
 def check_against_folder(pipe, request: ImageRequest) -> None:

@@ -57,7 +57,10 @@ def cmd_serve(args) -> int:
     from onnxopt.serve.api import Limits
     from onnxopt.serve.deployment import ServiceConfig, build_app
 
+    from onnxopt.serve.adapter import check_servable
+
     folder = PipelineFolder.open(args.folder)  # a bad folder is refused before Ray starts
+    check_servable(folder)
     for name, port in (("--port", args.port), ("--metrics-port", args.metrics_port)):
         if port is not None and not 0 < port < 65536:
             raise OnnxoptError(f"{name} must be in 1..65535, got {port}")
