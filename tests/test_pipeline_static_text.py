@@ -330,3 +330,25 @@ def test_captured_text_encoder_replays_a_second_prompt(exported, tmp_path, kind)
         assert len(session.cache) == 1  # every prompt replayed the same buffers
     result = captured("a photo of a red cat", negative_prompt="blurry", **REQUEST)
     assert result.timings["text_encoders"] == {e: static_file_name(2) for e in ENCODERS[kind]}
+
+
+def test_incomplete_symbolic_shape_inference_writes_nothing_into_the_working_directory(tmp_path, monkeypatch):
+    """ORT's tool saves its partial model as sym_shape_infer_temp.onnx in the working directory before it
+    raises; onnxopt's wrapper raises the same refusal and leaves the user's folder as it was."""
+    from onnxopt.errors import UnsupportedModelError
+    from onnxopt.pipeline.static_text import symbolic_shapes
+
+    unknown = helper.make_node("Unknown", ["x"], ["y"], domain="example.unknown")
+    graph = helper.make_graph([unknown, helper.make_node("Relu", ["y"], ["z"])], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])],
+                              [helper.make_tensor_value_info("z", TensorProto.FLOAT, None)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("example.unknown", 1)])
+    before = model.SerializeToString()
+    theirs = tmp_path / "sym_shape_infer_temp.onnx"
+    theirs.write_bytes(b"the user's own file")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(UnsupportedModelError, match="shapes unknown"):
+        symbolic_shapes(model)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["sym_shape_infer_temp.onnx"]
+    assert theirs.read_bytes() == b"the user's own file"
+    assert model.SerializeToString() == before  # the skeleton itself is untouched

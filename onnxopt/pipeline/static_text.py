@@ -168,8 +168,6 @@ def _infer_static_shapes(model: Model) -> None:
     """Every tensor's shape from ORT's symbolic shape inference on the graph skeleton (weights
     stubbed: 2 GB-safe). ONNX's own inference stops at com.microsoft ops and would leave the dims
     after them symbolic."""
-    from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
-
     from onnxopt.shapes import _dims
 
     skeleton = model.skeleton()
@@ -178,7 +176,7 @@ def _infer_static_shapes(model: Model) -> None:
     for output in skeleton.graph.output:  # the export's symbolic annotations must not win
         output.type.tensor_type.ClearField("shape")
     try:
-        inferred = SymbolicShapeInference.infer_shapes(skeleton, auto_merge=False, guess_output_rank=False)
+        inferred = symbolic_shapes(skeleton)
     except Exception as exc:  # the tool raises plain Exceptions and asserts
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise UnsupportedModelError(f"ORT's symbolic shape inference failed: {first}") from None
@@ -192,6 +190,32 @@ def _infer_static_shapes(model: Model) -> None:
         tensor.shape = _dims(info.type)
         if tensor.dtype is None and info.type.tensor_type.elem_type:
             tensor.dtype = onnx.helper.tensor_dtype_to_np_dtype(info.type.tensor_type.elem_type)
+
+
+def symbolic_shapes(skeleton: onnx.ModelProto) -> onnx.ModelProto | None:
+    """``SymbolicShapeInference.infer_shapes(skeleton)`` without its side effect: when inference is
+    incomplete, the tool saves its partial model as ``sym_shape_infer_temp.onnx`` in the working
+    directory (ORT 1.18-1.31) before raising, which is a file written into the user's folder (and one
+    of theirs overwritten). Its own loop is run here without that save; where a release lacks the
+    steps, the tool runs in a temporary working directory."""
+    from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
+
+    tool = SymbolicShapeInference(2**31 - 1, False, False, 0)  # int_max, auto_merge, guess_output_rank, verbose
+    steps = ("_preprocess", "_infer_impl", "_update_output_from_vi", "run_")
+    if not all(hasattr(tool, step) for step in steps):
+        import contextlib
+        import tempfile
+
+        with tempfile.TemporaryDirectory(prefix="onnxopt-shapes-") as scratch, contextlib.chdir(scratch):
+            return SymbolicShapeInference.infer_shapes(skeleton, auto_merge=False, guess_output_rank=False)
+    tool._preprocess(skeleton)
+    complete = False
+    while tool.run_:
+        complete = tool._infer_impl()
+    tool._update_output_from_vi()
+    if not complete:
+        raise UnsupportedModelError("it left some shapes unknown")
+    return tool.out_mp_
 
 
 def _stubs_as_inputs(skeleton: onnx.ModelProto) -> None:
