@@ -538,3 +538,13 @@ class PipelineFolder:
     def force_zeros_for_empty_prompt(self) -> bool:
         """SDXL: the negative conditioning is zeros (not the encoded "") when no negative prompt is given."""
         return bool(self.index.get("force_zeros_for_empty_prompt", True)) if self.kind == "sdxl" else False
+
+
+def folder_scheduler_class(folder: "PipelineFolder") -> str | None:
+    """The scheduler class diffusers loads for the folder: model_index.json's ["diffusers", class]
+    entry (from_pretrained makes that class, whatever the config's _class_name says), else the
+    config's _class_name."""
+    entry = getattr(folder, "index", {}).get("scheduler")
+    if isinstance(entry, list) and len(entry) == 2 and isinstance(entry[1], str):
+        return entry[1]
+    return folder.scheduler_config().get("_class_name")

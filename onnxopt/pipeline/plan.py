@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from onnxopt.errors import OnnxoptError
-from onnxopt.pipeline.folder import MERGED_STEP_FILE, PipelineFolder
+from onnxopt.pipeline.folder import MERGED_STEP_FILE, PipelineFolder, folder_scheduler_class
 from onnxopt.pipeline.schedulers import PLMS_SLOTS
 
 INMEMORY_STEP_GRAPH_MAX_BYTES = 1_800_000_000  # serialized bytes with the weights inline stay under protobuf's 2 GB
@@ -292,7 +292,6 @@ def folder_scheduler_name(folder: PipelineFolder) -> str:
     """The folder's own scheduler (what a request without one gets), or why onnxopt runs none: the
     class model_index.json names, as the run reads it (the plan read the config's _class_name and
     printed a scheduler the run did not use)."""
-    from onnxopt.pipeline.runner import folder_scheduler_class
     from onnxopt.pipeline.schedulers import SchedulerError, folder_scheduler
 
     try:

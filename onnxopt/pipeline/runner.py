@@ -62,7 +62,7 @@ import numpy as np
 from onnxopt.errors import MissingDependencyError, OnnxoptError
 from onnxopt.pipeline import images
 from onnxopt.pipeline.families import TOKENIZER_OF
-from onnxopt.pipeline.folder import CLIP_SEQUENCE, PipelineFolder
+from onnxopt.pipeline.folder import CLIP_SEQUENCE, PipelineFolder, folder_scheduler_class
 from onnxopt.pipeline.session_prefetch import LOAD_WORKERS, Ahead, SessionPrefetch
 from onnxopt.pipeline.sizes import _check_size, _written_before_0_9, default_size  # noqa: F401 (importers read them here too)
 from onnxopt.pipeline.plan import (
@@ -1094,16 +1094,6 @@ def _checked_schedule(config_json: str, kind: str, own: str | None, scheduler: s
     except SchedulerError as exc:
         raise GenerationError(str(exc)) from None
     return scheduler
-
-
-def folder_scheduler_class(folder: PipelineFolder) -> str | None:
-    """The scheduler class diffusers loads for the folder: model_index.json's ["diffusers", class]
-    entry (from_pretrained makes that class, whatever the config's _class_name says), else the
-    config's _class_name."""
-    entry = getattr(folder, "index", {}).get("scheduler")
-    if isinstance(entry, list) and len(entry) == 2 and isinstance(entry[1], str):
-        return entry[1]
-    return folder.scheduler_config().get("_class_name")
 
 
 def fusable(scheduler: str) -> bool:
