@@ -174,13 +174,13 @@ def prepare(folder, image, mask, strength, height, width) -> InitRequest:
     if mask is None:  # img2img: the image's own size, rounded down to the VAE factor, any size above 0
         height, width = processor.get_default_height_width(image)
         check_init_image_size(image, height, width, factor)
-        check_unet_latents(folder, height, width, f"the init image, {image.width}x{image.height} rounded down to the "
+        check_latent_sides(folder, height, width, f"the init image, {image.width}x{image.height} rounded down to the "
                                                   f"VAE factor {factor},")
     else:  # StableDiffusion(XL)InpaintPipeline: the UNet's sample size unless asked
         default_h, default_w = default_size(folder)
         height, width = height or default_h, width or default_w
         check_multiple(height, width, inpainting_size_multiple(folder))
-        check_unet_latents(folder, height, width, "the inpainted image")
+        check_latent_sides(folder, height, width, "the inpainted image")
     torch_image = processor.preprocess(image, height=height, width=width).float()
     torch_mask = None
     if mask is not None:
@@ -201,7 +201,7 @@ def check_init_image_size(image, height: int, width: int, factor: int) -> None:
         raise GenerationError(f"the init image is {image.width}x{image.height} pixels: at most {MAX_IMAGE_SIDE} a side")
 
 
-def check_unet_latents(folder, height: int, width: int, what: str) -> None:
+def check_latent_sides(folder, height: int, width: int, what: str) -> None:
     """A one-line GenerationError for a size whose latents the exported UNet cannot take
     (:func:`~onnxopt.pipeline.sizes.unet_latent_multiple`), where diffusers' torch UNet takes any."""
     factor, multiple = folder.vae_scale_factor, unet_latent_multiple(folder)
