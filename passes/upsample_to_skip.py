@@ -39,9 +39,13 @@ TorchScript exporter, and optimum's export through it, read sizes off the tensor
 runs only at its traced size, where the rewrite changes nothing). A Resize that feeds no such
 Concat (the VAE decoder's upsamplers: no skips) does not match the pattern.
 
-The contract with the pipeline: when every site the pass saw was rewritten, it writes the model
-metadata ``onnxopt.upsample_to_skip`` (:data:`UPSAMPLE_TO_SKIP_METADATA`, the number of upsamplers
-rewritten). The graphs built from the optimized UNet (step graph, two-stream and merged step
+Already sized: an upsample whose sizes provably read the skip's sides (what this pass writes, and
+what the TorchScript exporter writes when its trace took diffusers' ``upsample_size`` branch, at a
+latent side that was not a multiple) is counted (``already_sized``) and left as it is.
+
+The contract with the pipeline: when no site was refused and at least one upsampler takes the
+skip's size (rewritten or already), the pass writes the model metadata ``onnxopt.upsample_to_skip``
+(:data:`UPSAMPLE_TO_SKIP_METADATA`: how many); a refusal removes it. The graphs built from the optimized UNet (step graph, two-stream and merged step
 graphs) copy the metadata; :func:`onnxopt.pipeline.sizes.unet_latent_multiple` reads it from
 ``unet/model.onnx`` and then accepts any latent size.
 """
@@ -54,6 +58,7 @@ import onnx_graphsurgeon as gs
 from onnxopt.fusion import Emit, Fusion, FusionRun, Refusal, Rule
 from onnxopt.pass_infra import SHAPES_INFERRED
 from onnxopt.pattern import Const, Match, Pattern, Var, constant_value, op
+from onnxopt.pattern.dims import Dims, same_dims, text
 from onnxopt.pattern.tensor_facts import rank_of, shape_of, static_dim
 from onnxopt.registry import register_pass
 from onnxopt.weights import numpy_dtype
@@ -72,6 +77,17 @@ def upsample_conv_concat(x, w, skip):
 
 
 UPSAMPLE_INTO_SKIP_CONCAT = Pattern(upsample_conv_concat, name="upsample-conv-concat")
+
+
+def sized_upsample_conv_concat(x, sizes, w, skip):
+    up = op.Resize(x, Var("roi", optional=True), Var("scales", optional=True), sizes, _name="resize")
+    conv = op.Conv(up, w, _name="conv", _extra_inputs=True)
+    return op.Concat(conv, skip, axis=1, _name="concat")
+
+
+# What this pass writes, and what the TorchScript exporter writes where its trace took diffusers'
+# upsample_size branch (a latent side that was not a multiple at export)
+SIZED_UPSAMPLE_INTO_SKIP_CONCAT = Pattern(sized_upsample_conv_concat, name="sized-upsample-conv-concat")
 
 
 def _attr(node: gs.Node, name: str):
@@ -102,6 +118,20 @@ def check(match: Match, run: FusionRun) -> Match:
     if not _keeps_spatial_size(conv):
         raise Refusal("the Conv after the upsample changes the spatial size: the skip's size is not the upsample's")
     return match
+
+
+def check_sized(match: Match, run: FusionRun) -> Match:
+    """An upsampler that already takes the skip's size (its sizes provably read the skip's sides, torch's
+    nearest): counted (``already_sized``), nothing to write. Computed sizes not provably the skip's: refused."""
+    resize, skip, sizes = match.node("resize"), match["skip"], match["sizes"]
+    if any(_attr(resize, name) != wanted for name, wanted in TORCH_NEAREST.items()):
+        raise Refusal("a sized upsample that is not torch's nearest", not_a_site=True)
+    dims = run.memo.setdefault("dims", Dims())
+    vector, skip_dims = dims.vector(sizes), dims.shape(skip)
+    if vector is None or skip_dims is None or len(vector) != 4 or not same_dims(vector[2:], skip_dims[2:]):
+        raise Refusal(f"sizes {text(vector)} are not provably the skip's sides {text(skip_dims)}")
+    run.details["already_sized"] += 1
+    raise Refusal("already takes the skip's size", not_a_site=True)
 
 
 def sizes_divided_from_inputs(graph: gs.Graph) -> bool:
@@ -166,19 +196,19 @@ class UpsampleToSkip(Fusion):
                    "(diffusers' upsample_size): the graph runs at any latent size")
     requires = frozenset({SHAPES_INFERRED})
     preserves = frozenset({SHAPES_INFERRED})
-    rules = (Rule(UPSAMPLE_INTO_SKIP_CONCAT, check, emit, site=lambda m: m.node("resize")),)
+    rules = (Rule(SIZED_UPSAMPLE_INTO_SKIP_CONCAT, check_sized, emit, site=lambda m: m.node("resize")),
+             Rule(UPSAMPLE_INTO_SKIP_CONCAT, check, emit, site=lambda m: m.node("resize")))
 
     def finish(self, run: FusionRun) -> None:
-        result = run.result
-        result.details.update(static_upsamplers=run.details["static_upsamplers"])
-        if result.sites_rewritten and not result.refused:
-            previous = int(run.model.metadata_props.get(UPSAMPLE_TO_SKIP_METADATA, "0") or 0)
-            run.model.metadata_props[UPSAMPLE_TO_SKIP_METADATA] = str(previous + result.sites_rewritten)
-        elif result.refused:
+        result, already = run.result, run.details["already_sized"]
+        result.details.update(static_upsamplers=run.details["static_upsamplers"], already_sized=already)
+        if result.refused:
             run.model.metadata_props.pop(UPSAMPLE_TO_SKIP_METADATA, None)
+        elif result.sites_rewritten + already:
+            run.model.metadata_props[UPSAMPLE_TO_SKIP_METADATA] = str(result.sites_rewritten + already)
         if not result.sites_matched:
-            result.nothing_to_do = ("no dynamic 2x upsample feeds a skip Concat (a UNet's up blocks; "
-                                    f"{run.details['static_upsamplers']} static)")
+            result.nothing_to_do = (f"no 2x upsample to rewrite before a skip Concat (a UNet's up blocks; {already} "
+                                    f"already take the skip's size, {run.details['static_upsamplers']} static)")
 
 
 __all__ = ["UPSAMPLE_INTO_SKIP_CONCAT", "UPSAMPLE_TO_SKIP_METADATA", "UpsampleToSkip"]
