@@ -100,13 +100,7 @@ def check(match: Match, run: FusionRun) -> Match:
     resize, conv, x, skip = match.node("resize"), match.node("conv"), match["x"], match["skip"]
     if rank_of(x) not in (None, 4) or rank_of(skip) not in (None, 4):
         raise Refusal(f"x {shape_of(x)} and skip {shape_of(skip)}: not 4-D feature maps")
-    spatial = [static_dim(t, axis) for t in (x, skip) for axis in (2, 3)]
-    if all(d is not None for d in spatial):
-        run.details["static_upsamplers"] += 1
-        raise Refusal("static spatial sizes: the graph runs only at its traced size", not_a_site=True)
-    if run.memo.setdefault("sizes_traced", sizes_divided_from_inputs(run.graph)):
-        raise Refusal("the exporter computes sizes from the inputs' dims with integer division (dynamo's symbolic "
-                      "shapes): the graph's reshapes assume the traced multiple whatever the upsample does")
+    refuse_static_or_traced_sizes(x, skip, run)
     for name, wanted in TORCH_NEAREST.items():
         if _attr(resize, name) != wanted:
             raise Refusal(f"{name} {_attr(resize, name)}: not torch's nearest ({wanted}), which upsample_size computes")
@@ -120,12 +114,25 @@ def check(match: Match, run: FusionRun) -> Match:
     return match
 
 
+def refuse_static_or_traced_sizes(x: gs.Tensor, skip: gs.Tensor, run: FusionRun) -> None:
+    """Not a site where every side is static; refused where the graph's sizes are traced expressions."""
+    if all(static_dim(t, axis) is not None for t in (x, skip) for axis in (2, 3)):
+        run.details["static_upsamplers"] += 1
+        raise Refusal("static spatial sizes: the graph runs only at its traced size", not_a_site=True)
+    if "sizes_traced" not in run.memo:  # one walk of the shape arithmetic per run
+        run.memo["sizes_traced"] = sizes_divided_from_inputs(run.graph)
+    if run.memo["sizes_traced"]:
+        raise Refusal("the exporter computes sizes from the inputs' dims with integer division (dynamo's symbolic "
+                      "shapes): the graph's reshapes assume the traced multiple whatever the upsample does")
+
+
 def check_sized(match: Match, run: FusionRun) -> Match:
     """An upsampler that already takes the skip's size (its sizes provably read the skip's sides, torch's
     nearest): counted (``already_sized``), nothing to write. Computed sizes not provably the skip's: refused."""
     resize, skip, sizes = match.node("resize"), match["skip"], match["sizes"]
     if any(_attr(resize, name) != wanted for name, wanted in TORCH_NEAREST.items()):
         raise Refusal("a sized upsample that is not torch's nearest", not_a_site=True)
+    refuse_static_or_traced_sizes(match["x"], skip, run)
     dims = run.memo.setdefault("dims", Dims())
     vector, skip_dims = dims.vector(sizes), dims.shape(skip)
     if vector is None or skip_dims is None or len(vector) != 4 or not same_dims(vector[2:], skip_dims[2:]):
