@@ -11,6 +11,8 @@ The claims:
 - on the committed tiny SD 1.5 TorchScript export (dynamic axes) the rewritten graph gives diffusers'
   torch UNet output at an odd latent size (15x13), where the source fails in the up block's Concat,
   and the source's output at a multiple size; it carries the metadata the pipeline reads;
+- a TorchScript trace at a non-multiple size (diffusers took its upsample_size branch) already reads the
+  skips' sizes: counted as such, the graph marked;
 - the dynamo export is refused with its reason (its reshapes carry the traced multiple) and carries no
   metadata; static exports and the VAE decoders are not sites (unchanged, no metadata);
 - end to end: ``generate`` on an optimized tiny SD 1.5 folder whose UNet has 4 levels (latent sides
@@ -178,12 +180,32 @@ def test_dynamo_static_and_vae_graphs_are_left_alone():
         assert result_of(report, PASS).details["static_upsamplers"] == (1 if static else 0), name
 
 
+FOUR_LEVELS = dict(block_out_channels=(8, 8, 16, 16),  # a tiny SD 1.5 UNet of SD 1.5's depth: latent multiple 8
+                   down_block_types=("CrossAttnDownBlock2D",) * 3 + ("DownBlock2D",),
+                   up_block_types=("UpBlock2D",) + ("CrossAttnUpBlock2D",) * 3)
+
+
+@pytest.mark.models
+def test_a_trace_at_another_size_already_reads_the_skips_sizes(tmp_path):
+    """Traced at latents 16x12 (12 is not a multiple of 8), diffusers' UNet took its upsample_size branch:
+    the TorchScript graph sizes each upsample by its skip already; the pass proves it and marks the graph."""
+    pytest.importorskip("diffusers")
+    from models import build
+    from models.export import export
+    from models.unet import UNetWrapper, make_unet
+
+    built = build("unet-sd15", size="tiny")
+    built.module = UNetWrapper(make_unet("unet-sd15", "tiny", 0, **FOUR_LEVELS)).eval()
+    export(built, tmp_path / "unet.onnx", exporter="torchscript", shapes="dynamic")
+    model, report = run_passes(tmp_path / "unet.onnx", [PASS])
+    result = result_of(report, PASS)
+    assert (result.sites_matched, result.details["already_sized"]) == (0, 3)
+    assert model.metadata_props == {"onnxopt.upsample_to_skip": "3"}
+
+
 # ------------------------------------------------------------------------- end to end: a folder
 
 SEED, STEPS, HEIGHT, WIDTH = 0, 3, 40, 56  # latents 20x28 (VAE factor 2): not multiples of the UNet's 8
-FOUR_LEVELS = dict(block_out_channels=(8, 8, 16, 16),
-                   down_block_types=("CrossAttnDownBlock2D",) * 3 + ("DownBlock2D",),
-                   up_block_types=("UpBlock2D",) + ("CrossAttnUpBlock2D",) * 3)
 
 
 @pytest.mark.slow
@@ -196,9 +218,9 @@ def test_generate_at_a_size_the_traced_unet_cannot_take(tmp_path, monkeypatch, c
     from onnxopt.pipeline.runner import generate
     from tests.test_pipeline_generate import Built, assert_same_image
 
-    built = Built.__new__(Built)  # the tiny SD 1.5 pipeline with a 4-level UNet (latent multiple 8)
     from models.pipelines import build_torch_pipeline, write_onnx_folder
 
+    built = Built.__new__(Built)  # the tiny SD 1.5 pipeline with a 4-level UNet (latent multiple 8)
     built.kind, built.pipelines, built.folder = "sd15", {}, tmp_path / "sd15-four-levels"
     built.torch_pipe = build_torch_pipeline("sd15", "tiny", SEED)
     built.torch_pipe.register_modules(unet=make_unet("unet-sd15", "tiny", SEED, **FOUR_LEVELS))
