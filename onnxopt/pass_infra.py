@@ -13,6 +13,8 @@ A pass declares
 * the passes that complete it (``followers``, each one of ``possible_followers``): the manager runs
   them right after it, as steps of their own, reported, timed and verified one by one (nhwc-conv,
   then sink-transposes),
+* whether it ``rebases_verification``: it computes more exactly than the source (float32 where the
+  source rounded), and ``--verify`` compares it and every later step with the source rewritten by it,
 * whether it ``traces`` its pattern candidates: its ``run`` then takes ``tracer=``, which the pass
   manager passes for the passes ``--explain`` names (every candidate, and why it failed).
 
