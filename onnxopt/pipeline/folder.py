@@ -230,6 +230,26 @@ def check_folder_files(root: Path) -> None:
                 raise PipelineFolderError(problem)
 
 
+CLIP_SPECIAL_TOKENS = ("<|startoftext|>", "<|endoftext|>")  # every CLIP tokenizer's (SD3's CLIP-G pads with "!" instead)
+
+
+def tokenizer_json_model(folder: Path) -> str | None:
+    """The model kind ``folder/tokenizer.json`` declares, as the tokenizers library loads it ("BPE" for
+    CLIP's, "Unigram" for T5's, "WordPiece", "WordLevel"), or None without a tokenizer.json. The
+    loaded transformers tokenizer cannot say it: CLIPTokenizer and T5TokenizerFast each build their
+    own model from whatever vocabulary the folder holds, and tokenize a prompt into wrong ids."""
+    path = folder / "tokenizer.json"
+    if not path.is_file():
+        return None
+    from tokenizers import Tokenizer
+
+    try:
+        return type(Tokenizer.from_file(str(path)).model).__name__
+    except Exception as exc:  # noqa: BLE001 -- the folder's file, parsed by tokenizers: any failure is the file's
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise PipelineFolderError(f"{path}: cannot load the tokenizer: {first}") from None
+
+
 def prompt_length_problem(root: Path, encoder: str, length, positions) -> str | None:
     """Why a tokenizer that pads every prompt to ``length`` tokens (its model_max_length) cannot feed a
     text encoder of ``positions`` positions (its config's max_position_embeddings), or None. A length
@@ -473,16 +493,33 @@ class PipelineFolder:
         if not (folder / "tokenizer.json").is_file() and not all((folder / f).is_file() for f in ("vocab.json", "merges.txt")):
             # transformers loads a folder without them as a two-token tokenizer: every word its unknown token
             raise PipelineFolderError(f"{folder}: no tokenizer vocabulary (tokenizer.json, or vocab.json and merges.txt)")
+        declared = tokenizer_json_model(folder)  # before transformers builds a CLIP BPE tokenizer out of any vocabulary
+        if declared not in (None, "BPE"):
+            raise PipelineFolderError(f"{folder}: tokenizer.json holds a {declared} tokenizer, not CLIP's BPE tokenizer, "
+                                      f"which {name}/ of a {self.kind} pipeline holds (another model's tokenizer?)")
         try:
             tokenizer = CLIPTokenizer.from_pretrained(str(folder))
         except Exception as exc:  # noqa: BLE001 -- the folder's files, parsed by transformers: any failure is the file's
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise PipelineFolderError(f"{folder}: cannot load the tokenizer: {first}")
+        # the vocabulary's own tokens: transformers adds a missing special token past its end (an id the text
+        # encoder has no embedding for); a BPE vocabulary of another model (GPT-2's) lacks CLIP's
+        backend = getattr(tokenizer, "backend_tokenizer", None)  # transformers 4's CLIPTokenizer is Python: its .encoder
+        vocabulary = backend.get_vocab(with_added_tokens=False) if backend is not None else tokenizer.encoder
+        lacks = [token for token in CLIP_SPECIAL_TOKENS if token not in vocabulary]
+        if lacks:
+            raise PipelineFolderError(f"{folder}: the tokenizer's vocabulary has no {' or '.join(lacks)}: not CLIP's "
+                                      f"tokenizer, which {name}/ of a {self.kind} pipeline holds (another model's tokenizer?)")
         if tokenizer.model_max_length > TOKENIZER_NO_LIMIT:
             # no model_max_length in tokenizer_config.json: transformers' "no limit" placeholder (1e30), which
             # the padding cannot use; CLIP's text encoders take 77 positions (optimize's static graphs too)
             tokenizer.model_max_length = CLIP_SEQUENCE
         return tokenizer
+
+    def tokenizers(self) -> dict:
+        """name -> tokenizer, for each text encoder the folder's pipeline runs (:attr:`text_encoders`):
+        every tokenizer a generation reads, loaded and checked (:meth:`tokenizer`)."""
+        return {TOKENIZER_OF[encoder]: self.tokenizer(TOKENIZER_OF[encoder]) for encoder in self.text_encoders}
 
     def t5_tokenizer(self, folder: Path):
         """transformers' T5TokenizerFast from ``folder``: its tokenizer_config.json when present, else
@@ -491,6 +528,11 @@ class PipelineFolder:
 
         if not (folder / "tokenizer.json").is_file() and not (folder / "spiece.model").is_file():
             raise PipelineFolderError(f"{folder}: no tokenizer vocabulary (tokenizer.json or spiece.model)")
+        declared = tokenizer_json_model(folder)  # T5TokenizerFast reads a BPE tokenizer.json as a Unigram one: wrong ids
+        if declared not in (None, "Unigram"):
+            raise PipelineFolderError(f"{folder}: tokenizer.json holds a {declared} tokenizer, not T5's Unigram "
+                                      f"(SentencePiece) tokenizer, which {folder.name}/ of a {self.kind} pipeline holds "
+                                      "(CLIP's tokenizer in T5's place?)")
         try:
             if (folder / "tokenizer_config.json").is_file():
                 return T5TokenizerFast.from_pretrained(str(folder))

@@ -1256,7 +1256,7 @@ def reuse_steps(reuse, steps: int) -> frozenset:
 
 
 def _load_tokenizers(folder: PipelineFolder) -> dict:
-    return {name: folder.tokenizer(name) for name in _tokenizers_of(folder)}
+    return folder.tokenizers()
 
 
 def _deferred(function, *args):
