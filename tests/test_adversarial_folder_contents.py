@@ -177,3 +177,136 @@ def test_components_names_what_to_optimize_and_the_folder_is_checked_whole(tmp_p
     with pytest.raises(OnnxoptError, match="missing component unet/model.onnx"):
         optimize_folder(folder, tmp_path / "again", components=["vae_decoder"])
     assert not (tmp_path / "again").exists()
+
+
+# ----------------------------------------------------------------------------------- model_index.json entries
+
+@pytest.mark.parametrize("entry, fragments", [
+    ({"unet": "UNet2DConditionModel"}, ("'unet' must be [library, class] or [null, null]",)),
+    ({"unet": ["diffusers", "UNet2DConditionModel", "x"]}, ("'unet' must be [library, class]",)),
+    ({"text_encoder": [None, "CLIPTextModel"]}, ("'text_encoder' must be [library, class]",)),
+    ({"scheduler": ["diffusers", 5]}, ("'scheduler' must be [library, class]",)),
+    ({"unet": ["transformers", "UNet2DConditionModel"]}, ("'unet' names", "diffusers loads unet from diffusers")),
+    ({"tokenizer": ["diffusers", "CLIPTokenizer"]}, ("'tokenizer' names", "from transformers")),
+], ids=["a-string", "three-items", "null-library", "class-not-a-name", "unet-from-transformers", "tokenizer-from-diffusers"])
+def test_an_index_entry_diffusers_could_not_load_is_refused(tmp_path, capsys, monkeypatch, entry, fragments):
+    """An entry of another shape, or a class from a library diffusers does not load that component
+    from: diffusers' from_pretrained fails on the folder; onnxopt ran it without a word."""
+    folder = copy_of(tmp_path, "sd15-tiny")
+    edit_json(folder / "model_index.json", **entry)
+    refused_by_both(tmp_path, capsys, monkeypatch, folder, "model_index.json", *fragments)
+
+
+def test_diffusers_onnx_pipelines_index_passes(tmp_path, capsys, monkeypatch):
+    """diffusers' OnnxStableDiffusionPipeline names its every model ["diffusers", "OnnxRuntimeModel"]."""
+    folder = copy_of(tmp_path, "sd15-tiny")
+    model = ["diffusers", "OnnxRuntimeModel"]
+    edit_json(folder / "model_index.json", _class_name="OnnxStableDiffusionPipeline", text_encoder=model, unet=model,
+              vae=None, vae_decoder=model, vae_encoder=model)
+    passes_the_checks(capsys, monkeypatch, folder, tmp_path / "opt")
+
+
+# ----------------------------------------------------------------------------------- the scheduler's config
+
+@pytest.mark.parametrize("value, fragment", [
+    (0, "num_train_timesteps must be a positive integer, got 0"),
+    (-1000, "num_train_timesteps must be a positive integer, got -1000"),
+    (10 ** 9, "num_train_timesteps must be at most 100000, got 1000000000"),  # diffusers' tables filled the memory
+])
+def test_a_scheduler_config_no_scheduler_can_be_made_from_is_refused_by_optimize_too(tmp_path, capsys, monkeypatch,
+                                                                                       value, fragment):
+    """generate refused num_train_timesteps 0 (and filled the memory with a billion's tables); optimize
+    wrote the folder: every scheduler, --scheduler's too, is made from these values."""
+    folder = copy_of(tmp_path, "sd15-tiny")
+    edit_json(folder / "scheduler" / "scheduler_config.json", num_train_timesteps=value)
+    refused_by_both(tmp_path, capsys, monkeypatch, folder, fragment)
+
+
+def test_a_scheduler_class_onnxopt_does_not_run_is_optimized_and_generate_says_to_choose_one(tmp_path, capsys,
+                                                                                              monkeypatch):
+    """The folder runs with --scheduler (the step graph reads the schedule as data: optimize needs no
+    scheduler), so optimize takes it; generate without --scheduler names the choice."""
+    folder = copy_of(tmp_path, "sd15-tiny")
+    edit_json(folder / "model_index.json", scheduler=["diffusers", "FooScheduler"])
+    edit_json(folder / "scheduler" / "scheduler_config.json", _class_name="FooScheduler")
+    passes_the_checks(capsys, monkeypatch, folder, tmp_path / "opt")
+    image = tmp_path / "x.png"
+    one_line_error(capsys, main(generate_argv(folder, image)), 2, "FooScheduler", "choose one with --scheduler")
+    assert not image.exists()
+
+
+# ----------------------------------------------------------------------------------- configs against graphs
+
+def unet_and_vae_of_16_latents(tmp_path: Path) -> Path:
+    """Configs that agree with each other (so check_unet_latents passes), not with the 4-channel graphs."""
+    folder = copy_of(tmp_path, "sd15-tiny")
+    edit_json(folder / "unet" / "config.json", in_channels=16, out_channels=16)
+    edit_json(folder / "vae_decoder" / "config.json", latent_channels=16)
+    return folder
+
+
+def flux_packed_width_of_another_model(tmp_path: Path) -> Path:
+    folder = copy_of(tmp_path, "flux-schnell-tiny-optimum")
+    edit_json(folder / "transformer" / "config.json", in_channels=32)
+    return folder
+
+
+@pytest.mark.parametrize("make, fragment", [
+    (unet_and_vae_of_16_latents, "unet/config.json: in_channels 16, but unet's graph takes latents of 4 channels"),
+    (flux_packed_width_of_another_model,
+     "transformer/config.json: in_channels 32, but transformer's graph takes latents of 64 channels"),
+], ids=["unet-16-channels", "flux-packed-32"])
+def test_a_denoiser_config_its_graph_contradicts_is_refused_by_optimize_and_generate(tmp_path, capsys, monkeypatch,
+                                                                                      make, fragment):
+    """optimize wrote both; generate refused the UNet's at load and failed on Flux's with ORT's
+    "Got invalid dimensions" (exit 3): Flux's latents are packed, [batch, sequence, in_channels]."""
+    folder = make(tmp_path)
+    tripwire(monkeypatch, OPTIMIZE_WORK)
+    out = tmp_path / "opt"
+    one_line_error(capsys, main(optimize_argv(folder, out)), 2, fragment)
+    assert not out.exists()
+    image = tmp_path / "x.png"
+    one_line_error(capsys, main(generate_argv(folder, image)), 2, fragment)
+    assert not image.exists()
+
+
+# ----------------------------------------------------------------------------------- the folder's own files
+
+@pytest.mark.parametrize("name", ["unet", "tokenizer", "scheduler", "vae_encoder"])
+def test_a_file_where_a_component_folder_belongs_is_refused_by_name(tmp_path, capsys, monkeypatch, name):
+    """A required one was "missing", an optional one (vae_encoder) passed unread."""
+    folder = copy_of(tmp_path, "sd15-tiny")
+    shutil.rmtree(folder / name)
+    (folder / name).write_text("{}")
+    refused_by_both(tmp_path, capsys, monkeypatch, folder, f"{folder / name}: a file where the folder {name}/")
+
+
+@pytest.mark.parametrize("location", ["../../secret.bin", "ABSOLUTE"])
+def test_external_data_outside_a_component_is_refused_before_any_component_is_optimized(tmp_path, capsys,
+                                                                                       monkeypatch, location):
+    """The VAE decoder's weights named a file outside the folder: refused after the text encoder and
+    UNet were optimized (wasted work); now before the first, and the file is never opened."""
+    import onnx
+    import numpy as np
+    from onnx import TensorProto
+
+    from tests.test_adversarial_round10 import recording_opens
+
+    secret = tmp_path / "secret.bin"
+    secret.write_bytes(np.zeros(1 << 12, np.float32).tobytes())
+    location = str(secret) if location == "ABSOLUTE" else location
+    folder = copy_of(tmp_path, "sd15-tiny")
+    model = onnx.load(str(folder / "vae_decoder" / "model.onnx"))
+    tensor = next(t for t in model.graph.initializer if t.data_type == TensorProto.FLOAT and t.dims)
+    size = int(np.prod(tensor.dims)) * 4
+    tensor.ClearField("raw_data")
+    tensor.data_location = TensorProto.EXTERNAL
+    for key, value in (("location", location), ("offset", "0"), ("length", str(size))):
+        tensor.external_data.add(key=key, value=value)
+    onnx.save(model, str(folder / "vae_decoder" / "model.onnx"))
+    tripwire(monkeypatch, OPTIMIZE_WORK)
+    out = tmp_path / "opt"
+    with recording_opens() as opened:
+        code = main(optimize_argv(folder, out))
+    one_line_error(capsys, code, 2, "vae_decoder/model.onnx", f"external data location '{location}'")
+    assert str(secret) not in opened and not out.exists()

@@ -51,8 +51,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from onnxopt.errors import MissingDependencyError, OnnxoptError
-from onnxopt.pipeline.families import (FAMILIES, INDEX_ENTRIES, MODEL_COMPONENTS, PIPELINE_CLASSES,  # noqa: F401
-                                       RUNNABLE_CLASSES, TOKENIZER_OF, TOKENIZERS, Family, with_unet_config)
+from onnxopt.pipeline.families import (FAMILIES, INDEX_ENTRIES, INDEX_LIBRARIES, MODEL_COMPONENTS,  # noqa: F401
+                                       PIPELINE_CLASSES, RUNNABLE_CLASSES, TOKENIZER_OF, TOKENIZERS, Family,
+                                       with_unet_config)
 
 KINDS = tuple(FAMILIES)
 MAX_IMAGE_SIDE = 1 << 16  # pixels: far above any model's, far below what overflows the latents' shape
@@ -196,13 +197,16 @@ def check_config(path: Path, name: str, config: dict) -> None:
 
 def check_folder_files(root: Path) -> None:
     """The JSON files a run reads besides model_index.json, where present, as generate reads them:
-    scheduler_config.json and each tokenizer_config.json a JSON object, each component's
+    scheduler_config.json a JSON object of values diffusers' schedulers take
+    (:func:`~onnxopt.pipeline.schedulers.check_config_values`), each tokenizer_config.json a JSON object, each component's
     config.json an object whose :data:`CONFIG_FIELDS` diffusers would take, and a tokenizer's
     model_max_length a positive integer. ``optimize`` calls it too, so that it does not copy a
     folder generate refuses."""
     scheduler = root / "scheduler" / "scheduler_config.json"
     if scheduler.is_file():
-        read_json(scheduler)
+        from onnxopt.pipeline.schedulers import check_config_values  # no diffusers: the values alone
+
+        check_config_values(read_json(scheduler))  # whichever scheduler runs, it is made from these values
     for tokenizer in TOKENIZERS:
         path = root / tokenizer / "tokenizer_config.json"
         if path.is_file():
@@ -278,6 +282,22 @@ def check_unet_latents(root: Path, unet: dict, vae: dict) -> None:
                                   f"({vae_path}) nor an inpainting UNet's {2 * latent + 1}")
 
 
+def latent_input_problem(root: Path, name: str, config: dict, shape) -> str | None:
+    """Why the denoiser ``name``, whose graph's latent input has ``shape``, cannot run with its
+    config.json's in_channels (diffusers makes the latents from the config), or None. A 4-D input
+    [batch, C, height, width] takes C channels, a 3-D one [batch, sequence, C] (Flux's packed latents,
+    whose in_channels is the packed width) C; a dim the graph leaves symbolic says nothing. A config
+    of another model was ORT's shape error mid-run (exit 3)."""
+    if len(shape) not in (3, 4):
+        return None
+    packed = len(shape) == 3
+    channels = config.get("in_channels", 64 if packed else 4)
+    declared = shape[-1] if packed else shape[1]
+    if not isinstance(declared, int) or declared == channels:
+        return None
+    return f"{root / name / 'config.json'}: in_channels {channels}, but {name}'s graph takes latents of {declared} channels"
+
+
 def default_size(root: Path, sample, vae_config: dict, denoiser: str = "unet") -> tuple[int, int]:
     """(height, width) in pixels for a UNet ``sample_size`` (n or [h, w]) and the VAE's config; a
     size beyond :data:`MAX_IMAGE_SIDE` is refused (it overflowed the latents' shape: exit 3)."""
@@ -348,12 +368,22 @@ def kind_of(index: dict, root: Path) -> str:
 
 
 def check_index_entries(root: Path, index: dict) -> None:
-    """Each component model_index.json names (an entry other than [null, null]) is in the folder:
-    one it names and lacks made a folder generate refuses, after optimize said it worked."""
+    """Each component entry of model_index.json is what diffusers' save_pretrained writes, [library,
+    class] or [null, null], with a library diffusers loads that component from
+    (:data:`~onnxopt.pipeline.families.INDEX_LIBRARIES`): another shape or library is a folder
+    diffusers cannot load (a text encoder from diffusers' UNet module, a tokenizer from diffusers),
+    which onnxopt ran without a word. Each component it names (an entry other than [null, null]) is
+    in the folder: one it names and lacks made a folder generate refuses, after optimize said it worked."""
     for key, needed in INDEX_ENTRIES.items():
         entry = index.get(key)
-        if entry is None or (isinstance(entry, list) and not any(entry)):
+        if entry is None or entry == [None, None]:
             continue
+        if not (isinstance(entry, list) and len(entry) == 2 and all(isinstance(part, str) and part for part in entry)):
+            raise PipelineFolderError(f"{root / 'model_index.json'}: '{key}' must be [library, class] or [null, null], "
+                                      f"as diffusers writes it, got {json.dumps(entry)}")
+        if entry[0] not in INDEX_LIBRARIES[key]:
+            raise PipelineFolderError(f"{root / 'model_index.json'}: '{key}' names {json.dumps(entry)}, but diffusers "
+                                      f"loads {key} from {' or '.join(INDEX_LIBRARIES[key])}")
         path = root / needed
         if not (path.is_dir() if needed.endswith("/") else path.is_file()):
             raise PipelineFolderError(f"{root}: model_index.json names '{key}', but there is no {needed}")
@@ -382,6 +412,15 @@ def check_folder_paths(root: Path) -> None:
                                           "a pipeline folder holds files")
 
 
+def check_component_folders(root: Path) -> None:
+    """Each name a pipeline's component or tokenizer folder takes is a folder where it exists: a file
+    there was said to be missing (required) or passed unread (optional, such as vae_encoder)."""
+    for name in (*MODEL_COMPONENTS, *TOKENIZERS, "scheduler"):
+        path = root / name
+        if path.exists() and not path.is_dir():
+            raise PipelineFolderError(f"{path}: a file where the folder {name}/ of a pipeline belongs")
+
+
 @dataclass
 class PipelineFolder:
     root: Path
@@ -401,6 +440,7 @@ class PipelineFolder:
         if not index_path.is_file():
             raise PipelineFolderError(f"{root}: not a pipeline folder (no model_index.json)")
         check_folder_paths(root)  # before any file of it is read
+        check_component_folders(root)
         index = read_json(index_path)
         kind = kind_of(index, root)
         controlnet_folders(root)  # controlnet_<k>/ without controlnet_<k-1>/: said before what the index names

@@ -62,11 +62,13 @@ import numpy as np
 
 from onnxopt import progress as progress_line
 from onnxopt.errors import ModelSaveError, OnnxoptError, VerificationError
+from onnxopt.loading import _check_external_data as check_external_data
 from onnxopt.loading import read_json_object as _read_json  # a config.json, or {} (the defaults apply)
 from onnxopt.library_logs import quiet_libraries
 from onnxopt.outputs import Inputs, Outputs, staged, temp_folder_beside
 from onnxopt.pipeline.controlnet_hint import write_hint_graph
-from onnxopt.pipeline.folder import PipelineFolder, controlnet_folders, kind_of
+from onnxopt.pipeline.folder import (PipelineFolder, PipelineFolderError, controlnet_folders, kind_of,
+                                     latent_input_problem)
 from onnxopt.pipeline.merged_step import write_merged_step
 from onnxopt.pipeline.step_graph import write_step_graph
 from onnxopt.report import OptimizationReport
@@ -207,6 +209,10 @@ def read_components(folder: Path) -> list[PipelineComponent]:
         except Exception:               # not ONNX: load_model reports it with the reason, later
             out.append(PipelineComponent(sub.name, path, []))
             continue
+        if sub.name == pipeline.denoiser:  # its config says what latents the run makes: the graph must take them
+            check_latent_input(pipeline, proto)
+        # every component's external data where its graph says, inside its folder: before the first is optimized
+        check_external_data(proto, sub, str(path))
         names = []
         for t in external_data_helper._get_all_tensors(proto):
             for kv in t.external_data:
@@ -216,6 +222,19 @@ def read_components(folder: Path) -> list[PipelineComponent]:
     if not any(is_component(c.name) for c in out):
         raise OnnxoptError(f"{folder}: no component folder ({', '.join(COMPONENTS)}) holds a {MODEL_FILE}")
     return out
+
+
+def check_latent_input(pipeline: PipelineFolder, proto) -> None:
+    """The denoiser graph takes the latents its config.json makes (what generate checks on its session:
+    :func:`~onnxopt.pipeline.folder.latent_input_problem`), or a one-line PipelineFolderError."""
+    name = pipeline.denoiser
+    latent = next((i for i in proto.graph.input if i.name == pipeline.family.denoiser.sample), None)
+    if latent is None:
+        return  # not a denoiser graph at all: the step graph names it (optimize) as the load does (generate)
+    shape = [d.dim_value if d.HasField("dim_value") else d.dim_param for d in latent.type.tensor_type.shape.dim]
+    problem = latent_input_problem(pipeline.root, name, pipeline.config(name), shape)
+    if problem:
+        raise PipelineFolderError(problem)
 
 
 def plan_outputs(src: Path, dst: Path, report_json=None) -> tuple[Path, Path | None, Outputs]:
