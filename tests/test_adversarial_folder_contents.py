@@ -137,14 +137,7 @@ def test_a_tokenizer_of_another_family_is_refused_by_optimize_and_generate(tmp_p
                                                                            fragments):
     """Another model's tokenizer in a slot loaded (CLIPTokenizer and T5TokenizerFast each build their own
     model from any vocabulary) and turned every prompt into wrong token ids."""
-    folder = make(tmp_path)
-    tripwire(monkeypatch, OPTIMIZE_WORK)
-    out = tmp_path / "opt"
-    one_line_error(capsys, main(optimize_argv(folder, out)), 2, *fragments)
-    assert not out.exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
-    image = tmp_path / "x.png"
-    one_line_error(capsys, main(generate_argv(folder, image)), 2, *fragments)
-    assert not image.exists()
+    refused_by_both(tmp_path, capsys, monkeypatch, make(tmp_path), *fragments)
 
 
 @pytest.mark.parametrize("name, tokenizer, keep", [
@@ -188,7 +181,8 @@ def test_components_names_what_to_optimize_and_the_folder_is_checked_whole(tmp_p
     ({"scheduler": ["diffusers", 5]}, ("'scheduler' must be [library, class]",)),
     ({"unet": ["transformers", "UNet2DConditionModel"]}, ("'unet' names", "diffusers loads unet from diffusers")),
     ({"tokenizer": ["diffusers", "CLIPTokenizer"]}, ("'tokenizer' names", "from transformers")),
-], ids=["a-string", "three-items", "null-library", "class-not-a-name", "unet-from-transformers", "tokenizer-from-diffusers"])
+], ids=["a-string", "three-items", "null-library", "class-not-a-name", "unet-from-transformers",
+        "tokenizer-from-diffusers"])
 def test_an_index_entry_diffusers_could_not_load_is_refused(tmp_path, capsys, monkeypatch, entry, fragments):
     """An entry of another shape, or a class from a library diffusers does not load that component
     from: diffusers' from_pretrained fails on the folder; onnxopt ran it without a word."""
@@ -260,14 +254,7 @@ def test_a_denoiser_config_its_graph_contradicts_is_refused_by_optimize_and_gene
                                                                                       make, fragment):
     """optimize wrote both; generate refused the UNet's at load and failed on Flux's with ORT's
     "Got invalid dimensions" (exit 3): Flux's latents are packed, [batch, sequence, in_channels]."""
-    folder = make(tmp_path)
-    tripwire(monkeypatch, OPTIMIZE_WORK)
-    out = tmp_path / "opt"
-    one_line_error(capsys, main(optimize_argv(folder, out)), 2, fragment)
-    assert not out.exists()
-    image = tmp_path / "x.png"
-    one_line_error(capsys, main(generate_argv(folder, image)), 2, fragment)
-    assert not image.exists()
+    refused_by_both(tmp_path, capsys, monkeypatch, make(tmp_path), fragment)
 
 
 # ----------------------------------------------------------------------------------- the folder's own files

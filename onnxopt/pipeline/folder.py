@@ -198,8 +198,8 @@ def check_config(path: Path, name: str, config: dict) -> None:
 def check_folder_files(root: Path) -> None:
     """The JSON files a run reads besides model_index.json, where present, as generate reads them:
     scheduler_config.json a JSON object of values diffusers' schedulers take
-    (:func:`~onnxopt.pipeline.schedulers.check_config_values`), each tokenizer_config.json a JSON object, each component's
-    config.json an object whose :data:`CONFIG_FIELDS` diffusers would take, and a tokenizer's
+    (:func:`~onnxopt.pipeline.schedulers.check_config_values`), each tokenizer_config.json a JSON
+    object, each component's config.json an object whose :data:`CONFIG_FIELDS` diffusers would take, and a tokenizer's
     model_max_length a positive integer. ``optimize`` calls it too, so that it does not copy a
     folder generate refuses."""
     scheduler = root / "scheduler" / "scheduler_config.json"
@@ -234,7 +234,8 @@ def check_folder_files(root: Path) -> None:
                 raise PipelineFolderError(problem)
 
 
-CLIP_SPECIAL_TOKENS = ("<|startoftext|>", "<|endoftext|>")  # every CLIP tokenizer's (SD3's CLIP-G pads with "!" instead)
+# every CLIP tokenizer's own tokens (SD3's CLIP-G pads with "!" instead of the second: it has them all the same)
+CLIP_SPECIAL_TOKENS = ("<|startoftext|>", "<|endoftext|>")
 
 
 def tokenizer_json_model(folder: Path) -> str | None:
@@ -282,20 +283,19 @@ def check_unet_latents(root: Path, unet: dict, vae: dict) -> None:
                                   f"({vae_path}) nor an inpainting UNet's {2 * latent + 1}")
 
 
-def latent_input_problem(root: Path, name: str, config: dict, shape) -> str | None:
-    """Why the denoiser ``name``, whose graph's latent input has ``shape``, cannot run with its
-    config.json's in_channels (diffusers makes the latents from the config), or None. A 4-D input
-    [batch, C, height, width] takes C channels, a 3-D one [batch, sequence, C] (Flux's packed latents,
-    whose in_channels is the packed width) C; a dim the graph leaves symbolic says nothing. A config
-    of another model was ORT's shape error mid-run (exit 3)."""
-    if len(shape) not in (3, 4):
-        return None
+def latent_channels(root: Path, name: str, config: dict, shape) -> int:
+    """The latent channels of the denoiser ``name``: its config.json's in_channels (diffusers makes the
+    latents from the config; Flux's is the packed width, four times the latents'), which its graph's
+    latent input, of ``shape``, must take, or a one-line PipelineFolderError. A 4-D input [batch, C,
+    height, width] takes C channels, a 3-D one [batch, sequence, C] (Flux's packed latents) C; a dim
+    the graph leaves symbolic says nothing. A config of another model was ORT's shape error mid-run."""
     packed = len(shape) == 3
     channels = config.get("in_channels", 64 if packed else 4)
-    declared = shape[-1] if packed else shape[1]
-    if not isinstance(declared, int) or declared == channels:
-        return None
-    return f"{root / name / 'config.json'}: in_channels {channels}, but {name}'s graph takes latents of {declared} channels"
+    declared = shape[-1] if packed else shape[1] if len(shape) == 4 else None
+    if isinstance(declared, int) and declared != channels:
+        raise PipelineFolderError(f"{root / name / 'config.json'}: in_channels {channels}, but {name}'s graph takes "
+                                  f"latents of {declared} channels")
+    return channels
 
 
 def default_size(root: Path, sample, vae_config: dict, denoiser: str = "unet") -> tuple[int, int]:
@@ -535,8 +535,9 @@ class PipelineFolder:
             raise PipelineFolderError(f"{folder}: no tokenizer vocabulary (tokenizer.json, or vocab.json and merges.txt)")
         declared = tokenizer_json_model(folder)  # before transformers builds a CLIP BPE tokenizer out of any vocabulary
         if declared not in (None, "BPE"):
-            raise PipelineFolderError(f"{folder}: tokenizer.json holds a {declared} tokenizer, not CLIP's BPE tokenizer, "
-                                      f"which {name}/ of a {self.kind} pipeline holds (another model's tokenizer?)")
+            raise PipelineFolderError(f"{folder}: tokenizer.json holds a {declared} tokenizer, not CLIP's BPE "
+                                      f"tokenizer, which {name}/ of a {self.kind} pipeline holds (another model's "
+                                      "tokenizer?)")
         try:
             tokenizer = CLIPTokenizer.from_pretrained(str(folder))
         except Exception as exc:  # noqa: BLE001 -- the folder's files, parsed by transformers: any failure is the file's
@@ -544,12 +545,13 @@ class PipelineFolder:
             raise PipelineFolderError(f"{folder}: cannot load the tokenizer: {first}")
         # the vocabulary's own tokens: transformers adds a missing special token past its end (an id the text
         # encoder has no embedding for); a BPE vocabulary of another model (GPT-2's) lacks CLIP's
-        backend = getattr(tokenizer, "backend_tokenizer", None)  # transformers 4's CLIPTokenizer is Python: its .encoder
+        backend = getattr(tokenizer, "backend_tokenizer", None)  # transformers 4's: Python, its .encoder
         vocabulary = backend.get_vocab(with_added_tokens=False) if backend is not None else tokenizer.encoder
         lacks = [token for token in CLIP_SPECIAL_TOKENS if token not in vocabulary]
         if lacks:
-            raise PipelineFolderError(f"{folder}: the tokenizer's vocabulary has no {' or '.join(lacks)}: not CLIP's "
-                                      f"tokenizer, which {name}/ of a {self.kind} pipeline holds (another model's tokenizer?)")
+            raise PipelineFolderError(f"{folder}: the tokenizer's vocabulary has no {' or '.join(lacks)}: not "
+                                      f"CLIP's tokenizer, which {name}/ of a {self.kind} pipeline holds (another "
+                                      "model's tokenizer?)")
         if tokenizer.model_max_length > TOKENIZER_NO_LIMIT:
             # no model_max_length in tokenizer_config.json: transformers' "no limit" placeholder (1e30), which
             # the padding cannot use; CLIP's text encoders take 77 positions (optimize's static graphs too)
@@ -568,11 +570,11 @@ class PipelineFolder:
 
         if not (folder / "tokenizer.json").is_file() and not (folder / "spiece.model").is_file():
             raise PipelineFolderError(f"{folder}: no tokenizer vocabulary (tokenizer.json or spiece.model)")
-        declared = tokenizer_json_model(folder)  # T5TokenizerFast reads a BPE tokenizer.json as a Unigram one: wrong ids
+        declared = tokenizer_json_model(folder)  # T5TokenizerFast makes a Unigram of a BPE one: wrong ids
         if declared not in (None, "Unigram"):
             raise PipelineFolderError(f"{folder}: tokenizer.json holds a {declared} tokenizer, not T5's Unigram "
-                                      f"(SentencePiece) tokenizer, which {folder.name}/ of a {self.kind} pipeline holds "
-                                      "(CLIP's tokenizer in T5's place?)")
+                                      f"(SentencePiece) tokenizer, which {folder.name}/ of a {self.kind} pipeline "
+                                      "holds (CLIP's tokenizer in T5's place?)")
         try:
             if (folder / "tokenizer_config.json").is_file():
                 return T5TokenizerFast.from_pretrained(str(folder))

@@ -67,8 +67,7 @@ from onnxopt.loading import read_json_object as _read_json  # a config.json, or 
 from onnxopt.library_logs import quiet_libraries
 from onnxopt.outputs import Inputs, Outputs, staged, temp_folder_beside
 from onnxopt.pipeline.controlnet_hint import write_hint_graph
-from onnxopt.pipeline.folder import (PipelineFolder, PipelineFolderError, controlnet_folders, kind_of,
-                                     latent_input_problem)
+from onnxopt.pipeline.folder import PipelineFolder, controlnet_folders, kind_of, latent_channels
 from onnxopt.pipeline.merged_step import write_merged_step
 from onnxopt.pipeline.step_graph import write_step_graph
 from onnxopt.report import OptimizationReport
@@ -225,16 +224,14 @@ def read_components(folder: Path) -> list[PipelineComponent]:
 
 
 def check_latent_input(pipeline: PipelineFolder, proto) -> None:
-    """The denoiser graph takes the latents its config.json makes (what generate checks on its session:
-    :func:`~onnxopt.pipeline.folder.latent_input_problem`), or a one-line PipelineFolderError."""
+    """The denoiser graph takes the latents its config.json makes, as generate checks on its session
+    (:func:`~onnxopt.pipeline.folder.latent_channels`), or a one-line PipelineFolderError."""
     name = pipeline.denoiser
     latent = next((i for i in proto.graph.input if i.name == pipeline.family.denoiser.sample), None)
     if latent is None:
         return  # not a denoiser graph at all: the step graph names it (optimize) as the load does (generate)
     shape = [d.dim_value if d.HasField("dim_value") else d.dim_param for d in latent.type.tensor_type.shape.dim]
-    problem = latent_input_problem(pipeline.root, name, pipeline.config(name), shape)
-    if problem:
-        raise PipelineFolderError(problem)
+    latent_channels(pipeline.root, name, pipeline.config(name), shape)
 
 
 def plan_outputs(src: Path, dst: Path, report_json=None) -> tuple[Path, Path | None, Outputs]:

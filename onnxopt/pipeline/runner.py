@@ -62,7 +62,7 @@ import numpy as np
 from onnxopt.errors import MissingDependencyError, OnnxoptError
 from onnxopt.pipeline import images
 from onnxopt.pipeline.families import TOKENIZER_OF
-from onnxopt.pipeline.folder import CLIP_SEQUENCE, PipelineFolder, folder_scheduler_class, latent_input_problem
+from onnxopt.pipeline.folder import CLIP_SEQUENCE, PipelineFolder, folder_scheduler_class, latent_channels
 from onnxopt.pipeline.session_prefetch import LOAD_WORKERS, Ahead, SessionPrefetch
 from onnxopt.pipeline.sizes import _check_size, _written_before_0_9, default_size  # noqa: F401 (importers read them here too)
 from onnxopt.pipeline.plan import (
@@ -640,15 +640,12 @@ class Pipeline:
     def _latent_channels(self) -> int:
         """The latents' channels: the denoiser config's in_channels (diffusers reads it there; Flux's is
         the packed width, four times the latents'), which the graph that runs must take where it
-        declares them (:func:`~onnxopt.pipeline.folder.latent_input_problem`)."""
+        declares them (:func:`~onnxopt.pipeline.folder.latent_channels`)."""
         name = self.folder.denoiser
         made = [self.sessions[key] for key in STEP_SESSIONS if key in self.sessions]
         session, latent = (made[0], "latents") if made else (self._unet_session(), self.folder.family.denoiser.sample)
         shape = next((i.shape for i in session.get_inputs() if i.name == latent), None) or ()
-        problem = latent_input_problem(self.folder.root, name, self.folder.config(name), shape)
-        if problem:
-            raise GenerationError(problem)
-        return self.folder.config(name).get("in_channels", 64 if len(shape) == 3 else 4)
+        return latent_channels(self.folder.root, name, self.folder.config(name), shape)
 
     def _controlnet_inputs(self, cond: dict, controls: list, controlnet_scale, timings: dict, images: int = 1) -> list[dict]:
         """Per ControlNet: its per-image inputs by its own input names (the hint, where its step

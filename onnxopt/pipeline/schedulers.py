@@ -168,7 +168,7 @@ def check_config_values(config: dict) -> None:
     train = config.get("num_train_timesteps", 1000)
     if not isinstance(train, int) or isinstance(train, bool) or train < 1:
         raise SchedulerError(f"scheduler_config.json: num_train_timesteps must be a positive integer, got {train!r}")
-    if train > MAX_TRAIN_TIMESTEPS:  # diffusers makes tables of that many entries, and so does the step graph's schedule
+    if train > MAX_TRAIN_TIMESTEPS:  # diffusers makes tables of that many entries, and so does the step graph
         raise SchedulerError(f"scheduler_config.json: num_train_timesteps must be at most {MAX_TRAIN_TIMESTEPS}, got "
                              f"{train} (the schedule's tables hold one entry per train timestep)")
     betas = config.get("trained_betas")
