@@ -28,7 +28,11 @@ file per tensor gets ``model.onnx_data``); above ~1.8 GB they always go external
 Safety: the output is built in a temporary sibling folder (``.OUT.tmp-XXXX``) and renamed into place
 at the end; any error removes it. OUT must not exist, or be an empty folder; it may not be inside
 FOLDER nor FOLDER inside it. The input folder is only read (files outside it are never read: a
-symbolic link leaving it is refused).
+symbolic link leaving it is refused, and so is external data located outside a component's folder).
+Before anything is written the folder is checked as ``generate`` loads it (:meth:`PipelineFolder.open`:
+every component its pipeline class needs, the index, the configs; each tokenizer's family where
+transformers is installed; the denoiser's in_channels against its graph): a folder generate would
+refuse is refused (exit 2), whichever components are asked for.
 
 The text encoders: beside each optimized model.onnx, ``model.static.b{b}.onnx`` for every batch
 the pipeline feeds it (input_ids [b, 77]: shape arithmetic folded, ArgMax on the GPU, every node
