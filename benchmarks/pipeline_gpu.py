@@ -41,6 +41,17 @@ the optimized folder, and removed once optimized; diffusers' FluxPipeline in bfl
 seeded construction, the transformer compiled. The float32 reference is that pipeline cast to float32
 (the same weights), with model CPU offload.
 
+The torch rows need no ONNX folder, so on a machine with two GPUs the two sides of a kind run at
+once, each rerun until it prints its table (the machine's RAM and /dev/shm hold both):
+
+    CUDA_VISIBLE_DEVICES=0 python -m benchmarks.pipeline_gpu --kind flux-dev --side torch --work /tmp/pt --budget 5000 --out OUT/torch
+    CUDA_VISIBLE_DEVICES=1 python -m benchmarks.pipeline_gpu --kind flux-dev --side onnx --work /tmp/po \
+        --scratch /dev/shm/po --budget 5000 --out OUT/onnx
+    python -m benchmarks.pipeline_gpu --kind flux-dev --side onnx --work /tmp/po --resume-from OUT/torch --out OUT/all
+
+The ONNX side's rows wait for the float32 reference (``pending-<row>.npz``) and are scored by the last
+command, which takes the torch rows and the reference.
+
 Steps (each resumable: its result is recorded in <work>/<kind>/results.json and skipped when
 present; the script stops between steps after --budget seconds, so a run spans several
 10-minute calls of the device machine -- rerun the same command until it prints the table; a
@@ -173,6 +184,7 @@ class Bench:
         import torch
 
         self.args, self.kind = args, args.kind
+        self.row = "row"  # the step being run (main sets it): names a row's pending quality file
         self.dry = args.dry_run
         self.size = "tiny" if self.dry else "full"
         self.device = "cpu" if self.dry else "cuda"
@@ -583,6 +595,16 @@ class Bench:
             return result
 
     def quality(self, latents: np.ndarray, image: np.ndarray) -> dict:
+        """PSNR and max abs against the float32 reference; where it is not made yet (the torch rows run on
+        another GPU or machine, ``--skip torch-fp32``), the row's final latents and image are kept in
+        ``<work>/pending-<row>.npz`` and :func:`settle_pending_quality` scores them once it arrives."""
+        if not all((self.work / name).is_file() for name in REFERENCE_FILES):
+            pending = self.work / f"pending-{slug(self.row)}.npz"
+            np.savez(pending, latents=np.asarray(latents, np.float32), image=np.asarray(image, np.float32))
+            return {"quality_pending": pending.name}
+        return self.scored(latents, image)
+
+    def scored(self, latents: np.ndarray, image: np.ndarray) -> dict:
         ref_latents = np.load(self.work / "fp32_latents.npy")
         ref_image = np.load(self.work / "fp32_image.npy")
         a = (np.clip(image, 0, 1) * 255).round()
@@ -612,6 +634,33 @@ class StepFeedRecorder:
 
 
 REFERENCE_FILES = ("fp32_latents.npy", "fp32_image.npy")
+
+
+def slug(key: str) -> str:
+    """A step key as a file name part (``onnxopt: + hint once per image`` -> ``onnxopt-hint-once-per-image``)."""
+    return "-".join("".join(c if c.isalnum() else " " for c in key).split()) or "row"
+
+
+def settle_pending_quality(bench, steps) -> list[str]:
+    """Score the rows timed before the float32 reference was there (their ``pending-<row>.npz``), once it
+    is (made here, or taken by --resume-from): the ONNX side and the torch side of a kind can run at the
+    same time on two GPUs."""
+    if not all((bench.work / name).is_file() for name in REFERENCE_FILES):
+        return []
+    settled = []
+    for key, row in list(steps.results.items()):
+        pending = bench.work / row.get("quality_pending", "-") if isinstance(row, dict) else None
+        if pending is None or not pending.is_file():
+            continue
+        with np.load(pending) as saved:
+            row = {k: v for k, v in row.items() if k != "quality_pending"}
+            row.update(bench.scored(saved["latents"], saved["image"]))
+        steps.record(key, row)
+        pending.unlink()
+        settled.append(key)
+    if settled:
+        print(f"scored against the float32 reference now: {', '.join(settled)}", flush=True)
+    return settled
 
 
 def resume_torch_rows(previous: Path, work: Path) -> list[str]:
@@ -651,6 +700,10 @@ def main(argv=None) -> int:
                     help="an --out of an earlier run (another machine): its torch rows and float32 reference are "
                          "taken, the ONNX steps run here")
     ap.add_argument("--skip", default="", help="comma-separated steps not to run (e.g. torch-compile)")
+    ap.add_argument("--side", choices=["all", "torch", "onnx"], default="all",
+                    help="torch: only the torch rows and the float32 reference (no ONNX folder); onnx: every other step, "
+                         "its quality scored once the reference is there (--resume-from the torch side's --out). The "
+                         "two sides run at once on two GPUs (CUDA_VISIBLE_DEVICES) with their own --work")
     ap.add_argument("--ablation", action="store_true", help="also the onnxopt pipeline as each rewrite is added")
     ap.add_argument("--fp8", action="store_true", help=f"also the row '{FP8_ROW}': unet/{FP8_STEP_FILE} (fp8-linear)")
     args = ap.parse_args(argv)
@@ -673,12 +726,21 @@ def main(argv=None) -> int:
         plan += [("fp8 step graph", bench.fp8_step_graph),
                  (f"onnxopt: {FP8_ROW}", bench.fp8_row)]
     skip = set(filter(None, args.skip.split(",")))
+    unknown = skip - {key for key, _ in plan}
+    if args.side != "all":
+        skip |= {key for key, _ in plan if key.startswith("torch-") != (args.side == "torch")}
+    if unknown:
+        ap.error(f"--skip: no step {', '.join(sorted(map(repr, unknown)))} in this run (steps: "
+                 f"{', '.join(key for key, _ in plan)})")
     try:
         for key, fn in plan:
             if key not in skip:  # full-size Flux: every step takes minutes, each gets a call of its own
+                bench.row = key
                 steps.run(key, fn, alone=bench.flux and not args.dry_run)
+                settle_pending_quality(bench, steps)
     except TimeoutError as exc:
         print(f"budget spent before step '{exc}': rerun the same command to continue", flush=True)
+    settle_pending_quality(bench, steps)
     text = table(args.kind, steps.results, args.dry_run)
     if args.ablation or args.fp8:
         text += "\n\n" + ablation_table(args.kind, steps.results, fp8_only=not args.ablation)

@@ -298,6 +298,34 @@ def _inactive_bound(node: gs.Node, tensor: gs.Tensor, stats: ValueStats, low: Lo
 # ---------------------------------------------------------------- rule 3
 
 
+def periodic_cones(graph: gs.Graph, data_dependent: set[str], limit: int = MAX_ARGUMENT_NODES):
+    """(Sin/Cos node, the data-dependent nodes computing its argument) for every periodic node
+    whose argument depends on the inputs; the cone is None when more than ``limit`` nodes compute
+    the argument (it climbs a residual stream, not an embedding's arithmetic). Cone nodes are
+    reached walking backwards through ARGUMENT_OPS; a node shared by two cones is in the first."""
+    claimed: set[int] = set()
+    for node in graph.nodes:
+        if node.op not in PERIODIC_OPS or not node.inputs or node.inputs[0].name not in data_dependent:
+            continue
+        claimed.add(id(node))
+        cone: dict[int, gs.Node] = {}
+        stack = [node.inputs[0]]
+        while stack and len(cone) <= limit:
+            t = stack.pop()
+            if t.name not in data_dependent or len(t.inputs) != 1:
+                continue
+            producer = t.inputs[0]
+            if producer.op not in ARGUMENT_OPS or id(producer) in claimed or id(producer) in cone:
+                continue
+            cone[id(producer)] = producer
+            stack.extend(x for x in producer.inputs if not isinstance(x, gs.Constant))
+        if len(cone) <= limit:
+            claimed.update(cone)
+            yield node, list(cone.values())
+        else:
+            yield node, None
+
+
 def periodic_arguments(
     graph: gs.Graph, data_dependent: set[str], limit: int = MAX_ARGUMENT_NODES
 ) -> dict[int, tuple[gs.Node, str]]:
@@ -307,25 +335,16 @@ def periodic_arguments(
     residual stream): then only the Sin/Cos itself stays float32.
     """
     out: dict[int, tuple[gs.Node, str]] = {}
-    for node in graph.nodes:
-        if node.op not in PERIODIC_OPS or not node.inputs or node.inputs[0].name not in data_dependent:
-            continue
-        reason = f"argument of {node.op} '{node_label(node)}': periodic functions need its absolute precision"
+    for node, cone in periodic_cones(graph, data_dependent, limit):
+        reason = periodic_reason(node)
         out.setdefault(id(node), (node, reason))
-        cone: dict[int, gs.Node] = {}
-        stack = [node.inputs[0]]
-        while stack and len(cone) <= limit:
-            t = stack.pop()
-            if t.name not in data_dependent or len(t.inputs) != 1:
-                continue
-            producer = t.inputs[0]
-            if producer.op not in ARGUMENT_OPS or id(producer) in out or id(producer) in cone:
-                continue
-            cone[id(producer)] = producer
-            stack.extend(x for x in producer.inputs if not isinstance(x, gs.Constant))
-        if len(cone) <= limit:
-            out.update({k: (n, reason) for k, n in cone.items()})
+        for n in cone or ():
+            out.setdefault(id(n), (n, reason))
     return out
+
+
+def periodic_reason(node: gs.Node) -> str:
+    return f"argument of {node.op} '{node_label(node)}': periodic functions need its absolute precision"
 
 
 # ---------------------------------------------------------------- rule 4

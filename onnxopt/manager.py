@@ -29,7 +29,9 @@ class PassManager:
     * Invalidation: a pass that modified the graph keeps only the properties it ``provides`` or
       ``preserves``.
     * Verification: with a verifier, the model is compared with the source after every pass that
-      modified it; the first pass that breaks the tolerance is named and the run stops there.
+      modified it; the first pass that breaks the tolerance is named and the run stops there. A
+      pass that ``rebases_verification`` (it computes more exactly than the source) is compared,
+      and so is everything after it, with the source rewritten by that pass.
     * ``strict``: a fusion pass that matched nothing raises :class:`PassNotApplicableError`.
       Only passes the user named count (``requested``, default: all); a preset's fusions that do
       not apply to this model (no GroupNorm in a text encoder) are normal.
@@ -155,6 +157,8 @@ class PassManager:
             current = self._tolerance or (0.0, 0.0)
             self._tolerance = (max(current[0], p.verify_tolerance[0]), max(current[1], p.verify_tolerance[1]))
         if self.verifier is not None and modified:
+            if p.rebases_verification:
+                self._rebase_verification(p)
             step.verification = self.verifier(model, tolerance=self._tolerance)
             if not step.verification.ok:
                 report.first_broken_pass = p.name
@@ -164,6 +168,13 @@ class PassManager:
                 return False
         return True
 
+
+    def _rebase_verification(self, p: Pass) -> None:
+        """From ``p`` on, the verifier's reference is the source rewritten by ``p`` alone (a
+        verifier without ``rebase``, or with no source kept for it, compares as before)."""
+        rebase = getattr(self.verifier, "rebase", None)
+        if rebase is not None:
+            rebase(lambda source: PassManager([type(p)()]).run(source), p.name)
 
     def _tracer(self, p: Pass) -> Tracer | None:
         return Tracer() if p.name in self.explain and p.traces else None

@@ -13,6 +13,8 @@ A pass declares
 * the passes that complete it (``followers``, each one of ``possible_followers``): the manager runs
   them right after it, as steps of their own, reported, timed and verified one by one (nhwc-conv,
   then sink-transposes),
+* whether it ``rebases_verification``: it computes more exactly than the source (float32 where the
+  source rounded), and ``--verify`` compares it and every later step with the source rewritten by it,
 * whether it ``traces`` its pattern candidates: its ``run`` then takes ``tracer=``, which the pass
   manager passes for the passes ``--explain`` names (every candidate, and why it failed).
 
@@ -70,6 +72,11 @@ class Pass(abc.ABC):
     # (atol, rtol) a pass that changes numerics (fp16) needs from --verify, from it on; None: exact
     # up to the user's tolerance.
     verify_tolerance: ClassVar[tuple[float, float] | None] = None
+    # The pass makes the graph compute more exactly than the source (widen-periodic-arguments
+    # computes in float32 what a bfloat16 source rounded): its result differs from the source by
+    # the source's own error, which tests bound against the float32 module. --verify then compares
+    # it, and every later step, with the source rewritten by the same pass.
+    rebases_verification: ClassVar[bool] = False
     # Passes that, when in the same run, must come before this one: name -> why.
     runs_after: ClassVar[dict[str, str]] = {}
     # Run on the companions too (fp16 converts the context-KV graph as well as the denoiser).

@@ -201,10 +201,18 @@ def load_feeds(path: str | Path, model: Model) -> list[dict[str, np.ndarray]]:
     return [feeds]
 
 
+def _io_dtypes(model: Model) -> set[np.dtype]:
+    return {numpy_dtype(t.dtype) for t in list(model.graph.inputs) + list(model.graph.outputs) if t.dtype is not None}
+
+
 def computes_in_bfloat16(model: Model) -> bool:
     """The model takes or returns bfloat16 (an export made in bfloat16)."""
-    return any(t.dtype is not None and numpy_dtype(t.dtype) == BFLOAT16
-               for t in list(model.graph.inputs) + list(model.graph.outputs))
+    return BFLOAT16 in _io_dtypes(model)
+
+
+def computes_in_low_precision_io(model: Model) -> bool:
+    """The model takes or returns float16/bfloat16 (an export made in low precision)."""
+    return bool(_io_dtypes(model) & {BFLOAT16, np.dtype(np.float16)})
 
 
 class ReferenceRunner(BaseRunner):
@@ -360,6 +368,10 @@ class Verifier:
             self.notes.append(f"the source computes in bfloat16: compared at atol {self.tolerance.atol:g}, rtol {self.tolerance.rtol:g} "
                               "(any reordering of its arithmetic moves results by bfloat16 roundings)")
         self._candidate_runner = candidate_runner or runner_for
+        # The source as loaded, for rebase (the caller's model is optimized in place): kept only
+        # where a rebasing pass can change something, a source computing in low precision.
+        self._low_source = source.copy() if computes_in_low_precision_io(source) else None
+        self._rebased: list[str] = []
         self.feeds = feeds if feeds is not None else random_feeds(source, inputs, seed=seed)
         self._tmp = tempfile.TemporaryDirectory(prefix="onnxopt-verify-")
         try:
@@ -378,6 +390,20 @@ class Verifier:
         self._note_unfaithful_precision(model)
         with _quiet():
             return Comparator.run([runner], data_loader=self.feeds)
+
+    def rebase(self, transform: Callable[[Model], object], name: str) -> bool:
+        """Compare from now on with the source rewritten by ``transform`` (the pass ``name``, which
+        computes more exactly than the source); False, comparing as before, for a float32 source."""
+        if self._low_source is None or name in self._rebased:
+            return False
+        reference = self._low_source.copy()
+        transform(reference)
+        self._source_results = self._run(reference, "source")
+        self._note_nonfinite_source()
+        self._rebased.append(name)
+        self.notes.append(f"from {name} on, compared with the source rewritten by {name} (it computes in float32 what "
+                          "the source rounded)")
+        return True
 
     def __call__(self, model: Model, tolerance: tuple[float, float] | None = None) -> Verification:
         """Compare ``model`` with the source, at this verifier's tolerance or ``tolerance`` where looser."""

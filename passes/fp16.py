@@ -89,6 +89,7 @@ from onnxopt.registry import register_pass
 from onnxopt.verify import BFLOAT16_TOLERANCE
 from onnxopt.weight_provenance import record
 from onnxopt.weights import DerivedValues, constant_nbytes, read_uncached, store_values, stored_values
+from onnxopt.passes.widen_periodic import cones_to_widen
 
 LOW, F32, BOTH = "low", "float32", "both"
 
@@ -198,9 +199,11 @@ class Fp16Pass(Pass):
         for node, reason in hazards.fp32.values():
             keep(node, "constant", reason)
         dependent = data_dependent(graph)
+        periodic_low = 0
         if self.fp32_periodic:
             for node, reason in periodic_arguments(graph, dependent).values():
                 keep(node, "periodic", reason)
+            periodic_low = len(cones_to_widen(graph, types))
         if self.low.name == "float16":  # bfloat16 has float32's exponent range
             for node, reason in gated_ffn_outputs(graph).values():
                 keep(node, "gated-ffn", reason)
@@ -246,17 +249,22 @@ class Fp16Pass(Pass):
             "inactive_bounds": hazards.bounds,
             "constants_scanned": hazards.scanned,
         }
+        if periodic_low:  # the source rounds them in low precision: widen-periodic-arguments follows
+            result.details["periodic_arguments_in_low_precision"] = periodic_low
         if unknown:
             result.details["fp32_nodes_not_found"] = unknown
         if calibration_info:
             result.details["calibration"] = calibration_info
         return result
 
-    possible_followers = frozenset({"remove-redundant-casts"})
+    possible_followers = frozenset({"widen-periodic-arguments", "remove-redundant-casts"})
 
     def followers(self, result: PassResult) -> list[str]:
-        """remove-redundant-casts, after a run that changed types (the manager runs it as its own step)."""
-        return ["remove-redundant-casts"] if result.modified else []
+        """widen-periodic-arguments where the source computes part of a Sin/Cos argument in low
+        precision (rule 3 for a float16/bfloat16 source), then remove-redundant-casts after a run
+        that changed types; the manager runs each as its own step."""
+        widen = ["widen-periodic-arguments"] if result.details.get("periodic_arguments_in_low_precision") else []
+        return widen + (["remove-redundant-casts"] if result.modified or widen else [])
 
 
 def _count(items) -> dict[str, int]:

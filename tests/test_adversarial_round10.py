@@ -268,13 +268,20 @@ def test_generate_checks_both_outputs_before_the_work(tmp_path, capsys, monkeypa
 # ----------------------------------------------------------------------------------- a real folder run, shared
 
 def vae_folder(tmp_path: Path) -> Path:
-    """A folder whose index names only its VAE decoder: the smallest folder optimize takes."""
+    """A copy of the committed folder; these tests optimize its VAE decoder alone (:func:`vae_only`)."""
     src = tmp_path / "vae"
-    src.mkdir()
-    (src / "model_index.json").write_text(json.dumps({"_class_name": "StableDiffusionPipeline",
-                                                      "vae": ["diffusers", "AutoencoderKL"]}))
-    shutil.copytree(COMMITTED_SD15 / "vae_decoder", src / "vae_decoder")
+    shutil.copytree(COMMITTED_SD15, src)
     return src
+
+
+def vae_only(monkeypatch) -> None:
+    """The CLI's folder optimization optimizes the VAE decoder alone (the Python API's ``components``;
+    the folder is checked whole, the other components copied unchanged): fast, and a real run."""
+    import functools
+    import importlib
+
+    module = importlib.import_module("onnxopt.pipeline.optimize_folder")  # the package's attribute is the function
+    monkeypatch.setattr(module, "optimize_folder", functools.partial(module.optimize_folder, components=["vae_decoder"]))
 
 
 class FakeTTY(io.StringIO):
@@ -293,7 +300,8 @@ def optimized(tmp_path_factory):
     out, err = io.StringIO(), FakeTTY()
     previous = os.umask(0o002)
     try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), pytest.MonkeyPatch.context() as patch:
+            vae_only(patch)
             code = main(["optimize", "-i", str(src), "-o", str(tmp / "link"), "--target", "tensorrt",
                          "--report-json", str(tmp / "link" / "report.json")])
     finally:
@@ -338,6 +346,7 @@ def test_a_folders_verify_says_what_was_verified(tmp_path, capsys, monkeypatch):
         return component
 
     monkeypatch.setattr(module, "_optimize_component", verified)
+    vae_only(monkeypatch)
     code = main(["optimize", "-i", str(vae_folder(tmp_path)), "-o", str(tmp_path / "out"), "--verify", "-q"])
     out = capsys.readouterr().out
     assert code == 0
@@ -446,7 +455,8 @@ def test_a_component_the_index_names_and_the_folder_lacks_is_refused_by_optimize
                 "no vae_decoder/": "vae_decoder"}[case]
         shutil.rmtree(src / name)
     tripwire(monkeypatch, "onnxopt.pipeline.optimize_folder._optimize_component")
-    one_line_error(capsys, main(optimize_folder_args(src, tmp_path / "out")), 2, "model_index.json names")
+    said = ("model_index.json names", "text_encoder_2") if case == "text_encoder_2 named" else ("missing", f"{name}/")
+    one_line_error(capsys, main(optimize_folder_args(src, tmp_path / "out")), 2, *said)
     assert not (tmp_path / "out").exists()
 
 
@@ -597,7 +607,8 @@ def test_the_python_api_keeps_library_logs_quiet(tmp_path, capfd, monkeypatch):
         return real(*args, **kwargs)
 
     monkeypatch.setattr(module, "_optimize_component", loud)
-    module.optimize_folder(src, tmp_path / "out", target="tensorrt", step_graph=False, static_text=False)
+    module.optimize_folder(src, tmp_path / "out", target="tensorrt", step_graph=False, static_text=False,
+                           components=["vae_decoder"])
     captured = capfd.readouterr()
     assert "distinct tensors" not in captured.err + captured.out
     assert (tmp_path / "out" / "vae_decoder" / "model.onnx").is_file()

@@ -127,13 +127,8 @@ def test_optimize_refuses_output_equal_to_input_and_a_read_only_parent(tmp_path,
 
 
 def _vae_folder(tmp_path: Path, sample_size=None) -> Path:
-    """model_index.json, unet/config.json and vae_decoder/ of the committed folder: the smallest folder."""
-    src = tmp_path / "src"
-    (src / "unet").mkdir(parents=True)
-    index = json.loads((COMMITTED_SD15 / "model_index.json").read_text())  # naming only what the folder holds
-    (src / "model_index.json").write_text(json.dumps({"_class_name": index["_class_name"], "vae": index["vae"]}))
-    shutil.copy(COMMITTED_SD15 / "unet" / "config.json", src / "unet")
-    shutil.copytree(COMMITTED_SD15 / "vae_decoder", src / "vae_decoder")
+    """A copy of the committed folder, whose VAE decoder these tests optimize alone (components=)."""
+    src = pipeline_copy(tmp_path)
     if sample_size is not None:
         edit_json(src / "unet" / "config.json", sample_size=sample_size)
     return src
@@ -149,7 +144,8 @@ def test_external_data_in_a_subfolder_of_the_component_is_read_and_written_besid
     (src / "vae_decoder" / "sub").mkdir()
     onnx.save(model, str(src / "vae_decoder" / "model.onnx"), save_as_external_data=True, location="sub/w.bin",
               size_threshold=1024)
-    optimize_folder(src, tmp_path / "out", target="tensorrt", step_graph=False, static_text=False)
+    optimize_folder(src, tmp_path / "out", target="tensorrt", step_graph=False, static_text=False,
+                    components=["vae_decoder"])
     written = tmp_path / "out" / "vae_decoder"
     assert (written / "model.onnx_data").is_file() and not (written / "sub" / "w.bin").exists()
     _assert_same_vae(src, tmp_path / "out")
@@ -174,7 +170,8 @@ def test_fp16_vae_calibration_takes_a_height_width_sample_size(tmp_path):
     src = _vae_folder(tmp_path, sample_size=[8, 16])
     feed = vae_calibration_feed(load_model(src / "vae_decoder" / "model.onnx"), "vae_decoder", src)
     assert feed["latent_sample"].shape == (1, 4, 8, 8)  # the smaller side, square
-    report = optimize_folder(src, tmp_path / "out", fp16=True, step_graph=False, static_text=False)
+    report = optimize_folder(src, tmp_path / "out", fp16=True, step_graph=False, static_text=False,
+                             components=["vae_decoder"])
     assert report.component("vae_decoder").precision in ("float16", "float32")
 
 

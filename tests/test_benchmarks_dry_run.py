@@ -228,3 +228,34 @@ def test_the_scheduler_step_benchmark_runs_fused_and_host_on_the_cpu(capsys):
     assert "| fused | pndm |" in out and "| unfused (host step) | pndm |" in out and "| 3 |" in out
     close = float(out.split("latents max abs ")[1].split(" ")[0])
     assert close < 1e-4
+
+
+def test_a_row_timed_before_the_fp32_reference_is_scored_when_it_arrives(tmp_path):
+    """benchmarks/pipeline_gpu.py --side onnx: the onnxopt row, timed while the torch side (another GPU)
+    has not yet made the float32 reference, keeps its final latents and image; once the reference is
+    there (--resume-from), the row gets the scores it would have had, and the pending file goes."""
+    from types import SimpleNamespace
+
+    from benchmarks.pipeline_gpu import Bench, settle_pending_quality, slug
+    from benchmarks.pipeline_table import quality
+    from benchmarks.unet_gpu import Steps
+
+    rng = np.random.default_rng(0)
+    latents, image = rng.standard_normal((1, 16, 8, 8)).astype(np.float32), rng.random((8, 8, 3)).astype(np.float32)
+    bench = SimpleNamespace(work=tmp_path, row="onnxopt: + hint once per image")
+    bench.quality, bench.scored = (lambda *a: Bench.quality(bench, *a)), (lambda *a: Bench.scored(bench, *a))
+    steps = Steps(tmp_path, budget=60)
+    steps.record("onnxopt: + hint once per image", {"end_to_end_s": 1.0, **bench.quality(latents, image)})
+    row = steps.results["onnxopt: + hint once per image"]
+    assert row["quality_pending"] == f"pending-{slug(bench.row)}.npz" == "pending-onnxopt-hint-once-per-image.npz"
+    assert quality(row).startswith("pending")
+    assert settle_pending_quality(bench, steps) == []  # no reference yet: nothing to score
+
+    np.save(tmp_path / "fp32_latents.npy", latents + 0.25)
+    np.save(tmp_path / "fp32_image.npy", image)
+    assert settle_pending_quality(bench, steps) == ["onnxopt: + hint once per image"]
+    row = steps.results["onnxopt: + hint once per image"]
+    assert "quality_pending" not in row and row["end_to_end_s"] == 1.0
+    assert row["latents_max_abs"] == pytest.approx(0.25) and row["psnr_db"] == float("inf")
+    assert not (tmp_path / "pending-onnxopt-hint-once-per-image.npz").exists()
+    assert settle_pending_quality(bench, steps) == []  # scored once

@@ -75,3 +75,15 @@ def test_verify_draws_bf16_inputs_and_compares_bf16_outputs(tmp_path):
                             [helper.make_tensor_value_info("out", TensorProto.BFLOAT16, [2, 3])])
     onnx.save(helper.make_model(add, opset_imports=[helper.make_opsetid("", 17)]), tmp_path / "in.onnx")
     assert main(["optimize", "-q", "-i", str(tmp_path / "in.onnx"), "-o", str(tmp_path / "out.onnx"), "--verify"]) == 0
+
+
+@pytest.mark.models
+@pytest.mark.parametrize("exporter", ["dynamo", "torchscript"])
+def test_the_bf16_tiny_sd35_medium_has_no_time_embedding_arithmetic_to_widen(export_tiny, exporter):
+    """SD3's Timesteps casts the timestep to float32 before any arithmetic (Unsqueeze, then
+    Cast(to=FLOAT)): the fp16 pass finds no Sin/Cos argument the source rounds, and runs no
+    widen-periodic-arguments. (What rounds there is the bfloat16 timestep input itself: 999 is 1000.)"""
+    exported = export_tiny("sd35-medium", exporter=exporter, dtype="bfloat16")
+    _, report = optimize(exported.path, ["fp16"], options={"fp16": {"low_precision": "bfloat16"}})
+    assert "periodic_arguments_in_low_precision" not in result_of(report, "fp16").details
+    assert "widen-periodic-arguments" not in {p.name for p in report.passes}

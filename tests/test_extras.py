@@ -207,7 +207,7 @@ def test_every_extra_installs_what_its_code_imports():
     ("serve", '"ray[serve]>=2.60", ', "ray"),             # onnxopt/serve/deployment.py imports ray
     ("pipeline", '"diffusers>=0.30", ', "diffusers"),     # the schedulers
     ("olive", '"olive-ai>=0.13,<0.14", ', "olive"),       # onnxopt/integrations/olive_pass.py requires olive
-    ("models", '"tokenizers>=0.20", ', "tokenizers"),     # models/sd3.py builds T5's tokenizer
+    ("pipeline", '"tokenizers>=0.20", ', "tokenizers"),   # onnxopt/pipeline/folder.py reads a tokenizer.json's kind
 ])
 def test_the_check_fails_when_an_extra_loses_a_requirement(extra, requirement, module):
     text = PYPROJECT

@@ -234,7 +234,8 @@ def test_optimize_tensorrt_unet_runs_on_ort_cpu(folders, tmp_path):
 
 
 def _vae_only_folder(src: Path, dst: Path, conv_gain: float = 1.0) -> Path:
-    """A pipeline folder with only what the VAE needs (model_index, unet config, vae_decoder).
+    """A copy of the pipeline folder ``src`` whose VAE decoder tests optimize alone (``VAE_ONLY``: the
+    others are copied unchanged; the folder is whole, as optimize requires).
 
     ``conv_gain`` scales the first two convolutions' weights and biases (post_quant_conv, conv_in):
     the activations after them then leave the fp16 range, as the real SD VAE decoder's do, while
@@ -242,12 +243,7 @@ def _vae_only_folder(src: Path, dst: Path, conv_gain: float = 1.0) -> Path:
     """
     from onnx import numpy_helper
 
-    (dst / "unet").mkdir(parents=True)
-    (dst / "vae_decoder").mkdir()
-    index = json.loads((src / "model_index.json").read_text())  # naming only what the folder holds
-    (dst / "model_index.json").write_text(json.dumps({"_class_name": index["_class_name"], "vae": index["vae"]}))
-    shutil.copy(src / "unet" / "config.json", dst / "unet")
-    shutil.copy(src / "vae_decoder" / "config.json", dst / "vae_decoder")
+    shutil.copytree(src, dst)
     model = onnx.load(str(src / "vae_decoder" / "model.onnx"))
     initializers = {t.name: t for t in model.graph.initializer}
     for conv in [n for n in model.graph.node if n.op_type == "Conv"][:2]:
@@ -256,6 +252,9 @@ def _vae_only_folder(src: Path, dst: Path, conv_gain: float = 1.0) -> Path:
             initializers[name].CopyFrom(numpy_helper.from_array(scaled, name))
     onnx.save(model, str(dst / "vae_decoder" / "model.onnx"))
     return dst
+
+
+VAE_ONLY = ("vae_decoder",)
 
 
 def _has_fp16(path: Path) -> bool:
@@ -271,7 +270,7 @@ def test_fp16_vae_decoder_is_finite_and_close_to_fp32_where_plain_fp16_overflows
     from onnxopt.pipeline.optimize_folder import fp16_vae_error, vae_calibration_feed
 
     src = _vae_only_folder(COMMITTED_SD15, tmp_path / "src", conv_gain=3000.0)
-    report = optimize_folder(src, tmp_path / "fp16", fp16=True)
+    report = optimize_folder(src, tmp_path / "fp16", fp16=True, components=VAE_ONLY)
     vae = report.component("vae_decoder")
     assert vae.precision == "float16" and vae.passes == ["ort-cuda", "fp16"]
     out = tmp_path / "fp16" / "vae_decoder" / "model.onnx"
@@ -289,7 +288,7 @@ def test_fp16_vae_decoder_is_finite_and_close_to_fp32_where_plain_fp16_overflows
 
 def test_fp16_vae_falls_back_to_fp32_when_the_check_fails(tmp_path):
     src = _vae_only_folder(COMMITTED_SD15, tmp_path / "src")
-    report = optimize_folder(src, tmp_path / "out", fp16=True, vae_max_rel_l2=0.0)   # nothing passes
+    report = optimize_folder(src, tmp_path / "out", fp16=True, vae_max_rel_l2=0.0, components=VAE_ONLY)   # nothing passes
     vae = report.component("vae_decoder")
     assert vae.precision == "float32" and vae.passes == ["ort-cuda"]
     assert "kept float32" in vae.notes[0]
@@ -328,7 +327,10 @@ def test_dynamo_folder_optimizes(tmp_path):
                               components=("text_encoder", "vae_decoder"))
     for component, bm in built.items():
         assert check_export(bm, src / component / "model.onnx").ok
-    optimize_folder(src, tmp_path / "out")
+    shutil.copytree(COMMITTED_SD15 / "unet", src / "unet")  # a whole folder (optimize refuses less), its UNet copied
+    index = json.loads((src / "model_index.json").read_text())
+    (src / "model_index.json").write_text(json.dumps({**index, "unet": ["diffusers", "UNet2DConditionModel"]}))
+    optimize_folder(src, tmp_path / "out", components=list(built))
     assert_optimized_matches_source(src, tmp_path / "out")
 
 
@@ -444,7 +446,8 @@ def test_the_report_names_bfloat16_when_the_fp16_pass_writes_it(tmp_path):
     """optimize_folder(fp16=True, fp16_options={"low_precision": "bfloat16"}): the report's precision column
     says bfloat16 (it said float16 whatever the pass wrote)."""
     src = _vae_only_folder(COMMITTED_SD15, tmp_path / "src")
-    report = optimize_folder(src, tmp_path / "out", fp16=True, fp16_options={"low_precision": "bfloat16"})
+    report = optimize_folder(src, tmp_path / "out", fp16=True, fp16_options={"low_precision": "bfloat16"},
+                             components=VAE_ONLY)
     vae = report.component("vae_decoder")
     assert vae.precision == "bfloat16" and "bfloat16" in report.table()
     model = onnx.load(str(tmp_path / "out" / "vae_decoder" / "model.onnx"))

@@ -219,18 +219,17 @@ def test_component_shapes_fill_symbolic_dims_at_the_folders_default_size():
 
 
 @pytest.fixture
-def text_encoder_folder(tmp_path):
-    """The tiny SD 1.5 pipeline's text encoder alone (a folder onnxopt optimizes in seconds)."""
+def text_encoder_folder(tmp_path, monkeypatch):
+    """A copy of the tiny SD 1.5 pipeline folder whose text encoder alone the CLI optimizes (the Python
+    API's ``components``; optimize refuses a folder without the components its pipeline needs): seconds."""
+    import functools
+    import importlib
     import shutil
 
-    src = ROOT / "models" / "pipelines" / "sd15-tiny"
     folder = tmp_path / "sd15-text"
-    folder.mkdir()
-    index = json.loads((src / "model_index.json").read_text())  # naming only what the folder holds
-    parts = ("tokenizer", "text_encoder", "scheduler")
-    (folder / "model_index.json").write_text(json.dumps({k: v for k, v in index.items() if k.startswith("_") or k in parts}))
-    for part in parts:
-        shutil.copytree(src / part, folder / part)
+    shutil.copytree(ROOT / "models" / "pipelines" / "sd15-tiny", folder)
+    module = importlib.import_module("onnxopt.pipeline.optimize_folder")  # the package's attribute is the function
+    monkeypatch.setattr(module, "optimize_folder", functools.partial(module.optimize_folder, components=["text_encoder"]))
     return folder
 
 

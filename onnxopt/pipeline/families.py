@@ -139,6 +139,13 @@ INDEX_ENTRIES = {
     "tokenizer_3": "tokenizer_3/", "scheduler": "scheduler/scheduler_config.json",
 }
 
+# the libraries diffusers loads each entry's class from (its LOADABLE_CLASSES): models and schedulers from diffusers,
+# tokenizers from transformers, text encoders from transformers or, in diffusers' own ONNX pipelines (whose every
+# model is diffusers' OnnxRuntimeModel), from diffusers
+INDEX_LIBRARIES = {key: ("transformers",) if key.startswith("tokenizer") else
+                   ("transformers", "diffusers") if key.startswith("text_encoder") else ("diffusers",)
+                   for key in INDEX_ENTRIES}
+
 # a text encoder -> the tokenizer that feeds it
 TOKENIZER_OF = {"text_encoder": "tokenizer", "text_encoder_2": "tokenizer_2", "text_encoder_3": "tokenizer_3"}
 

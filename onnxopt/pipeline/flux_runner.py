@@ -91,7 +91,7 @@ class FluxRunner(Pipeline):
         cond["img_ids"] = flux.image_ids(*self._latent_hw)
         if embeds_guidance:
             cond["guidance"] = flux.guidance_feed(guidance)
-        channels = folder.config("transformer").get("in_channels", 64) // 4
+        channels = self._latent_channels() // 4  # the packed width, checked against the graph's
         latents = flux.initial_latents(seed, channels, *self._latent_hw)
         if self.fused_step:
             latents = self._denoise_fused(scheduler, steps, latents, cond, progress, timings)

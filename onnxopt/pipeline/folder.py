@@ -51,8 +51,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from onnxopt.errors import MissingDependencyError, OnnxoptError
-from onnxopt.pipeline.families import (FAMILIES, INDEX_ENTRIES, MODEL_COMPONENTS, PIPELINE_CLASSES,  # noqa: F401
-                                       RUNNABLE_CLASSES, TOKENIZER_OF, TOKENIZERS, Family, with_unet_config)
+from onnxopt.pipeline.families import (FAMILIES, INDEX_ENTRIES, INDEX_LIBRARIES, MODEL_COMPONENTS,  # noqa: F401
+                                       PIPELINE_CLASSES, RUNNABLE_CLASSES, TOKENIZER_OF, TOKENIZERS, Family,
+                                       with_unet_config)
 
 KINDS = tuple(FAMILIES)
 MAX_IMAGE_SIDE = 1 << 16  # pixels: far above any model's, far below what overflows the latents' shape
@@ -196,13 +197,16 @@ def check_config(path: Path, name: str, config: dict) -> None:
 
 def check_folder_files(root: Path) -> None:
     """The JSON files a run reads besides model_index.json, where present, as generate reads them:
-    scheduler_config.json and each tokenizer_config.json a JSON object, each component's
-    config.json an object whose :data:`CONFIG_FIELDS` diffusers would take, and a tokenizer's
+    scheduler_config.json a JSON object of values diffusers' schedulers take
+    (:func:`~onnxopt.pipeline.schedulers.check_config_values`), each tokenizer_config.json a JSON
+    object, each component's config.json an object whose :data:`CONFIG_FIELDS` diffusers would take, and a tokenizer's
     model_max_length a positive integer. ``optimize`` calls it too, so that it does not copy a
     folder generate refuses."""
     scheduler = root / "scheduler" / "scheduler_config.json"
     if scheduler.is_file():
-        read_json(scheduler)
+        from onnxopt.pipeline.schedulers import check_config_values  # no diffusers: the values alone
+
+        check_config_values(read_json(scheduler))  # whichever scheduler runs, it is made from these values
     for tokenizer in TOKENIZERS:
         path = root / tokenizer / "tokenizer_config.json"
         if path.is_file():
@@ -228,6 +232,27 @@ def check_folder_files(root: Path) -> None:
                                             read_json(encoder_config).get("max_position_embeddings"))
             if problem:
                 raise PipelineFolderError(problem)
+
+
+# every CLIP tokenizer's own tokens (SD3's CLIP-G pads with "!" instead of the second: it has them all the same)
+CLIP_SPECIAL_TOKENS = ("<|startoftext|>", "<|endoftext|>")
+
+
+def tokenizer_json_model(folder: Path) -> str | None:
+    """The model kind ``folder/tokenizer.json`` declares, as the tokenizers library loads it ("BPE" for
+    CLIP's, "Unigram" for T5's, "WordPiece", "WordLevel"), or None without a tokenizer.json. The
+    loaded transformers tokenizer cannot say it: CLIPTokenizer and T5TokenizerFast each build their
+    own model from whatever vocabulary the folder holds, and tokenize a prompt into wrong ids."""
+    path = folder / "tokenizer.json"
+    if not path.is_file():
+        return None
+    from tokenizers import Tokenizer
+
+    try:
+        return type(Tokenizer.from_file(str(path)).model).__name__
+    except Exception as exc:  # noqa: BLE001 -- the folder's file, parsed by tokenizers: any failure is the file's
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise PipelineFolderError(f"{path}: cannot load the tokenizer: {first}") from None
 
 
 def prompt_length_problem(root: Path, encoder: str, length, positions) -> str | None:
@@ -256,6 +281,21 @@ def check_unet_latents(root: Path, unet: dict, vae: dict) -> None:
     if reads not in (latent, 2 * latent + 1):
         raise PipelineFolderError(f"{unet_path}: in_channels {reads} is neither the latents' {latent} "
                                   f"({vae_path}) nor an inpainting UNet's {2 * latent + 1}")
+
+
+def latent_channels(root: Path, name: str, config: dict, shape) -> int:
+    """The latent channels of the denoiser ``name``: its config.json's in_channels (diffusers makes the
+    latents from the config; Flux's is the packed width, four times the latents'), which its graph's
+    latent input, of ``shape``, must take, or a one-line PipelineFolderError. A 4-D input [batch, C,
+    height, width] takes C channels, a 3-D one [batch, sequence, C] (Flux's packed latents) C; a dim
+    the graph leaves symbolic says nothing. A config of another model was ORT's shape error mid-run."""
+    packed = len(shape) == 3
+    channels = config.get("in_channels", 64 if packed else 4)
+    declared = shape[-1] if packed else shape[1] if len(shape) == 4 else None
+    if isinstance(declared, int) and declared != channels:
+        raise PipelineFolderError(f"{root / name / 'config.json'}: in_channels {channels}, but {name}'s graph takes "
+                                  f"latents of {declared} channels")
+    return channels
 
 
 def default_size(root: Path, sample, vae_config: dict, denoiser: str = "unet") -> tuple[int, int]:
@@ -328,12 +368,22 @@ def kind_of(index: dict, root: Path) -> str:
 
 
 def check_index_entries(root: Path, index: dict) -> None:
-    """Each component model_index.json names (an entry other than [null, null]) is in the folder:
-    one it names and lacks made a folder generate refuses, after optimize said it worked."""
+    """Each component entry of model_index.json is what diffusers' save_pretrained writes, [library,
+    class] or [null, null], with a library diffusers loads that component from
+    (:data:`~onnxopt.pipeline.families.INDEX_LIBRARIES`): another shape or library is a folder
+    diffusers cannot load (a text encoder from diffusers' UNet module, a tokenizer from diffusers),
+    which onnxopt ran without a word. Each component it names (an entry other than [null, null]) is
+    in the folder: one it names and lacks made a folder generate refuses, after optimize said it worked."""
     for key, needed in INDEX_ENTRIES.items():
         entry = index.get(key)
-        if entry is None or (isinstance(entry, list) and not any(entry)):
+        if entry is None or entry == [None, None]:
             continue
+        if not (isinstance(entry, list) and len(entry) == 2 and all(isinstance(part, str) and part for part in entry)):
+            raise PipelineFolderError(f"{root / 'model_index.json'}: '{key}' must be [library, class] or [null, null], "
+                                      f"as diffusers writes it, got {json.dumps(entry)}")
+        if entry[0] not in INDEX_LIBRARIES[key]:
+            raise PipelineFolderError(f"{root / 'model_index.json'}: '{key}' names {json.dumps(entry)}, but diffusers "
+                                      f"loads {key} from {' or '.join(INDEX_LIBRARIES[key])}")
         path = root / needed
         if not (path.is_dir() if needed.endswith("/") else path.is_file()):
             raise PipelineFolderError(f"{root}: model_index.json names '{key}', but there is no {needed}")
@@ -362,6 +412,15 @@ def check_folder_paths(root: Path) -> None:
                                           "a pipeline folder holds files")
 
 
+def check_component_folders(root: Path) -> None:
+    """Each name a pipeline's component or tokenizer folder takes is a folder where it exists: a file
+    there was said to be missing (required) or passed unread (optional, such as vae_encoder)."""
+    for name in (*MODEL_COMPONENTS, *TOKENIZERS, "scheduler"):
+        path = root / name
+        if path.exists() and not path.is_dir():
+            raise PipelineFolderError(f"{path}: a file where the folder {name}/ of a pipeline belongs")
+
+
 @dataclass
 class PipelineFolder:
     root: Path
@@ -381,6 +440,7 @@ class PipelineFolder:
         if not index_path.is_file():
             raise PipelineFolderError(f"{root}: not a pipeline folder (no model_index.json)")
         check_folder_paths(root)  # before any file of it is read
+        check_component_folders(root)
         index = read_json(index_path)
         kind = kind_of(index, root)
         controlnet_folders(root)  # controlnet_<k>/ without controlnet_<k-1>/: said before what the index names
@@ -473,16 +533,35 @@ class PipelineFolder:
         if not (folder / "tokenizer.json").is_file() and not all((folder / f).is_file() for f in ("vocab.json", "merges.txt")):
             # transformers loads a folder without them as a two-token tokenizer: every word its unknown token
             raise PipelineFolderError(f"{folder}: no tokenizer vocabulary (tokenizer.json, or vocab.json and merges.txt)")
+        declared = tokenizer_json_model(folder)  # before transformers builds a CLIP BPE tokenizer out of any vocabulary
+        if declared not in (None, "BPE"):
+            raise PipelineFolderError(f"{folder}: tokenizer.json holds a {declared} tokenizer, not CLIP's BPE "
+                                      f"tokenizer, which {name}/ of a {self.kind} pipeline holds (another model's "
+                                      "tokenizer?)")
         try:
             tokenizer = CLIPTokenizer.from_pretrained(str(folder))
         except Exception as exc:  # noqa: BLE001 -- the folder's files, parsed by transformers: any failure is the file's
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise PipelineFolderError(f"{folder}: cannot load the tokenizer: {first}")
+        # the vocabulary's own tokens: transformers adds a missing special token past its end (an id the text
+        # encoder has no embedding for); a BPE vocabulary of another model (GPT-2's) lacks CLIP's
+        backend = getattr(tokenizer, "backend_tokenizer", None)  # transformers 4's: Python, its .encoder
+        vocabulary = backend.get_vocab(with_added_tokens=False) if backend is not None else tokenizer.encoder
+        lacks = [token for token in CLIP_SPECIAL_TOKENS if token not in vocabulary]
+        if lacks:
+            raise PipelineFolderError(f"{folder}: the tokenizer's vocabulary has no {' or '.join(lacks)}: not "
+                                      f"CLIP's tokenizer, which {name}/ of a {self.kind} pipeline holds (another "
+                                      "model's tokenizer?)")
         if tokenizer.model_max_length > TOKENIZER_NO_LIMIT:
             # no model_max_length in tokenizer_config.json: transformers' "no limit" placeholder (1e30), which
             # the padding cannot use; CLIP's text encoders take 77 positions (optimize's static graphs too)
             tokenizer.model_max_length = CLIP_SEQUENCE
         return tokenizer
+
+    def tokenizers(self) -> dict:
+        """name -> tokenizer, for each text encoder the folder's pipeline runs (:attr:`text_encoders`):
+        every tokenizer a generation reads, loaded and checked (:meth:`tokenizer`)."""
+        return {TOKENIZER_OF[encoder]: self.tokenizer(TOKENIZER_OF[encoder]) for encoder in self.text_encoders}
 
     def t5_tokenizer(self, folder: Path):
         """transformers' T5TokenizerFast from ``folder``: its tokenizer_config.json when present, else
@@ -491,6 +570,11 @@ class PipelineFolder:
 
         if not (folder / "tokenizer.json").is_file() and not (folder / "spiece.model").is_file():
             raise PipelineFolderError(f"{folder}: no tokenizer vocabulary (tokenizer.json or spiece.model)")
+        declared = tokenizer_json_model(folder)  # T5TokenizerFast makes a Unigram of a BPE one: wrong ids
+        if declared not in (None, "Unigram"):
+            raise PipelineFolderError(f"{folder}: tokenizer.json holds a {declared} tokenizer, not T5's Unigram "
+                                      f"(SentencePiece) tokenizer, which {folder.name}/ of a {self.kind} pipeline "
+                                      "holds (CLIP's tokenizer in T5's place?)")
         try:
             if (folder / "tokenizer_config.json").is_file():
                 return T5TokenizerFast.from_pretrained(str(folder))

@@ -28,7 +28,11 @@ file per tensor gets ``model.onnx_data``); above ~1.8 GB they always go external
 Safety: the output is built in a temporary sibling folder (``.OUT.tmp-XXXX``) and renamed into place
 at the end; any error removes it. OUT must not exist, or be an empty folder; it may not be inside
 FOLDER nor FOLDER inside it. The input folder is only read (files outside it are never read: a
-symbolic link leaving it is refused).
+symbolic link leaving it is refused, and so is external data located outside a component's folder).
+Before anything is written the folder is checked as ``generate`` loads it (:meth:`PipelineFolder.open`:
+every component its pipeline class needs, the index, the configs; each tokenizer's family where
+transformers is installed; the denoiser's in_channels against its graph): a folder generate would
+refuse is refused (exit 2), whichever components are asked for.
 
 The text encoders: beside each optimized model.onnx, ``model.static.b{b}.onnx`` for every batch
 the pipeline feeds it (input_ids [b, 77]: shape arithmetic folded, ArgMax on the GPU, every node
@@ -49,6 +53,7 @@ them (:mod:`onnxopt.pipeline.multi_controlnet`); the two-stream split and the me
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -61,12 +66,12 @@ import numpy as np
 
 from onnxopt import progress as progress_line
 from onnxopt.errors import ModelSaveError, OnnxoptError, VerificationError
+from onnxopt.loading import _check_external_data as check_external_data
 from onnxopt.loading import read_json_object as _read_json  # a config.json, or {} (the defaults apply)
 from onnxopt.library_logs import quiet_libraries
 from onnxopt.outputs import Inputs, Outputs, staged, temp_folder_beside
 from onnxopt.pipeline.controlnet_hint import write_hint_graph
-from onnxopt.pipeline.folder import (check_folder_files, check_folder_paths, check_index_entries, controlnet_folders,
-                                     kind_of, read_json)
+from onnxopt.pipeline.folder import PipelineFolder, controlnet_folders, kind_of, latent_channels
 from onnxopt.pipeline.merged_step import write_merged_step
 from onnxopt.pipeline.step_graph import write_step_graph
 from onnxopt.report import OptimizationReport
@@ -191,12 +196,12 @@ def read_components(folder: Path) -> list[PipelineComponent]:
         raise OnnxoptError(f"{folder}: not a folder")
     if not (folder / "model_index.json").is_file():
         raise OnnxoptError(f"{folder}: no model_index.json: not a diffusers/optimum pipeline folder")
-    check_folder_paths(folder)  # every path, before any file is opened
-    index = read_json(folder / "model_index.json")  # a broken index or config would be copied, and generate refuses it
-    kind_of(index, folder)  # a pipeline class onnxopt does not run is refused by name
-    controlnet_folders(folder)  # controlnet_<k>/ without controlnet_<k-1>/: said before what the index names
-    check_index_entries(folder, index)  # a component the index names and the folder lacks
-    check_folder_files(folder)
+    # the checks generate makes when it loads the folder (every path before any file is opened, the index, the
+    # configs, every component the pipeline class needs and every one the index names): a folder they refuse
+    # would be written, and generate would refuse it after optimize said it worked
+    pipeline = PipelineFolder.open(folder)
+    if importlib.util.find_spec("transformers") is not None:  # optimizing needs no transformers (the cpu extra)
+        pipeline.tokenizers()  # each loaded and checked as generate loads it: another model's tokenizer is refused
     out = []
     for sub in sorted(p for p in folder.iterdir() if p.is_dir()):
         path = sub / MODEL_FILE
@@ -207,6 +212,10 @@ def read_components(folder: Path) -> list[PipelineComponent]:
         except Exception:               # not ONNX: load_model reports it with the reason, later
             out.append(PipelineComponent(sub.name, path, []))
             continue
+        if sub.name == pipeline.denoiser:  # its config says what latents the run makes: the graph must take them
+            check_latent_input(pipeline, proto)
+        # every component's external data where its graph says, inside its folder: before the first is optimized
+        check_external_data(proto, sub, str(path))
         names = []
         for t in external_data_helper._get_all_tensors(proto):
             for kv in t.external_data:
@@ -216,6 +225,17 @@ def read_components(folder: Path) -> list[PipelineComponent]:
     if not any(is_component(c.name) for c in out):
         raise OnnxoptError(f"{folder}: no component folder ({', '.join(COMPONENTS)}) holds a {MODEL_FILE}")
     return out
+
+
+def check_latent_input(pipeline: PipelineFolder, proto) -> None:
+    """The denoiser graph takes the latents its config.json makes, as generate checks on its session
+    (:func:`~onnxopt.pipeline.folder.latent_channels`), or a one-line PipelineFolderError."""
+    name = pipeline.denoiser
+    latent = next((i for i in proto.graph.input if i.name == pipeline.family.denoiser.sample), None)
+    if latent is None:
+        return  # not a denoiser graph at all: the step graph names it (optimize) as the load does (generate)
+    shape = [d.dim_value if d.HasField("dim_value") else d.dim_param for d in latent.type.tensor_type.shape.dim]
+    latent_channels(pipeline.root, name, pipeline.config(name), shape)
 
 
 def plan_outputs(src: Path, dst: Path, report_json=None) -> tuple[Path, Path | None, Outputs]:
@@ -417,7 +437,7 @@ def optimize_folder(src, dst, target: str = "ort-cuda", fp16: bool = False, veri
                     vae_max_rel_l2: float = VAE_FP16_MAX_REL_L2, step_graph: bool = True,
                     context_kv: bool = True, cfg_late: bool = False, merged_step: bool = True,
                     static_text: bool = True, report_json=None, progress: bool = False,
-                    engines_for: list | None = None) -> FolderReport:
+                    engines_for: list | None = None, components=None) -> FolderReport:
     """Optimize every ONNX component of the pipeline folder ``src`` into the new folder ``dst``.
 
     ``target``: "ort-cuda" or "tensorrt", the preset of every component. ``fp16``: add the fp16
@@ -441,6 +461,9 @@ def optimize_folder(src, dst, target: str = "ort-cuda", fp16: bool = False, veri
     (:mod:`onnxopt.library_logs`).
     ``engines_for`` (target tensorrt): also a TensorRT engine per component, for these compute
     capabilities (``[]``: this GPU's; :mod:`onnxopt.runners.folder_engines`).
+    ``components``: the names of the components to optimize (None: every one); the others are
+    copied unchanged, and the folder is checked whole either way (a folder generate refuses is
+    refused, whichever components are asked for).
     """
     src, dst = Path(src), Path(dst)
     start = time.perf_counter()
@@ -448,7 +471,14 @@ def optimize_folder(src, dst, target: str = "ort-cuda", fp16: bool = False, veri
         raise OnnxoptError(f"unknown target '{target}'; choose one of {', '.join(TARGETS)}")
     if engines_for is not None and target != "tensorrt":
         raise OnnxoptError("--build-engines builds TensorRT engines: it goes with --target tensorrt")
-    components = read_components(src)
+    found = read_components(src)
+    if components is not None:
+        known = [c.name for c in found if is_component(c.name)]
+        unknown = sorted(set(components) - set(known))
+        if unknown:
+            raise OnnxoptError(f"{src}: no component {', '.join(unknown)} to optimize (it has {', '.join(known)})")
+        found = [c for c in found if c.name in components]  # the others are copied as they are
+    components = found
     controlnets = controlnet_folders(src)  # refuses controlnet_<k>/ without controlnet_<k-1>/
     dst, report_inside, _ = plan_outputs(src, dst, report_json)
     report = FolderReport(str(src), str(dst), target, fp16)
@@ -522,6 +552,8 @@ def _build(src: Path, tmp: Path, report: FolderReport, components, controlnets, 
         if is_controlnet(c.name) and step_graph and write_hint_graph(tmp / c.name) is not None:
             report.components[-1].notes.append("hint once per image: step.hint.onnx + step.onnx "
                                                "(onnxopt.pipeline.controlnet_hint)")
+    if not {"unet", *controlnets} <= {c.name for c in components}:
+        return  # the graphs below read the optimized UNet and every ControlNet, and one of them was not asked for
     if step_graph and merged_step and controlnets:
         line.show("merged step graph")
         report.component("controlnet").notes.append(_merge_step(tmp, controlnets))

@@ -62,7 +62,7 @@ import numpy as np
 from onnxopt.errors import MissingDependencyError, OnnxoptError
 from onnxopt.pipeline import images
 from onnxopt.pipeline.families import TOKENIZER_OF
-from onnxopt.pipeline.folder import CLIP_SEQUENCE, PipelineFolder, folder_scheduler_class
+from onnxopt.pipeline.folder import CLIP_SEQUENCE, PipelineFolder, folder_scheduler_class, latent_channels
 from onnxopt.pipeline.session_prefetch import LOAD_WORKERS, Ahead, SessionPrefetch
 from onnxopt.pipeline.sizes import _check_size, _written_before_0_9, check_text_to_image_sides, default_size  # noqa: F401 (importers read them here too)
 from onnxopt.pipeline.plan import (
@@ -639,18 +639,14 @@ class Pipeline:
         return self.sessions[key]
 
     def _latent_channels(self) -> int:
-        """The latents' channels: the denoiser config's in_channels (diffusers reads it there), which
-        the graph that runs must take where it declares them (a config of another model, e.g. a
-        4-channel one beside SD3's 16-channel transformer, was ORT's shape error mid-run)."""
+        """The latents' channels: the denoiser config's in_channels (diffusers reads it there; Flux's is
+        the packed width, four times the latents'), which the graph that runs must take where it
+        declares them (:func:`~onnxopt.pipeline.folder.latent_channels`)."""
         name = self.folder.denoiser
-        channels = self.folder.config(name).get("in_channels", 4)
         made = [self.sessions[key] for key in STEP_SESSIONS if key in self.sessions]
         session, latent = (made[0], "latents") if made else (self._unet_session(), self.folder.family.denoiser.sample)
-        shape = next((i.shape for i in session.get_inputs() if i.name == latent), None)
-        if shape and len(shape) == 4 and isinstance(shape[1], int) and shape[1] != channels:
-            raise GenerationError(f"{self.folder.root / name / 'config.json'}: in_channels {channels}, but "
-                                  f"{name}'s graph takes latents of {shape[1]} channels")
-        return channels
+        shape = next((i.shape for i in session.get_inputs() if i.name == latent), None) or ()
+        return latent_channels(self.folder.root, name, self.folder.config(name), shape)
 
     def _controlnet_inputs(self, cond: dict, controls: list, controlnet_scale, timings: dict, images: int = 1) -> list[dict]:
         """Per ControlNet: its per-image inputs by its own input names (the hint, where its step
@@ -1259,7 +1255,7 @@ def reuse_steps(reuse, steps: int) -> frozenset:
 
 
 def _load_tokenizers(folder: PipelineFolder) -> dict:
-    return {name: folder.tokenizer(name) for name in _tokenizers_of(folder)}
+    return folder.tokenizers()
 
 
 def _deferred(function, *args):
