@@ -210,3 +210,47 @@ def read_json_object(path: Path) -> dict:
     except (OSError, ValueError):
         return {}
     return value if isinstance(value, dict) else {}
+
+
+METADATA_PROPS_FIELD = 14  # ModelProto.metadata_props (onnx.proto)
+
+
+def read_metadata_props(path) -> dict[str, str]:
+    """An .onnx file's ``metadata_props``, read without parsing its graph. onnx reads a model whole
+    (an inline 1.7 GB UNet would be parsed to answer a size check), so this walks the ModelProto's
+    top-level fields in protobuf's wire format, skipping each by its length, and parses only the
+    metadata entries. {} for a file that is not such a protobuf (the model's loader says why)."""
+    props: dict[str, str] = {}
+    try:
+        with open(path, "rb") as f:
+            while (key := _read_varint(f)) is not None:
+                field, wire = key >> 3, key & 7
+                if wire == 0:
+                    _read_varint(f)
+                elif wire in (1, 5):
+                    f.seek(8 if wire == 1 else 4, os.SEEK_CUR)
+                elif wire == 2:
+                    length = _read_varint(f)
+                    if field != METADATA_PROPS_FIELD:
+                        f.seek(length, os.SEEK_CUR)
+                        continue
+                    entry = onnx.StringStringEntryProto.FromString(f.read(length))
+                    props[entry.key] = entry.value
+                else:
+                    return {}
+    except (OSError, DecodeError, TypeError):
+        return {}
+    return props
+
+
+def _read_varint(f) -> int | None:
+    """One base-128 varint from ``f``; None at the end of the file."""
+    value, shift = 0, 0
+    while byte := f.read(1):
+        value |= (byte[0] & 0x7F) << shift
+        if not byte[0] & 0x80:
+            return value
+        shift += 7
+    if shift:
+        raise DecodeError("truncated varint")
+    return None

@@ -49,6 +49,7 @@ PRESETS["ort-cuda"] = Preset(
     "cleanup, then every fusion into ONNX Runtime's com.microsoft ops, then NHWC convolutions",
     ("cleanup",)
     + (
+        "upsample-to-skip",  # a UNet's up-block upsamplers sized by their skip: any latent size (before nhwc-conv)
         "fuse-rotary-embedding",  # before fuse-attention: MHA then reads Q and K from RotaryEmbedding's (B, S, N*H)
         "fuse-attention",  # first: it reads the exporters' attention as written, before layout changes
         "fold-value-bias",  # a self-attention's V bias into the output projection's bias (reads MultiHeadAttention)
@@ -78,6 +79,7 @@ PRESETS["tensorrt"] = Preset(
     # exporters) and GELU (Erf chain or Gelu op) are left as written: TensorRT fuses them itself.
     ("cleanup",)
     + (
+        "upsample-to-skip",  # a UNet's up-block upsamplers sized by their skip: any latent size
         # one attention form: constant scale, K^T one Transpose, no NaN guard; ONNX Attention (opset 23+)
         # lowered to MatMul-Softmax-MatMul, which every TensorRT 10 parser reads and its MHA fusion fuses
         "canonicalize-attention",

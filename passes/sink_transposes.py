@@ -24,7 +24,7 @@ Rewrites for each op (P: the transpose's perm, out[i] = in[P[i]]):
   (a full-size operand would need a Transpose as costly as the one saved, and two small operands
   could trade a Transpose back and forth forever);
 * Concat(axis=a) → Concat(axis=P[a]), all inputs unwrapped as above;
-* Resize (constant scales or sizes, no ROI use) → scales/sizes permuted;
+* Resize (constant scales or sizes, no ROI use) → scales/sizes permuted; computed sizes through a Gather;
 * LayerNormalization / SimplifiedLayerNormalization over the last axis, with a (D,) scale and bias,
   where P keeps the last axis in place: unchanged. A diffusion transformer's QK RMSNorm reads
   (B, S, H, Dh) -> Transpose(0, 2, 1, 3) -> norm over Dh -> Concat over the tokens -> the inverse
@@ -209,10 +209,13 @@ def _sink_through(graph: gs.Graph, names: _Names, transpose: gs.Node, consumer: 
             return False
         new_inputs[0] = transpose.inputs[0]
     elif op == "Resize":
-        converted = _resize_inputs(Emit(graph, names, consumer.name), consumer, perm)
+        resize_make = Emit(graph, names, consumer.name)
+        converted = _resize_inputs(resize_make, consumer, perm, dry_run)
         if converted is None:
             return False
         new_inputs = [transpose.inputs[0]] + converted
+        if not dry_run:
+            resize_make.into(graph)
     else:
         return False
     if dry_run:
@@ -291,13 +294,19 @@ def _is_small_broadcast(shape, beside: gs.Tensor) -> bool:
     return broadcasts and known <= SMALL_OPERAND
 
 
-def _resize_inputs(make: Emit, resize: gs.Node, perm: list[int]) -> list[gs.Tensor] | None:
-    """Resize's roi/scales/sizes, permuted for the other layout; None if they are not constant."""
+def _resize_inputs(make: Emit, resize: gs.Node, perm: list[int], dry_run: bool = False) -> list[gs.Tensor] | None:
+    """Resize's roi/scales/sizes, permuted for the other layout; None if they cannot be. Computed sizes
+    (upsample-to-skip's, read off the skip) are permuted by a Gather the Resize reads (written unless
+    ``dry_run``); other computed inputs stop the sinking."""
     inv = inverse(perm)
     out: list[gs.Tensor] = []
     for index, tensor in enumerate(resize.inputs[1:], start=1):
         if is_absent(tensor):
             out.append(tensor)
+            continue
+        if not is_constant(tensor) and index == 3 and tensor.shape is not None and list(tensor.shape) == [len(perm)]:
+            out.append(tensor if dry_run else make.op.Gather(tensor, make.constant("perm", np.array(inv, np.int64)),
+                                                             axis=0, _label="sizes_permuted", _shape=[len(perm)]))
             continue
         if not is_constant(tensor):
             return None

@@ -14,7 +14,7 @@ from onnxopt.runners.ort_cuda import Timing
 from tests.conftest import FIXTURES
 
 UNET = FIXTURES / "unet-sd15.tiny.torchscript.dynamic.sdpa.onnx"
-FUSIONS = ["fuse-rotary-embedding", "fuse-attention", "fold-value-bias", "split-concat-projection", "fuse-group-norm", "fuse-skip-group-norm", "fuse-bias-split-gelu",
+FUSIONS = ["upsample-to-skip", "fuse-rotary-embedding", "fuse-attention", "fold-value-bias", "split-concat-projection", "fuse-group-norm", "fuse-skip-group-norm", "fuse-bias-split-gelu",
            "fuse-layer-norm", "fuse-adaln-modulation", "fuse-rms-norm", "fuse-fast-gelu", "fuse-bias-add", "fuse-skip-layer-norm",
            "fuse-parallel-gemm", "nhwc-conv", "fold-conv-bias", "fuse-bias-layer-norm"]
 # The file each ablation step writes: 00 source, 01 cleanup, then one per fusion in FUSIONS' order.

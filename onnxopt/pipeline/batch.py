@@ -54,6 +54,7 @@ from onnxopt.pipeline.runner import (
     check_numbers,
     check_prompts,
     check_request,
+    check_text_to_image_sides,
     clears_status,
     default_size,
 )
@@ -111,6 +112,7 @@ def generate_batch(pipe: Pipeline, images: list[BatchImage], *, steps: int = 50,
     height, width = height or default_h, width or default_w
     factor = folder.vae_scale_factor
     _check_size(height, width, factor)
+    check_text_to_image_sides(folder, height, width)
     channels = folder.config("unet").get("in_channels", 4)
     sched = pipe._scheduler(scheduler)
 

@@ -40,7 +40,7 @@ import numpy as np
 
 from onnxopt.pipeline.folder import MAX_IMAGE_SIDE
 from onnxopt.pipeline.plan import GenerationError, inpainting_unet as inpainting
-from onnxopt.pipeline.sizes import check_multiple, default_size, unet_latent_multiple
+from onnxopt.pipeline.sizes import check_latent_sides, check_multiple, default_size
 
 # diffusers' defaults for ``strength`` (by folder kind; with a mask): StableDiffusionImg2ImgPipeline 0.8,
 # StableDiffusionXLImg2ImgPipeline 0.3, StableDiffusionInpaintPipeline 1.0, StableDiffusionXLInpaintPipeline 0.9999
@@ -199,16 +199,6 @@ def check_init_image_size(image, height: int, width: int, factor: int) -> None:
                               "on a side, it rounds down to no pixels; give a larger image")
     if max(height, width) > MAX_IMAGE_SIDE:
         raise GenerationError(f"the init image is {image.width}x{image.height} pixels: at most {MAX_IMAGE_SIDE} a side")
-
-
-def check_latent_sides(folder, height: int, width: int, what: str) -> None:
-    """A one-line GenerationError for a size whose latents the exported UNet cannot take
-    (:func:`~onnxopt.pipeline.sizes.unet_latent_multiple`), where diffusers' torch UNet takes any."""
-    factor, multiple = folder.vae_scale_factor, unet_latent_multiple(folder)
-    if (height // factor) % multiple or (width // factor) % multiple:
-        raise GenerationError(f"{what} is {width}x{height} pixels: the exported UNet takes latents whose sides are "
-                              f"multiples of {multiple}, pixels of {multiple * factor} (diffusers' torch UNet "
-                              "takes any size); resize or crop it")
 
 
 def inpainting_size_multiple(folder) -> int:

@@ -64,7 +64,7 @@ from onnxopt.pipeline import images
 from onnxopt.pipeline.families import TOKENIZER_OF
 from onnxopt.pipeline.folder import CLIP_SEQUENCE, PipelineFolder, folder_scheduler_class, latent_channels
 from onnxopt.pipeline.session_prefetch import LOAD_WORKERS, Ahead, SessionPrefetch
-from onnxopt.pipeline.sizes import _check_size, _written_before_0_9, default_size  # noqa: F401 (importers read them here too)
+from onnxopt.pipeline.sizes import _check_size, _written_before_0_9, check_text_to_image_sides, default_size  # noqa: F401 (importers read them here too)
 from onnxopt.pipeline.plan import (
     BOUND,
     HOST,
@@ -510,6 +510,7 @@ class Pipeline:
             default_h, default_w = default_size(folder)
             height, width = height or default_h, width or default_w
             _check_size(height, width, factor)
+            check_text_to_image_sides(folder, height, width)
 
         timings: dict = {"provider": self.provider, "step": self.step_source, "cuda_graph": self.cuda_graph,
                          "session_runs_per_step": self.session_runs_per_step()}
@@ -980,7 +981,7 @@ def check_request(folder: PipelineFolder, *, steps: int = 50, scheduler: str | N
     say("importing torch and diffusers")
     from onnxopt.pipeline.img2img import (check_denoising_end, check_init_request, check_num_images, check_steps_run,
                                           inpainting_size_multiple, strength_of)
-    from onnxopt.pipeline.sizes import check_multiple
+    from onnxopt.pipeline.sizes import check_multiple, check_text_to_image_sides
     from onnxopt.pipeline.schedulers import ALL_SCHEDULERS, schedulers_for
 
     if scheduler is not None and scheduler not in ALL_SCHEDULERS:
@@ -1017,6 +1018,8 @@ def check_request(folder: PipelineFolder, *, steps: int = 50, scheduler: str | N
         check_multiple(height, width, inpainting_size_multiple(folder), allow_none=True)
     elif folder.kind != "flux":  # FluxPipeline takes any size and rounds it down (onnxopt.pipeline.flux.latent_size)
         _check_size(height, width, folder.vae_scale_factor, allow_none=True)
+    if image is None and (height or width) and folder.kind != "flux":  # a ControlNet image's own size: at the call
+        check_text_to_image_sides(folder, height or default_size(folder)[0], width or default_size(folder)[1])
     if folder.family.flow_matching and (image is not None or mask is not None or num_images != 1):
         raise GenerationError(f"{folder.root} is a {folder.kind} pipeline: an init image, a mask and several images "
                               "are run for the UNet families only")

@@ -47,6 +47,37 @@ def check_multiple(height, width, multiple: int, allow_none: bool = False) -> No
 def unet_latent_multiple(folder: PipelineFolder) -> int:
     """What an exported UNet's latent sides must be a multiple of: 2 ** its downsamplings. Traced at
     such a size, its up blocks upsample by a fixed 2 (diffusers' UNet passes the skip's size to them
-    only for other sizes, a branch the trace did not take), so another size fails in their Concat."""
+    only for other sizes, a branch the trace did not take), so another size fails in their Concat.
+    1 (any size) where unet/model.onnx carries the upsample-to-skip rewrite (``onnxopt optimize``
+    writes it: the metadata :data:`~onnxopt.passes.upsample_to_skip.UPSAMPLE_TO_SKIP_METADATA`,
+    which the step graphs built from that UNet copy)."""
     channels = folder.config("unet").get("block_out_channels") or ()
-    return 2 ** max(len(channels) - 1, 0)
+    multiple = 2 ** max(len(channels) - 1, 0)
+    if multiple > 1 and folder.has("unet") and takes_any_latent_size(folder.component("unet").model):
+        return 1
+    return multiple
+
+
+def takes_any_latent_size(unet_model) -> bool:
+    """Whether a UNet graph file carries the upsample-to-skip rewrite (its metadata; the graph is not parsed)."""
+    from onnxopt.loading import read_metadata_props
+    from onnxopt.passes.upsample_to_skip import UPSAMPLE_TO_SKIP_METADATA
+
+    return UPSAMPLE_TO_SKIP_METADATA in read_metadata_props(unet_model)
+
+
+def check_latent_sides(folder: PipelineFolder, height: int, width: int, what: str, fix: str = "resize or crop it") -> None:
+    """A one-line GenerationError for a size whose latents the exported UNet cannot take
+    (:func:`unet_latent_multiple`), where diffusers' torch UNet takes any; ``fix`` ends the message."""
+    factor, multiple = folder.vae_scale_factor, unet_latent_multiple(folder)
+    if (height // factor) % multiple or (width // factor) % multiple:
+        raise GenerationError(f"{what} is {width}x{height} pixels: the exported UNet takes latents whose sides are "
+                              f"multiples of {multiple}, pixels of {multiple * factor} (diffusers' torch UNet "
+                              f"takes any size; so does one optimized by onnxopt from a TorchScript export); {fix}")
+
+
+def check_text_to_image_sides(folder: PipelineFolder, height: int, width: int) -> None:
+    """Text to image's size against the UNet's latent multiple (:func:`check_latent_sides`)."""
+    if folder.family.denoiser.component == "unet":
+        check_latent_sides(folder, height, width, "the image", f"give a height and width that are multiples of "
+                           f"{unet_latent_multiple(folder) * folder.vae_scale_factor}")
