@@ -81,7 +81,9 @@ def record(values, parts):
     """``values`` (an array or lazy values) is the sum over ``parts`` of ``(source, ops)``: ``source``
     a values object (a constant's stored values) or a parameter name. Returns ``values``."""
     try:
-        ref = weakref.ref(values, lambda _, key=id(values): _RECORD.pop(key, None))
+        # the callback holds the dict itself: at interpreter exit the module's globals are None before
+        # the last values die, and a callback reading _RECORD then printed 'Exception ignored' tracebacks
+        ref = weakref.ref(values, lambda _, key=id(values), table=_RECORD: table.pop(key, None))
     except TypeError:  # a Python scalar: no weight
         return values
     _RECORD[id(values)] = (ref, [(source, [list(op) for op in ops]) for source, ops in parts])
