@@ -649,7 +649,8 @@ def settle_pending_quality(bench, steps) -> list[str]:
         return []
     settled = []
     for key, row in list(steps.results.items()):
-        pending = bench.work / row.get("quality_pending", "-") if isinstance(row, dict) else None
+        name = row.get("quality_pending") if isinstance(row, dict) else None
+        pending = bench.work / name if name else None
         if pending is None or not pending.is_file():
             continue
         with np.load(pending) as saved:

@@ -68,7 +68,7 @@ def _from_proto(proto: onnx.ModelProto, base_dir: Path, origin: Path | None) -> 
     where = str(origin) if origin else "model"
     _check_opset(proto, where)
     check_model_structure(proto, where)
-    data_files = _check_external_data(proto, base_dir, where)
+    data_files = check_external_data(proto, base_dir, where)
     proto, input_defaults = _split_input_defaults(proto)
     try:
         graph = gs.import_onnx(proto)
@@ -164,7 +164,7 @@ def _check_opset(proto: onnx.ModelProto, where: str) -> None:
         )
 
 
-def _check_external_data(proto: onnx.ModelProto, base_dir: Path, where: str) -> list[Path]:
+def check_external_data(proto: onnx.ModelProto, base_dir: Path, where: str) -> list[Path]:
     """Check every external data entry (location, length, file size); return the files they name."""
     missing: dict[Path, str] = {}
     files: dict[Path, None] = {}

@@ -66,7 +66,7 @@ import numpy as np
 
 from onnxopt import progress as progress_line
 from onnxopt.errors import ModelSaveError, OnnxoptError, VerificationError
-from onnxopt.loading import _check_external_data as check_external_data
+from onnxopt.loading import check_external_data
 from onnxopt.loading import read_json_object as _read_json  # a config.json, or {} (the defaults apply)
 from onnxopt.library_logs import quiet_libraries
 from onnxopt.outputs import Inputs, Outputs, staged, temp_folder_beside
