@@ -74,8 +74,15 @@ class Steps:
         return time.time() > self.deadline
 
     def record(self, key: str, value) -> None:
+        """Record ``key`` on top of what the file holds now: two processes may run different steps of one
+        --work at once (Flux's T5 export beside its transformer's), and neither may drop the other's
+        record. Written to a temporary file and renamed, so a reader never sees half a file."""
+        if self.results_path.exists():
+            self.results = {**json.loads(self.results_path.read_text()), **self.results}
         self.results[key] = value
-        self.results_path.write_text(json.dumps(self.results, indent=2, default=str))
+        partial = self.results_path.with_name(f".{self.results_path.name}.{os.getpid()}")
+        partial.write_text(json.dumps(self.results, indent=2, default=str))
+        os.replace(partial, self.results_path)
 
     def save(self, out: Path | None, text: str) -> None:
         """Copy results.json and the printed table to ``out`` (nothing without one)."""
