@@ -47,10 +47,15 @@ once, each rerun until it prints its table (the machine's RAM and /dev/shm hold 
     CUDA_VISIBLE_DEVICES=0 python -m benchmarks.pipeline_gpu --kind flux-dev --side torch --work /tmp/pt --budget 5000 --out OUT/torch
     CUDA_VISIBLE_DEVICES=1 python -m benchmarks.pipeline_gpu --kind flux-dev --side onnx --work /tmp/po \
         --scratch /dev/shm/po --budget 5000 --out OUT/onnx
-    python -m benchmarks.pipeline_gpu --kind flux-dev --side onnx --work /tmp/po --resume-from OUT/torch --out OUT/all
+    python -m benchmarks.pipeline_gpu --kind flux-dev --side onnx --work /tmp/po --scratch /dev/shm/po \
+        --resume-from OUT/torch --out OUT/all
 
 The ONNX side's rows wait for the float32 reference (``pending-<row>.npz``) and are scored by the last
-command, which takes the torch rows and the reference.
+command, which takes the torch rows and the reference. T5's export (10 minutes) can run beside the
+transformer's: start the ONNX side once with ``--skip "folder: transformer"`` and once with
+``--skip "folder: text_encoder_2"``, at once (each records its step without dropping the other's),
+then rerun it without --skip. On an x4 machine both Flux kinds ran this way in 15 minutes
+(benchmarks/results/h100x4-2026-11-27-flux-pipelines/).
 
 Steps (each resumable: its result is recorded in <work>/<kind>/results.json and skipped when
 present; the script stops between steps after --budget seconds, so a run spans several
