@@ -313,6 +313,7 @@ def cmd_generate(args) -> int:
         raise OnnxoptError(f"generate needs {' and '.join(missing)} (or --plan, which generates nothing)")
     prompts = [args.prompt] if args.prompts is None else read_prompts(args.prompts)
     args.steps = folder.family.default_steps if args.steps is None else args.steps
+    guidance_asked = args.guidance is not None
     args.guidance = folder.family.default_guidance if args.guidance is None else args.guidance
     args.scheduler = check_request(folder, steps=args.steps, scheduler=args.scheduler, height=args.height, width=args.width,
                                    controlnet_image=args.controlnet_image, controlnet_scale=args.controlnet_scale,
@@ -344,6 +345,9 @@ def cmd_generate(args) -> int:
                              cuda_graph=args.cuda_graph, status=False if args.quiet else None, loras=args.lora,
                              guidance=args.guidance, scheduler=args.scheduler,
                              negative_prompt=args.negative_prompt is not None)
+        if guidance_asked and not pipe.uses_guidance():
+            print("onnxopt: warning: this folder's transformer takes no guidance (Flux schnell): --guidance is "
+                  "unused, as in diffusers' FluxPipeline", file=sys.stderr)
         # an init image, a mask and several images are the UNet families' (onnxopt.pipeline.img2img)
         init = {k: v for k, v in (("image", args.image), ("mask", args.mask), ("strength", args.strength),
                                   ("num_images", args.num_images), ("denoising_end", args.denoising_end))

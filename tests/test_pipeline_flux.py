@@ -146,6 +146,18 @@ def test_schnell_ignores_guidance_as_diffusers_does(flux):
     assert np.abs(dev_reference.image(guidance=9.0) - dev_reference.image()).max() > 1e-3  # dev's does matter
 
 
+@pytest.mark.parametrize("kind, given, warned", [("flux-schnell", True, True), ("flux-schnell", False, False),
+                                                  ("flux-dev", True, False)])
+def test_the_cli_says_when_guidance_is_unused(flux, tmp_path, capsys, kind, given, warned):
+    """schnell ignores --guidance as diffusers does (above); the CLI says so when one is given, once."""
+    _, folders = flux[kind]
+    flags = ["--guidance", "9"] if given else []
+    assert onnxopt_main(["generate", str(folders["optimum"]), "--prompt", PROMPT, "--steps", "1", *flags,
+                         "--height", str(HEIGHT), "--width", str(WIDTH), "-o", str(tmp_path / "i.png"), "-q"]) == 0
+    err = capsys.readouterr().err
+    assert err.count("--guidance is unused") == (1 if warned else 0), err
+
+
 def test_a_size_not_a_multiple_of_the_patch_is_rounded_down_as_diffusers_does(flux, capsys):
     """42x50 with the tiny VAE (factor 2, patches of 4 pixels): FluxPipeline makes a 40x48 image."""
     reference, folders = flux["flux-dev"]

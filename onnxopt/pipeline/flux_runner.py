@@ -48,6 +48,11 @@ class FluxRunner(Pipeline):
     """A Flux ONNX folder loaded into ORT sessions (:meth:`Pipeline.load` makes one for a
     ``FluxPipeline`` folder); call it to generate an image."""
 
+    def uses_guidance(self) -> bool:
+        """Whether ``guidance`` changes the image: dev embeds it, schnell (no ``guidance`` input) ignores it."""
+        return flux.takes_guidance(self._transformer_inputs(), self.folder.config("transformer"),
+                                   self.folder.component("transformer").model)
+
     @clears_status
     def __call__(self, prompt: str, negative_prompt: str | None = None, steps: int = 28, guidance: float = 3.5,
                  scheduler: str | None = None, seed: int = 0, height: int | None = None, width: int | None = None,
