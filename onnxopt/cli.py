@@ -367,7 +367,7 @@ def cmd_generate(args) -> int:
             report.update({"plan": plan.as_dict()} if plan is not None else {})
             stage.text(args.json, json.dumps(report, indent=2) + "\n")
     if not args.quiet:
-        print_generation_summary(args.output, names, result)
+        print_generation_summary(args.output, names, results)
     return EXIT_OK
 
 
@@ -382,14 +382,17 @@ def print_generation_plan(folder, args) -> int:
     return EXIT_OK
 
 
-def print_generation_summary(output, names: list, result) -> None:
-    """The files written and the last run's stage timings, two lines."""
-    t = result.timings
+def print_generation_summary(output, names: list, results: list) -> None:
+    """The files written and the last run's stage timings, two lines; the cold start is the first run's
+    (only the first image of a load has one)."""
+    t, result = results[-1].timings, results[-1]
+    cold = results[0].timings.get("cold_start_s")
     wrote = f"{output}" + (f" and {len(names) - 1} more ({names[-1].name})" if len(names) > 1 else "")
     print(f"wrote {wrote} ({result.image.width}x{result.image.height}, {t['steps']} steps, {t['step']})")
     print(f"  text encoder {t['text_encoder_s'] * 1e3:.1f} ms | step {t['step_mean_s'] * 1e3:.2f} ms mean, "
           f"first {t['first_step_s'] * 1e3:.1f} ms | VAE decode {t['vae_decode_s'] * 1e3:.1f} ms | "
-          f"total {t['total_s']:.2f} s | sessions {t['session_creation_s']:.2f} s | cold start {t['cold_start_s']:.2f} s")
+          f"total {t['total_s']:.2f} s | sessions {t['session_creation_s']:.2f} s"
+          + (f" | cold start {cold:.2f} s" if cold is not None else ""))
 
 
 def model_inputs(*paths) -> "Inputs":

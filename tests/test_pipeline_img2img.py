@@ -320,6 +320,17 @@ def test_cli_writes_numbered_images_and_prompts_file(tmp_path):
         assert np.abs(written - np.asarray(image, np.int16)).max() <= 1
 
 
+def test_cli_summary_after_several_prompts(tmp_path):
+    """Without -q, generate prints what it wrote and the timings; with a --prompts file only the first
+    image of the load has a cold start (the summary crashed with KeyError 'cold_start_s', exit 3)."""
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a red cat\na blue dog\n")
+    done = cli(COMMITTED, "--prompts", prompts, "--steps", 1, "-o", tmp_path / "img.png")
+    assert done.returncode == 0, done.stderr
+    assert "wrote " in done.stdout and "and 1 more (img-1.png)" in done.stdout
+    assert done.stdout.count("cold start") == 1, done.stdout
+
+
 def test_cli_refusals_leave_nothing(tmp_path, capsys):
     """Bad input: exit 2, one line, nothing written (an output through a symbolic link is refused)."""
     picture().save(tmp_path / "init.png")
