@@ -134,7 +134,11 @@ def _add_optimize_parser(sub) -> None:
     opt.add_argument("--cfg-late", action="store_true",
                      help="a folder: in the step graph, compute what both guidance halves share (latents, timestep) "
                           "once, at batch b, up to the first cross-attention (default: off until measured on a GPU)")
-    opt.add_argument("--fp16", action="store_true", help="add the fp16 pass (a folder: the VAE guarded, see onnxopt/pipeline/optimize_folder.py)")
+    low = opt.add_mutually_exclusive_group()
+    low.add_argument("--fp16", action="store_true", help="add the fp16 pass (a folder: the VAE guarded, see onnxopt/pipeline/optimize_folder.py)")
+    low.add_argument("--bf16", action="store_true",
+                     help="add the fp16 pass at bfloat16 (--fp16 --low-precision bfloat16: the range of float32, "
+                          "for T5 and the diffusion transformers, whose activations overflow float16)")
     opt.add_argument("--verify", action="store_true", help="compare with the source after every pass; name the first that breaks the tolerance")
     opt.add_argument("--atol", type=_tolerance_arg, default=1e-4)
     opt.add_argument("--rtol", type=_tolerance_arg, default=1e-3)
@@ -436,6 +440,10 @@ def cmd_optimize(args) -> int:
     from onnxopt.saving import check_destination, planned_writes, save_model
     from onnxopt.verify import InputSpec, Tolerance, check_dim_names, load_feeds
 
+    if args.bf16:  # the fp16 pass at bfloat16
+        if args.low_precision == "float16":
+            raise OnnxoptError("--bf16 is the fp16 pass at bfloat16: give --bf16 or --low-precision float16, not both")
+        args.fp16, args.low_precision = True, "bfloat16"
     if args.fp8 and Path(args.input).is_dir():
         raise OnnxoptError("--fp8 rewrites one model; for a pipeline folder, run it on unet/step.onnx "
                            "(benchmarks/pipeline_gpu.py --fp8 writes unet/step.fp8.onnx)")

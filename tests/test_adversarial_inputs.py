@@ -225,6 +225,8 @@ def _write_npz(tmp_path, kind):
     (["--passes", "fp16", "--fp32-auto", "--calibration", "CALIB:wrong-keys"], "no array for input(s) x (it holds: y)"),
     (["--low-precision", "float8"], "argument --low-precision: invalid choice"),
     (["--external-data", "--no-external-data"], "not allowed with argument"),
+    (["--fp16", "--bf16"], "argument --bf16: not allowed with argument --fp16"),
+    (["--bf16", "--low-precision", "float16"], "give --bf16 or --low-precision float16, not both"),
     (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
 ], ids=lambda v: " ".join(a.split("/")[-1] for a in v) if isinstance(v, list) else "")
 def test_a_misused_flag_is_a_one_line_usage_error(tmp_path, capsys, flags, message):

@@ -87,6 +87,22 @@ def test_the_t5_block_fused_for_ort_cuda_runs_in_low_precision_and_verifies(tmp_
     assert skip_type == (TensorProto.FLOAT if low == "float16" else low_type)
 
 
+def test_bf16_flag_is_the_fp16_pass_at_bfloat16(tmp_path):
+    """``optimize --bf16`` (the flag the DiT folders are documented with) writes what ``--fp16
+    --low-precision bfloat16`` writes, byte for byte."""
+    source = tmp_path / "t5.onnx"
+    source.write_bytes(_t5_block().SerializeToString())
+    outs = {}
+    for name, flags in (("flag", ["--bf16"]), ("spelled", ["--fp16", "--low-precision", "bfloat16"])):
+        outs[name] = tmp_path / f"{name}.onnx"
+        assert main(["optimize", "-q", "-i", str(source), "-o", str(outs[name]), "--target", "ort-cuda", *flags]) == 0
+    assert outs["flag"].read_bytes() == outs["spelled"].read_bytes()
+    import onnx
+
+    types = {i.data_type for i in onnx.load(outs["flag"]).graph.initializer}
+    assert TensorProto.BFLOAT16 in types and TensorProto.FLOAT16 not in types
+
+
 def test_the_gated_ffn_rule_keeps_the_output_projection_and_the_residual_in_float32_only_in_float16():
     """On the unfused graph: the wo MatMul and the residual Add (the rule follows sums and fused norms,
     not a decomposed norm's Pow)."""
