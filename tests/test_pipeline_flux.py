@@ -158,6 +158,34 @@ def test_the_cli_says_when_guidance_is_unused(flux, tmp_path, capsys, kind, give
     assert err.count("--guidance is unused") == (1 if warned else 0), err
 
 
+def test_a_scheduler_the_fused_step_cannot_run_falls_back_to_diffusers_step(flux, tmp_path):
+    """stochastic_sampling=True adds noise in each step (not affine): the step graph cannot hold it, so the
+    image is made by diffusers' own step on the host, as the UNet families fall back (it was exit 2). With
+    torch's global generator seeded the same, the noise it draws is diffusers' own: the same image."""
+    import torch
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    reference, folders = flux["flux-dev"]
+    folder = copy(folders["optimum"], tmp_path)
+    config_path = folder / "scheduler" / "scheduler_config.json"
+    config = dict(json.loads(config_path.read_text()), stochastic_sampling=True)
+    config_path.write_text(json.dumps(config))
+    torch.manual_seed(7)
+    result = run(folder)
+    assert result.timings["step"].startswith("unfused: ") and "stochastic_sampling=True" in result.timings["step"]
+    pipe = reference.pipe
+    deterministic = pipe.scheduler
+    pipe.scheduler = FlowMatchEulerDiscreteScheduler.from_config(config)
+    try:
+        torch.manual_seed(7)
+        expected = pipe(PROMPT, num_inference_steps=STEPS, guidance_scale=GUIDANCE, height=HEIGHT, width=WIDTH,
+                        generator=torch.Generator("cpu").manual_seed(SEED), output_type="np").images[0]
+    finally:
+        pipe.scheduler = deterministic
+    np.testing.assert_allclose(result.pixels, expected, rtol=0, atol=PIXEL_ATOL)
+    assert np.abs(expected - reference.image()).max() > 1e-3  # the noise does change the image
+
+
 def test_a_size_not_a_multiple_of_the_patch_is_rounded_down_as_diffusers_does(flux, capsys):
     """42x50 with the tiny VAE (factor 2, patches of 4 pixels): FluxPipeline makes a 40x48 image."""
     reference, folders = flux["flux-dev"]

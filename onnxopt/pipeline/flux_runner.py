@@ -158,8 +158,9 @@ class FluxRunner(Pipeline):
         self._latent_size = self._latent_hw  # the plan's dynamic shifting reads it
         try:
             plan = self._plan(name, self._scheduler(name), steps)
-        except SchedulerError as exc:
-            raise GenerationError(f"{self.folder.root}: the fused step cannot run {name}: {exc}") from exc
+        except SchedulerError as exc:  # e.g. stochastic_sampling: diffusers' own step on the host, as the UNets do
+            timings["step"] = f"unfused: {exc}"
+            return self._denoise_flux(self._scheduler(name), steps, latents, cond, progress, timings)
         self.status.done()
         bar = _progress(len(plan), progress)
         # guidance_scale: read by no node of a step graph without classifier-free guidance
