@@ -207,7 +207,7 @@ def read_json_object(path: Path) -> dict:
 
     try:
         value = json.loads(Path(path).read_text())
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):  # RecursionError: JSON nested deeper than the decoder goes
         return {}
     return value if isinstance(value, dict) else {}
 

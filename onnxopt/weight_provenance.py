@@ -170,7 +170,10 @@ def read_map(model_path: str | Path) -> dict | None:
     path = map_path(model_path)
     if not path.is_file():
         return None
-    data = json.loads(path.read_text())
+    try:
+        data = json.loads(path.read_text())
+    except RecursionError:  # nested deeper than the decoder goes: malformed, as any other bad map
+        raise ValueError(f"{path}: not an onnxopt weight map (its JSON nests too deep)") from None
     if not isinstance(data, dict) or data.get("format") != MAP_FORMAT or not isinstance(data.get("tensors"), dict):
         raise ValueError(f"{path}: not an onnxopt weight map")
     return data["tensors"]

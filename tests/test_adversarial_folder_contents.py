@@ -297,3 +297,30 @@ def test_external_data_outside_a_component_is_refused_before_any_component_is_op
         code = main(optimize_argv(folder, out))
     one_line_error(capsys, code, 2, "vae_decoder/model.onnx", f"external data location '{location}'")
     assert str(secret) not in opened and not out.exists()
+
+
+# ----------------------------------------------------------------------------------- JSON nested past the decoder
+
+@pytest.mark.parametrize("name, relative", [
+    ("flux-dev-tiny-optimum", "model_index.json"),
+    ("flux-dev-tiny-optimum", "scheduler/scheduler_config.json"),
+    ("flux-dev-tiny-optimum", "transformer/config.json"),
+    ("sd35-tiny-optimum", "vae_decoder/config.json"),
+])
+def test_json_nested_deeper_than_the_decoder_goes_is_a_one_line_refusal(tmp_path, capsys, monkeypatch, name, relative):
+    """Python's JSON decoder recurses once per level: a 200,000-deep ``[[[...]]]`` raised RecursionError,
+    an internal error (exit 3) in optimize and generate alike."""
+    folder = copy_of(tmp_path, name)
+    (folder / relative).write_text("[" * 200_000 + "]" * 200_000)
+    refused_by_both(tmp_path, capsys, monkeypatch, folder, relative.split("/")[-1], "nests deeper")
+
+
+def test_a_weight_map_nested_too_deep_leaves_the_weights_untraced(tmp_path):
+    """The weight map beside a graph (LoRA targets read it): too deep to decode is a malformed map."""
+    from onnxopt.weight_provenance import map_path, read_map
+
+    model = tmp_path / "model.onnx"
+    model.write_bytes(b"")
+    map_path(model).write_text("{\"a\":" * 100_000 + "1" + "}" * 100_000)
+    with pytest.raises(ValueError, match="nests too deep"):
+        read_map(model)

@@ -218,7 +218,7 @@ def _adapter_metadata(path: Path, metadata: dict) -> dict:
         return {}
     try:
         config = json.loads(text)
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:  # RecursionError: nested deeper than the decoder goes
         raise LoraError(f"{path}: its lora_adapter_metadata is not JSON") from exc
     if not isinstance(config, dict):
         raise LoraError(f"{path}: its lora_adapter_metadata is not a JSON object")

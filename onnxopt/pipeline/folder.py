@@ -140,6 +140,8 @@ def read_json(path: Path) -> dict:
         raise PipelineFolderError(f"{path}: cannot read: {exc.strerror or exc}")
     except ValueError as exc:
         raise PipelineFolderError(f"{path}: not valid JSON: {exc}")
+    except RecursionError:  # the C decoder recurses per nesting level: [[[[... was an internal error
+        raise PipelineFolderError(f"{path}: not a config file: its JSON nests deeper than Python's decoder goes") from None
     if not isinstance(value, dict):
         raise PipelineFolderError(f"{path}: expected a JSON object")
     return value
