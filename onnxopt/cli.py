@@ -440,10 +440,7 @@ def cmd_optimize(args) -> int:
     from onnxopt.saving import check_destination, planned_writes, save_model
     from onnxopt.verify import InputSpec, Tolerance, check_dim_names, load_feeds
 
-    if args.bf16:  # the fp16 pass at bfloat16
-        if args.low_precision == "float16":
-            raise OnnxoptError("--bf16 is the fp16 pass at bfloat16: give --bf16 or --low-precision float16, not both")
-        args.fp16, args.low_precision = True, "bfloat16"
+    _resolve_bf16(args)
     if args.fp8 and Path(args.input).is_dir():
         raise OnnxoptError("--fp8 rewrites one model; for a pipeline folder, run it on unet/step.onnx "
                            "(benchmarks/pipeline_gpu.py --fp8 writes unet/step.fp8.onnx)")
@@ -526,6 +523,14 @@ def _explained_passes(names: list[str], passes: list[str]) -> set[str]:
         if name not in possible:
             raise OnnxoptError(f"--explain {name}: the run does not include that pass (passes: {', '.join(dict.fromkeys(passes))})")
     return explained
+
+
+def _resolve_bf16(args) -> None:
+    """``--bf16`` is the fp16 pass at bfloat16: ``--fp16 --low-precision bfloat16``."""
+    if args.bf16:
+        if args.low_precision == "float16":
+            raise OnnxoptError("--bf16 is the fp16 pass at bfloat16: give --bf16 or --low-precision float16, not both")
+        args.fp16, args.low_precision = True, "bfloat16"
 
 
 def _check_fp16_flags(args, passes: list) -> None:
