@@ -256,6 +256,25 @@ def test_a_negative_prompt_or_a_long_sequence_is_refused(flux):
         run(folders["optimum"], max_sequence_length=513)
 
 
+def test_clip_gets_the_one_row_static_graph_flux_feeds_and_t5_none(flux, tmp_path):
+    """Flux encodes one prompt row (no CFG): CLIP's static graph is model.static.b1.onnx, the graph the
+    first image takes (it was b2 only: never used, CLIP ran uncaptured on the GPU). T5 (text_encoder_2
+    here) takes the request's token count: no static graph of a fixed length. The image is unchanged."""
+    from onnxopt.pipeline import optimize_folder
+
+    reference, folders = flux["flux-dev"]
+    out = tmp_path / "out"
+    report = optimize_folder(folders["optimum"], out, target="tensorrt", components=["text_encoder", "text_encoder_2"])
+    assert sorted(p.name for p in (out / "text_encoder").glob("model.static.*.onnx")) == ["model.static.b1.onnx"]
+    assert not list((out / "text_encoder_2").glob("model.static.*"))
+    assert any("model.static.b1.onnx" in note for c in report.components if c.name == "text_encoder" for note in c.notes)
+    result = run(out)
+    assert result.timings["text_encoders"]["text_encoder"] == "model.static.b1.onnx"
+    np.testing.assert_allclose(result.pixels, reference.image(), rtol=0, atol=1e-4)
+    with_length = run(out, max_sequence_length=64)  # T5 at another length than its tokenizer's maximum
+    np.testing.assert_allclose(with_length.pixels, reference.image(max_sequence_length=64), rtol=0, atol=1e-4)
+
+
 @pytest.mark.slow  # the optimizer over five components: ~50 s on two cores
 def test_optimize_for_ort_cuda_writes_the_folder_and_its_plan(flux, tmp_path, capsys):
     """``optimize --target ort-cuda`` on a Flux folder: every component written (the CPU EP cannot run

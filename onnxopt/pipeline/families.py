@@ -93,6 +93,12 @@ class Family:
     def components(self) -> tuple[str, ...]:
         return (*self.required, *self.optional)
 
+    @property
+    def t5_encoder(self) -> str:
+        """The component folder of T5 (its tokenizer's twin): ``text_encoder_3`` for SD3, ``text_encoder_2`` for
+        Flux. T5 takes the request's token count, so it gets no static graph of a fixed length."""
+        return "text_encoder" + self.t5_tokenizer[len("tokenizer"):]
+
 
 FAMILIES = {
     # the Img2Img/Inpaint classes: the same components, run with --image (onnxopt.pipeline.img2img)

@@ -516,10 +516,13 @@ def optimize_folder(src, dst, target: str = "ort-cuda", fp16: bool = False, veri
 def _build(src: Path, tmp: Path, report: FolderReport, components, controlnets, target, fp16, verify, tolerance,
            fp16_options, vae_max_rel_l2, step_graph, context_kv, cfg_late, merged_step, static_text, line) -> None:
     """Write the optimized folder into ``tmp`` (see :func:`optimize_folder`)."""
+    from onnxopt.pipeline.families import FAMILIES
+
     optimized = [c for c in components if is_component(c.name)]
     skip = {c.model_path for c in optimized}
     skip |= {c.model_path.parent / f for c in optimized for f in c.data_files}
     report.copied_files = _copy_unchanged(src, tmp, skip)
+    t5_encoder = FAMILIES[kind_of(_read_json(src / "model_index.json"), src)].t5_encoder  # Flux's: text_encoder_2
     for number, c in enumerate(components, 1):
         line.show(f"[{number}/{len(components)}] {c.name}")
         if not is_component(c.name):
@@ -528,7 +531,7 @@ def _build(src: Path, tmp: Path, report: FolderReport, components, controlnets, 
             continue
         report.components.append(_optimize_component(
             c, tmp / c.name, src, target, fp16, verify, tolerance, fp16_options, vae_max_rel_l2))
-        if c.name in CLIP_TEXT_ENCODERS and static_text:
+        if c.name in CLIP_TEXT_ENCODERS and c.name != t5_encoder and static_text:
             line.detail("static text encoder graphs")
             report.components[-1].notes.append(_write_static_text(src, tmp, c.name))
         if c.name == "transformer" and step_graph:

@@ -91,8 +91,9 @@ HOST_SHAPE_OPS = frozenset({"Shape", "Size", "Range"})
 
 # The batches Pipeline.encode_prompt feeds each kind's text encoders: negative and prompt; the prompt
 # alone without classifier-free guidance (guidance <= 1) and, for SDXL, without a negative prompt
-# (force_zeros_for_empty_prompt); LatentConsistencyModelPipeline's: the prompt alone, always.
-TEXT_BATCHES = {"sd": (1, 2), "controlnet": (1, 2), "sdxl": (1, 2), "sd3": (1, 2), "lcm": (1,)}
+# (force_zeros_for_empty_prompt); LatentConsistencyModelPipeline's and FluxPipeline's (no CFG): the prompt
+# alone, always.
+TEXT_BATCHES = {"sd": (1, 2), "controlnet": (1, 2), "sdxl": (1, 2), "sd3": (1, 2), "lcm": (1,), "flux": (1,)}
 
 
 def text_batches(kind: str) -> tuple[int, ...]:
