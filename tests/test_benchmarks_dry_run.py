@@ -6,6 +6,8 @@ it is run by hand: ``python -m benchmarks.dit_gpu --family sd35-medium --dry-run
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 from onnx import TensorProto, helper
@@ -259,3 +261,18 @@ def test_a_row_timed_before_the_fp32_reference_is_scored_when_it_arrives(tmp_pat
     assert row["latents_max_abs"] == pytest.approx(0.25) and row["psnr_db"] == float("inf")
     assert not (tmp_path / "pending-onnxopt-hint-once-per-image.npz").exists()
     assert settle_pending_quality(bench, steps) == []  # scored once
+
+
+def test_two_processes_record_steps_of_one_work_folder_without_dropping_each_other(tmp_path):
+    """Flux's T5 export runs beside its transformer's in one --work (benchmarks/pipeline_two_gpus.sh):
+    each process holds the results it read at start, and a record must keep what the other wrote since."""
+    from benchmarks.unet_gpu import Steps
+
+    first, second = Steps(tmp_path, budget=60), Steps(tmp_path, budget=60)  # both start from nothing
+    first.record("folder: text_encoder_2", {"seconds": 1})
+    second.record("folder: transformer", {"seconds": 2})
+    first.record("folder", {"seconds": 3})
+    recorded = json.loads((tmp_path / "results.json").read_text())
+    assert recorded == {"folder: text_encoder_2": {"seconds": 1}, "folder: transformer": {"seconds": 2},
+                        "folder": {"seconds": 3}}
+    assert not [p for p in tmp_path.iterdir() if p.name != "results.json"]  # no partial file left
