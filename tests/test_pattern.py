@@ -703,16 +703,26 @@ def _synthetic_unet_like_graph(blocks: int) -> tuple[gs.Graph, int]:
     return b.graph(h), len(b.nodes)
 
 
-def test_find_on_a_5000_node_graph_takes_well_under_a_second():
-    graph, n_nodes = _synthetic_unet_like_graph(500)
-    assert n_nodes == 5000
-    timings = []
-    for _ in range(2):  # the better of two runs, to keep a busy machine from failing it
-        start = time.perf_counter()
-        matches = ERF_GELU.find(graph)
-        timings.append(time.perf_counter() - start)
+def test_find_grows_linearly_with_the_graph():
+    """A 5000-node graph costs about 10x a 500-node one (a cost per candidate, not per pair of nodes:
+    a pairwise search would cost 100x). Timed as that ratio, not as seconds: under CI's load an
+    absolute bound failed (0.56 s against 0.5; 0.11 s on the idle machine), and the ratio is 10.1 on both."""
+    small, n_small = _synthetic_unet_like_graph(50)
+    big, n_big = _synthetic_unet_like_graph(500)
+    assert (n_small, n_big) == (500, 5000)
+
+    def best_of_three(graph) -> tuple:  # (the least disturbed of three runs, the matches)
+        timings = []
+        for _ in range(3):
+            start = time.perf_counter()
+            matches = ERF_GELU.find(graph)
+            timings.append(time.perf_counter() - start)
+        return min(timings), matches
+
+    t_small, _ = best_of_three(small)
+    t_big, matches = best_of_three(big)
     assert len(matches) == 500 and matches.candidates == 2500
-    assert min(timings) < 0.5, f"find took {min(timings):.3f} s"
+    assert t_big / t_small < 30, f"5000 nodes took {t_big / t_small:.1f}x the time of 500"
 
 
 # ---------------------------------------------------------------- real exporter graphs
