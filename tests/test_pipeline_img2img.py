@@ -331,6 +331,23 @@ def test_cli_summary_after_several_prompts(tmp_path):
     assert done.stdout.count("cold start") == 1, done.stdout
 
 
+def test_a_call_that_fails_clears_the_status_line_it_leaves(monkeypatch):
+    """An error raised inside a pipeline call starts its own line: a startup status line shown when it
+    raised is cleared first (runner.clears_status on ``Pipeline.__call__``)."""
+    from onnxopt.pipeline.runner import StartupStatus
+
+    pipe = Pipeline.load(COMMITTED, "cpu", threads=THREADS)
+
+    def fails_with_a_line_shown(*args, **kwargs):
+        StartupStatus.line_shown = True  # a session made on first use shows its line, then fails
+        raise RuntimeError("made to fail")
+
+    monkeypatch.setattr(pipe, "_conditioning", fails_with_a_line_shown)
+    with pytest.raises(RuntimeError, match="made to fail"):
+        pipe("a cat", steps=2, progress=False)
+    assert StartupStatus.line_shown is False
+
+
 def test_cli_refusals_leave_nothing(tmp_path, capsys):
     """Bad input: exit 2, one line, nothing written (an output through a symbolic link is refused)."""
     picture().save(tmp_path / "init.png")

@@ -79,8 +79,7 @@ class FluxRunner(Pipeline):
         height, width = height or default_h, width or default_w
         flux.check_image_size(height, width, factor)
         self._latent_hw = flux.latent_size(height, width, factor)
-        embeds_guidance = flux.takes_guidance(self._transformer_inputs(), folder.config("transformer"),
-                                              folder.component("transformer").model)
+        embeds_guidance = self.uses_guidance()
         scaling, shift = flux.vae_factors(folder.config("vae_decoder"), folder.component("vae_decoder").folder)
 
         timings: dict = {"provider": self.provider, "step": self.step_source if self.fused_step else

@@ -462,11 +462,11 @@ class Pipeline:
 
     # --- one image -----------------------------------------------------------------------------
 
-    @clears_status
     def uses_guidance(self) -> bool:
         """Whether ``guidance`` can change the image (a Flux schnell folder's transformer takes none)."""
         return True
 
+    @clears_status
     def __call__(self, prompt: str, negative_prompt: str | None = None, steps: int | None = None,
                  guidance: float | None = None,
                  scheduler: str | None = None, seed: int = 0, height: int | None = None, width: int | None = None,
